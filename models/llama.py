@@ -1,0 +1,185 @@
+"""A Llama-family decoder written for one device.
+
+RMSNorm, rotary embeddings, grouped-query attention and a SwiGLU MLP; the blocks are
+created stacked (one leading "layers" axis) and run with a scan, so compile time does not
+grow with depth. Every parameter and the important activations carry logical axis names
+(`batch, seq, embed, heads, kv_heads, head_dim, mlp, vocab, layers`); nothing here knows
+about meshes, devices or parallel strategies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.annotate import constrain, weight
+
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    vocab: int
+    embed: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    mlp: int
+    rope_theta: float = 10_000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+
+    def num_params(self) -> int:
+        """Parameter count from the shapes (matches the built model)."""
+        attn = self.embed * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
+        block = attn + 3 * self.embed * self.mlp + 2 * self.embed
+        head = 0 if self.tie_embeddings else self.embed * self.vocab
+        return self.vocab * self.embed + self.layers * block + self.embed + head
+
+
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...], std: float) -> nnx.Param:
+    value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
+    # Sharding is applied by whoever builds the model (jit out_shardings), not here.
+    return nnx.Param(value, out_sharding=names, eager_sharding=False)
+
+
+def _ones(shape: tuple[int, ...], names: tuple[str, ...]) -> nnx.Param:
+    return nnx.Param(jnp.ones(shape, jnp.float32), out_sharding=names, eager_sharding=False)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float):
+        self.scale = _ones((dim,), ("embed",))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (normed * weight(self.scale, jnp.float32)).astype(x.dtype)
+
+
+def rotary(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotate pairs (i, i + d/2) of the last dimension by position-dependent angles."""
+    half = x.shape[-1] // 2
+    freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angles = positions[:, None].astype(jnp.float32) * freqs  # (seq, half)
+    cos = jnp.cos(angles)[None, :, None, :]
+    sin = jnp.sin(angles)[None, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, dtype, rngs: nnx.Rngs):
+        e, h, k, d = cfg.embed, cfg.heads, cfg.kv_heads, cfg.head_dim
+        self.wq = _param(rngs, (e, h, d), ("embed", "heads", "head_dim"), e**-0.5)
+        self.wk = _param(rngs, (e, k, d), ("embed", "kv_heads", "head_dim"), e**-0.5)
+        self.wv = _param(rngs, (e, k, d), ("embed", "kv_heads", "head_dim"), e**-0.5)
+        self.wo = _param(rngs, (h, d, e), ("heads", "head_dim", "embed"), (h * d) ** -0.5)
+        self.cfg, self.dtype = cfg, dtype
+
+    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        cfg, dt = self.cfg, self.dtype
+        q = jnp.einsum("bse,ehd->bshd", x, weight(self.wq, dt))
+        k = jnp.einsum("bse,ekd->bskd", x, weight(self.wk, dt))
+        v = jnp.einsum("bse,ekd->bskd", x, weight(self.wv, dt))
+        q = constrain(rotary(q, positions, cfg.rope_theta), "batch", "seq", "heads", "head_dim")
+        k = constrain(rotary(k, positions, cfg.rope_theta), "batch", "seq", "kv_heads", "head_dim")
+        v = constrain(v, "batch", "seq", "kv_heads", "head_dim")
+
+        # Query head h reads key/value head h // groups: split heads as (kv_heads, groups).
+        b, s = q.shape[:2]
+        groups = cfg.heads // cfg.kv_heads
+        q = q.reshape(b, s, cfg.kv_heads, groups, cfg.head_dim)
+        scores = jnp.einsum("bskgd,btkd->bkgst", q, k).astype(jnp.float32)
+        scores = scores / math.sqrt(cfg.head_dim)
+        causal = jnp.tril(jnp.ones((s, s), dtype=bool))
+        scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+        out = jnp.einsum("bkgst,btkd->bskgd", probs, v).reshape(b, s, cfg.heads, cfg.head_dim)
+        out = constrain(out, "batch", "seq", "heads", "head_dim")
+        return jnp.einsum("bshd,hde->bse", out, weight(self.wo, dt))
+
+
+class SwiGLU(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, dtype, rngs: nnx.Rngs):
+        e, m = cfg.embed, cfg.mlp
+        self.gate = _param(rngs, (e, m), ("embed", "mlp"), e**-0.5)
+        self.up = _param(rngs, (e, m), ("embed", "mlp"), e**-0.5)
+        self.down = _param(rngs, (m, e), ("mlp", "embed"), m**-0.5)
+        self.dtype = dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        dt = self.dtype
+        gate = jnp.einsum("bse,em->bsm", x, weight(self.gate, dt))
+        up = jnp.einsum("bse,em->bsm", x, weight(self.up, dt))
+        hidden = constrain(jax.nn.silu(gate) * up, "batch", "seq", "mlp")
+        return jnp.einsum("bsm,me->bse", hidden, weight(self.down, dt))
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, dtype, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg.embed, cfg.norm_eps)
+        self.attn = Attention(cfg, dtype, rngs)
+        self.mlp_norm = RMSNorm(cfg.embed, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg, dtype, rngs)
+
+    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        x = x + self.attn(self.attn_norm(x), positions)
+        x = constrain(x, "batch", "seq", "embed")
+        x = x + self.mlp(self.mlp_norm(x))
+        return constrain(x, "batch", "seq", "embed")
+
+
+class Llama(nnx.Module):
+    """Decoder-only transformer: tokens (batch, seq) -> float32 logits (batch, seq, vocab)."""
+
+    def __init__(self, cfg: LlamaConfig, *, dtype=jnp.float32, remat: str = "none", rngs: nnx.Rngs):
+        if remat not in REMAT_POLICIES:
+            raise ValueError(f"remat must be one of {sorted(REMAT_POLICIES)}, got {remat!r}")
+        self.cfg, self.dtype, self.remat = cfg, dtype, remat
+        self.embedding = _param(rngs, (cfg.vocab, cfg.embed), ("vocab", "embed"), 1.0)
+
+        @nnx.split_rngs(splits=cfg.layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def make_blocks(rngs: nnx.Rngs) -> Block:
+            return Block(cfg, dtype, rngs)
+
+        self.blocks = make_blocks(rngs)
+        self.final_norm = RMSNorm(cfg.embed, cfg.norm_eps)
+        if not cfg.tie_embeddings:
+            self.head = _param(rngs, (cfg.embed, cfg.vocab), ("embed", "vocab"), cfg.embed**-0.5)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        cfg, dt = self.cfg, self.dtype
+        positions = jnp.arange(tokens.shape[1])
+        x = jnp.take(weight(self.embedding, dt), tokens, axis=0)
+        x = constrain(x, "batch", "seq", "embed")
+
+        def run_block(block: Block, x: jax.Array) -> jax.Array:
+            return block(x, positions)
+
+        if REMAT_POLICIES[self.remat] is not None:
+            run_block = nnx.remat(run_block, policy=REMAT_POLICIES[self.remat])
+
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def over_layers(x: jax.Array, block: Block) -> jax.Array:
+            return run_block(block, x)
+
+        x = self.final_norm(over_layers(x, self.blocks))
+        if cfg.tie_embeddings:
+            head = weight(self.embedding, dt).T * cfg.embed**-0.5
+        else:
+            head = weight(self.head, dt)
+        logits = jnp.einsum("bse,ev->bsv", x, head).astype(jnp.float32)
+        return constrain(logits, "batch", "seq", "vocab")

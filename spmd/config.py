@@ -1,0 +1,147 @@
+"""The run's configuration: one dataclass, its command line, YAML presets and checks.
+
+A YAML file given with `--config` is turned into flags placed before the command line's
+own, so flags override the file and both go through the same parsing and checks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import yaml
+
+from spmd.errors import UserError
+
+DTYPES = ("float32", "bfloat16")
+REMAT = ("none", "full", "dots")
+
+
+def _field(default, help: str, **argparse_kwargs):
+    return dataclasses.field(default=default, metadata={"help": help, **argparse_kwargs})
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    mesh: str = _field("dp=2,fsdp=2,tp=2", "mesh axis sizes, e.g. dp=4,tp=8 (axes pp,dp,fsdp,ep,sp,tp; unnamed = 1; -1 = the remaining devices)")
+    cpu_devices: int | None = _field(None, "number of emulated CPU devices (default: what the mesh needs)")
+    model: str = _field("tiny", "model preset (see models.PRESETS)")
+    steps: int = _field(200, "optimizer steps to run")
+    batch: int = _field(32, "global batch size, in sequences")
+    seq: int = _field(64, "sequence length, in tokens")
+    seed: int = _field(0, "seed of the initial parameters and of the data order")
+    lr: float = _field(3e-3, "peak learning rate")
+    warmup: int = _field(20, "linear warmup steps")
+    min_lr_ratio: float = _field(0.1, "final learning rate of the cosine decay, as a fraction of the peak")
+    weight_decay: float = _field(0.01, "AdamW weight decay (matrices only)")
+    b1: float = _field(0.9, "Adam beta1")
+    b2: float = _field(0.95, "Adam beta2")
+    clip: float = _field(1.0, "global gradient-norm clipping threshold")
+    scale_lr: bool = _field(False, "linear scaling rule: lr x batch / ref-batch")
+    ref_batch: int = _field(256, "reference batch of --scale-lr")
+    dtype: str = _field("float32", "compute dtype (master weights stay float32)", choices=DTYPES)
+    zero: int = _field(0, "ZeRO stage over dp: 0 replicas, 1 optimizer state, 2 + gradients, 3 + parameters", choices=(0, 1, 2, 3))
+    grad_accum: int = _field(1, "microbatches per step, accumulated in a scan with one gradient reduction")
+    remat: str = _field("none", "activation checkpointing of each block", choices=REMAT)
+    log_every: int = _field(10, "print a log line every N steps (metrics are fetched from devices only then)")
+    metrics_file: str | None = _field(None, "write one JSON object per step to this .jsonl file")
+
+    @property
+    def microbatch(self) -> int:
+        return self.batch // self.grad_accum
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _OneLineErrorParser(
+        prog="python -m spmd.train",
+        description="Train a model on a named device mesh (data, ZeRO/FSDP and tensor parallelism).",
+    )
+    parser.add_argument("--config", metavar="FILE.yaml", help="YAML file of these options (flags override it)")
+    for f in dataclasses.fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        kwargs = {k: v for k, v in f.metadata.items() if k != "help"}
+        help_text = f"{f.metadata['help']} (default: {f.default})"
+        if f.type == "bool":
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+            continue
+        kind = {"int": int, "float": float, "int | None": int}.get(f.type, str)
+        parser.add_argument(flag, type=kind, default=f.default, help=help_text, **kwargs)
+    return parser
+
+
+class _OneLineErrorParser(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise UserError(message)
+
+
+def _yaml_to_argv(path: str) -> list[str]:
+    file = Path(path)
+    if not file.is_file():
+        raise UserError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(file.read_text())
+    except yaml.YAMLError as exc:
+        where = getattr(exc, "problem_mark", None)
+        at = f" (line {where.line + 1})" if where else ""
+        raise UserError(f"config file {path} is not valid YAML{at}") from None
+    if data is None:
+        return []
+    if not isinstance(data, Mapping):
+        raise UserError(f"config file {path} must hold a mapping of option: value")
+    names = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    argv: list[str] = []
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        if name not in names:
+            raise UserError(f"config file {path}: unknown option {key!r}")
+        flag = "--" + name.replace("_", "-")
+        if names[name].type == "bool":
+            argv.append(flag if value else "--no-" + flag[2:])
+        elif name == "mesh" and isinstance(value, Mapping):
+            argv += [flag, ",".join(f"{k}={v}" for k, v in value.items())]
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _parser()
+    config_path = _find_config(argv)
+    file_argv = _yaml_to_argv(config_path) if config_path else []
+    ns = parser.parse_args(file_argv + argv)
+    values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(TrainConfig)}
+    return validate(TrainConfig(**values))
+
+
+def _find_config(argv: Sequence[str]) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg == "--config":
+            if i + 1 >= len(argv):
+                raise UserError("--config needs a file name")
+            return argv[i + 1]
+        if arg.startswith("--config="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def validate(cfg: TrainConfig) -> TrainConfig:
+    """Checks that need no devices and no model; the mesh-dependent ones live in spmd.layout."""
+    from models import PRESETS
+
+    if cfg.model not in PRESETS:
+        raise UserError(f"unknown model {cfg.model!r}; choose one of {', '.join(PRESETS)}")
+    for name in ("batch", "seq", "grad_accum", "log_every", "ref_batch"):
+        if getattr(cfg, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
+    for name in ("steps", "warmup"):
+        if getattr(cfg, name) < 0:
+            raise UserError(f"--{name} must not be negative, got {getattr(cfg, name)}")
+    if cfg.lr <= 0 or cfg.clip <= 0:
+        raise UserError("--lr and --clip must be positive")
+    if cfg.batch % cfg.grad_accum:
+        raise UserError(f"--batch {cfg.batch} does not divide into --grad-accum {cfg.grad_accum} microbatches")
+    return cfg

@@ -1,0 +1,140 @@
+"""One run's layout: mesh, rules and the model's shapes -> every sharding, checked up front.
+
+Everything is derived from the abstract model (no arrays are created), so a layout that
+does not fit fails here with one clear line, before anything is compiled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx, traverse_util
+
+from models import PRESETS, Llama, LlamaConfig
+from spmd.errors import UserError
+from spmd.mesh import BATCH_AXES, build_mesh, format_mesh, resolve_mesh
+from spmd.rules import Rules, axes_of, make_rules, spec_for, without_axes
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def is_names(x) -> bool:
+    return isinstance(x, tuple) and all(isinstance(n, str) or n is None for n in x)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSkeleton:
+    """The model without arrays: its graph, parameter shapes and logical names."""
+
+    model_cfg: LlamaConfig
+    graphdef: nnx.GraphDef
+    shapes: dict  # pure dict of jax.ShapeDtypeStruct
+    names: dict  # pure dict of logical-name tuples, one per dimension
+
+    @property
+    def num_params(self) -> int:
+        return sum(math.prod(s.shape) for s in jax.tree.leaves(self.shapes))
+
+
+def model_skeleton(model: str, dtype: str = "float32", remat: str = "none") -> ModelSkeleton:
+    model_cfg = PRESETS[model]
+    abstract = nnx.eval_shape(lambda: Llama(model_cfg, dtype=DTYPES[dtype], remat=remat, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    shapes, names = {}, {}
+    for path, var in nnx.to_flat_state(state):
+        shapes[path] = jax.ShapeDtypeStruct(var.shape, var.dtype)
+        names[path] = tuple(var.get_metadata()["out_sharding"])
+    return ModelSkeleton(model_cfg, graphdef, traverse_util.unflatten_dict(shapes), traverse_util.unflatten_dict(names))
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    mesh: jax.sharding.Mesh
+    shape: Mapping[str, int]  # all six axes, in mesh order
+    rules: Rules
+    skeleton: ModelSkeleton
+
+    def shardings(self, table: Mapping) -> dict:
+        """NamedSharding per parameter, under one rules table (params, grads or opt_state)."""
+        return jax.tree.map(lambda n: self.named(spec_for(n, table)), self.skeleton.names, is_leaf=is_names)
+
+    def named(self, spec: jax.sharding.PartitionSpec) -> jax.sharding.NamedSharding:
+        return jax.sharding.NamedSharding(self.mesh, spec)
+
+    @property
+    def replicated(self) -> jax.sharding.NamedSharding:
+        return self.named(jax.P())
+
+    @property
+    def batch_sharding(self) -> jax.sharding.NamedSharding:
+        return self.named(jax.P(BATCH_AXES, None))
+
+    @property
+    def batch_shards(self) -> int:
+        return math.prod(self.shape[a] for a in BATCH_AXES)
+
+    def per_shard_specs(self) -> dict:
+        """Specs of per-batch-shard gradients: a leading axis over the batch axes, the rest as in compute."""
+        def spec(names):
+            inner = without_axes(spec_for(names, self.rules.grads), BATCH_AXES)
+            return jax.P(BATCH_AXES, *inner)
+        return jax.tree.map(spec, self.skeleton.names, is_leaf=is_names)
+
+    def opt_state_shardings(self, tx: optax.GradientTransformation, abstract_opt_state) -> object:
+        return optax.tree_map_params(
+            tx, lambda _, s: s, abstract_opt_state, self.shardings(self.rules.opt_state),
+            transform_non_params=lambda _: self.replicated,
+        )
+
+    def describe(self) -> str:
+        return format_mesh(self.shape)
+
+
+def make_layout(cfg, devices=None) -> Layout:
+    """Resolve the mesh for `devices` (default: all) and check every divisibility."""
+    from spmd.mesh import parse_mesh
+
+    devices = list(jax.devices() if devices is None else devices)
+    shape = resolve_mesh(parse_mesh(cfg.mesh), len(devices))
+    if shape["pp"] > 1:
+        raise UserError("pipeline parallelism (pp > 1) is not available yet; use dp, fsdp, ep, sp and tp")
+    rules = make_rules(cfg.zero)
+    skeleton = model_skeleton(cfg.model, cfg.dtype, cfg.remat)
+    check_divisible(cfg, shape, rules, skeleton)
+    return Layout(build_mesh(shape, devices), shape, rules, skeleton)
+
+
+def check_divisible(cfg, shape: Mapping[str, int], rules: Rules, skeleton: ModelSkeleton) -> None:
+    shards = math.prod(shape[a] for a in BATCH_AXES)
+    batch_axes = "x".join(f"{a}={shape[a]}" for a in BATCH_AXES if shape[a] > 1) or "1"
+    if cfg.microbatch % shards:
+        what = f"--batch {cfg.batch}" + (f" / --grad-accum {cfg.grad_accum} = {cfg.microbatch}" if cfg.grad_accum > 1 else "")
+        raise UserError(f"{what} does not divide by the batch axes ({batch_axes} = {shards} shards)")
+    if cfg.seq % shape["sp"]:
+        raise UserError(f"--seq {cfg.seq} does not divide by sp={shape['sp']}")
+    flat_shapes = traverse_util.flatten_dict(skeleton.shapes)
+    flat_names = traverse_util.flatten_dict(skeleton.names, is_leaf=lambda _, v: is_names(v))
+    for table in (rules.params, rules.grads, rules.opt_state):
+        for path, names in flat_names.items():
+            for size, name in zip(flat_shapes[path].shape, names):
+                axes = axes_of(table.get(name))
+                ways = math.prod(shape[a] for a in axes)
+                if size % ways:
+                    split = "x".join(f"{a}={shape[a]}" for a in axes)
+                    raise UserError(
+                        f"model {cfg.model}: {name}={size} does not divide by {split} "
+                        f"(parameter {'.'.join(map(str, path))}, --zero {cfg.zero})"
+                    )
+
+
+def bytes_per_device(tree, shardings) -> int:
+    """Bytes one device holds of `tree` (shapes) laid out by `shardings`."""
+    total = 0
+    for leaf, sharding in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)):
+        total += math.prod(sharding.shard_shape(leaf.shape)) * jnp.dtype(leaf.dtype).itemsize
+    return total

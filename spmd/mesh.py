@@ -1,0 +1,129 @@
+"""The device mesh: six named axes, parsed from `--mesh`, checked, then built.
+
+Axes go outer to inner, so the innermost (`tp`) gets neighbouring devices, which share the
+fastest links. Nothing here touches a JAX backend until `build_mesh`, so the CPU device
+count can still be chosen (`emulate_cpu_devices`) after parsing.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import math
+import os
+from collections.abc import Mapping, Sequence
+
+from spmd.errors import UserError
+
+AXES = ("pp", "dp", "fsdp", "ep", "sp", "tp")
+BATCH_AXES = ("dp", "fsdp", "ep")  # the axes that split the batch
+REMAINING = -1
+DEFAULT_CPU_DEVICES_FOR_REMAINING = 8
+
+
+def parse_mesh(spec: str | Mapping[str, int] | None) -> dict[str, int]:
+    """`"dp=4,tp=8"` (or a mapping from YAML) -> sizes of the named axes, `-1` kept."""
+    if spec is None or spec == "":
+        return {}
+    items = spec.items() if isinstance(spec, Mapping) else _split_pairs(str(spec))
+    sizes: dict[str, int] = {}
+    for axis, size in items:
+        if axis not in AXES:
+            raise UserError(f"unknown mesh axis {axis!r}; the axes are {', '.join(AXES)}")
+        if axis in sizes:
+            raise UserError(f"mesh axis {axis!r} is given twice")
+        sizes[axis] = _parse_size(axis, size)
+    if list(sizes.values()).count(REMAINING) > 1:
+        raise UserError("only one mesh axis may be -1 (the remaining devices)")
+    return sizes
+
+
+def _split_pairs(text: str) -> list[tuple[str, str]]:
+    pairs = []
+    for part in text.split(","):
+        part = part.strip()
+        if "=" not in part:
+            raise UserError(f"mesh entry {part!r} is not of the form axis=size (e.g. dp=4,tp=2)")
+        axis, size = part.split("=", 1)
+        pairs.append((axis.strip(), size.strip()))
+    return pairs
+
+
+def _parse_size(axis: str, size: object) -> int:
+    try:
+        value = int(str(size), 10)
+    except ValueError:
+        raise UserError(f"mesh axis {axis}={size!r}: the size must be an integer") from None
+    if value == 0 or value < REMAINING:
+        raise UserError(f"mesh axis {axis}={value}: the size must be positive (or -1 for the rest)")
+    return value
+
+
+def explicit_product(sizes: Mapping[str, int]) -> int:
+    return math.prod(v for v in sizes.values() if v != REMAINING)
+
+
+def resolve_mesh(sizes: Mapping[str, int], num_devices: int) -> dict[str, int]:
+    """All six axes, in order, with `-1` filled in; the product must be the device count."""
+    known = explicit_product(sizes)
+    shape = {axis: sizes.get(axis, 1) for axis in AXES}
+    for axis, size in shape.items():
+        if size == REMAINING:
+            if num_devices % known:
+                raise UserError(
+                    f"mesh axis {axis}=-1: {num_devices} devices do not divide by the other axes' product {known}"
+                )
+            shape[axis] = num_devices // known
+    if math.prod(shape.values()) != num_devices:
+        raise UserError(
+            f"mesh {format_mesh(shape)} needs {math.prod(shape.values())} devices, but {num_devices} are available"
+        )
+    return shape
+
+
+def format_mesh(shape: Mapping[str, int]) -> str:
+    named = [f"{a}={shape[a]}" for a in AXES if shape.get(a, 1) != 1]
+    return ",".join(named) or "single device"
+
+
+def accelerator_plugin_installed() -> bool:
+    """Whether a GPU/TPU jaxlib plugin is present (checked without starting a backend)."""
+    if os.environ.get("JAX_PLATFORMS", "").strip().lower() == "cpu":
+        return False
+    for dist in importlib.metadata.distributions():
+        name = (dist.metadata["Name"] or "").lower()
+        if name.startswith(("jax-cuda", "jax_cuda", "jax-rocm", "libtpu")):
+            return True
+    return False
+
+
+def emulate_cpu_devices(sizes: Mapping[str, int], cpu_devices: int | None) -> None:
+    """On a CPU-only machine, create as many emulated devices as the mesh asks for.
+
+    Must run before anything starts a JAX backend. On a machine with an accelerator
+    plugin this does nothing: the mesh is checked against the real devices later.
+    """
+    if accelerator_plugin_installed():
+        return
+    wanted = cpu_devices
+    if wanted is None:
+        has_rest = REMAINING in sizes.values()
+        wanted = max(explicit_product(sizes), DEFAULT_CPU_DEVICES_FOR_REMAINING if has_rest else 1)
+    if wanted < 1:
+        raise UserError(f"--cpu-devices must be positive, got {wanted}")
+    import jax
+
+    if wanted > 1 or cpu_devices is not None:
+        jax.config.update("jax_num_cpu_devices", wanted)
+
+
+def build_mesh(shape: Mapping[str, int], devices: Sequence | None = None):
+    """A `jax.sharding.Mesh` over `devices` (default: all) with Auto axes, `tp` innermost."""
+    import jax
+
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = tuple(shape[a] for a in AXES)
+    if math.prod(sizes) != len(devices):
+        raise UserError(f"mesh {format_mesh(shape)} needs {math.prod(sizes)} devices, got {len(devices)}")
+    return jax.make_mesh(
+        sizes, AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(AXES), devices=devices
+    )

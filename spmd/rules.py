@@ -1,0 +1,99 @@
+"""The rules table: logical axis names -> mesh axes. Parallelism as data, in one place.
+
+Each logical name has two entries, following Levanter's split between where a parameter
+*lives* and how values are *computed*:
+
+- `at_rest`: how a parameter dimension is stored. `embed` is split over `fsdp` (ZeRO-3 over
+  that axis); heads, MLP width and vocab over `tp` (Megatron column/row).
+- `compute`: how an activation dimension is laid out. The batch goes over the batch axes,
+  the sequence over `sp`, heads / MLP / vocab over `tp`.
+
+`--zero` picks which state the `dp` axis also splits (on the `embed` dimension, beside
+`fsdp`): 0 nothing (DDP replicas), 1 optimizer state, 2 + gradients, 3 + parameters.
+Pipeline stages (`pp` on `layers`) and experts (`ep` on `experts`) have their entries here
+too, so their features plug in without touching models.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import jax
+
+from spmd.mesh import BATCH_AXES
+
+Axes = str | tuple[str, ...] | None
+
+#            logical name: (at_rest,  compute)
+TABLE: dict[str, tuple[Axes, Axes]] = {
+    "batch": (None, BATCH_AXES),
+    "seq": (None, "sp"),
+    "embed": ("fsdp", None),
+    "heads": ("tp", "tp"),
+    "kv_heads": ("tp", "tp"),
+    "head_dim": (None, None),
+    "mlp": ("tp", "tp"),
+    "vocab": ("tp", "tp"),
+    "experts": ("ep", "ep"),
+    "layers": (None, None),
+}
+
+ZERO_STAGES = (0, 1, 2, 3)
+ZERO_SHARDED_DIM = "embed"  # the dimension that ZeRO splits over dp, beside fsdp
+
+
+@dataclasses.dataclass(frozen=True)
+class Rules:
+    """Resolved tables for one ZeRO stage: logical name -> mesh axes, per kind of state."""
+
+    params: Mapping[str, Axes]
+    grads: Mapping[str, Axes]
+    opt_state: Mapping[str, Axes]
+    activations: Mapping[str, Axes]
+
+    def activation_rules(self, batch_local: bool = False) -> tuple[tuple[str, Axes], ...]:
+        """Flax-style rules for `models.annotate.constrain`.
+
+        `batch_local`: the values live inside one batch shard (a vmap over shards whose
+        mapped axis is already split over the batch axes), so `batch` maps to nothing.
+        """
+        table = dict(self.activations)
+        if batch_local:
+            table["batch"] = None
+        return tuple(table.items())
+
+
+def make_rules(zero: int) -> Rules:
+    if zero not in ZERO_STAGES:
+        raise ValueError(f"zero stage must be one of {ZERO_STAGES}")
+    at_rest = {name: entry[0] for name, entry in TABLE.items()}
+    compute = {name: entry[1] for name, entry in TABLE.items()}
+
+    def with_dp(stage: int) -> dict[str, Axes]:
+        table = dict(at_rest)
+        if zero >= stage:
+            table[ZERO_SHARDED_DIM] = ("dp", "fsdp")
+        return table
+
+    return Rules(params=with_dp(3), grads=with_dp(2), opt_state=with_dp(1), activations=compute)
+
+
+def spec_for(names: tuple[str | None, ...], table: Mapping[str, Axes]) -> jax.sharding.PartitionSpec:
+    """PartitionSpec of one array from the logical names of its dimensions."""
+    return jax.P(*(table.get(n) if n is not None else None for n in names))
+
+
+def axes_of(entry: Axes) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def without_axes(spec: jax.sharding.PartitionSpec, drop: tuple[str, ...]) -> jax.sharding.PartitionSpec:
+    """The same spec with some mesh axes removed (e.g. the batch axes, to replicate over them)."""
+    out = []
+    for entry in spec:
+        kept = tuple(a for a in axes_of(entry) if a not in drop)
+        out.append(kept if len(kept) > 1 else (kept[0] if kept else None))
+    return jax.P(*out)

@@ -1,0 +1,133 @@
+"""The sharded train state and the compiled train step.
+
+State is born sharded: the initializer is jitted with output shardings, so no device ever
+holds the whole model. The step takes the state (donated) and one global batch of token
+rows (batch, seq + 1), and returns the new state and a few scalar metrics.
+
+Gradient accumulation scans over microbatches. To reduce gradients once per step rather
+than once per microbatch, each batch shard accumulates its own gradients inside the scan
+(a vmap over shards, the mapped axis split over the batch axes, so no device talks to
+another), and the shards are summed once after it: the `no_sync` of DDP, for free.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from models import Llama
+from spmd.layout import DTYPES, Layout
+from spmd.mesh import BATCH_AXES
+from spmd.optim import make_optimizer, schedule
+
+
+def _loss(graphdef, params, rows: jax.Array) -> jax.Array:
+    """Mean next-token cross-entropy of token rows (b, seq + 1)."""
+    model = nnx.merge(graphdef, params)
+    logits = model(rows[:, :-1])
+    targets = jax.nn.one_hot(rows[:, 1:], logits.shape[-1], dtype=logits.dtype)
+    # One-hot rather than a gather: the vocab dimension may be split over tp.
+    picked = jnp.sum(logits * targets, axis=-1)
+    return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - picked)
+
+
+@dataclasses.dataclass
+class Program:
+    """The compiled pieces of one run: `init(key) -> state`, `step(state, batch) -> (state, metrics)`."""
+
+    layout: Layout
+    tx: optax.GradientTransformation
+    state_shardings: dict
+    init: object  # jitted
+    step: object  # jitted
+    batch_struct: jax.ShapeDtypeStruct
+
+    def compile_step(self):
+        """AOT-compile the step for the abstract state and batch (nothing is allocated)."""
+        state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                             jax.eval_shape(self.init, jax.random.key(0)), self.state_shardings)
+        return self.lower_step(state).compile()
+
+    def lower_step(self, state):
+        with jax.set_mesh(self.layout.mesh):
+            return self.step.lower(state, self.batch_struct)
+
+
+def build_program(cfg, layout: Layout) -> Program:
+    graphdef = layout.skeleton.graphdef
+    tx = make_optimizer(cfg)
+    lr_at = schedule(cfg)
+    rules = layout.rules
+    param_sh = layout.shardings(rules.params)
+    grad_sh = layout.shardings(rules.grads)
+
+    def init(key):
+        model = Llama(layout.skeleton.model_cfg, dtype=DTYPES[cfg.dtype], remat=cfg.remat, rngs=nnx.Rngs(params=key))
+        params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
+
+    abstract_state = jax.eval_shape(init, jax.random.key(0))
+    state_sh = {
+        "step": layout.replicated,
+        "params": param_sh,
+        "opt_state": layout.opt_state_shardings(tx, abstract_state["opt_state"]),
+    }
+
+    def loss_and_grads(params, rows):
+        with nnx.logical_axis_rules(rules.activation_rules()):
+            return jax.value_and_grad(lambda p: _loss(graphdef, p, rows))(params)
+
+    def accumulated(params, rows):
+        k, shards = cfg.grad_accum, layout.batch_shards
+        b, width = rows.shape
+        # Rows stay on their device: shard d's microbatch i is its own rows [i*m, (i+1)*m).
+        micro = rows.reshape(shards, k, b // (shards * k), width).swapaxes(0, 1)
+        micro = jax.lax.with_sharding_constraint(micro, jax.P(None, BATCH_AXES))
+        per_shard_spec = layout.per_shard_specs()
+
+        def shard_grads(p, shard_rows):
+            with nnx.logical_axis_rules(rules.activation_rules(batch_local=True)):
+                return jax.value_and_grad(lambda q: _loss(graphdef, q, shard_rows))(p)
+
+        per_shard = jax.vmap(shard_grads, in_axes=(None, 0), spmd_axis_name=BATCH_AXES)
+
+        def body(carry, mb):
+            loss, grads = per_shard(params, mb)
+            total_loss, total = carry
+            total = jax.tree.map(jnp.add, total, grads)
+            total = jax.tree.map(jax.lax.with_sharding_constraint, total, per_shard_spec)
+            return (total_loss + loss, total), None
+
+        zeros = jax.tree.map(lambda p, s: jax.lax.with_sharding_constraint(jnp.zeros((shards, *p.shape), p.dtype), s),
+                             params, per_shard_spec)
+        (losses, grads), _ = jax.lax.scan(body, (jnp.zeros((shards,), jnp.float32), zeros), micro)
+        # The one reduction of the step: sum the shards' gradients.
+        scale = 1.0 / (k * shards)
+        return jnp.sum(losses) * scale, jax.tree.map(lambda g: jnp.sum(g, axis=0) * scale, grads)
+
+    def train_step(state, rows):
+        params = state["params"]
+        if cfg.grad_accum == 1:
+            loss, grads = loss_and_grads(params, rows)
+        else:
+            loss, grads = accumulated(params, rows)
+        grads = jax.lax.with_sharding_constraint(grads, grad_sh)
+        updates, opt_state = tx.update(grads, state["opt_state"], params)
+        new_state = {"step": state["step"] + 1, "params": optax.apply_updates(params, updates), "opt_state": opt_state}
+        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "lr": lr_at(state["step"])}
+        return new_state, metrics
+
+    batch_sh = layout.batch_sharding
+    return Program(
+        layout=layout,
+        tx=tx,
+        state_shardings=state_sh,
+        init=jax.jit(init, out_shardings=state_sh),
+        step=jax.jit(train_step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, layout.replicated),
+                     donate_argnums=0),
+        batch_struct=jax.ShapeDtypeStruct((cfg.batch, cfg.seq + 1), jnp.int32, sharding=batch_sh),
+    )
