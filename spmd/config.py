@@ -29,7 +29,7 @@ class TrainConfig:
     mesh: str = _field("dp=2,fsdp=2,tp=2", "mesh axis sizes, e.g. dp=4,tp=8 (axes pp,dp,fsdp,ep,sp,tp; unnamed = 1; -1 = the remaining devices)")
     cpu_devices: int | None = _field(None, "number of emulated CPU devices (default: what the mesh needs)")
     model: str = _field("tiny", "model preset (see models.PRESETS)")
-    steps: int = _field(200, "optimizer steps to run")
+    steps: int = _field(300, "optimizer steps to run")
     batch: int = _field(32, "global batch size, in sequences")
     seq: int = _field(64, "sequence length, in tokens")
     seed: int = _field(0, "seed of the initial parameters and of the data order")

@@ -21,23 +21,23 @@ class MarkovSource:
         rng = np.random.default_rng([seed, 0x6D61726B])
         self.vocab = vocab
         self.seed = seed
-        probs = np.zeros((vocab, vocab))
-        for state in range(vocab):
-            nxt = rng.choice(vocab, size=min(successors, vocab), replace=False)
-            probs[state, nxt] = rng.dirichlet(np.ones(len(nxt)))
-        self.transition = probs
-        self._cdf = np.cumsum(probs, axis=1)
+        k = min(successors, vocab)
+        # Row s of the transition matrix, stored sparsely: successors[s] with probs[s].
+        self.successors = np.stack([rng.choice(vocab, size=k, replace=False) for _ in range(vocab)])
+        self.probs = rng.dirichlet(np.ones(k), size=vocab)
+        self._cdf = np.cumsum(self.probs, axis=1)
         self._cdf[:, -1] = 1.0
 
     def entropy_floor(self, seq: int) -> float:
         """Mean cross-entropy (nats/token) of the true chain over `seq` predicted positions."""
-        with np.errstate(divide="ignore", invalid="ignore"):
-            row_entropy = -np.nansum(np.where(self.transition > 0, self.transition * np.log(self.transition), 0.0), axis=1)
+        row_entropy = -np.sum(self.probs * np.log(np.maximum(self.probs, 1e-300)), axis=1)
         dist = np.full(self.vocab, 1.0 / self.vocab)
         total = 0.0
         for _ in range(seq):
             total += float(dist @ row_entropy)
-            dist = dist @ self.transition
+            nxt = np.zeros_like(dist)
+            np.add.at(nxt, self.successors, dist[:, None] * self.probs)
+            dist = nxt
         return total / seq
 
     def rows(self, step: int, start: int, stop: int, length: int) -> np.ndarray:
@@ -49,8 +49,9 @@ class MarkovSource:
         tokens = np.empty((n, length), np.int32)
         tokens[:, 0] = np.minimum((uniforms[:, 0] * self.vocab).astype(np.int32), self.vocab - 1)
         for t in range(1, length):
-            cdf = self._cdf[tokens[:, t - 1]]
-            tokens[:, t] = np.minimum((cdf < uniforms[:, t : t + 1]).sum(axis=1), self.vocab - 1)
+            prev = tokens[:, t - 1]
+            choice = (self._cdf[prev] < uniforms[:, t : t + 1]).sum(axis=1)
+            tokens[:, t] = self.successors[prev, np.minimum(choice, self.successors.shape[1] - 1)]
         return tokens
 
 

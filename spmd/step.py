@@ -118,7 +118,7 @@ def build_program(cfg, layout: Layout) -> Program:
         grads = jax.lax.with_sharding_constraint(grads, grad_sh)
         updates, opt_state = tx.update(grads, state["opt_state"], params)
         new_state = {"step": state["step"] + 1, "params": optax.apply_updates(params, updates), "opt_state": opt_state}
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "lr": lr_at(state["step"])}
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": lr_at(state["step"])}
         return new_state, metrics
 
     batch_sh = layout.batch_sharding
