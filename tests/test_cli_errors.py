@@ -1,0 +1,49 @@
+"""Bad input: one `error: ...` line on stderr, exit code 2, nothing written."""
+
+import subprocess
+import sys
+
+import pytest
+
+CASES = {
+    "mesh product is not the device count": (["--mesh", "dp=3", "--cpu-devices", "8"], "needs 3 devices"),
+    "unknown axis": (["--mesh", "xp=2"], "unknown mesh axis 'xp'"),
+    "non-integer size": (["--mesh", "dp=two"], "must be an integer"),
+    "heads not divisible by tp": (["--mesh", "tp=3"], "does not divide by tp=3"),
+    "batch not divisible by batch axes": (["--mesh", "dp=2,fsdp=2", "--batch", "6"], "does not divide by the batch axes"),
+    "unknown model": (["--model", "gpt-17"], "unknown model 'gpt-17'"),
+    "negative steps": (["--steps", "-1"], "--steps must not be negative"),
+    "missing config file": (["--config", "no/such/file.yaml"], "config file not found"),
+    "malformed yaml": (["--config", "{bad}"], "is not valid YAML"),
+    "unknown option in yaml": (["--config", "{unknown}"], "unknown option 'warp'"),
+    "unknown flag": (["--wrap", "3"], "unrecognized arguments"),
+    "pipeline not available": (["--mesh", "pp=2,dp=4"], "pipeline parallelism"),
+}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("cli")
+    bad = tmp / "bad.yaml"
+    bad.write_text("mesh: [dp=2\nsteps: 3\n")
+    unknown = tmp / "unknown.yaml"
+    unknown.write_text("warp: 9\n")
+    procs = {}
+    for name, (args, _) in CASES.items():
+        args = [str(bad) if a == "{bad}" else str(unknown) if a == "{unknown}" else a for a in args]
+        metrics = tmp / f"{len(procs)}.jsonl"
+        cmd = [sys.executable, "-m", "spmd.train", *args, "--metrics-file", str(metrics)]
+        procs[name] = (subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), metrics)
+    return {name: (p.communicate(timeout=120), p.returncode, metrics) for name, (p, metrics) in procs.items()}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_input_gives_one_error_line_and_exit_2(results, case):
+    (out, err), code, metrics = results[case]
+    assert code == 2, (out, err)
+    assert out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("error: ")
+    assert CASES[case][1] in lines[0]
+    assert not metrics.exists()  # nothing written

@@ -1,0 +1,51 @@
+"""Flags, YAML presets, the mesh flag and the rules table."""
+
+import pathlib
+
+import jax
+import pytest
+
+from spmd.config import parse_args
+from spmd.errors import UserError
+from spmd.mesh import parse_mesh, resolve_mesh
+from spmd.rules import make_rules, spec_for
+
+ROOT = pathlib.Path(__file__).parents[1]
+
+
+def test_flags_override_the_yaml_file(tmp_path):
+    file = tmp_path / "run.yaml"
+    file.write_text("mesh: {dp: 2, tp: 4}\nsteps: 7\nlr: 0.01\nscale_lr: true\n")
+    cfg = parse_args(["--config", str(file), "--steps", "9"])
+    assert (cfg.mesh, cfg.steps, cfg.lr, cfg.scale_lr) == ("dp=2,tp=4", 9, 0.01, True)
+
+
+def test_every_preset_file_is_a_valid_config():
+    presets = sorted(ROOT.joinpath("mesh_configs").glob("*.yaml"))
+    assert presets
+    for preset in presets:
+        cfg = parse_args(["--config", str(preset)])
+        parse_mesh(cfg.mesh)
+
+
+def test_mesh_flag_fills_unnamed_axes_and_the_rest():
+    assert resolve_mesh(parse_mesh("dp=-1,tp=2"), 8) == {"pp": 1, "dp": 4, "fsdp": 1, "ep": 1, "sp": 1, "tp": 2}
+    with pytest.raises(UserError, match="only one mesh axis may be -1"):
+        parse_mesh("dp=-1,tp=-1")
+    with pytest.raises(UserError, match="do not divide"):
+        resolve_mesh(parse_mesh("dp=-1,tp=3"), 8)
+
+
+@pytest.mark.parametrize("zero,params,grads,opt", [
+    (0, "fsdp", "fsdp", "fsdp"),
+    (1, "fsdp", "fsdp", ("dp", "fsdp")),
+    (2, "fsdp", ("dp", "fsdp"), ("dp", "fsdp")),
+    (3, ("dp", "fsdp"), ("dp", "fsdp"), ("dp", "fsdp")),
+])
+def test_zero_stage_selects_what_dp_splits(zero, params, grads, opt):
+    rules = make_rules(zero)
+    names = ("embed", "mlp")
+    assert spec_for(names, rules.params) == jax.P(params, "tp")
+    assert spec_for(names, rules.grads) == jax.P(grads, "tp")
+    assert spec_for(names, rules.opt_state) == jax.P(opt, "tp")
+    assert dict(rules.activation_rules())["batch"] == ("dp", "fsdp", "ep")

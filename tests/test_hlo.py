@@ -1,0 +1,45 @@
+"""What the compiled step sends over the wire."""
+
+import math
+
+import jax
+
+from conftest import train_run
+from spmd import hlo
+
+
+def _param_bytes(run) -> int:
+    return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(run.params))
+
+
+def test_grad_accumulation_reduces_gradients_once_per_step():
+    accumulated = hlo.parse(train_run("dp=2,fsdp=4", 8, grad_accum=4).hlo)
+    plain = hlo.parse(train_run("dp=2,fsdp=4", 8).hlo)
+    param_bytes = _param_bytes(train_run("dp=2,fsdp=4", 8))
+
+    # Without accumulation the backward layer loop reduces each layer's gradients, so the
+    # check below can see reductions inside loops when they are there.
+    assert plain.collectives_where(hlo.REDUCTIONS, inside_loops=True)
+
+    # With 4 microbatches: the microbatch scan and the layer scans inside it hold no
+    # reduction at all; after the scan, one gradient's worth of bytes is reduced once
+    # (plus the scalar loss), not four.
+    assert len(accumulated.loop_bodies) >= 2
+    assert accumulated.collectives_where(hlo.REDUCTIONS, inside_loops=True) == []
+    reduced = sum(c.result_bytes for c in accumulated.collectives_where(hlo.REDUCTIONS, inside_loops=False))
+    assert param_bytes <= reduced < param_bytes + 1024
+
+
+def test_pure_data_parallel_never_gathers_parameters():
+    # Under DP (ZeRO-0) parameters are replicated: the only collectives are reductions.
+    module = hlo.parse(train_run("dp=8", 8).hlo)
+    assert {c.op for c in module.collectives} == {"all-reduce"}
+
+
+def test_fsdp_gathers_parameters_and_stores_them_sharded():
+    run = train_run("fsdp=8", 8)
+    module = hlo.parse(run.hlo)
+    assert module.collectives_where(("all-gather",))
+    wq = run.layout.shardings(run.layout.rules.params)["blocks"]["attn"]["wq"]
+    # (layers, embed, heads, head_dim): embed split 8 ways at rest.
+    assert wq.shard_shape((2, 64, 8, 8)) == (2, 8, 8, 8)
