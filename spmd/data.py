@@ -8,6 +8,9 @@ only the rows its own devices hold.
 
 from __future__ import annotations
 
+import queue
+import threading
+
 import jax
 import numpy as np
 
@@ -64,12 +67,13 @@ def global_batch(source: MarkovSource, step: int, batch: int, length: int, shard
     shape = (batch, length)
     index_map = sharding.addressable_devices_indices_map(shape)
     cache: dict[tuple[int, int], np.ndarray] = {}
-    arrays = []
-    for device, index in index_map.items():
+    pieces = []
+    for index in index_map.values():
         key = _row_range(index, batch)
         if key not in cache:
             cache[key] = source.rows(step, *key, length)
-        arrays.append(jax.device_put(cache[key][:, index[1]], device))
+        pieces.append(cache[key][:, index[1]])
+    arrays = jax.device_put(pieces, list(index_map))  # one batched transfer
     return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
 
@@ -82,3 +86,39 @@ def rows_read_by_process(sharding: jax.sharding.Sharding, batch: int, length: in
 def _row_range(index: tuple[slice, ...], batch: int) -> tuple[int, int]:
     rows = index[0]
     return (rows.start or 0, batch if rows.stop is None else rows.stop)
+
+
+class Prefetcher:
+    """Builds the batches of steps [start, stop) on a background thread, `depth` ahead,
+    so the host's data work overlaps the devices' step instead of adding to it."""
+
+    def __init__(self, make_batch, start: int, stop: int, depth: int = 2):
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._fill, args=(make_batch, start, stop), daemon=True)
+        self._thread.start()
+
+    def _fill(self, make_batch, start: int, stop: int) -> None:
+        for step in range(start, stop):
+            try:
+                item = (make_batch(step), None)
+            except Exception as exc:  # handed to the consumer, raised there
+                item = (None, exc)
+            while not self._stop.is_set():
+                try:
+                    self._queue.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if item[1] is not None or self._stop.is_set():
+                return
+
+    def next(self) -> jax.Array:
+        batch, exc = self._queue.get()
+        if exc is not None:
+            raise exc
+        return batch
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()

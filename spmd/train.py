@@ -1,7 +1,8 @@
 """`python -m spmd.train`: train a model on a named device mesh.
 
-The loop never waits for the devices except at logging steps: metrics stay on the
-devices and are fetched together every `--log-every` steps.
+The loop does not wait for the step it just dispatched: metrics stay on the devices and
+are fetched together every `--log-every` steps, and the host only ever waits for a step
+that is already `MAX_STEPS_IN_FLIGHT` behind.
 """
 
 from __future__ import annotations
@@ -9,11 +10,17 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections import deque
 from collections.abc import Sequence
 
 from spmd.config import TrainConfig, parse_args
 from spmd.errors import UserError
 from spmd.mesh import emulate_cpu_devices, parse_mesh
+
+# The host may run this many steps ahead of the devices. Enough to keep them busy while
+# the next batch is built; bounded because a deep queue of in-flight executions
+# deadlocked XLA:CPU's collectives on emulated devices (seen at ~200 queued steps).
+MAX_STEPS_IN_FLIGHT = 2
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -35,7 +42,7 @@ def train(cfg: TrainConfig, layout, log=print) -> tuple[list[dict], dict]:
     import jax
     import numpy as np
 
-    from spmd.data import MarkovSource, global_batch
+    from spmd.data import MarkovSource, Prefetcher, global_batch
     from spmd.hardware import peak_tflops, train_flops_per_token
     from spmd.report import describe_run
     from spmd.step import build_program
@@ -60,15 +67,20 @@ def train(cfg: TrainConfig, layout, log=print) -> tuple[list[dict], dict]:
     metrics_file = open(cfg.metrics_file, "w") if cfg.metrics_file else None
     records: list[dict] = []
     pending: list[dict] = []
+    in_flight: deque = deque()
     window_start = time.perf_counter()
+    batches = Prefetcher(lambda k: global_batch(source, k, cfg.batch, cfg.seq + 1, layout.batch_sharding),
+                         0, cfg.steps)
     try:
         for step in range(cfg.steps):
-            batch = global_batch(source, step, cfg.batch, cfg.seq + 1, layout.batch_sharding)
-            state, metrics = step_fn(state, batch)
+            state, metrics = step_fn(state, batches.next())
             pending.append(metrics)
+            in_flight.append(metrics["loss"])
+            if len(in_flight) > MAX_STEPS_IN_FLIGHT:
+                in_flight.popleft().block_until_ready()  # a step already behind: no stall
             if (step + 1) % cfg.log_every and step + 1 != cfg.steps:
                 continue
-            fetched = jax.device_get(pending)  # the only host sync of the loop
+            fetched = jax.device_get(pending)
             now = time.perf_counter()
             step_time = (now - window_start) / len(fetched)
             first = step + 1 - len(fetched)
@@ -92,6 +104,7 @@ def train(cfg: TrainConfig, layout, log=print) -> tuple[list[dict], dict]:
             log(_log_line(records[-1], cfg.steps, np.mean([r["loss"] for r in records[first:]])))
             pending, window_start = [], now
     finally:
+        batches.close()
         if metrics_file:
             metrics_file.close()
 
