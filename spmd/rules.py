@@ -11,7 +11,7 @@ Each logical name has two entries, following Levanter's split between where a pa
 `--zero` picks which state the `dp` axis also splits (on the `embed` dimension, beside
 `fsdp`): 0 nothing (DDP replicas), 1 optimizer state, 2 + gradients, 3 + parameters.
 Pipeline stages (`pp` on `layers`) and experts (`ep` on `experts`) have their entries here
-too, so their features plug in without touching models.
+too, so those features plug in without touching models.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ TABLE: dict[str, tuple[Axes, Axes]] = {
     "mlp": ("tp", "tp"),
     "vocab": ("tp", "tp"),
     "experts": ("ep", "ep"),
-    "layers": (None, None),
+    "layers": ("pp", None),  # pipeline stages own contiguous layers (pp > 1 not enabled yet)
 }
 
 ZERO_STAGES = (0, 1, 2, 3)

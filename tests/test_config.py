@@ -49,3 +49,10 @@ def test_zero_stage_selects_what_dp_splits(zero, params, grads, opt):
     assert spec_for(names, rules.grads) == jax.P(grads, "tp")
     assert spec_for(names, rules.opt_state) == jax.P(opt, "tp")
     assert dict(rules.activation_rules())["batch"] == ("dp", "fsdp", "ep")
+
+
+def test_scale_lr_applies_the_linear_scaling_rule():
+    from spmd.optim import learning_rate
+
+    assert learning_rate(parse_args(["--lr", "0.001", "--batch", "512", "--scale-lr"])) == 0.001 * 512 / 256
+    assert learning_rate(parse_args(["--lr", "0.001", "--batch", "512"])) == 0.001
