@@ -17,7 +17,7 @@ from flax import nnx, traverse_util
 
 from models import PRESETS, Llama, LlamaConfig
 from spmd.errors import UserError
-from spmd.mesh import BATCH_AXES, build_mesh, format_mesh, resolve_mesh
+from spmd.mesh import BATCH_AXES, build_mesh, format_mesh, parse_mesh, resolve_mesh
 from spmd.rules import Rules, axes_of, make_rules, spec_for, without_axes
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -97,8 +97,6 @@ class Layout:
 
 def make_layout(cfg, devices=None) -> Layout:
     """Resolve the mesh for `devices` (default: all) and check every divisibility."""
-    from spmd.mesh import parse_mesh
-
     devices = list(jax.devices() if devices is None else devices)
     shape = resolve_mesh(parse_mesh(cfg.mesh), len(devices))
     if shape["pp"] > 1:
@@ -132,9 +130,7 @@ def check_divisible(cfg, shape: Mapping[str, int], rules: Rules, skeleton: Model
                     )
 
 
-def bytes_per_device(tree, shardings) -> int:
-    """Bytes one device holds of `tree` (shapes) laid out by `shardings`."""
-    total = 0
-    for leaf, sharding in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)):
-        total += math.prod(sharding.shard_shape(leaf.shape)) * jnp.dtype(leaf.dtype).itemsize
-    return total
+def bytes_per_device(tree) -> int:
+    """Bytes one device holds of `tree` (ShapeDtypeStructs carrying their shardings)."""
+    return sum(math.prod(leaf.sharding.shard_shape(leaf.shape)) * jnp.dtype(leaf.dtype).itemsize
+               for leaf in jax.tree.leaves(tree))

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import jax
-
 from spmd.layout import bytes_per_device
 
 
@@ -16,11 +14,10 @@ def human_bytes(n: float) -> str:
 
 
 def state_bytes_per_device(program) -> dict[str, int]:
-    abstract = jax.eval_shape(program.init, jax.random.key(0))
-    sh = program.state_shardings
+    state = program.abstract_state
     return {
-        "params": bytes_per_device(abstract["params"], sh["params"]),
-        "opt_state": bytes_per_device(abstract["opt_state"], sh["opt_state"]),
+        "params": bytes_per_device(state["params"]),
+        "opt_state": bytes_per_device(state["opt_state"]),
     }
 
 

@@ -41,20 +41,15 @@ class Program:
 
     layout: Layout
     tx: optax.GradientTransformation
-    state_shardings: dict
+    abstract_state: dict  # ShapeDtypeStructs carrying their shardings
     init: object  # jitted
     step: object  # jitted
     batch_struct: jax.ShapeDtypeStruct
 
     def compile_step(self):
         """AOT-compile the step for the abstract state and batch (nothing is allocated)."""
-        state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                             jax.eval_shape(self.init, jax.random.key(0)), self.state_shardings)
-        return self.lower_step(state).compile()
-
-    def lower_step(self, state):
         with jax.set_mesh(self.layout.mesh):
-            return self.step.lower(state, self.batch_struct)
+            return self.step.lower(self.abstract_state, self.batch_struct).compile()
 
 
 def build_program(cfg, layout: Layout) -> Program:
@@ -70,11 +65,11 @@ def build_program(cfg, layout: Layout) -> Program:
         params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
         return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
 
-    abstract_state = jax.eval_shape(init, jax.random.key(0))
+    shapes = jax.eval_shape(init, jax.random.key(0))
     state_sh = {
         "step": layout.replicated,
         "params": param_sh,
-        "opt_state": layout.opt_state_shardings(tx, abstract_state["opt_state"]),
+        "opt_state": layout.opt_state_shardings(tx, shapes["opt_state"]),
     }
 
     def loss_and_grads(params, rows):
@@ -125,7 +120,7 @@ def build_program(cfg, layout: Layout) -> Program:
     return Program(
         layout=layout,
         tx=tx,
-        state_shardings=state_sh,
+        abstract_state=jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, state_sh),
         init=jax.jit(init, out_shardings=state_sh),
         step=jax.jit(train_step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, layout.replicated),
                      donate_argnums=0),
