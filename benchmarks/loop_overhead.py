@@ -30,7 +30,7 @@ def bare_step_seconds(program, layout, cfg, steps: int, in_flight_limit: int) ->
     in_flight = []
     for _ in range(steps):
         state, metrics = step(state, batch)
-        # The same bound on steps in flight as the trainer (XLA:CPU needs it; see spmd.train).
+        # The same bound on steps in flight as the trainer (XLA:CPU needs it; see spmd.loop).
         in_flight.append(metrics["loss"])
         if len(in_flight) > in_flight_limit:
             in_flight.pop(0).block_until_ready()
@@ -55,7 +55,8 @@ def main():
     from spmd.config import TrainConfig, validate
     from spmd.layout import make_layout
     from spmd.step import build_program
-    from spmd.train import MAX_STEPS_IN_FLIGHT, train
+    from spmd.loop import MAX_STEPS_IN_FLIGHT
+    from spmd.train import train
 
     cfg = validate(TrainConfig(mesh=args.mesh, model=args.model, batch=args.batch, seq=args.seq,
                                steps=args.steps + args.log_every, log_every=args.log_every))

@@ -18,6 +18,7 @@ from spmd.errors import UserError
 
 DTYPES = ("float32", "bfloat16")
 REMAT = ("none", "full", "dots")
+ON_NAN = ("stop", "skip")
 
 
 def _field(default, help: str, **argparse_kwargs):
@@ -47,7 +48,12 @@ class TrainConfig:
     grad_accum: int = _field(1, "microbatches per step, accumulated in a scan with one gradient reduction")
     remat: str = _field("none", "activation checkpointing of each block", choices=REMAT)
     log_every: int = _field(10, "print a log line every N steps (metrics are fetched from devices only then)")
-    metrics_file: str | None = _field(None, "write one JSON object per step to this .jsonl file")
+    metrics_file: str | None = _field(None, "write one JSON object per step to this .jsonl file (appended on resume)")
+    out: str | None = _field(None, "directory for checkpoints; a run resumes from its latest checkpoint there")
+    save_every: int = _field(0, "save a checkpoint every N steps (0: only at the end); needs --out")
+    keep: int = _field(3, "checkpoints to keep in --out")
+    resume: str | None = _field(None, "resume from this run directory's latest checkpoint, or from one step's directory")
+    on_nan: str = _field("stop", "on a non-finite loss, drop that update, then stop (naming the last good checkpoint) or skip and go on", choices=ON_NAN)
 
     @property
     def microbatch(self) -> int:
@@ -134,14 +140,16 @@ def validate(cfg: TrainConfig) -> TrainConfig:
 
     if cfg.model not in PRESETS:
         raise UserError(f"unknown model {cfg.model!r}; choose one of {', '.join(PRESETS)}")
-    for name in ("batch", "seq", "grad_accum", "log_every", "ref_batch"):
+    for name in ("batch", "seq", "grad_accum", "log_every", "ref_batch", "keep"):
         if getattr(cfg, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
-    for name in ("steps", "warmup"):
+    for name in ("steps", "warmup", "save_every"):
         if getattr(cfg, name) < 0:
             raise UserError(f"--{name} must not be negative, got {getattr(cfg, name)}")
     if cfg.lr <= 0 or cfg.clip <= 0:
         raise UserError("--lr and --clip must be positive")
+    if cfg.save_every and not cfg.out:
+        raise UserError("--save-every needs --out DIR")
     if cfg.batch % cfg.grad_accum:
         raise UserError(f"--batch {cfg.batch} does not divide into --grad-accum {cfg.grad_accum} microbatches")
     return cfg

@@ -95,26 +95,23 @@ class Layout:
         return format_mesh(self.shape)
 
 
-def make_layout(cfg, devices=None) -> Layout:
-    """Resolve the mesh for `devices` (default: all) and check every divisibility."""
+def make_layout(cfg, devices=None, for_training: bool = True) -> Layout:
+    """Resolve the mesh for `devices` (default: all) and check every divisibility
+    (of the batch and sequence too, unless the layout is only for holding parameters)."""
     devices = list(jax.devices() if devices is None else devices)
     shape = resolve_mesh(parse_mesh(cfg.mesh), len(devices))
     if shape["pp"] > 1:
         raise UserError("pipeline parallelism (pp > 1) is not available yet; use dp, fsdp, ep, sp and tp")
     rules = make_rules(cfg.zero)
     skeleton = model_skeleton(cfg.model, cfg.dtype, cfg.remat)
-    check_divisible(cfg, shape, rules, skeleton)
+    check_divisible(cfg, shape, rules, skeleton, for_training)
     return Layout(build_mesh(shape, devices), shape, rules, skeleton)
 
 
-def check_divisible(cfg, shape: Mapping[str, int], rules: Rules, skeleton: ModelSkeleton) -> None:
-    shards = math.prod(shape[a] for a in BATCH_AXES)
-    batch_axes = "x".join(f"{a}={shape[a]}" for a in BATCH_AXES if shape[a] > 1) or "1"
-    if cfg.microbatch % shards:
-        what = f"--batch {cfg.batch}" + (f" / --grad-accum {cfg.grad_accum} = {cfg.microbatch}" if cfg.grad_accum > 1 else "")
-        raise UserError(f"{what} does not divide by the batch axes ({batch_axes} = {shards} shards)")
-    if cfg.seq % shape["sp"]:
-        raise UserError(f"--seq {cfg.seq} does not divide by sp={shape['sp']}")
+def check_divisible(cfg, shape: Mapping[str, int], rules: Rules, skeleton: ModelSkeleton,
+                    for_training: bool = True) -> None:
+    if for_training:
+        check_batch(cfg, shape)
     flat_shapes = traverse_util.flatten_dict(skeleton.shapes)
     flat_names = traverse_util.flatten_dict(skeleton.names, is_leaf=lambda _, v: is_names(v))
     for table in (rules.params, rules.grads, rules.opt_state):
@@ -128,6 +125,16 @@ def check_divisible(cfg, shape: Mapping[str, int], rules: Rules, skeleton: Model
                         f"model {cfg.model}: {name}={size} does not divide by {split} "
                         f"(parameter {'.'.join(map(str, path))}, --zero {cfg.zero})"
                     )
+
+
+def check_batch(cfg, shape: Mapping[str, int]) -> None:
+    shards = math.prod(shape[a] for a in BATCH_AXES)
+    batch_axes = "x".join(f"{a}={shape[a]}" for a in BATCH_AXES if shape[a] > 1) or "1"
+    if cfg.microbatch % shards:
+        what = f"--batch {cfg.batch}" + (f" / --grad-accum {cfg.grad_accum} = {cfg.microbatch}" if cfg.grad_accum > 1 else "")
+        raise UserError(f"{what} does not divide by the batch axes ({batch_axes} = {shards} shards)")
+    if cfg.seq % shape["sp"]:
+        raise UserError(f"--seq {cfg.seq} does not divide by sp={shape['sp']}")
 
 
 def bytes_per_device(tree) -> int:

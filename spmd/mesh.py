@@ -113,7 +113,12 @@ def emulate_cpu_devices(sizes: Mapping[str, int], cpu_devices: int | None) -> No
     import jax
 
     if wanted > 1 or cpu_devices is not None:
-        jax.config.update("jax_num_cpu_devices", wanted)
+        try:
+            jax.config.update("jax_num_cpu_devices", wanted)
+        except RuntimeError:  # JAX already started (e.g. in a notebook): use what it has
+            if len(jax.devices()) < wanted:
+                raise UserError(f"the mesh needs {wanted} devices, but JAX already started with "
+                                f"{len(jax.devices())}; set the device count before using JAX") from None
 
 
 def build_mesh(shape: Mapping[str, int], devices: Sequence | None = None):

@@ -34,5 +34,5 @@ def describe_run(cfg, layout, program, floor: float, compile_s: float) -> list[s
         f"state per device: params {human_bytes(held['params'])}, optimizer {human_bytes(held['opt_state'])}, "
         f"total {human_bytes(sum(held.values()))}",
         f"data: synthetic Markov chain (seed {cfg.seed}), floor {floor:.4f} nats/token",
-        f"compiled in {compile_s:.1f} s",
+        f"ready in {compile_s:.1f} s (initialize or restore, then compile)",
     ]

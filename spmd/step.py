@@ -111,9 +111,17 @@ def build_program(cfg, layout: Layout) -> Program:
         else:
             loss, grads = accumulated(params, rows)
         grads = jax.lax.with_sharding_constraint(grads, grad_sh)
+        grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state["opt_state"], params)
-        new_state = {"step": state["step"] + 1, "params": optax.apply_updates(params, updates), "opt_state": opt_state}
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": lr_at(state["step"])}
+        # A non-finite loss or gradient never reaches the state: that update is dropped.
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        keep_if_finite = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
+        new_state = {
+            "step": state["step"] + 1,
+            "params": keep_if_finite(optax.apply_updates(params, updates), params),
+            "opt_state": keep_if_finite(opt_state, state["opt_state"]),
+        }
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr_at(state["step"]), "skipped": ~finite}
         return new_state, metrics
 
     batch_sh = layout.batch_sharding

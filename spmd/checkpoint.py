@@ -1,0 +1,151 @@
+"""Sharded, asynchronous checkpoints with Orbax, and resuming from them on any mesh.
+
+A checkpoint is a directory `<run>/<step>/` with three items: `params`, `opt_state` (each
+array saved as its shards, by the processes that hold them) and `meta` (JSON: the step,
+the run's config, the model's shapes). With step-indexed data the step is all the data
+source needs. Orbax writes each checkpoint under a temporary name and renames it when
+complete, so a crash or `kill -9` mid-save leaves the previous checkpoint as the latest.
+
+Restoring always goes through the target's abstract state: arrays are read straight into
+the shardings of the current mesh, whatever mesh wrote them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+from flax import traverse_util
+
+from spmd.errors import UserError
+
+FORMAT = 1
+ITEMS = ("params", "opt_state", "meta")
+
+
+def _shapes_of(params) -> dict[str, list[int]]:
+    flat = traverse_util.flatten_dict(params)
+    return {"/".join(map(str, path)): list(leaf.shape) for path, leaf in flat.items()}
+
+
+def make_meta(cfg, step: int, params) -> dict:
+    return {"format": FORMAT, "step": step, "model": cfg.model, "config": dataclasses.asdict(cfg),
+            "param_shapes": _shapes_of(params)}
+
+
+class Checkpoints:
+    """The checkpoints of one run directory."""
+
+    def __init__(self, directory: str | Path, keep: int = 3, async_save: bool = True):
+        self.directory = Path(directory).absolute()
+        self._manager = ocp.CheckpointManager(
+            self.directory,
+            options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
+                                                 enable_async_checkpointing=async_save),
+            item_names=ITEMS,
+        )
+
+    def steps(self) -> list[int]:
+        return list(self._manager.all_steps())
+
+    def latest_step(self) -> int | None:
+        return self._manager.latest_step()
+
+    def save(self, step: int, state: dict, meta: dict) -> None:
+        """Start saving; returns once the arrays are copied off the devices (safe to donate)."""
+        self._manager.save(step, args=ocp.args.Composite(
+            params=ocp.args.StandardSave(state["params"]),
+            opt_state=ocp.args.StandardSave(state["opt_state"]),
+            meta=ocp.args.JsonSave(meta),
+        ))
+
+    def wait(self) -> None:
+        self._manager.wait_until_finished()
+
+    def meta(self, step: int) -> dict:
+        return read_meta(self.directory, step)
+
+    def restore(self, step: int, abstract_state: dict, items=("params", "opt_state")) -> dict:
+        """Read `items` of checkpoint `step` into the shardings of `abstract_state`."""
+        args = {name: ocp.args.StandardRestore(abstract_state[name]) for name in items}
+        try:
+            restored = self._manager.restore(step, args=ocp.args.Composite(**args))
+        except Exception as exc:  # noqa: BLE001
+            raise UserError(f"checkpoint {self.directory / str(step)} is unreadable ({_first_line(exc)})") from None
+        state = {name: restored[name] for name in items}
+        if "step" in abstract_state:
+            state["step"] = jax.device_put(jnp.asarray(step, jnp.int32), abstract_state["step"].sharding)
+        return state
+
+    def close(self) -> None:
+        self._manager.close()
+
+
+def finalized_steps(run_dir: Path) -> list[int]:
+    """Steps whose checkpoints are complete (Orbax renames a checkpoint to its step when done)."""
+    if not run_dir.is_dir():
+        return []
+    return sorted(int(p.name) for p in run_dir.iterdir() if p.is_dir() and p.name.isdigit())
+
+
+def read_meta(run_dir: Path, step: int) -> dict:
+    """The JSON `meta` item, read without Orbax (so before JAX starts its backend)."""
+    path = Path(run_dir) / str(step) / "meta" / "metadata"
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise UserError(f"checkpoint {path.parent.parent} is unreadable ({_first_line(exc)})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise UserError(f"{path.parent.parent} is not an spmd checkpoint")
+    return meta
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:200]}" if text else type(exc).__name__
+
+
+def locate(path: str | Path) -> tuple[Path, int | None]:
+    """`--resume PATH`: a run directory (its latest checkpoint) or one step's directory."""
+    path = Path(path)
+    if not path.exists():
+        raise UserError(f"--resume path does not exist: {path}")
+    if path.name.isdigit() and (path / "meta").exists():
+        return path.parent, int(path.name)
+    return path, None
+
+
+def check_compatible(meta: dict, cfg, params_shapes, where: Path) -> None:
+    """The checkpoint must hold the parameters this run builds, with the same shapes."""
+    want = _shapes_of(params_shapes)
+    if meta.get("param_shapes") != want:
+        have = meta.get("model", "?")
+        differ = sorted(set(want) ^ set(meta.get("param_shapes", {}))) or [
+            k for k in want if meta["param_shapes"].get(k) != want[k]]
+        raise UserError(f"checkpoint {where} holds model {have!r} whose parameters differ from "
+                        f"this run's {cfg.model!r} (first difference: {differ[0]})")
+
+
+def is_empty_or_run_dir(path: Path) -> bool:
+    """Whether `--out` may be written: missing, empty, or holding checkpoints of ours."""
+    if not path.exists():
+        return True
+    if not path.is_dir():
+        return False
+    entries = [p for p in path.iterdir()]
+    return all(p.is_dir() and (p.name.isdigit() or ".orbax-checkpoint-tmp" in p.name) for p in entries) \
+        or not entries
+
+
+def export_params(directory: str | Path, params, meta: dict) -> None:
+    """Write parameters only (plus the model's description) to a fresh directory."""
+    directory = Path(directory).absolute()
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(directory / "params", params)
+        checkpointer.wait_until_finished()
+    (directory / "model.json").write_text(json.dumps(
+        {"model": meta["model"], "step": meta["step"], "param_shapes": meta["param_shapes"]}, indent=1))

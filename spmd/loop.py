@@ -1,0 +1,190 @@
+"""The training loop: steps, logging, checkpoints, preemption and non-finite losses."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import sys
+import time
+from collections import deque
+
+import jax
+import numpy as np
+
+from spmd.checkpoint import make_meta
+from spmd.data import MarkovSource, Prefetcher, global_batch
+from spmd.hardware import peak_tflops, train_flops_per_token
+from spmd.report import describe_run
+
+
+# The host may run this many steps ahead of the devices. Enough to keep them busy while
+# the next batch is built; bounded because a deep queue of in-flight executions
+# deadlocked XLA:CPU's collectives on emulated devices (seen at ~200 queued steps).
+MAX_STEPS_IN_FLIGHT = 2
+
+
+@dataclasses.dataclass
+class Result:
+    records: list[dict]
+    state: dict
+    ok: bool  # False when stopped by a non-finite loss
+
+
+class StopSignals:
+    """SIGTERM or SIGINT asks the loop to stop after the current step (and save); a second
+    SIGINT aborts at once."""
+
+    def __init__(self):
+        self.requested: str | None = None
+        self._previous = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum, frame):
+        name = signal.Signals(signum).name
+        if self.requested and signum == signal.SIGINT:
+            print(f"{name} again: aborting now", file=sys.stderr, flush=True)
+            os._exit(130)
+        self.requested = name
+        print(f"{name}: finishing this step, saving, then exiting (SIGINT again aborts)", file=sys.stderr, flush=True)
+
+
+class Run:
+    def __init__(self, cfg, layout, program, step_fn, state, start_step, checkpoints, setup_s, skipped=0, log=print):
+        self.cfg, self.layout, self.program, self.step_fn = cfg, layout, program, step_fn
+        self.state, self.start_step, self.checkpoints = state, start_step, checkpoints
+        self.setup_s, self.skipped, self.log = setup_s, skipped, log
+        self.source = MarkovSource(layout.skeleton.model_cfg.vocab, cfg.seed)
+        self.last_saved: int | None = None
+
+    def save(self, step: int) -> None:
+        if self.checkpoints is None or self.last_saved == step or step in self.checkpoints.steps():
+            return
+        meta = make_meta(self.cfg, step, self.state["params"])
+        meta["skipped_updates"] = self.skipped
+        self.checkpoints.save(step, self.state, meta)
+        self.last_saved = step
+
+    def loop(self) -> Result:
+        cfg, layout = self.cfg, self.layout
+        floor = self.source.entropy_floor(cfg.seq)
+        for line in describe_run(cfg, layout, self.program, floor, self.setup_s):
+            self.log(line)
+        devices = layout.mesh.devices.size
+        tokens = cfg.batch * cfg.seq
+        flops = train_flops_per_token(layout.skeleton.model_cfg, cfg.seq) * tokens
+        peak = peak_tflops(layout.mesh.devices.flat[0].device_kind)
+
+        if cfg.metrics_file and self.start_step == 0:
+            open(cfg.metrics_file, "w").close()  # a fresh run starts a fresh file; a resumed one appends
+        records: list[dict] = []
+        pending: list[dict] = []
+        in_flight: deque = deque()
+        ok = True
+        batches = Prefetcher(
+            lambda k: global_batch(self.source, k, cfg.batch, cfg.seq + 1, layout.batch_sharding),
+            self.start_step, cfg.steps)
+        window_start = time.perf_counter()
+        try:
+            with StopSignals() as stop:
+                for step in range(self.start_step, cfg.steps):
+                    self.state, metrics = self.step_fn(self.state, batches.next())
+                    pending.append(metrics)
+                    in_flight.append(metrics["loss"])
+                    if len(in_flight) > MAX_STEPS_IN_FLIGHT:
+                        in_flight.popleft().block_until_ready()  # a step already behind: no stall
+                    done = step + 1
+                    save_due = bool(cfg.save_every) and done % cfg.save_every == 0
+                    log_due = done % cfg.log_every == 0 or done == cfg.steps
+                    if not (save_due or log_due or stop.requested):
+                        continue
+                    # Fetch before saving, so that a non-finite loss is seen before its state is kept.
+                    fetched = jax.device_get(pending)
+                    now = time.perf_counter()
+                    window = self._records(fetched, done - len(fetched), (now - window_start) / len(fetched),
+                                           tokens, flops / devices, peak)
+                    records += window
+                    pending, window_start = [], now
+                    if cfg.metrics_file:
+                        append_records(cfg.metrics_file, window)
+                    bad = [r["step"] for r in window if r["skipped"]]
+                    if bad and cfg.on_nan == "stop":
+                        ok = False
+                        self._report_non_finite(bad[0])
+                        break
+                    if save_due or stop.requested:
+                        self.save(done)
+                    if log_due or stop.requested:
+                        since = records[-min(cfg.log_every, len(records)):]
+                        self.log(log_line(window[-1], cfg.steps, np.mean([r["loss"] for r in since]), self.skipped))
+                    if stop.requested:
+                        self._finish_saves()
+                        where = f"saved {self.checkpoints.directory / str(done)}" if self.checkpoints else "not saved (no --out)"
+                        self.log(f"stopped by {stop.requested} after step {done}; {where}")
+                        return Result(records, self.state, ok)
+                else:
+                    self.save(cfg.steps)
+        finally:
+            batches.close()
+            self._finish_saves()
+
+        if records and ok:  # the summary of a run that went to the end
+            last = np.mean([r["loss"] for r in records[-min(cfg.log_every, len(records)):]])
+            self.log(f"done: final loss {last:.4f} nats/token (mean of the last log window); "
+                     f"synthetic floor {floor:.4f}; gap {last - floor:+.4f}")
+        return Result(records, self.state, ok)
+
+    def _records(self, fetched, first: int, step_time: float, tokens: int, flops_per_device: float, peak):
+        window = []
+        for i, m in enumerate(fetched):
+            skipped = bool(m["skipped"])
+            self.skipped += skipped
+            record = {
+                "step": first + i,
+                "loss": float(m["loss"]),
+                "grad_norm": float(m["grad_norm"]),
+                "lr": float(m["lr"]),
+                "skipped": skipped,
+                "step_time_s": step_time,
+                "tokens_per_sec": tokens / step_time,
+                "tflops_per_device": flops_per_device / step_time / 1e12,
+            }
+            if peak:
+                record["mfu"] = record["tflops_per_device"] / peak
+            window.append(record)
+        return window
+
+    def _report_non_finite(self, step: int) -> None:
+        self._finish_saves()
+        good = [s for s in (self.checkpoints.steps() if self.checkpoints else []) if s <= step]
+        where = f"last good checkpoint: {self.checkpoints.directory / str(max(good))}" if good else "no checkpoint was written"
+        print(f"error: non-finite loss at step {step} (its update was not applied); {where}; "
+              f"--on-nan skip would drop such updates and go on", file=sys.stderr, flush=True)
+
+    def _finish_saves(self) -> None:
+        if self.checkpoints is not None:
+            self.checkpoints.wait()
+
+
+def log_line(r: dict, steps: int, window_loss: float, skipped: int) -> str:
+    done = r["step"] + 1
+    mfu = f"  mfu {r['mfu']:.1%}" if "mfu" in r else ""
+    skip = f"  skipped {skipped}" if skipped else ""
+    return (f"[{done:>{len(str(steps))}}/{steps} {done / steps:4.0%}] loss {window_loss:.4f}  "
+            f"grad_norm {r['grad_norm']:.3f}  lr {r['lr']:.2e}  {r['tokens_per_sec']:,.0f} tok/s  "
+            f"{r['step_time_s'] * 1e3:.1f} ms/step  {r['tflops_per_device']:.3f} TFLOP/s/device{mfu}{skip}")
+
+
+def append_records(path, records: list[dict]) -> None:
+    with open(path, "a") as f:
+        for record in records:
+            f.write(json.dumps(record) + "\n")
