@@ -103,9 +103,10 @@ class Run:
                     if len(in_flight) > MAX_STEPS_IN_FLIGHT:
                         in_flight.popleft().block_until_ready()  # a step already behind: no stall
                     done = step + 1
+                    stopping = stop.requested  # read once: a signal may land mid-iteration
                     save_due = bool(cfg.save_every) and done % cfg.save_every == 0
                     log_due = done % cfg.log_every == 0 or done == cfg.steps
-                    if not (save_due or log_due or stop.requested):
+                    if not (save_due or log_due or stopping):
                         continue
                     # Fetch before saving, so that a non-finite loss is seen before its state is kept.
                     fetched = jax.device_get(pending)
@@ -121,12 +122,12 @@ class Run:
                         ok = False
                         self._report_non_finite(bad[0])
                         break
-                    if save_due or stop.requested:
+                    if save_due or stopping:
                         self.save(done)
-                    if log_due or stop.requested:
+                    if log_due or stopping:
                         since = records[-min(cfg.log_every, len(records)):]
                         self.log(log_line(window[-1], cfg.steps, np.mean([r["loss"] for r in since]), self.skipped))
-                    if stop.requested:
+                    if stopping:
                         self._finish_saves()
                         where = f"saved {self.checkpoints.directory / str(done)}" if self.checkpoints else "not saved (no --out)"
                         self.log(f"stopped by {stop.requested} after step {done}; {where}")
