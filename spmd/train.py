@@ -86,7 +86,7 @@ def prepare(cfg: TrainConfig, layout, log=print):
 
 def _resume_source(cfg) -> tuple[Path | None, int | None]:
     """Where to resume from: `--resume`, else `--out` if it holds checkpoints, else nowhere."""
-    from spmd.checkpoint import is_empty_or_run_dir, locate
+    from spmd.checkpoint import finalized_steps, is_empty_or_run_dir, locate
 
     if cfg.resume:
         return locate(cfg.resume)
@@ -94,7 +94,7 @@ def _resume_source(cfg) -> tuple[Path | None, int | None]:
         out = Path(cfg.out)
         if not is_empty_or_run_dir(out):
             raise UserError(f"--out {out} holds files that are not spmd checkpoints; use a new or empty directory")
-        if out.exists() and any(p.name.isdigit() for p in out.iterdir()):
+        if finalized_steps(out):
             return out, None
     return None, None
 
