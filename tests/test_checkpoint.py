@@ -44,6 +44,7 @@ def test_resume_on_the_same_mesh_is_bit_identical(uninterrupted):
     ("tp=4,dp=2", 8, 0),
     ("dp=8", 8, 1),
     ("fsdp=2,tp=2", 4, 0),  # another device count
+    ("ep=2,sp=2,tp=2", 8, 0),
 ])
 def test_resume_on_another_mesh_continues_the_run(uninterrupted, mesh, devices, zero):
     out, losses, _ = uninterrupted

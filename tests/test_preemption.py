@@ -50,6 +50,20 @@ def test_sigterm_finishes_the_step_saves_and_exits_0(tmp_path):
     assert finalized_steps(tmp_path) == [step]
 
 
+def test_a_second_sigint_aborts_at_once(tmp_path):
+    proc = _start("--steps", "100000", "--out", str(tmp_path))
+    _wait_for_line(proc, "[")
+    proc.send_signal(signal.SIGINT)
+    # Two signals sent at once would merge into one: wait until the first one was handled.
+    for line in iter(proc.stderr.readline, ""):
+        if "SIGINT: finishing this step" in line:
+            break
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "SIGINT again: aborting now" in err
+
+
 def test_kill_9_at_random_times_never_leaves_a_bad_latest_checkpoint(tmp_path):
     chance = random.Random(7)  # fixed, so a failure can be replayed
     latest = None
