@@ -74,8 +74,8 @@ class Checkpoints:
         args = {name: ocp.args.StandardRestore(abstract_state[name]) for name in items}
         try:
             restored = self._manager.restore(step, args=ocp.args.Composite(**args))
-        except Exception as exc:  # noqa: BLE001
-            raise UserError(f"checkpoint {self.directory / str(step)} is unreadable ({_first_line(exc)})") from None
+        except Exception as exc:  # noqa: BLE001 - any unreadable file is the user's bad input
+            raise _unreadable(self.directory / str(step), exc) from None
         state = {name: restored[name] for name in items}
         if "step" in abstract_state:
             state["step"] = jax.device_put(jnp.asarray(step, jnp.int32), abstract_state["step"].sharding)
@@ -98,15 +98,16 @@ def read_meta(run_dir: Path, step: int) -> dict:
     try:
         meta = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
-        raise UserError(f"checkpoint {path.parent.parent} is unreadable ({_first_line(exc)})") from None
+        raise _unreadable(path.parent.parent, exc) from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise UserError(f"{path.parent.parent} is not an spmd checkpoint")
     return meta
 
 
-def _first_line(exc: Exception) -> str:
+def _unreadable(where: Path, exc: Exception) -> UserError:
     text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0][:200]}" if text else type(exc).__name__
+    why = f"{type(exc).__name__}: {text[0][:200]}" if text else type(exc).__name__
+    return UserError(f"checkpoint {where} is unreadable ({why})")
 
 
 def locate(path: str | Path) -> tuple[Path, int | None]:
@@ -136,9 +137,7 @@ def is_empty_or_run_dir(path: Path) -> bool:
         return True
     if not path.is_dir():
         return False
-    entries = [p for p in path.iterdir()]
-    return all(p.is_dir() and (p.name.isdigit() or ".orbax-checkpoint-tmp" in p.name) for p in entries) \
-        or not entries
+    return all(p.is_dir() and (p.name.isdigit() or ".orbax-checkpoint-tmp" in p.name) for p in path.iterdir())
 
 
 def export_params(directory: str | Path, params, meta: dict) -> None:

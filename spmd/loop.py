@@ -125,8 +125,7 @@ class Run:
                     if save_due or stopping:
                         self.save(done)
                     if log_due or stopping:
-                        since = records[-min(cfg.log_every, len(records)):]
-                        self.log(log_line(window[-1], cfg.steps, np.mean([r["loss"] for r in since]), self.skipped))
+                        self.log(log_line(window[-1], cfg.steps, recent_loss(records, cfg.log_every), self.skipped))
                     if stopping:
                         self._finish_saves()
                         where = f"saved {self.checkpoints.directory / str(done)}" if self.checkpoints else "not saved (no --out)"
@@ -139,7 +138,7 @@ class Run:
             self._finish_saves()
 
         if records and ok:  # the summary of a run that went to the end
-            last = np.mean([r["loss"] for r in records[-min(cfg.log_every, len(records)):]])
+            last = recent_loss(records, cfg.log_every)
             self.log(f"done: final loss {last:.4f} nats/token (mean of the last log window); "
                      f"synthetic floor {floor:.4f}; gap {last - floor:+.4f}")
         return Result(records, self.state, ok)
@@ -183,6 +182,11 @@ def log_line(r: dict, steps: int, window_loss: float, skipped: int) -> str:
     return (f"[{done:>{len(str(steps))}}/{steps} {done / steps:4.0%}] loss {window_loss:.4f}  "
             f"grad_norm {r['grad_norm']:.3f}  lr {r['lr']:.2e}  {r['tokens_per_sec']:,.0f} tok/s  "
             f"{r['step_time_s'] * 1e3:.1f} ms/step  {r['tflops_per_device']:.3f} TFLOP/s/device{mfu}{skip}")
+
+
+def recent_loss(records: list[dict], n: int) -> float:
+    """Mean loss of the last `n` steps (one step's loss is too noisy to report)."""
+    return float(np.mean([r["loss"] for r in records[-n:]]))
 
 
 def append_records(path, records: list[dict]) -> None:
