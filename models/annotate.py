@@ -5,25 +5,84 @@ Models name activation dimensions with logical names only. Whoever runs the mode
 mesh; without them this is the identity, so a model runs unchanged on one device.
 """
 
+import contextlib
+import contextvars
+import dataclasses
+import functools
+from collections.abc import Mapping
+
 import jax
+import jax.numpy as jnp
 from flax.core import spmd as flax_spmd
+from jax.ad_checkpoint import checkpoint_name
+
+
+ACTIVATION = "activation"  # checkpoint name of `constrain`'s result, for remat policies
+_STORAGE: contextvars.ContextVar = contextvars.ContextVar("storage", default=None)
 
 
 def constrain(x: jax.Array, *names: str | None) -> jax.Array:
-    """Ask XLA to lay `x` out as the active rules map `names` (one per dimension)."""
-    rules = dict(flax_spmd.get_logical_axis_rules())
-    mesh = jax.sharding.get_abstract_mesh()
-    if not rules or mesh.empty:
-        return x
-    spec = jax.P(*(rules.get(n) if n is not None else None for n in names))
-    return jax.lax.with_sharding_constraint(x, spec)
+    """Ask XLA to lay `x` out as the active rules map `names` (one per dimension); the
+    result is named as an activation, which remat policies may keep."""
+    return checkpoint_name(_lay_out(x, names, dict(flax_spmd.get_logical_axis_rules())), ACTIVATION)
 
 
 def weight(param, dtype) -> jax.Array:
-    """A parameter's value as computed with: laid out by its logical names under the
-    activation rules (e.g. gathered over the axes it is stored split over), cast to `dtype`."""
+    """A parameter's value as computed with: cast to `dtype` where it is stored (so a bf16
+    run gathers bf16), then laid out by its logical names under the activation rules
+    (e.g. gathered over the axes it is stored split over). Its gradient is reduced to
+    where gradients are stored, inside the backward pass. Not named: remat policies do
+    not keep it, so the backward pass fetches it again rather than holding every layer's
+    copy."""
     names = param.get_metadata().get("out_sharding") or ()
     value = param[...]
-    if len(names) == value.ndim:
-        value = constrain(value, *names)
-    return value.astype(dtype)
+    storage = _STORAGE.get()
+    activations = dict(flax_spmd.get_logical_axis_rules())
+    if len(names) != value.ndim or storage is None or jax.sharding.get_abstract_mesh().empty:
+        return _lay_out(value.astype(dtype), names, activations)
+    stored = _cast_in_place(value, jnp.dtype(dtype), _spec(names, storage.params), _spec(names, storage.grads))
+    return _lay_out(stored, names, activations)
+
+
+@dataclasses.dataclass(frozen=True)
+class Storage:
+    """Where parameters and their gradients live: logical name -> mesh axes."""
+
+    params: Mapping[str, object]
+    grads: Mapping[str, object]
+
+
+@contextlib.contextmanager
+def storage(where: Storage):
+    """Tell `weight` where parameters and gradients are stored (set by spmd.step)."""
+    token = _STORAGE.set(where)
+    try:
+        yield
+    finally:
+        _STORAGE.reset(token)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _cast_in_place(x: jax.Array, dtype, value_spec: jax.P, grad_spec: jax.P) -> jax.Array:
+    return jax.lax.with_sharding_constraint(x.astype(dtype), value_spec)
+
+
+def _cast_in_place_fwd(x, dtype, value_spec, grad_spec):
+    return _cast_in_place(x, dtype, value_spec, grad_spec), jnp.zeros((), x.dtype)
+
+
+def _cast_in_place_bwd(dtype, value_spec, grad_spec, like, cotangent):
+    return (jax.lax.with_sharding_constraint(cotangent, grad_spec).astype(like.dtype),)
+
+
+_cast_in_place.defvjp(_cast_in_place_fwd, _cast_in_place_bwd)
+
+
+def _spec(names, rules: Mapping[str, object]) -> jax.P:
+    return jax.P(*(rules.get(n) if n is not None else None for n in names))
+
+
+def _lay_out(x: jax.Array, names, rules: Mapping[str, object]) -> jax.Array:
+    if not rules or jax.sharding.get_abstract_mesh().empty:
+        return x
+    return jax.lax.with_sharding_constraint(x, _spec(names, rules))

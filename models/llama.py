@@ -16,10 +16,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.annotate import constrain, weight
+from models.annotate import ACTIVATION, constrain, weight
 
+# Activation checkpointing of each block. Every policy keeps only what it lists, so a
+# weight as used (`models.annotate.weight`: cast, and gathered if it is stored split) is
+# never kept for the backward pass: it is fetched again, as FSDP does, instead of holding
+# every layer's gathered weights at once. "none" keeps every matmul output and every
+# annotated activation, and recomputes only elementwise ops.
 REMAT_POLICIES = {
-    "none": None,
+    "none": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_saveable, jax.checkpoint_policies.save_only_these_names(ACTIVATION)),
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
@@ -82,24 +88,25 @@ def rotary(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
 class Attention(nnx.Module):
     def __init__(self, cfg: LlamaConfig, dtype, rngs: nnx.Rngs):
         e, h, k, d = cfg.embed, cfg.heads, cfg.kv_heads, cfg.head_dim
-        self.wq = _param(rngs, (e, h, d), ("embed", "heads", "head_dim"), e**-0.5)
-        self.wk = _param(rngs, (e, k, d), ("embed", "kv_heads", "head_dim"), e**-0.5)
-        self.wv = _param(rngs, (e, k, d), ("embed", "kv_heads", "head_dim"), e**-0.5)
+        # Queries, keys and values in one projection, grouped by key/value head: slot
+        # [kv, j < groups] is query head kv * groups + j, slot `groups` the key and
+        # `groups + 1` the value. One matmul means one gradient for x, and a split over
+        # kv heads keeps each query head with its key and value.
+        self.wqkv = _param(rngs, (e, k, h // k + 2, d), ("embed", "kv_heads", None, "head_dim"), e**-0.5)
         self.wo = _param(rngs, (h, d, e), ("heads", "head_dim", "embed"), (h * d) ** -0.5)
         self.cfg, self.dtype = cfg, dtype
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         cfg, dt = self.cfg, self.dtype
-        q = jnp.einsum("bse,ehd->bshd", x, weight(self.wq, dt))
-        k = jnp.einsum("bse,ekd->bskd", x, weight(self.wk, dt))
-        v = jnp.einsum("bse,ekd->bskd", x, weight(self.wv, dt))
+        qkv = jnp.einsum("bse,ekgd->bskgd", x, weight(self.wqkv, dt))
+        b, s = x.shape[:2]
+        groups = cfg.heads // cfg.kv_heads
+        q = qkv[:, :, :, :groups].reshape(b, s, cfg.heads, cfg.head_dim)
         q = constrain(rotary(q, positions, cfg.rope_theta), "batch", "seq", "heads", "head_dim")
-        k = constrain(rotary(k, positions, cfg.rope_theta), "batch", "seq", "kv_heads", "head_dim")
-        v = constrain(v, "batch", "seq", "kv_heads", "head_dim")
+        k = constrain(rotary(qkv[:, :, :, groups], positions, cfg.rope_theta), "batch", "seq", "kv_heads", "head_dim")
+        v = constrain(qkv[:, :, :, groups + 1], "batch", "seq", "kv_heads", "head_dim")
 
         # Query head h reads key/value head h // groups: split heads as (kv_heads, groups).
-        b, s = q.shape[:2]
-        groups = cfg.heads // cfg.kv_heads
         q = q.reshape(b, s, cfg.kv_heads, groups, cfg.head_dim)
         scores = jnp.einsum("bskgd,btkd->bkgst", q, k).astype(jnp.float32)
         scores = scores / math.sqrt(cfg.head_dim)
@@ -114,15 +121,15 @@ class Attention(nnx.Module):
 class SwiGLU(nnx.Module):
     def __init__(self, cfg: LlamaConfig, dtype, rngs: nnx.Rngs):
         e, m = cfg.embed, cfg.mlp
-        self.gate = _param(rngs, (e, m), ("embed", "mlp"), e**-0.5)
-        self.up = _param(rngs, (e, m), ("embed", "mlp"), e**-0.5)
+        # Gate and up projections in one matmul (one gradient for x): [:, 0] gate, [:, 1] up.
+        self.gate_up = _param(rngs, (e, 2, m), ("embed", None, "mlp"), e**-0.5)
         self.down = _param(rngs, (m, e), ("mlp", "embed"), m**-0.5)
         self.dtype = dtype
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dt = self.dtype
-        gate = jnp.einsum("bse,em->bsm", x, weight(self.gate, dt))
-        up = jnp.einsum("bse,em->bsm", x, weight(self.up, dt))
+        gate_up = jnp.einsum("bse,eim->bsim", x, weight(self.gate_up, dt))
+        gate, up = gate_up[:, :, 0], gate_up[:, :, 1]
         hidden = constrain(jax.nn.silu(gate) * up, "batch", "seq", "mlp")
         return jnp.einsum("bsm,me->bse", hidden, weight(self.down, dt))
 
@@ -163,14 +170,14 @@ class Llama(nnx.Module):
     def __call__(self, tokens: jax.Array) -> jax.Array:
         cfg, dt = self.cfg, self.dtype
         positions = jnp.arange(tokens.shape[1])
-        x = jnp.take(weight(self.embedding, dt), tokens, axis=0)
+        # A lookup has no FLOPs to save: rows are read (and their gradient summed) in float32.
+        x = jnp.take(weight(self.embedding, jnp.float32), tokens, axis=0).astype(dt)
         x = constrain(x, "batch", "seq", "embed")
 
         def run_block(block: Block, x: jax.Array) -> jax.Array:
             return block(x, positions)
 
-        if REMAT_POLICIES[self.remat] is not None:
-            run_block = nnx.remat(run_block, policy=REMAT_POLICIES[self.remat])
+        run_block = nnx.remat(run_block, policy=REMAT_POLICIES[self.remat])
 
         @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, transform_metadata={nnx.PARTITION_NAME: "layers"})
         def over_layers(x: jax.Array, block: Block) -> jax.Array:

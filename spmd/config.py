@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import yaml
@@ -54,17 +54,15 @@ class TrainConfig:
     keep: int = _field(3, "checkpoints to keep in --out")
     resume: str | None = _field(None, "resume from this run directory's latest checkpoint, or from one step's directory")
     on_nan: str = _field("stop", "on a non-finite loss, drop that update, then stop (naming the last good checkpoint) or skip and go on", choices=ON_NAN)
+    hardware: str | None = _field(None, "accelerator the layout is planned for (spmd/hardware.toml; default: the one found, if listed)")
 
     @property
     def microbatch(self) -> int:
         return self.batch // self.grad_accum
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = _OneLineErrorParser(
-        prog="python -m spmd.train",
-        description="Train a model on a named device mesh (data, ZeRO/FSDP and tensor parallelism).",
-    )
+def _parser(prog: str, description: str) -> argparse.ArgumentParser:
+    parser = _OneLineErrorParser(prog=prog, description=description)
     parser.add_argument("--config", metavar="FILE.yaml", help="YAML file of these options (flags override it)")
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
@@ -114,13 +112,24 @@ def _yaml_to_argv(path: str) -> list[str]:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
+    return parse_with_extras(argv)[0]
+
+
+def parse_with_extras(argv: Sequence[str] | None = None, prog: str = "python -m spmd.train",
+                      description: str = "Train a model on a named device mesh.",
+                      add_extras: Callable[[argparse.ArgumentParser], None] | None = None,
+                      ) -> tuple[TrainConfig, argparse.Namespace]:
+    """The run's config, plus the values of any flags `add_extras` adds (for other CLIs
+    that take a run's options, like spmd.plan)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = _parser()
+    parser = _parser(prog, description)
+    if add_extras:
+        add_extras(parser)
     config_path = _find_config(argv)
     file_argv = _yaml_to_argv(config_path) if config_path else []
     ns = parser.parse_args(file_argv + argv)
     values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(TrainConfig)}
-    return validate(TrainConfig(**values))
+    return validate(TrainConfig(**values)), ns
 
 
 def _find_config(argv: Sequence[str]) -> str | None:
@@ -150,6 +159,10 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise UserError("--lr and --clip must be positive")
     if cfg.save_every and not cfg.out:
         raise UserError("--save-every needs --out DIR")
+    if cfg.hardware is not None:
+        from spmd import hardware
+
+        hardware.get(cfg.hardware)
     if cfg.batch % cfg.grad_accum:
         raise UserError(f"--batch {cfg.batch} does not divide into --grad-accum {cfg.grad_accum} microbatches")
     return cfg

@@ -1,31 +1,67 @@
-"""Peak dense bf16 throughput of common accelerators, and the model FLOPs of a step.
+"""Accelerators we can plan for (`hardware.toml`), and the model FLOPs of a step.
 
-MFU = achieved model FLOP/s per device / the device's peak (PaLM's definition: the
-FLOPs the model needs, not what the hardware executed, so remat does not inflate it).
+MFU = achieved model FLOP/s per device / the device's dense bf16 peak (PaLM's definition:
+the FLOPs the model needs, not what the hardware executed, so remat does not inflate it).
 """
 
 from __future__ import annotations
 
-# Substring of `jax.Device.device_kind` -> dense bf16 TFLOP/s per device (vendor figures).
-PEAK_BF16_TFLOPS = {
-    "H200": 989.0,
-    "H100": 989.0,
-    "H800": 989.0,
-    "A100": 312.0,
-    "L4": 121.0,
-    "TPU v6": 918.0,
-    "TPU v5p": 459.0,
-    "TPU v5 lite": 197.0,
-    "TPU v5e": 197.0,
-    "TPU v4": 275.0,
-}
+import dataclasses
+import functools
+import tomllib
+from pathlib import Path
+
+from spmd.errors import UserError
+
+TABLE = Path(__file__).with_name("hardware.toml")
+GIB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    name: str
+    description: str
+    memory_gib: float
+    bf16_tflops: float
+    fp32_tflops: float
+    intra_gbs: float
+    inter_gbs: float
+    devices_per_node: int
+    device_kind: tuple[str, ...]
+    shares_memory: bool = False  # emulated devices: the memory is the host's, split between them
+
+    def memory_bytes(self, num_devices: int) -> float:
+        return self.memory_gib * GIB / (num_devices if self.shares_memory else 1)
+
+    def peak_flops(self, dtype: str) -> float:
+        return (self.bf16_tflops if dtype == "bfloat16" else self.fp32_tflops) * 1e12
+
+
+@functools.cache
+def table() -> dict[str, Hardware]:
+    data = tomllib.loads(TABLE.read_text())
+    return {name: Hardware(name=name, **{**fields, "device_kind": tuple(fields["device_kind"])})
+            for name, fields in data.items()}
+
+
+def get(name: str) -> Hardware:
+    hardware = table()
+    if name not in hardware:
+        raise UserError(f"unknown hardware {name!r}; choose one of {', '.join(hardware)}")
+    return hardware[name]
+
+
+def detect(device_kind: str) -> Hardware | None:
+    """The table entry for a `jax.Device.device_kind`, if any (emulated CPUs excluded)."""
+    for hw in table().values():
+        if hw.name != "cpu" and any(k.lower() in device_kind.lower() for k in hw.device_kind):
+            return hw
+    return None
 
 
 def peak_tflops(device_kind: str) -> float | None:
-    for key, tflops in PEAK_BF16_TFLOPS.items():
-        if key.lower() in device_kind.lower():
-            return tflops
-    return None
+    hw = detect(device_kind)
+    return hw.bf16_tflops if hw else None
 
 
 def train_flops_per_token(model_cfg, seq: int) -> float:

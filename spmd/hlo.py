@@ -1,8 +1,10 @@
 """Read the collectives out of XLA's optimized HLO text.
 
-`compiled.as_text()` is a list of computations; collectives are instructions whose result
-type names their shapes. Loops are `while` instructions whose body is another computation,
-so "inside a loop" means reachable from some while body through calls.
+`compiled.as_text()` is a list of computations. Each instruction names its result type
+and its operands; a collective's device groups are in `replica_groups` (three syntaxes,
+see `spmd.replica_groups`). Loops are `while` instructions whose body is another
+computation and whose `known_trip_count` says how often it runs, so a collective's count
+per step is the product of the trip counts of the loops around it.
 """
 
 from __future__ import annotations
@@ -21,6 +23,18 @@ _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([a-z][\w\-]*)\
 _SHAPE = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
 _CALLED = re.compile(r"\b(?:body|condition|to_apply|calls|true_computation|false_computation)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_PARAMETER_INDEX = re.compile(r"^(\d+)\)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+    name: str
+    op: str
+    result_type: str
+    operands: tuple[str, ...]
+    attributes: str  # everything after the operand list
+    computation: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +43,8 @@ class Collective:
     name: str
     computation: str
     result_bytes: int
+    operand_bytes: tuple[int, ...]  # one per operand (a combined collective has several)
+    attributes: str
     line: str
 
 
@@ -37,6 +53,9 @@ class HloModule:
     entry: str
     calls: dict[str, set[str]]  # computation -> computations it calls
     loop_bodies: set[str]
+    trip_counts: dict[str, int]  # while body -> its known trip count
+    instructions: dict[str, dict[str, Instruction]]  # computation -> name -> instruction
+    roots: dict[str, str]  # computation -> its ROOT instruction
     collectives: list[Collective]
 
     def reachable(self, roots: set[str]) -> set[str]:
@@ -57,36 +76,97 @@ class HloModule:
         return [c for c in self.collectives
                 if c.op in ops and (inside_loops is None or (c.computation in looped) == inside_loops)]
 
+    def runs_per_step(self) -> dict[str, int]:
+        """How many times each computation runs in one execution of the entry computation.
+
+        A loop without a known trip count is counted once (and such loops are rare after
+        XLA's loop analysis; the train step's scans all have one)."""
+        runs = {self.entry: 1}
+        todo = [self.entry]
+        while todo:
+            comp = todo.pop()
+            for callee in self.calls.get(comp, ()):
+                times = runs[comp] * self.trip_counts.get(callee, 1)
+                if runs.get(callee, 0) < times:
+                    runs[callee] = times
+                    todo.append(callee)
+        return runs
+
+    def users(self, computation: str, name: str) -> list[Instruction]:
+        return [i for i in self.instructions[computation].values() if name in i.operands]
+
+    def parameter(self, computation: str, index: int) -> Instruction | None:
+        for instr in self.instructions.get(computation, {}).values():
+            if instr.op == "parameter" and _PARAMETER_INDEX.match(instr.attributes) \
+                    and int(_PARAMETER_INDEX.match(instr.attributes).group(1)) == index:
+                return instr
+        return None
+
+
+def dtype_bytes(type_text: str) -> int:
+    """Bytes per element of a (non-tuple) type like `bf16[4,8]{1,0}`."""
+    found = _SHAPE.search(type_text)
+    return _DTYPE_BYTES.get(found.group(1), 4) if found else 4
+
 
 def shape_bytes(type_text: str) -> int:
     return sum(_DTYPE_BYTES.get(dt, 4) * math.prod(int(d) for d in dims.split(",") if d)
                for dt, dims in _SHAPE.findall(type_text))
 
 
+def _split_operands(rest: str) -> tuple[tuple[str, ...], str]:
+    """`a, %b), attrs...` (the text after the op's opening parenthesis) -> operand names, attrs."""
+    depth, end = 1, len(rest)
+    for i, ch in enumerate(rest):
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if depth == 0:
+            end = i
+            break
+    inside = re.sub(r"/\*.*?\*/", "", rest[:end])
+    names = tuple(part.strip().split()[-1].lstrip("%") for part in inside.split(",") if part.strip())
+    return names, rest[end + 1:].lstrip(", ")
+
+
 def parse(text: str) -> HloModule:
     entry, current = "", ""
     calls: dict[str, set[str]] = {}
     loop_bodies: set[str] = set()
+    trip_counts: dict[str, int] = {}
+    instructions: dict[str, dict[str, Instruction]] = {}
+    roots: dict[str, str] = {}
     collectives: list[Collective] = []
     for line in text.splitlines():
         header = _HEADER.match(line)
         if header and "=" not in line.split("(")[0]:
             current = header.group(1)
             calls.setdefault(current, set())
+            instructions.setdefault(current, {})
             if line.startswith("ENTRY"):
                 entry = current
             continue
-        instr = _INSTR.match(line)
-        if not instr or not current:
+        match = _INSTR.match(line)
+        if not match or not current:
             continue
-        name, result_type, op, rest = instr.groups()
-        called = set(_CALLED.findall(rest))
-        for group in _BRANCHES.findall(rest):
+        name, result_type, op, rest = match.groups()
+        operands, attributes = _split_operands(rest) if op != "parameter" else ((), rest)
+        instr = Instruction(name, op, result_type, operands, attributes, current)
+        instructions[current][name] = instr
+        if line.lstrip().startswith("ROOT"):
+            roots[current] = name
+        called = set(_CALLED.findall(attributes))
+        for group in _BRANCHES.findall(attributes):
             called |= {c.strip().lstrip("%") for c in group.split(",") if c.strip()}
         calls[current] |= called
         if op == "while":
-            loop_bodies |= set(re.findall(r"\bbody=%?([\w.\-]+)", rest))
+            bodies = set(re.findall(r"\bbody=%?([\w.\-]+)", attributes))
+            loop_bodies |= bodies
+            trip = _TRIP_COUNT.search(attributes)
+            for body in bodies:
+                trip_counts[body] = int(trip.group(1)) if trip else 1
         base = op[: -len("-start")] if op.endswith("-start") else op
         if base in COLLECTIVES:
-            collectives.append(Collective(base, name, current, shape_bytes(result_type), line.strip()))
-    return HloModule(entry, calls, loop_bodies, collectives)
+            table = instructions[current]
+            operand_bytes = tuple(shape_bytes(table[o].result_type) if o in table else 0 for o in operands)
+            collectives.append(Collective(base, name, current, shape_bytes(result_type), operand_bytes,
+                                          attributes, line.strip()))
+    return HloModule(entry, calls, loop_bodies, trip_counts, instructions, roots, collectives)

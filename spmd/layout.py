@@ -7,6 +7,7 @@ does not fit fails here with one clear line, before anything is compiled.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping
 
@@ -41,6 +42,7 @@ class ModelSkeleton:
         return sum(math.prod(s.shape) for s in jax.tree.leaves(self.shapes))
 
 
+@functools.lru_cache(maxsize=32)  # read-only; spmd.plan --auto builds many layouts of one model
 def model_skeleton(model: str, dtype: str = "float32", remat: str = "none") -> ModelSkeleton:
     model_cfg = PRESETS[model]
     abstract = nnx.eval_shape(lambda: Llama(model_cfg, dtype=DTYPES[dtype], remat=remat, rngs=nnx.Rngs(0)))

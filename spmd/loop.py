@@ -16,6 +16,7 @@ import numpy as np
 from spmd.checkpoint import make_meta
 from spmd.data import MarkovSource, Prefetcher, global_batch
 from spmd.hardware import peak_tflops, train_flops_per_token
+from spmd.plan import default_hardware, make_plan
 from spmd.report import describe_run
 
 
@@ -77,7 +78,9 @@ class Run:
     def loop(self) -> Result:
         cfg, layout = self.cfg, self.layout
         floor = self.source.entropy_floor(cfg.seq)
-        for line in describe_run(cfg, layout, self.program, floor, self.setup_s):
+        plan = make_plan(cfg, layout, compiled=self.step_fn, program=self.program,
+                         hardware=default_hardware(cfg, list(layout.mesh.devices.flat)))
+        for line in describe_run(cfg, layout, plan, floor, self.setup_s):
             self.log(line)
         devices = layout.mesh.devices.size
         tokens = cfg.batch * cfg.seq

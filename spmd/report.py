@@ -21,18 +21,121 @@ def state_bytes_per_device(program) -> dict[str, int]:
     }
 
 
-def describe_run(cfg, layout, program, floor: float, compile_s: float) -> list[str]:
+def describe_run(cfg, layout, plan, floor: float, compile_s: float) -> list[str]:
     devices = layout.mesh.devices
     kind = devices.flat[0].device_kind
-    held = state_bytes_per_device(program)
     skel = layout.skeleton
     return [
         f"mesh: {layout.describe()} over {devices.size} x {kind} "
         f"(axes {', '.join(f'{a}={n}' for a, n in layout.shape.items())})",
         f"model: {cfg.model}, {skel.num_params:,} parameters, compute {cfg.dtype}, remat {cfg.remat}",
         f"batch: {cfg.batch} x {cfg.seq} tokens, grad-accum {cfg.grad_accum}, zero {cfg.zero}",
-        f"state per device: params {human_bytes(held['params'])}, optimizer {human_bytes(held['opt_state'])}, "
-        f"total {human_bytes(sum(held.values()))}",
         f"data: synthetic Markov chain (seed {cfg.seed}), floor {floor:.4f} nats/token",
+        *plan_summary(plan),
         f"ready in {compile_s:.1f} s (initialize or restore, then compile)",
     ]
+
+
+# ----------------------------------------------------------------------------- spmd.plan
+
+_MEMORY_ROWS = (("params", "parameters"), ("opt_state", "optimizer state"), ("gradients", "gradients"),
+                ("gathered_weights", "gathered weights"), ("activations", "activations"))
+_XLA_ROWS = (("argument", "arguments"), ("output", "outputs"), ("alias", "  of which aliased"),
+             ("temp", "temporaries"))
+_ALL_REDUCE_NOTE = ("* XLA:CPU emits these as all-reduce + dynamic-slice; XLA on GPU/TPU forms the "
+                    "reduce-scatter, whose bytes are shown")
+
+
+def _ratio(r) -> str:
+    if r.ratio is not None:
+        return f"{r.ratio:5.2f}"
+    return "unexpected" if r.unexpected else "small"
+
+
+def plan_table(plan) -> list[str]:
+    cfg = plan.cfg
+    lines = [f"plan: {cfg.model} on {plan.layout.describe()} ({plan.devices} devices; compiled for "
+             f"{plan.planned_on}), batch {cfg.batch} x {cfg.seq}, {cfg.dtype}, zero {cfg.zero}, "
+             f"remat {cfg.remat}, grad-accum {cfg.grad_accum}", "",
+             f"{'memory per device':28}{'theory':>12}{'XLA':>12}"]
+    for key, label in _MEMORY_ROWS:
+        lines.append(f"  {label:26}{human_bytes(plan.theory_memory[key]):>12}")
+    measured = human_bytes(plan.measured_state) if plan.measured_state is not None else "-"
+    lines.append(f"  {'state (params + optimizer)':26}{human_bytes(plan.theory_state):>12}{measured:>12}")
+    if plan.xla:
+        for key, label in _XLA_ROWS:
+            lines.append(f"  {label:26}{'':>12}{human_bytes(plan.xla[key]):>12}")
+    lines.append(f"  {'peak':26}{human_bytes(sum(plan.theory_memory.values())):>12}"
+                 f"{human_bytes(plan.xla['peak']) if plan.xla else '-':>12}")
+    lines.append(verdict(plan))
+    lines += ["", f"{'communication per step':30}{'count':>7}{'per device':>13}{'theory':>13}{'ratio':>11}"]
+    for r in plan.rows:
+        star = " *" if r.from_all_reduce else ""
+        lines.append(f"  {r.op + ' ' + r.axes + star:28}{r.count:>7}{human_bytes(r.measured):>13}"
+                     f"{human_bytes(r.theory) if r.theory else '-':>13}{_ratio(r):>11}")
+    if not plan.rows:
+        lines.append("  none: every device works alone")
+    if any(r.from_all_reduce for r in plan.rows):
+        lines.append("  " + _ALL_REDUCE_NOTE)
+    if any(r.unexpected for r in plan.rows):
+        lines.append("  unexpected: collectives the theory of this layout does not account for (see spmd/theory.py)")
+    if plan.prediction:
+        lines += ["", *roofline_lines(plan)]
+    return lines
+
+
+def verdict(plan) -> str:
+    if plan.hardware is None:
+        return "fit: give --hardware (spmd/hardware.toml) to check it"
+    hw, spare = plan.hardware, plan.usable - plan.peak
+    where = f"{hw.name} ({human_bytes(plan.usable)} per device)"
+    if spare >= 0:
+        return f"fits on {where}: peak {human_bytes(plan.peak)}, {human_bytes(spare)} to spare"
+    return f"DOES NOT FIT on {where}: peak {human_bytes(plan.peak)}, over by {human_bytes(-spare)}"
+
+
+def roofline_lines(plan) -> list[str]:
+    from spmd.roofline import OVERLAPPED_AXES, crosses_nodes
+
+    p, hw = plan.prediction, plan.hardware
+    parts = []
+    for axes, seconds in sorted(p.comm_s.items(), key=lambda kv: -kv[1]):
+        link = "inter-node" if crosses_nodes(axes, plan.layout.shape, hw.devices_per_node) else "intra-node"
+        hidden = "overlapped" if set(axes.split("+")) <= OVERLAPPED_AXES else "exposed"
+        parts.append(f"{axes} {_seconds(seconds)} ({link}, {hidden})")
+    return [f"roofline on {hw.description} ({hw.peak_flops(plan.cfg.dtype) / 1e12:g} TFLOP/s {plan.cfg.dtype}): "
+            f"compute {_seconds(p.compute_s)}" + (f"; communication {', '.join(parts)}" if parts else ""),
+            f"predicted step {_seconds(p.step_s)}, MFU {100 * p.mfu:.1f}% (at peak FLOP/s: an upper bound)"]
+
+
+def _seconds(s: float) -> str:
+    return f"{s * 1e3:.2f} ms" if s < 1 else f"{s:.2f} s"
+
+
+def auto_table(plans) -> list[str]:
+    first = plans[0]
+    lines = [f"fastest layouts that fit: {first.cfg.model} on {first.devices} x {first.hardware.name}, "
+             f"batch {first.cfg.batch} x {first.cfg.seq}, {first.cfg.dtype}"]
+    for i, plan in enumerate(plans, 1):
+        p = plan.prediction
+        exposed = f", exposed communication {_seconds(p.exposed_s)}" if p.exposed_s else ""
+        lines.append(f"{i}. --mesh {plan.layout.describe()} --zero {plan.cfg.zero} --remat {plan.cfg.remat}: "
+                     f"step {_seconds(p.step_s)}, MFU {100 * p.mfu:.1f}%")
+        lines.append(f"   why: peak {human_bytes(plan.peak)} of {human_bytes(plan.usable)}; compute "
+                     f"{_seconds(p.compute_s)}, overlapped communication {_seconds(p.overlapped_s)}{exposed}")
+    return lines
+
+
+def plan_summary(plan) -> list[str]:
+    """The compact version printed at the start of every training run."""
+    mem = plan.theory_memory
+    lines = [f"state per device: params {human_bytes(mem['params'])}, optimizer {human_bytes(mem['opt_state'])} "
+             f"(XLA: {human_bytes(plan.measured_state or 0)} in all); peak {human_bytes(plan.peak)}; {verdict(plan)}"]
+    shown = [r for r in plan.rows if r.count and (r.theory or r.unexpected)]
+    lines += [f"  {r.op} {r.axes}{' *' if r.from_all_reduce else ''}: {r.count} per step, {human_bytes(r.measured)}"
+              f" (theory {human_bytes(r.theory) if r.theory else '-'}, {_ratio(r).strip()})" for r in shown]
+    if any(r.from_all_reduce for r in shown):
+        lines.append("  " + _ALL_REDUCE_NOTE)
+    if plan.prediction:
+        lines.append("  " + roofline_lines(plan)[1])
+    return lines

@@ -10,6 +10,9 @@ Each logical name has two entries, following Levanter's split between where a pa
 
 `--zero` picks which state the `dp` axis also splits (on the `embed` dimension, beside
 `fsdp`): 0 nothing (DDP replicas), 1 optimizer state, 2 + gradients, 3 + parameters.
+In one fused step stages 1 and 2 compile alike: the optimizer only reads its own shard
+of the reduced gradient, so gradients are reduce-scattered straight to it (ZeRO's
+communication volume of reduce-scatter + all-gather), never all-reduced whole.
 Pipeline stages (`pp` on `layers`) and experts (`ep` on `experts`) have their entries here
 too, so those features plug in without touching models.
 """
@@ -21,6 +24,7 @@ from collections.abc import Mapping
 
 import jax
 
+from models.annotate import Storage
 from spmd.mesh import BATCH_AXES
 
 Axes = str | tuple[str, ...] | None
@@ -52,6 +56,19 @@ class Rules:
     opt_state: Mapping[str, Axes]
     activations: Mapping[str, Axes]
 
+    def storage(self, batch_local: bool = False) -> Storage:
+        """Where parameters and gradients live, for `models.annotate.weight`.
+
+        `batch_local`: inside a vmap over batch shards the batch axes may not be named
+        (and per-shard gradients are not reduced); dimensions stored split over them are
+        left to XLA (unconstrained)."""
+        def local(table):
+            if not batch_local:
+                return dict(table)
+            return {name: jax.P.UNCONSTRAINED if set(axes_of(axes)) & set(BATCH_AXES) else axes
+                    for name, axes in table.items()}
+        return Storage(params=local(self.params), grads=local(self.grads))
+
     def activation_rules(self, batch_local: bool = False) -> tuple[tuple[str, Axes], ...]:
         """Flax-style rules for `models.annotate.constrain`.
 
@@ -73,10 +90,12 @@ def make_rules(zero: int) -> Rules:
     def with_dp(stage: int) -> dict[str, Axes]:
         table = dict(at_rest)
         if zero >= stage:
-            table[ZERO_SHARDED_DIM] = ("dp", "fsdp")
+            # fsdp major, dp minor: each fsdp shard splits further over dp, so the
+            # optimizer's shard lies inside the parameter's (no resharding between them).
+            table[ZERO_SHARDED_DIM] = ("fsdp", "dp")
         return table
 
-    return Rules(params=with_dp(3), grads=with_dp(2), opt_state=with_dp(1), activations=compute)
+    return Rules(params=with_dp(3), grads=with_dp(1), opt_state=with_dp(1), activations=compute)
 
 
 def spec_for(names: tuple[str | None, ...], table: Mapping[str, Axes]) -> jax.sharding.PartitionSpec:

@@ -12,6 +12,7 @@ another), and the shards are summed once after it: the `no_sync` of DDP, for fre
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import jax
@@ -20,6 +21,7 @@ import optax
 from flax import nnx
 
 from models import Llama
+from models.annotate import storage
 from spmd.layout import DTYPES, Layout
 from spmd.mesh import BATCH_AXES
 from spmd.optim import make_optimizer, schedule
@@ -72,8 +74,15 @@ def build_program(cfg, layout: Layout) -> Program:
         "opt_state": layout.opt_state_shardings(tx, shapes["opt_state"]),
     }
 
+    def annotated(batch_local: bool = False):
+        """The rules that the model's annotations read (models.annotate)."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(nnx.logical_axis_rules(rules.activation_rules(batch_local)))
+        stack.enter_context(storage(rules.storage(batch_local)))
+        return stack
+
     def loss_and_grads(params, rows):
-        with nnx.logical_axis_rules(rules.activation_rules()):
+        with annotated():
             return jax.value_and_grad(lambda p: _loss(graphdef, p, rows))(params)
 
     def accumulated(params, rows):
@@ -85,7 +94,7 @@ def build_program(cfg, layout: Layout) -> Program:
         per_shard_spec = layout.per_shard_specs()
 
         def shard_grads(p, shard_rows):
-            with nnx.logical_axis_rules(rules.activation_rules(batch_local=True)):
+            with annotated(batch_local=True):
                 return jax.value_and_grad(lambda q: _loss(graphdef, q, shard_rows))(p)
 
         per_shard = jax.vmap(shard_grads, in_axes=(None, 0), spmd_axis_name=BATCH_AXES)

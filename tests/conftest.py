@@ -34,6 +34,8 @@ class Run:
     hlo: str
     layout: object
     program: object
+    cfg: TrainConfig
+    compiled: object  # the compiled train step
 
 
 @functools.lru_cache(maxsize=None)
@@ -50,7 +52,7 @@ def _run(mesh: str, devices: int, items: tuple) -> Run:
         batch = global_batch(source, step, cfg.batch, cfg.seq + 1, layout.batch_sharding)
         state, metrics = compiled(state, batch)
         losses.append(float(metrics["loss"]))
-    return Run(np.array(losses), jax.device_get(state["params"]), compiled.as_text(), layout, program)
+    return Run(np.array(losses), jax.device_get(state["params"]), compiled.as_text(), layout, program, cfg, compiled)
 
 
 def train_run(mesh: str, devices: int, **overrides) -> Run:

@@ -18,6 +18,15 @@ CASES = {
     "unknown option in yaml": (["--config", "{unknown}"], "unknown option 'warp'"),
     "unknown flag": (["--wrap", "3"], "unrecognized arguments"),
     "pipeline not available": (["--mesh", "pp=2,dp=4"], "pipeline parallelism"),
+    "unknown hardware": (["--hardware", "tpu-v9"], "unknown hardware 'tpu-v9'"),
+}
+# spmd.plan takes the same flags; these are its own.
+PLAN_CASES = {
+    "plan: unknown hardware": (["--hardware", "abacus"], "unknown hardware 'abacus'"),
+    "plan: mesh that does not divide the model": (["--mesh", "tp=3"], "does not divide by tp=3"),
+    "plan: too large for every layout": (
+        ["--model", "llama3-70b", "--auto", "--devices", "8", "--hardware", "v6e"], "does not fit on 8 x v6e in any layout"),
+    "plan: auto without hardware": (["--auto", "--devices", "8"], "--auto needs --hardware"),
 }
 
 
@@ -29,15 +38,16 @@ def results(tmp_path_factory):
     unknown = tmp / "unknown.yaml"
     unknown.write_text("warp: 9\n")
     procs = {}
-    for name, (args, _) in CASES.items():
+    for name, (args, _) in {**CASES, **PLAN_CASES}.items():
         args = [str(bad) if a == "{bad}" else str(unknown) if a == "{unknown}" else a for a in args]
         metrics = tmp / f"{len(procs)}.jsonl"
-        cmd = [sys.executable, "-m", "spmd.train", *args, "--metrics-file", str(metrics)]
+        module = "spmd.plan" if name in PLAN_CASES else "spmd.train"
+        cmd = [sys.executable, "-m", module, *args, "--metrics-file", str(metrics)]
         procs[name] = (subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), metrics)
-    return {name: (p.communicate(timeout=120), p.returncode, metrics) for name, (p, metrics) in procs.items()}
+    return {name: (p.communicate(timeout=300), p.returncode, metrics) for name, (p, metrics) in procs.items()}
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", [*CASES, *PLAN_CASES])
 def test_bad_input_gives_one_error_line_and_exit_2(results, case):
     (out, err), code, metrics = results[case]
     assert code == 2, (out, err)
@@ -45,5 +55,5 @@ def test_bad_input_gives_one_error_line_and_exit_2(results, case):
     lines = err.strip().splitlines()
     assert len(lines) == 1, err
     assert lines[0].startswith("error: ")
-    assert CASES[case][1] in lines[0]
+    assert {**CASES, **PLAN_CASES}[case][1] in lines[0]
     assert not metrics.exists()  # nothing written

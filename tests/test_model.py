@@ -25,8 +25,8 @@ KNOWN_PARAMS = {
 def test_real_presets_build_abstractly_with_published_sizes(name):
     skeleton = model_skeleton(name)  # shapes only: nothing is allocated
     assert skeleton.num_params == KNOWN_PARAMS[name] == PRESETS[name].num_params()
-    wq = skeleton.names["blocks"]["attn"]["wq"]
-    assert wq == ("layers", "embed", "heads", "head_dim")
+    wqkv = skeleton.names["blocks"]["attn"]["wqkv"]
+    assert wqkv == ("layers", "embed", "kv_heads", None, "head_dim")
 
 
 def _tiny(remat="none"):

@@ -28,8 +28,8 @@ def test_initializer_creates_state_already_sharded():
     run = train_run("dp=2,fsdp=2,tp=2", 8)
     with jax.set_mesh(run.layout.mesh):
         state = run.program.init(jax.random.key(0))
-    wq = state["params"]["blocks"]["attn"]["wq"]  # (layers, embed, heads, head_dim)
-    assert wq.sharding.spec == jax.P("pp", "fsdp", "tp", None)  # pp has size 1 here
-    assert {s.data.shape for s in wq.addressable_shards} == {(2, 32, 4, 8)}
+    wqkv = state["params"]["blocks"]["attn"]["wqkv"]  # (layers, embed, kv_heads, groups + 2, head_dim)
+    assert wqkv.sharding.spec == jax.P("pp", "fsdp", "tp", None, None)  # pp has size 1 here
+    assert {s.data.shape for s in wqkv.addressable_shards} == {(2, 32, 2, 4, 8)}
     mu = state["opt_state"][1][0].mu["blocks"]["mlp"]["down"]  # (layers, mlp, embed)
     assert mu.sharding.spec == jax.P("pp", "tp", "fsdp")

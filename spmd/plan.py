@@ -1,0 +1,290 @@
+"""`python -m spmd.plan`: before launch, what each device holds and what crosses the wire.
+
+It trains nothing and allocates no arrays: it compiles the real train step for abstract
+shapes on the requested mesh (on emulated CPU devices when the machine has fewer) and
+sets XLA's memory analysis and the collectives of the optimized HLO next to the theory
+of `spmd.theory`. With a hardware entry it predicts the step time (`spmd.roofline`);
+`--auto` searches the layouts of a device count for the fastest that fit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+from collections.abc import Sequence
+
+from spmd.config import REMAT, parse_with_extras
+from spmd.errors import UserError
+from spmd.mesh import accelerator_plugin_installed, explicit_product, parse_mesh
+
+SMALL_BYTES = 1024  # collectives under this per step are scalars (loss, norms): listed, not flagged
+AUTO_SHOWN = 5
+AUTO_MAX_COMPILES = 12
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One (collective, mesh axes) line: measured next to theory."""
+
+    op: str
+    axes: str
+    count: int
+    measured: float
+    theory: float
+    from_all_reduce: bool
+
+    @property
+    def ratio(self) -> float | None:
+        return self.measured / self.theory if self.theory else None
+
+    @property
+    def unexpected(self) -> bool:
+        return not self.theory and self.measured >= SMALL_BYTES
+
+
+@dataclasses.dataclass
+class Plan:
+    cfg: object
+    layout: object
+    planned_on: str  # what XLA compiled for
+    hardware: object | None
+    theory_memory: dict[str, float]
+    xla: dict[str, int] | None  # argument, output, alias, temp, peak bytes per device
+    batch_bytes: int  # the batch's share of the arguments
+    rows: list[Row]
+    prediction: object | None
+
+    @property
+    def devices(self) -> int:
+        return math.prod(self.layout.shape.values())
+
+    @property
+    def theory_state(self) -> float:
+        return self.theory_memory["params"] + self.theory_memory["opt_state"]
+
+    @property
+    def measured_state(self) -> float | None:
+        return self.xla["argument"] - self.batch_bytes if self.xla else None
+
+    @property
+    def peak(self) -> float:
+        """XLA's peak when it reports one, else the theory's."""
+        return self.xla["peak"] if self.xla else sum(self.theory_memory.values())
+
+    @property
+    def usable(self) -> float | None:
+        return self.hardware.memory_bytes(self.devices) if self.hardware else None
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.hardware is None else self.peak <= self.usable
+
+    def theory_by_op(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for r in self.rows:
+            out[r.op] = out.get(r.op, 0.0) + r.theory
+        return {op: round(b) for op, b in out.items() if b}
+
+    def as_json(self) -> dict:
+        cfg = self.cfg
+        return {
+            "model": cfg.model, "mesh": self.layout.describe(), "devices": self.devices,
+            "batch": cfg.batch, "seq": cfg.seq, "dtype": cfg.dtype, "zero": cfg.zero, "remat": cfg.remat,
+            "grad_accum": cfg.grad_accum, "planned_on": self.planned_on,
+            "hardware": self.hardware.name if self.hardware else None,
+            "per_device": {
+                "state_bytes": round(self.theory_state),
+                "measured_state_bytes": self.measured_state,
+                "theory": {k: round(v) for k, v in self.theory_memory.items()},
+                "xla": {f"{k}_bytes": v for k, v in self.xla.items()} if self.xla else None,
+                "peak_bytes": round(self.peak),
+                "usable_bytes": round(self.usable) if self.usable else None,
+            },
+            "collectives": [{"op": r.op, "axis": r.axes, "count": r.count, "bytes_per_device": round(r.measured),
+                             "theory_bytes_per_device": round(r.theory),
+                             **({"from_all_reduce_and_slice": True} if r.from_all_reduce else {}),
+                             **({"unexpected": True} if r.unexpected else {})}
+                            for r in self.rows if r.count],
+            "theory": {"collective_bytes_per_device": self.theory_by_op(),
+                       "collectives": [{"op": r.op, "axis": r.axes, "bytes_per_device": round(r.theory)}
+                                       for r in self.rows if r.theory]},
+            "fits": self.fits,
+            "predicted_step_time_s": self.prediction.step_s if self.prediction else None,
+            "predicted_mfu": self.prediction.mfu if self.prediction else None,
+            "roofline": self.prediction.as_json() if self.prediction else None,
+        }
+
+
+def compare(measured, expected) -> list[Row]:
+    """Measured traffic (spmd.traffic) and theory (spmd.theory) side by side, per (op, axes)."""
+    from spmd.theory import by_op_and_axes
+
+    theory = by_op_and_axes(expected)
+    seen: dict[tuple[str, str], list] = {}
+    for t in measured:
+        row = seen.setdefault((t.op, t.axes), [0, 0.0, False])
+        row[0] += t.count
+        row[1] += t.bytes_per_device
+        row[2] |= t.from_all_reduce
+    keys = sorted(set(seen) | set(theory), key=lambda k: (-max(seen.get(k, [0, 0.0])[1], theory.get(k, 0.0)), k))
+    return [Row(op, axes, seen.get((op, axes), [0])[0], seen.get((op, axes), [0, 0.0])[1],
+                theory.get((op, axes), 0.0), seen.get((op, axes), [0, 0.0, False])[2]) for op, axes in keys]
+
+
+def make_plan(cfg, layout, compiled=None, hardware=None, planned_on: str | None = None, program=None) -> Plan:
+    """Compile the step for abstract shapes (unless given the compiled step) and compare."""
+    from spmd import hlo, theory, traffic
+    from spmd.roofline import predict
+    from spmd.step import build_program
+
+    program = program or build_program(cfg, layout)
+    if compiled is None:
+        compiled = program.compile_step()
+    stats = compiled.memory_analysis()
+    xla = None
+    if stats is not None:
+        xla = {"argument": stats.argument_size_in_bytes, "output": stats.output_size_in_bytes,
+               "alias": stats.alias_size_in_bytes, "temp": stats.temp_size_in_bytes}
+        xla["peak"] = xla["argument"] + xla["output"] - xla["alias"] + xla["temp"]
+    measured = traffic.step_traffic(hlo.parse(compiled.as_text()), layout.shape)
+    rows = compare(measured, theory.collectives(cfg, layout))
+    batch = program.batch_struct
+    batch_bytes = math.prod(batch.sharding.shard_shape(batch.shape)) * batch.dtype.itemsize
+    prediction = None
+    if hardware is not None:
+        prediction = predict(cfg, layout.shape, layout.skeleton.model_cfg,
+                             [(r.op, r.axes, r.measured) for r in rows], hardware)
+    kind = layout.mesh.devices.flat[0].device_kind
+    return Plan(cfg, layout, planned_on or kind, hardware, theory.memory(cfg, layout), xla, batch_bytes,
+                rows, prediction)
+
+
+# ----------------------------------------------------------------------------- devices
+
+def plan_devices(count: int):
+    """`count` devices to compile for: the real accelerators if there are enough, else
+    emulated CPU devices (set up before JAX starts its backends). -> (devices, label)"""
+    import jax
+
+    try:
+        jax.config.update("jax_num_cpu_devices", max(count, 1))
+    except RuntimeError:  # JAX already started (a notebook): use what it has
+        pass
+    if accelerator_plugin_installed():
+        real = jax.devices()
+        if len(real) >= count and real[0].platform != "cpu":
+            return real[:count], real[0].device_kind
+    cpus = jax.devices("cpu")
+    if len(cpus) < count:
+        raise UserError(f"planning needs {count} devices, but JAX already started with {len(cpus)} CPU devices; "
+                        "set the device count before using JAX")
+    return cpus[:count], f"{count} emulated CPU devices"
+
+
+def default_hardware(cfg, devices):
+    from spmd import hardware
+
+    if cfg.hardware:
+        return hardware.get(cfg.hardware)
+    return hardware.detect(devices[0].device_kind)
+
+
+# ----------------------------------------------------------------------------- --auto
+
+def candidates(cfg, count: int, devices_per_node: int):
+    """Meshes over dp, fsdp and tp (tp inside a node), ZeRO 0 or 1 where dp > 1, each remat."""
+    for tp in (d for d in range(1, count + 1) if count % d == 0 and d <= devices_per_node):
+        for fsdp in (d for d in range(1, count // tp + 1) if (count // tp) % d == 0):
+            dp = count // (tp * fsdp)
+            mesh = ",".join(f"{a}={n}" for a, n in (("dp", dp), ("fsdp", fsdp), ("tp", tp)) if n > 1)
+            for zero in ((0, 1) if dp > 1 else (0,)):
+                for remat in REMAT:
+                    yield dataclasses.replace(cfg, mesh=mesh, zero=zero, remat=remat)
+
+
+def auto(cfg, devices, hardware, planned_on: str) -> tuple[list[Plan], str]:
+    """Rank every candidate layout by its theoretical step time among those whose
+    theoretical peak fits, then compile the best until five are confirmed by XLA.
+    -> (plans, a line saying what was searched)"""
+    from spmd import theory
+    from spmd.layout import make_layout
+    from spmd.roofline import predict
+
+    ranked, indivisible, too_big = [], 0, 0
+    for c in candidates(cfg, len(devices), hardware.devices_per_node):
+        try:
+            layout = make_layout(c, devices)
+        except UserError:
+            indivisible += 1
+            continue
+        if sum(theory.memory(c, layout).values()) > hardware.memory_bytes(len(devices)):
+            too_big += 1
+            continue
+        expected = [(e.op, e.axes, e.bytes_per_device) for e in theory.collectives(c, layout)]
+        ranked.append((predict(c, layout.shape, layout.skeleton.model_cfg, expected, hardware).step_s, c, layout))
+    ranked.sort(key=lambda r: r[0])
+    confirmed, compiled = [], 0
+    for _, c, layout in ranked[:AUTO_MAX_COMPILES]:
+        plan = make_plan(c, layout, hardware=hardware, planned_on=planned_on)
+        compiled += 1
+        if plan.fits:
+            confirmed.append(plan)
+        if len(confirmed) == AUTO_SHOWN:
+            break
+    searched = (f"searched {len(ranked) + indivisible + too_big} layouts: {indivisible} do not divide the model "
+                f"or batch, {too_big} do not fit in theory, {compiled} of the fastest others compiled, "
+                f"{len(confirmed)} fit")
+    if not confirmed:
+        raise UserError(f"model {cfg.model} does not fit on {len(devices)} x {hardware.name} in any layout "
+                        f"(dp/fsdp/tp, ZeRO 0-1, every remat) at batch {cfg.batch} x {cfg.seq}; "
+                        "use more devices, a smaller batch or --grad-accum")
+    return sorted(confirmed, key=lambda p: p.prediction.step_s), searched
+
+
+# ----------------------------------------------------------------------------- CLI
+
+def _plan_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.add_argument("--auto", action="store_true",
+                        help="search dp/fsdp/tp meshes, ZeRO stage and remat for the fastest layouts that fit")
+    parser.add_argument("--devices", type=int, default=None,
+                        help="device count for --auto (default: the product of --mesh)")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from spmd import report
+
+    try:
+        cfg, extras = parse_with_extras(argv, prog="python -m spmd.plan", add_extras=_plan_flags,
+                                        description="Show per-device memory, collectives and a step-time "
+                                                    "estimate of a layout, before launch (trains nothing).")
+        sizes = parse_mesh(cfg.mesh)
+        count = extras.devices or explicit_product(sizes)
+        if count < 1:
+            raise UserError(f"--devices must be positive, got {count}")
+        if -1 in sizes.values() and not extras.devices and not extras.auto:
+            raise UserError("a mesh axis of -1 needs --devices N to plan for")
+        devices, planned_on = plan_devices(count)
+        hardware = default_hardware(cfg, devices)
+        if extras.auto:
+            if hardware is None:
+                raise UserError("--auto needs --hardware (one of the entries in spmd/hardware.toml)")
+            plans, searched = auto(cfg, devices, hardware, planned_on)
+            print(json.dumps([p.as_json() for p in plans], indent=2) if extras.json
+                  else "\n".join([*report.auto_table(plans), searched]))
+            return 0
+        from spmd.layout import make_layout
+
+        plan = make_plan(cfg, make_layout(cfg, devices), hardware=hardware, planned_on=planned_on)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    print(json.dumps(plan.as_json(), indent=2) if extras.json else "\n".join(report.plan_table(plan)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,212 @@
+"""What a layout should cost, from shapes, dtypes and shardings alone (DESIGN.md section 8).
+
+Nothing here compiles: `spmd.plan` sets these numbers next to what XLA compiled, and
+`--auto` ranks layouts by them before compiling the best few.
+
+Collective bytes are per device and per step, with the ring algorithms' factors: an
+all-reduce over N devices moves 2(N-1)/N of its buffer, an all-gather or reduce-scatter
+(N-1)/N of the full buffer. The step's collectives, for the Llama family:
+
+- weights stored split over a batch axis (fsdp, ZeRO-3's dp) are all-gathered in the
+  compute dtype where they are used: once per step, and once more in the backward pass
+  for the stacked layers, in every microbatch (their gathered copies are not kept; see
+  models.llama);
+- weight gradients are partial sums over the axes that split the tokens (dp, fsdp, ep,
+  sp): reduce-scattered over the axes the gradient is stored split over, all-reduced
+  over the rest;
+- with ZeRO-1/2 the optimizer updates its shard, and parameters replicated over dp are
+  all-gathered back after the update;
+- Megatron tensor parallelism all-reduces the (tokens x embed) activations after each
+  attention and MLP block forward, and their input gradients backward (once more per
+  layer under full remat, which recomputes the forward up to the MLP); a vocab split over tp adds one
+  all-reduce for the embedding lookup, one for the output head's input gradient and
+  three small ones for the softmax statistics (max, sum, target logit).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+
+import jax.numpy as jnp
+from flax import traverse_util
+
+from spmd.layout import DTYPES, Layout, is_names
+from spmd.mesh import AXES, BATCH_AXES
+from spmd.rules import axes_of, spec_for
+
+TOKEN_AXES = (*BATCH_AXES, "sp")  # weight gradients are summed over every axis that splits tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class Expected:
+    op: str
+    axes: str  # "+"-joined mesh axes, outer to inner (as spmd.traffic names them)
+    bytes_per_device: float
+    why: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Param:
+    path: str
+    numel: int
+    itemsize: int
+    names: tuple
+    stacked: bool  # one slice per layer, used inside the layer scan
+
+
+LOOKUP_TABLE = "embedding"  # models.llama reads its rows in float32 (a lookup has no FLOPs to save)
+
+
+def uses(p: Param, model_cfg, compute_bytes: int) -> tuple[int, ...]:
+    """Bytes per element of each use of a parameter, as models.llama computes with it:
+    vectors (norm scales) and the lookup table in float32, matrices in the compute dtype,
+    and a tied embedding also as the output head."""
+    if p.path == LOOKUP_TABLE:
+        return (p.itemsize, compute_bytes) if model_cfg.tie_embeddings else (p.itemsize,)
+    return (p.itemsize,) if len([n for n in p.names if n != "layers"]) == 1 else (compute_bytes,)
+
+
+def params(layout: Layout) -> list[Param]:
+    shapes = traverse_util.flatten_dict(layout.skeleton.shapes)
+    names = traverse_util.flatten_dict(layout.skeleton.names, is_leaf=lambda _, v: is_names(v))
+    return [Param(".".join(map(str, path)), math.prod(shapes[path].shape), jnp.dtype(shapes[path].dtype).itemsize,
+                  names[path], "layers" in names[path]) for path in shapes]
+
+
+def _live(axes, shape: Mapping[str, int]) -> tuple[str, ...]:
+    return tuple(a for a in AXES if a in axes and shape[a] > 1)
+
+
+def _ways(axes, shape: Mapping[str, int]) -> int:
+    return math.prod(shape[a] for a in axes)
+
+
+def _spec_axes(names, table) -> tuple[str, ...]:
+    return tuple(a for entry in spec_for(names, table) for a in axes_of(entry))
+
+
+def tokens_per_device(cfg, shape: Mapping[str, int], microbatch: bool = False) -> int:
+    """Tokens one device computes on in a step (or in one accumulated microbatch)."""
+    rows = cfg.microbatch if microbatch else cfg.batch
+    return rows * cfg.seq // (_ways(BATCH_AXES, shape) * shape["sp"])
+
+
+def collectives(cfg, layout: Layout) -> list[Expected]:
+    shape, rules = layout.shape, layout.rules
+    compute_bytes = jnp.dtype(DTYPES[cfg.dtype]).itemsize
+    model_cfg = layout.skeleton.model_cfg
+    token_axes = _live(TOKEN_AXES, shape)
+    out: list[Expected] = []
+    for p in params(layout):
+        compute = _spec_axes(p.names, rules.activations)
+        at_rest = _spec_axes(p.names, rules.params)
+        slice_numel = p.numel / _ways(compute, shape)  # one device's slice, as used
+        widths = uses(p, model_cfg, compute_bytes)
+        gathered = _live(set(at_rest) - set(compute), shape)
+        if gathered:
+            n = _ways(gathered, shape)
+            # Stacked weights are gathered in the layer scans of every microbatch;
+            # the others are loop-invariant and gathered once.
+            times = 2 * cfg.grad_accum if p.stacked else 1
+            out.append(Expected("all-gather", "+".join(gathered), times * (n - 1) / n * slice_numel * sum(widths),
+                                "weights gathered where used" + (", again in backward" if p.stacked else "")))
+        # The gradient: summed in the widest dtype of its uses, or in float32 (the
+        # accumulators' dtype) when microbatches are accumulated before the one reduction.
+        used = slice_numel * (p.itemsize if cfg.grad_accum > 1 else max(widths))
+        scatter = tuple(a for a in _live(_spec_axes(p.names, rules.grads), shape) if a in token_axes)
+        summed = tuple(a for a in token_axes if a not in scatter)
+        if scatter:
+            k = _ways(scatter, shape)
+            out.append(Expected("reduce-scatter", "+".join(scatter), (k - 1) / k * used, "gradients"))
+        if summed:
+            m = _ways(summed, shape)
+            out.append(Expected("all-reduce", "+".join(summed), 2 * (m - 1) / m * used / _ways(scatter, shape),
+                                "gradients"))
+        regather = _live(set(_spec_axes(p.names, rules.opt_state)) - set(at_rest), shape)
+        if regather:
+            n = _ways(regather, shape)
+            stored = p.numel * p.itemsize / _ways(at_rest, shape)
+            out.append(Expected("all-gather", "+".join(regather), (n - 1) / n * stored,
+                                "parameters after the sharded optimizer update (ZeRO-1/2)"))
+    out += _tensor_parallel(cfg, layout, compute_bytes)
+    return out
+
+
+def _tensor_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
+    t = layout.shape["tp"]
+    if t == 1:
+        return []
+    model = layout.skeleton.model_cfg
+    tokens = tokens_per_device(cfg, layout.shape)
+    ring = 2 * (t - 1) / t
+    activation = tokens * model.embed * compute_bytes
+    # Full remat recomputes the forward up to the MLP (its output is not needed for
+    # gradients): the attention output's all-reduce runs once more.
+    per_layer = 5 if cfg.remat == "full" else 4
+    out = [Expected("all-reduce", "tp", ring * activation * per_layer * model.layers,
+                    "Megatron: block outputs forward, block input gradients backward")]
+    if "tp" in axes_of(layout.rules.activations["vocab"]):
+        lookup = tokens * model.embed * 4  # float32 rows (see LOOKUP_TABLE)
+        out.append(Expected("all-reduce", "tp", ring * (lookup + activation),
+                            "vocab split: embedding lookup forward, output head input gradient backward"))
+        out.append(Expected("all-reduce", "tp", ring * tokens * 4 * 3, "vocab split: softmax statistics"))
+    return out
+
+
+def by_op_and_axes(expected: list[Expected]) -> dict[tuple[str, str], float]:
+    totals: dict[tuple[str, str], float] = {}
+    for e in expected:
+        totals[(e.op, e.axes)] = totals.get((e.op, e.axes), 0.0) + e.bytes_per_device
+    return totals
+
+
+# ----------------------------------------------------------------------------- memory
+
+def memory(cfg, layout: Layout) -> dict[str, float]:
+    """Bytes per device: the state (parameters, Adam's two moments) and the step's working
+    set (the reduced gradient, gathered weights, saved activations and logits)."""
+    shape, rules = layout.shape, layout.rules
+    compute_bytes = jnp.dtype(DTYPES[cfg.dtype]).itemsize
+    ps = params(layout)
+
+    def held(table, bytes_each=None) -> float:
+        return sum(p.numel * (bytes_each or p.itemsize) / _ways(_spec_axes(p.names, table), shape) for p in ps)
+
+    model = layout.skeleton.model_cfg
+    gathered = 0.0
+    for p in ps:
+        if _live(set(_spec_axes(p.names, rules.params)) - set(_spec_axes(p.names, rules.activations)), shape):
+            used = p.numel * sum(uses(p, model, compute_bytes)) / _ways(_spec_axes(p.names, rules.activations), shape)
+            # Stacked weights are gathered a layer at a time (two alive: this one and the next).
+            gathered += used * (2 / model.layers if p.stacked else 1)
+    # With accumulation each device sums its own microbatches' gradients (laid out as
+    # computed, float32) and reduces once; otherwise the reduced gradient is what is held.
+    gradients = held(rules.activations, 4) if cfg.grad_accum > 1 else held(rules.grads)
+    return {
+        "params": held(rules.params),
+        "opt_state": 2 * held(rules.opt_state),  # Adam's mu and nu, float32 like the parameters
+        "gradients": gradients,
+        "gathered_weights": gathered,
+        "activations": activation_bytes(cfg, layout, compute_bytes),
+    }
+
+
+def activation_bytes(cfg, layout: Layout, compute_bytes: int) -> float:
+    """Activations kept for the backward pass, by remat policy (models.llama), plus the
+    float32 logits (logits, their softmax and its gradient)."""
+    m, t = layout.skeleton.model_cfg, layout.shape["tp"]
+    e, qkv, heads = m.embed, (m.heads + 2 * m.kv_heads) * m.head_dim, m.heads * m.head_dim
+    tokens = tokens_per_device(cfg, layout.shape, microbatch=True)
+    # Per token and layer, in elements: "none" keeps matmul outputs and annotated
+    # activations (block input, both residual sums, the attention and MLP outputs, the
+    # qkv projection and rotated q/k/v, per-head attention output, the scores, the MLP's
+    # gate/up and hidden); "dots" keeps matmuls without batch dimensions; "full" only the
+    # block input, and recomputes one layer at a time during the backward pass.
+    everything = 4 * e + (2 * qkv + 2 * heads + 3 * m.mlp + m.heads * cfg.seq) / t
+    per_layer = {"none": everything, "dots": 3 * e + (qkv + 2 * m.mlp) / t, "full": e}[cfg.remat]
+    working = 0 if cfg.remat == "none" else everything
+    vocab_split = _ways(axes_of(layout.rules.activations["vocab"]), layout.shape)
+    logits = 3 * tokens * m.vocab / vocab_split * 4
+    return tokens * (m.layers * per_layer + working) * compute_bytes + logits

@@ -1,0 +1,247 @@
+"""What one compiled step sends over the wire, per collective kind and mesh axis.
+
+Bytes are what one device moves with the usual ring algorithms (DESIGN.md section 8):
+all-reduce 2(N-1)/N of the buffer, all-gather, reduce-scatter and all-to-all (N-1)/N of
+the full buffer, a collective-permute its buffer once. Each collective counts as often as
+it runs in a step (loop trip counts included).
+
+XLA's GPU and TPU compilers turn an all-reduce whose every use keeps only this device's
+1/N slice into a reduce-scatter; XLA:CPU has no such pass and leaves the all-reduce plus
+a dynamic-slice. Plans are made on emulated CPU devices for the accelerators they target,
+so that pattern is reported as the reduce-scatter those compilers emit (and marked).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import math
+import re
+from collections.abc import Mapping
+
+import numpy as np
+
+from spmd import hlo
+
+_ELEMENTS = re.compile(r"\b[a-z]+\d*\[([\d,]*)\]")
+
+
+@dataclasses.dataclass(frozen=True)
+class Traffic:
+    op: str
+    axes: str  # mesh axes the groups run over, "+"-joined outer to inner; "?" if irregular
+    count: int  # executions per step
+    bytes_per_device: float  # per step
+    from_all_reduce: bool = False  # split out of an all-reduce + slice (see the module doc)
+
+    def as_json(self) -> dict:
+        return {"op": self.op, "axis": self.axes, "count": self.count,
+                "bytes_per_device": round(self.bytes_per_device),
+                **({"from_all_reduce_and_slice": True} if self.from_all_reduce else {})}
+
+
+# ----------------------------------------------------------------------------- groups
+
+def _iota(dims: list[int], perm: list[int] | None) -> np.ndarray:
+    ids = np.arange(math.prod(dims)).reshape(dims)
+    return ids.transpose(perm) if perm else ids
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in re.findall(r"\d+", text)]
+
+
+def device_groups(attributes: str, num_devices: int) -> list[list[int]] | None:
+    """The device groups of a collective, from any of XLA's replica-group syntaxes."""
+    pairs = re.search(r"source_target_pairs=\{(.*?)\}\}", attributes)
+    if pairs:
+        return [_ints(p) for p in re.findall(r"\{([\d,]+)\}", pairs.group(1) + "}")]
+    mesh = re.search(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?"
+                     r"\s*\{([^}]*)\}", attributes)
+    if mesh:
+        names = re.findall(r"'(\w+)'=(\d+)", mesh.group(1))
+        sizes = [int(n) for _, n in names]
+        ids = (_iota(_ints(mesh.group(2)), _ints(mesh.group(3)) if mesh.group(3) else None)
+               if mesh.group(2) else np.arange(math.prod(sizes))).reshape(sizes)
+        grouped = [i for i, (name, _) in enumerate(names) if f"'{name}'" in mesh.group(4)]
+        return _groups_along(ids, grouped)
+    iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attributes)
+    if iota:
+        ids = _iota(_ints(iota.group(3)), _ints(iota.group(4)) if iota.group(4) else None)
+        return ids.reshape(int(iota.group(1)), int(iota.group(2))).tolist()
+    explicit = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", attributes)
+    if explicit:
+        groups = [_ints(g) for g in re.findall(r"\{([\d,]*)\}", explicit.group(1))]
+        return groups or [list(range(num_devices))]
+    return None
+
+
+def _groups_along(ids: np.ndarray, axes: list[int]) -> list[list[int]]:
+    """Groups of device ids that differ only along `axes` of the array `ids`."""
+    rest = [i for i in range(ids.ndim) if i not in axes]
+    moved = ids.transpose(rest + axes)
+    return moved.reshape(-1, math.prod(ids.shape[i] for i in axes)).tolist()
+
+
+@functools.lru_cache(maxsize=64)
+def _partitions(shape: tuple[tuple[str, int], ...]) -> dict[frozenset, str]:
+    """Every way to group the mesh's devices by a set of its axes -> that set's name."""
+    names = [a for a, _ in shape]
+    ids = np.arange(math.prod(n for _, n in shape)).reshape([n for _, n in shape])
+    live = [i for i, (_, n) in enumerate(shape) if n > 1]
+    out = {}
+    for r in range(1, len(live) + 1):
+        for axes in itertools.combinations(live, r):
+            groups = _groups_along(ids, list(axes))
+            out[frozenset(frozenset(g) for g in groups)] = "+".join(names[i] for i in axes)
+    return out
+
+
+def axes_of_groups(groups: list[list[int]], mesh_shape: Mapping[str, int], permute: bool = False) -> str:
+    """Name the mesh axes that a collective's groups (or a permute's pairs) run over."""
+    table = _partitions(tuple(mesh_shape.items()))
+    if permute:
+        # A permute along an axis sends between devices of that axis's groups.
+        for partition, name in table.items():
+            owner = {d: g for g in partition for d in g}
+            if all(owner.get(s) is not None and owner.get(s) == owner.get(t) for s, t in groups) \
+                    and "+" not in name:
+                return name
+        return "?"
+    return table.get(frozenset(frozenset(g) for g in groups), "?")
+
+
+# ----------------------------------------------------------------------------- bytes
+
+def _elements(type_text: str) -> int:
+    return sum(math.prod(int(d) for d in dims.split(",") if d) for dims in _ELEMENTS.findall(type_text))
+
+
+def _slice_fraction(module: hlo.HloModule, computation: str, name: str, elements: int, depth: int = 0) -> int:
+    """k if every use of value `name` keeps only a 1/k dynamic slice of its `elements`, else 1."""
+    users = module.users(computation, name)
+    fractions = set()
+    for user in users if depth <= 3 else ():
+        if user.op == "dynamic-slice":
+            kept = _elements(user.result_type)
+            fractions.add(elements // kept if kept and elements % kept == 0 else 1)
+        elif user.op in ("bitcast", "copy", "convert"):
+            fractions.add(_slice_fraction(module, computation, user.name, elements, depth + 1))
+        elif user.op == "fusion" and (fused := _called(user)) and _elementwise_copy(module, fused):
+            fractions.add(_slice_fraction(module, computation, user.name, elements, depth + 1))
+        elif user.op == "fusion" and (fused := _called(user)):
+            for index, operand in enumerate(user.operands):
+                if operand == name:
+                    param = module.parameter(fused, index)
+                    fractions.add(_slice_fraction(module, fused, param.name, elements, depth + 1) if param else 1)
+        else:
+            fractions.add(1)
+    return fractions.pop() if len(fractions) == 1 else 1
+
+
+_PASS_THROUGH = ("bitcast", "copy", "convert", "parameter")
+
+
+def _called(instr: hlo.Instruction) -> str | None:
+    found = re.search(r"\bcalls=%?([\w.\-]+)", instr.attributes)
+    return found.group(1) if found else None
+
+
+def _elementwise_copy(module: hlo.HloModule, computation: str) -> bool:
+    """A fused computation that only converts, copies or bitcasts its one parameter."""
+    instrs = module.instructions.get(computation, {})
+    return bool(instrs) and all(i.op in _PASS_THROUGH for i in instrs.values()) \
+        and sum(i.op == "parameter" for i in instrs.values()) == 1
+
+
+def _source_width(module: hlo.HloModule, computation: str, name: str) -> float:
+    """Fraction of its bytes that a collective operand really carries: XLA:CPU runs bf16
+    collectives in float32, converting up just before (and back after); XLA on GPU/TPU
+    moves the bf16 values themselves."""
+    instr = module.instructions[computation].get(name)
+    while instr is not None:
+        if instr.op == "fusion" and (fused := _called(instr)) and fused in module.roots:
+            computation, instr = fused, module.instructions[fused][module.roots[fused]]
+        elif instr.op in ("bitcast", "copy"):
+            instr = module.instructions[computation].get(instr.operands[0])
+        elif instr.op == "convert":
+            source = module.instructions[computation].get(instr.operands[0])
+            if source is None:
+                return 1.0
+            return min(1.0, hlo.dtype_bytes(source.result_type) / hlo.dtype_bytes(instr.result_type))
+        else:
+            return 1.0
+    return 1.0
+
+
+def _operand_slice_fractions(module: hlo.HloModule, c: hlo.Collective) -> list[int]:
+    """For an all-reduce: per operand, k if only a 1/k slice of its result is ever used."""
+    instr = module.instructions[c.computation][c.name]
+    if len(instr.operands) == 1:
+        return [_slice_fraction(module, c.computation, c.name, _elements(instr.result_type))]
+    out = [1] * len(instr.operands)
+    for user in module.users(c.computation, c.name):
+        index = re.search(r"\bindex=(\d+)", user.attributes)
+        if user.op == "get-tuple-element" and index:
+            out[int(index.group(1))] = _slice_fraction(module, c.computation, user.name, _elements(user.result_type))
+    return out
+
+
+def _split_all_reduce(axes: str, n: int, k: int, mesh_shape: Mapping[str, int]) -> tuple[str, str] | None:
+    """An all-reduce over `axes` of which each device keeps 1/k: reduce-scatter over the
+    innermost of those axes whose sizes multiply to k, then all-reduce over the others
+    (XLA's GPU compiler splits it so; for k = n it is a plain reduce-scatter)."""
+    names = axes.split("+")
+    for cut in range(len(names)):
+        inner = names[cut:]
+        if math.prod(mesh_shape[a] for a in inner) == k:
+            return "+".join(inner), "+".join(names[:cut])
+    return None
+
+
+def _ring_bytes(op: str, operand_bytes: float, n: int) -> float:
+    if op == "all-reduce":
+        return 2 * (n - 1) / n * operand_bytes
+    if op == "all-gather":
+        return (n - 1) * operand_bytes  # the result is n operands
+    if op == "collective-permute":
+        return operand_bytes
+    return (n - 1) / n * operand_bytes  # reduce-scatter, all-to-all: of the full buffer
+
+
+def step_traffic(module: hlo.HloModule, mesh_shape: Mapping[str, int]) -> list[Traffic]:
+    """Every collective of the step, as (op, axes) rows with counts and bytes per device."""
+    num_devices = math.prod(mesh_shape.values())
+    runs = module.runs_per_step()
+    totals: dict[tuple[str, str, bool], list[float]] = {}
+    for c in module.collectives:
+        groups = device_groups(c.attributes, num_devices)
+        permute = c.op == "collective-permute"
+        n = 2 if permute else (len(groups[0]) if groups else num_devices)
+        if n <= 1 or (groups and max(len(g) for g in groups) <= 1):
+            continue
+        axes = axes_of_groups(groups, mesh_shape, permute) if groups else "?"
+        times = runs.get(c.computation, 1)
+        instr = module.instructions[c.computation][c.name]
+        sizes = [size * _source_width(module, c.computation, operand)
+                 for size, operand in zip(c.operand_bytes, instr.operands)]
+        # (op, axes, group size, operand bytes, converted from all-reduce + slice)
+        parts = [(c.op, axes, n, sum(sizes), False)]
+        if c.op == "all-reduce" and axes != "?":
+            parts = []
+            for size, k in zip(sizes, _operand_slice_fractions(module, c)):
+                split = _split_all_reduce(axes, n, k, mesh_shape) if k > 1 else None
+                if split is None:
+                    parts.append(("all-reduce", axes, n, size, False))
+                    continue
+                scatter_axes, rest = split
+                parts.append(("reduce-scatter", scatter_axes, k, size, True))
+                if rest:
+                    parts.append(("all-reduce", rest, n // k, size / k, True))
+        for op, on_axes, group, operand_bytes, converted in parts:
+            row = totals.setdefault((op, on_axes, converted), [0, 0.0])
+            row[0] += times
+            row[1] += times * _ring_bytes(op, operand_bytes, group)
+    return [Traffic(op, axes, int(count), total, converted)
+            for (op, axes, converted), (count, total) in sorted(totals.items())]
