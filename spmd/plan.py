@@ -70,9 +70,19 @@ class Plan:
         return self.xla["argument"] - self.batch_bytes if self.xla else None
 
     @property
+    def fit_basis(self) -> str:
+        """Which peak the verdict trusts: XLA's, except for a bf16 step compiled on CPU
+        for an accelerator (XLA:CPU keeps bf16 temporaries in float32, measured at
+        about the same size as a float32 step's), or when XLA reports none."""
+        on_cpu = self.layout.mesh.devices.flat[0].platform == "cpu"
+        targets_accelerator = self.hardware is not None and self.hardware.name != "cpu"
+        if self.xla is None or (on_cpu and targets_accelerator and self.cfg.dtype == "bfloat16"):
+            return "theory"
+        return "xla"
+
+    @property
     def peak(self) -> float:
-        """XLA's peak when it reports one, else the theory's."""
-        return self.xla["peak"] if self.xla else sum(self.theory_memory.values())
+        return self.xla["peak"] if self.fit_basis == "xla" else sum(self.theory_memory.values())
 
     @property
     def usable(self) -> float | None:
@@ -101,6 +111,7 @@ class Plan:
                 "theory": {k: round(v) for k, v in self.theory_memory.items()},
                 "xla": {f"{k}_bytes": v for k, v in self.xla.items()} if self.xla else None,
                 "peak_bytes": round(self.peak),
+                "peak_from": self.fit_basis,
                 "usable_bytes": round(self.usable) if self.usable else None,
             },
             "collectives": [{"op": r.op, "axis": r.axes, "count": r.count, "bytes_per_device": round(r.measured),

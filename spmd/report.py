@@ -86,12 +86,14 @@ def plan_table(plan) -> list[str]:
 
 def verdict(plan) -> str:
     if plan.hardware is None:
-        return "fit: give --hardware (spmd/hardware.toml) to check it"
+        return f"peak {human_bytes(plan.peak)}; give --hardware (spmd/hardware.toml) to check the fit"
     hw, spare = plan.hardware, plan.usable - plan.peak
     where = f"{hw.name} ({human_bytes(plan.usable)} per device)"
+    peak = f"peak {human_bytes(plan.peak)}" + (" (theory: XLA:CPU keeps bf16 temporaries in float32)"
+                                               if plan.fit_basis == "theory" and plan.xla else "")
     if spare >= 0:
-        return f"fits on {where}: peak {human_bytes(plan.peak)}, {human_bytes(spare)} to spare"
-    return f"DOES NOT FIT on {where}: peak {human_bytes(plan.peak)}, over by {human_bytes(-spare)}"
+        return f"fits on {where}: {peak}, {human_bytes(spare)} to spare"
+    return f"DOES NOT FIT on {where}: {peak}, over by {human_bytes(-spare)}"
 
 
 def roofline_lines(plan) -> list[str]:
@@ -130,7 +132,7 @@ def plan_summary(plan) -> list[str]:
     """The compact version printed at the start of every training run."""
     mem = plan.theory_memory
     lines = [f"state per device: params {human_bytes(mem['params'])}, optimizer {human_bytes(mem['opt_state'])} "
-             f"(XLA: {human_bytes(plan.measured_state or 0)} in all); peak {human_bytes(plan.peak)}; {verdict(plan)}"]
+             f"(XLA: {human_bytes(plan.measured_state or 0)} in all); {verdict(plan)}"]
     shown = [r for r in plan.rows if r.count and (r.theory or r.unexpected)]
     lines += [f"  {r.op} {r.axes}{' *' if r.from_all_reduce else ''}: {r.count} per step, {human_bytes(r.measured)}"
               f" (theory {human_bytes(r.theory) if r.theory else '-'}, {_ratio(r).strip()})" for r in shown]

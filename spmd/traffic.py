@@ -8,7 +8,10 @@ it runs in a step (loop trip counts included).
 XLA's GPU and TPU compilers turn an all-reduce whose every use keeps only this device's
 1/N slice into a reduce-scatter; XLA:CPU has no such pass and leaves the all-reduce plus
 a dynamic-slice. Plans are made on emulated CPU devices for the accelerators they target,
-so that pattern is reported as the reduce-scatter those compilers emit (and marked).
+so that pattern is reported as the reduce-scatter those compilers emit (and marked). Like
+XLA's pass, it is recognised by shape: every use of the result is a dynamic slice of 1/k
+of it, k the size of the innermost axes of the group. XLA:CPU also runs bf16 collectives
+in float32 (converting up just before); those count at their bf16 size.
 """
 
 from __future__ import annotations
@@ -34,11 +37,6 @@ class Traffic:
     count: int  # executions per step
     bytes_per_device: float  # per step
     from_all_reduce: bool = False  # split out of an all-reduce + slice (see the module doc)
-
-    def as_json(self) -> dict:
-        return {"op": self.op, "axis": self.axes, "count": self.count,
-                "bytes_per_device": round(self.bytes_per_device),
-                **({"from_all_reduce_and_slice": True} if self.from_all_reduce else {})}
 
 
 # ----------------------------------------------------------------------------- groups
@@ -188,7 +186,7 @@ def _operand_slice_fractions(module: hlo.HloModule, c: hlo.Collective) -> list[i
     return out
 
 
-def _split_all_reduce(axes: str, n: int, k: int, mesh_shape: Mapping[str, int]) -> tuple[str, str] | None:
+def _split_all_reduce(axes: str, k: int, mesh_shape: Mapping[str, int]) -> tuple[str, str] | None:
     """An all-reduce over `axes` of which each device keeps 1/k: reduce-scatter over the
     innermost of those axes whose sizes multiply to k, then all-reduce over the others
     (XLA's GPU compiler splits it so; for k = n it is a plain reduce-scatter)."""
@@ -231,7 +229,7 @@ def step_traffic(module: hlo.HloModule, mesh_shape: Mapping[str, int]) -> list[T
         if c.op == "all-reduce" and axes != "?":
             parts = []
             for size, k in zip(sizes, _operand_slice_fractions(module, c)):
-                split = _split_all_reduce(axes, n, k, mesh_shape) if k > 1 else None
+                split = _split_all_reduce(axes, k, mesh_shape) if k > 1 else None
                 if split is None:
                     parts.append(("all-reduce", axes, n, size, False))
                     continue
