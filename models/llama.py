@@ -3,20 +3,20 @@
 RMSNorm, rotary embeddings, grouped-query attention and a SwiGLU MLP; the blocks are
 created stacked (one leading "layers" axis) and run with a scan, so compile time does not
 grow with depth. Every parameter and the important activations carry logical axis names
-(`batch, seq, embed, heads, kv_heads, head_dim, mlp, vocab, layers`); nothing here knows
+(`batch, seq, residual_seq, embed, heads, kv_heads, head_dim, mlp, vocab, layers`); nothing here knows
 about meshes, devices or parallel strategies.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from models.annotate import ACTIVATION, constrain, weight
+from models.attention import attend
 
 # Activation checkpointing of each block. Every policy keeps only what it lists, so a
 # weight as used (`models.annotate.weight`: cast, and gathered if it is stored split) is
@@ -108,12 +108,7 @@ class Attention(nnx.Module):
 
         # Query head h reads key/value head h // groups: split heads as (kv_heads, groups).
         q = q.reshape(b, s, cfg.kv_heads, groups, cfg.head_dim)
-        scores = jnp.einsum("bskgd,btkd->bkgst", q, k).astype(jnp.float32)
-        scores = scores / math.sqrt(cfg.head_dim)
-        causal = jnp.tril(jnp.ones((s, s), dtype=bool))
-        scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-        out = jnp.einsum("bkgst,btkd->bskgd", probs, v).reshape(b, s, cfg.heads, cfg.head_dim)
+        out = attend(q, k, v, positions).reshape(b, s, cfg.heads, cfg.head_dim)
         out = constrain(out, "batch", "seq", "heads", "head_dim")
         return jnp.einsum("bshd,hde->bse", out, weight(self.wo, dt))
 
@@ -142,10 +137,12 @@ class Block(nnx.Module):
         self.mlp = SwiGLU(cfg, dtype, rngs)
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        x = x + self.attn(self.attn_norm(x), positions)
-        x = constrain(x, "batch", "seq", "embed")
-        x = x + self.mlp(self.mlp_norm(x))
-        return constrain(x, "batch", "seq", "embed")
+        # The residual stream (and the norms on it) may be split along the sequence more
+        # finely than the attention and MLP inside ("residual_seq", e.g. Megatron-SP).
+        x = x + self.attn(constrain(self.attn_norm(x), "batch", "seq", "embed"), positions)
+        x = constrain(x, "batch", "residual_seq", "embed")
+        x = x + self.mlp(constrain(self.mlp_norm(x), "batch", "seq", "embed"))
+        return constrain(x, "batch", "residual_seq", "embed")
 
 
 class Llama(nnx.Module):
@@ -167,12 +164,15 @@ class Llama(nnx.Module):
         if not cfg.tie_embeddings:
             self.head = _param(rngs, (cfg.embed, cfg.vocab), ("embed", "vocab"), cfg.embed**-0.5)
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
+    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+        """`positions` (seq,): where each column sits in the sequence (default: in order;
+        a trainer may reorder the columns, e.g. to balance causal attention)."""
         cfg, dt = self.cfg, self.dtype
-        positions = jnp.arange(tokens.shape[1])
+        if positions is None:
+            positions = jnp.arange(tokens.shape[1])
         # A lookup has no FLOPs to save: rows are read (and their gradient summed) in float32.
         x = jnp.take(weight(self.embedding, jnp.float32), tokens, axis=0).astype(dt)
-        x = constrain(x, "batch", "seq", "embed")
+        x = constrain(x, "batch", "residual_seq", "embed")
 
         def run_block(block: Block, x: jax.Array) -> jax.Array:
             return block(x, positions)
@@ -183,7 +183,7 @@ class Llama(nnx.Module):
         def over_layers(x: jax.Array, block: Block) -> jax.Array:
             return run_block(block, x)
 
-        x = self.final_norm(over_layers(x, self.blocks))
+        x = constrain(self.final_norm(over_layers(x, self.blocks)), "batch", "seq", "embed")
         if cfg.tie_embeddings:
             head = weight(self.embedding, dt).T * cfg.embed**-0.5
         else:

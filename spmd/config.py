@@ -19,6 +19,7 @@ from spmd.errors import UserError
 DTYPES = ("float32", "bfloat16")
 REMAT = ("none", "full", "dots")
 ON_NAN = ("stop", "skip")
+ATTENTION = ("ring", "all-gather")
 
 
 def _field(default, help: str, **argparse_kwargs):
@@ -47,6 +48,8 @@ class TrainConfig:
     zero: int = _field(0, "ZeRO stage over dp: 0 replicas, 1 optimizer state, 2 + gradients, 3 + parameters", choices=(0, 1, 2, 3))
     grad_accum: int = _field(1, "microbatches per step, accumulated in a scan with one gradient reduction")
     remat: str = _field("none", "activation checkpointing of each block", choices=REMAT)
+    attention: str = _field("ring", "attention across the sp axis: K/V blocks passed around a ring, or all-gathered", choices=ATTENTION)
+    megatron_sp: bool = _field(False, "Megatron sequence parallelism: norms and residuals split along the sequence over tp too")
     log_every: int = _field(10, "print a log line every N steps (metrics are fetched from devices only then)")
     metrics_file: str | None = _field(None, "write one JSON object per step to this .jsonl file (appended on resume)")
     out: str | None = _field(None, "directory for checkpoints; a run resumes from its latest checkpoint there")

@@ -104,7 +104,7 @@ def make_layout(cfg, devices=None, for_training: bool = True) -> Layout:
     shape = resolve_mesh(parse_mesh(cfg.mesh), len(devices))
     if shape["pp"] > 1:
         raise UserError("pipeline parallelism (pp > 1) is not available yet; use dp, fsdp, ep, sp and tp")
-    rules = make_rules(cfg.zero)
+    rules = make_rules(cfg.zero, cfg.megatron_sp)
     skeleton = model_skeleton(cfg.model, cfg.dtype, cfg.remat)
     check_divisible(cfg, shape, rules, skeleton, for_training)
     return Layout(build_mesh(shape, devices), shape, rules, skeleton)
@@ -135,8 +135,16 @@ def check_batch(cfg, shape: Mapping[str, int]) -> None:
     if cfg.microbatch % shards:
         what = f"--batch {cfg.batch}" + (f" / --grad-accum {cfg.grad_accum} = {cfg.microbatch}" if cfg.grad_accum > 1 else "")
         raise UserError(f"{what} does not divide by the batch axes ({batch_axes} = {shards} shards)")
-    if cfg.seq % shape["sp"]:
-        raise UserError(f"--seq {cfg.seq} does not divide by sp={shape['sp']}")
+    sp = shape["sp"]
+    if sp > 1 and cfg.grad_accum > 1:
+        # The per-shard vmap of accumulation around sp's shard_map fails MLIR verification
+        # in jax 0.10.2.
+        raise UserError("--grad-accum with sp > 1 is not supported yet; use a smaller --batch or more devices")
+    if sp > 1 and cfg.seq % (2 * sp):
+        raise UserError(f"--seq {cfg.seq} does not divide into 2 x sp = {2 * sp} chunks "
+                        "(sequence parallelism gives each sp rank two chunks, one early and one late)")
+    if cfg.megatron_sp and cfg.seq % (sp * shape["tp"]):
+        raise UserError(f"--megatron-sp: --seq {cfg.seq} does not divide by sp x tp = {sp * shape['tp']}")
 
 
 def bytes_per_device(tree) -> int:

@@ -14,7 +14,10 @@ In one fused step stages 1 and 2 compile alike: the optimizer only reads its own
 of the reduced gradient, so gradients are reduce-scattered straight to it (ZeRO's
 communication volume of reduce-scatter + all-gather), never all-reduced whole.
 Pipeline stages (`pp` on `layers`) and experts (`ep` on `experts`) have their entries here
-too, so those features plug in without touching models.
+too, so those features plug in without touching models. Megatron sequence parallelism
+(`--megatron-sp`) is a variant of the table: outside attention and the MLP, the residual
+stream's sequence (`residual_seq`) is split over tp as well, so XLA turns each tensor-
+parallel all-reduce into a reduce-scatter into that layout and an all-gather out of it.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ Axes = str | tuple[str, ...] | None
 TABLE: dict[str, tuple[Axes, Axes]] = {
     "batch": (None, BATCH_AXES),
     "seq": (None, "sp"),
+    "residual_seq": (None, "sp"),  # the residual stream's sequence; Megatron-SP adds tp
     "embed": ("fsdp", None),
     "heads": ("tp", "tp"),
     "kv_heads": ("tp", "tp"),
@@ -81,11 +85,16 @@ class Rules:
         return tuple(table.items())
 
 
-def make_rules(zero: int) -> Rules:
+MEGATRON_SP = {"residual_seq": ("sp", "tp")}  # norms and residuals split along the sequence over tp too
+
+
+def make_rules(zero: int, megatron_sp: bool = False) -> Rules:
     if zero not in ZERO_STAGES:
         raise ValueError(f"zero stage must be one of {ZERO_STAGES}")
     at_rest = {name: entry[0] for name, entry in TABLE.items()}
     compute = {name: entry[1] for name, entry in TABLE.items()}
+    if megatron_sp:
+        compute.update(MEGATRON_SP)
 
     def with_dp(stage: int) -> dict[str, Axes]:
         table = dict(at_rest)

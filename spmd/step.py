@@ -17,21 +17,28 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
 from models import Llama
 from models.annotate import storage
+from models.attention import attention_implementation
 from spmd.layout import DTYPES, Layout
 from spmd.mesh import BATCH_AXES
+from spmd.context import make_attention, zigzag_order
 from spmd.optim import make_optimizer, schedule
 
 
-def _loss(graphdef, params, rows: jax.Array) -> jax.Array:
-    """Mean next-token cross-entropy of token rows (b, seq + 1)."""
+def _loss(graphdef, params, rows: jax.Array, order: np.ndarray | None = None) -> jax.Array:
+    """Mean next-token cross-entropy of token rows (b, seq + 1). `order`: the columns'
+    order for the model (a permutation of the positions); the mean is that of any order."""
     model = nnx.merge(graphdef, params)
-    logits = model(rows[:, :-1])
-    targets = jax.nn.one_hot(rows[:, 1:], logits.shape[-1], dtype=logits.dtype)
+    inputs, targets, positions = rows[:, :-1], rows[:, 1:], jnp.arange(rows.shape[1] - 1)
+    if order is not None:
+        inputs, targets, positions = inputs[:, order], targets[:, order], positions[order]
+    logits = model(inputs, positions)
+    targets = jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype)
     # One-hot rather than a gather: the vocab dimension may be split over tp.
     picked = jnp.sum(logits * targets, axis=-1)
     return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - picked)
@@ -74,16 +81,21 @@ def build_program(cfg, layout: Layout) -> Program:
         "opt_state": layout.opt_state_shardings(tx, shapes["opt_state"]),
     }
 
+    sequence_parallel = layout.shape["sp"] > 1
+    order = zigzag_order(cfg.seq, layout.shape["sp"]) if sequence_parallel else None
+
     def annotated(batch_local: bool = False):
         """The rules that the model's annotations read (models.annotate)."""
         stack = contextlib.ExitStack()
         stack.enter_context(nnx.logical_axis_rules(rules.activation_rules(batch_local)))
         stack.enter_context(storage(rules.storage(batch_local)))
+        if sequence_parallel:
+            stack.enter_context(attention_implementation(make_attention(layout.mesh, cfg.attention)))
         return stack
 
     def loss_and_grads(params, rows):
         with annotated():
-            return jax.value_and_grad(lambda p: _loss(graphdef, p, rows))(params)
+            return jax.value_and_grad(lambda p: _loss(graphdef, p, rows, order))(params)
 
     def accumulated(params, rows):
         k, shards = cfg.grad_accum, layout.batch_shards
@@ -95,7 +107,7 @@ def build_program(cfg, layout: Layout) -> Program:
 
         def shard_grads(p, shard_rows):
             with annotated(batch_local=True):
-                return jax.value_and_grad(lambda q: _loss(graphdef, q, shard_rows))(p)
+                return jax.value_and_grad(lambda q: _loss(graphdef, q, shard_rows, order))(p)
 
         per_shard = jax.vmap(shard_grads, in_axes=(None, 0), spmd_axis_name=BATCH_AXES)
 

@@ -65,7 +65,11 @@ def uses(p: Param, model_cfg, compute_bytes: int) -> tuple[int, ...]:
     and a tied embedding also as the output head."""
     if p.path == LOOKUP_TABLE:
         return (p.itemsize, compute_bytes) if model_cfg.tie_embeddings else (p.itemsize,)
-    return (p.itemsize,) if len([n for n in p.names if n != "layers"]) == 1 else (compute_bytes,)
+    return (p.itemsize,) if _is_vector(p) else (compute_bytes,)
+
+
+def _is_vector(p: Param) -> bool:
+    return len([n for n in p.names if n != "layers"]) == 1
 
 
 def params(layout: Layout) -> list[Param]:
@@ -97,9 +101,13 @@ def collectives(cfg, layout: Layout) -> list[Expected]:
     shape, rules = layout.shape, layout.rules
     compute_bytes = jnp.dtype(DTYPES[cfg.dtype]).itemsize
     model_cfg = layout.skeleton.model_cfg
-    token_axes = _live(TOKEN_AXES, shape)
+    plain_tokens = _live(TOKEN_AXES, shape)
+    # Under Megatron-SP the residual stream is split over tp too, and with it the tokens
+    # that the vectors used on it (norm scales) see.
+    residual_tokens = _live((*TOKEN_AXES, "tp"), shape) if cfg.megatron_sp else plain_tokens
     out: list[Expected] = []
     for p in params(layout):
+        token_axes = residual_tokens if _is_vector(p) else plain_tokens
         compute = _spec_axes(p.names, rules.activations)
         at_rest = _spec_axes(p.names, rules.params)
         slice_numel = p.numel / _ways(compute, shape)  # one device's slice, as used
@@ -131,6 +139,7 @@ def collectives(cfg, layout: Layout) -> list[Expected]:
             out.append(Expected("all-gather", "+".join(regather), (n - 1) / n * stored,
                                 "parameters after the sharded optimizer update (ZeRO-1/2)"))
     out += _tensor_parallel(cfg, layout, compute_bytes)
+    out += _sequence_parallel(cfg, layout, compute_bytes)
     return out
 
 
@@ -140,19 +149,59 @@ def _tensor_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
         return []
     model = layout.skeleton.model_cfg
     tokens = tokens_per_device(cfg, layout.shape)
-    ring = 2 * (t - 1) / t
     activation = tokens * model.embed * compute_bytes
-    # Full remat recomputes the forward up to the MLP (its output is not needed for
-    # gradients): the attention output's all-reduce runs once more.
-    per_layer = 5 if cfg.remat == "full" else 4
-    out = [Expected("all-reduce", "tp", ring * activation * per_layer * model.layers,
-                    "Megatron: block outputs forward, block input gradients backward")]
-    if "tp" in axes_of(layout.rules.activations["vocab"]):
-        lookup = tokens * model.embed * 4  # float32 rows (see LOOKUP_TABLE)
-        out.append(Expected("all-reduce", "tp", ring * (lookup + activation),
-                            "vocab split: embedding lookup forward, output head input gradient backward"))
-        out.append(Expected("all-reduce", "tp", ring * tokens * 4 * 3, "vocab split: softmax statistics"))
+    lookup = tokens * model.embed * 4  # float32 rows (see LOOKUP_TABLE)
+    vocab_split = "tp" in axes_of(layout.rules.activations["vocab"])
+    out = []
+
+    def reduced(nbytes: float, times: float, why: str):
+        """`times` all-reduces of `nbytes`; under Megatron-SP each is a reduce-scatter
+        into the sequence-split residual stream and an all-gather out of it."""
+        if cfg.megatron_sp:
+            out.append(Expected("reduce-scatter", "tp", times * (t - 1) / t * nbytes, why))
+            out.append(Expected("all-gather", "tp", times * (t - 1) / t * nbytes, why))
+        else:
+            out.append(Expected("all-reduce", "tp", times * 2 * (t - 1) / t * nbytes, why))
+
+    # Per layer: the attention and MLP outputs forward, their input gradients backward.
+    reduced(activation, 4 * model.layers, "Megatron: block outputs forward, block input gradients backward")
+    if cfg.remat == "full":
+        # The forward is recomputed up to the MLP (its output is not needed for gradients).
+        if cfg.megatron_sp:  # attention input and output, and the MLP's input, again
+            out.append(Expected("all-gather", "tp", 2 * model.layers * (t - 1) / t * activation, "remat"))
+            out.append(Expected("reduce-scatter", "tp", model.layers * (t - 1) / t * activation, "remat"))
+        else:
+            reduced(activation, model.layers, "remat: the attention output again")
+    if vocab_split and cfg.megatron_sp:
+        # XLA gathers the float32 table for the lookup (and reduce-scatters its gradient)
+        # rather than reduce-scattering the looked-up rows.
+        table = model.vocab * model.embed * 4
+        out.append(Expected("all-gather", "tp", (t - 1) / t * table, "vocab split: the table, for the lookup"))
+        out.append(Expected("reduce-scatter", "tp", (t - 1) / t * table, "vocab split: the table's gradient"))
+        reduced(activation, 1, "vocab split: the output head's input")
+    elif vocab_split:
+        reduced(lookup, 1, "vocab split: embedding lookup (float32 rows)")
+        reduced(activation, 1, "vocab split: the output head's input")
+    if vocab_split:
+        out.append(Expected("all-reduce", "tp", 2 * (t - 1) / t * tokens * 4 * 3, "vocab split: softmax statistics"))
     return out
+
+
+def _sequence_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
+    """K/V traffic of attention over sp (spmd.context), per layer."""
+    n = layout.shape["sp"]
+    if n == 1:
+        return []
+    model, shape = layout.skeleton.model_cfg, layout.shape
+    kv_heads = model.kv_heads / _ways(axes_of(layout.rules.activations["kv_heads"]), shape)
+    block = cfg.batch / _ways(BATCH_AXES, shape) * cfg.seq / n * kv_heads * model.head_dim * compute_bytes
+    recomputed = cfg.remat != "none"  # "none" keeps the received blocks; the others fetch them again
+    if cfg.attention == "ring":
+        hops = 2 * (n - 1) * (3 if recomputed else 2)  # K and V: forward, their gradients back, [forward again]
+        return [Expected("collective-permute", "sp", model.layers * hops * block, "ring attention: K/V blocks")]
+    gathers = 2 * (2 if recomputed else 1)
+    return [Expected("all-gather", "sp", model.layers * gathers * (n - 1) * block, "attention: K and V gathered"),
+            Expected("reduce-scatter", "sp", model.layers * 2 * (n - 1) * block, "attention: K/V gradients")]
 
 
 def by_op_and_axes(expected: list[Expected]) -> dict[tuple[str, str], float]:

@@ -26,6 +26,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from spmd import hlo
+from spmd.mesh import AXES
 
 _ELEMENTS = re.compile(r"\b[a-z]+\d*\[([\d,]*)\]")
 
@@ -186,15 +187,21 @@ def _operand_slice_fractions(module: hlo.HloModule, c: hlo.Collective) -> list[i
     return out
 
 
+STORAGE_AXES = (("fsdp",), ("fsdp", "dp"), ("dp",))  # how gradients are stored split (spmd.rules)
+
+
 def _split_all_reduce(axes: str, k: int, mesh_shape: Mapping[str, int]) -> tuple[str, str] | None:
-    """An all-reduce over `axes` of which each device keeps 1/k: reduce-scatter over the
-    innermost of those axes whose sizes multiply to k, then all-reduce over the others
-    (XLA's GPU compiler splits it so; for k = n it is a plain reduce-scatter)."""
+    """An all-reduce over `axes` of which each device keeps 1/k: a reduce-scatter over the
+    axes whose sizes multiply to k, then an all-reduce over the others (XLA's GPU compiler
+    splits it so; for k = n it is a plain reduce-scatter). The scattered axes are the ones
+    gradients are stored split over if they fit, else the innermost."""
     names = axes.split("+")
-    for cut in range(len(names)):
-        inner = names[cut:]
-        if math.prod(mesh_shape[a] for a in inner) == k:
-            return "+".join(inner), "+".join(names[:cut])
+    candidates = [c for c in STORAGE_AXES if set(c) <= set(names)]
+    candidates += [tuple(names[cut:]) for cut in range(len(names))]
+    for scatter in candidates:
+        if math.prod(mesh_shape[a] for a in scatter) == k:
+            rest = [a for a in names if a not in scatter]
+            return _joined(*scatter), "+".join(rest)
     return None
 
 
@@ -208,11 +215,44 @@ def _ring_bytes(op: str, operand_bytes: float, n: int) -> float:
     return (n - 1) / n * operand_bytes  # reduce-scatter, all-to-all: of the full buffer
 
 
+def _folded_all_reduces(module: hlo.HloModule) -> dict[str, str]:
+    """All-reduces whose results feed only the next all-reduce, operand for operand:
+    XLA on GPU/TPU folds such a pair into one all-reduce over both groups (XLA:CPU keeps
+    two). -> {first: second}"""
+    folded = {}
+    for c in module.collectives:
+        if c.op != "all-reduce":
+            continue
+        table = module.instructions[c.computation]
+        sources = set()
+        for operand in table[c.name].operands:
+            instr = table.get(operand)
+            sources.add(instr.operands[0] if instr is not None and instr.op == "get-tuple-element" else operand)
+        if len(sources) != 1:
+            continue
+        first = table.get(sources.pop())
+        if first is None or first.op != "all-reduce":
+            continue
+        feeds_only_this = all(u.name == c.name or (u.op == "get-tuple-element" and
+                                                   {w.name for w in module.users(c.computation, u.name)} == {c.name})
+                              for u in module.users(c.computation, first.name))
+        if feeds_only_this:
+            folded[first.name] = c.name
+    return folded
+
+
+def _joined(*labels: str) -> str:
+    names = {a for label in labels for a in label.split("+")}
+    return "+".join(a for a in AXES if a in names) if "?" not in names else "?"
+
+
 def step_traffic(module: hlo.HloModule, mesh_shape: Mapping[str, int]) -> list[Traffic]:
     """Every collective of the step, as (op, axes) rows with counts and bytes per device."""
     num_devices = math.prod(mesh_shape.values())
     runs = module.runs_per_step()
     totals: dict[tuple[str, str, bool], list[float]] = {}
+    folded = _folded_all_reduces(module)
+    axes_folded_in: dict[str, str] = {}
     for c in module.collectives:
         groups = device_groups(c.attributes, num_devices)
         permute = c.op == "collective-permute"
@@ -220,6 +260,12 @@ def step_traffic(module: hlo.HloModule, mesh_shape: Mapping[str, int]) -> list[T
         if n <= 1 or (groups and max(len(g) for g in groups) <= 1):
             continue
         axes = axes_of_groups(groups, mesh_shape, permute) if groups else "?"
+        if c.name in folded:  # counted with the all-reduce it feeds
+            axes_folded_in[folded[c.name]] = axes
+            continue
+        if c.name in axes_folded_in:
+            axes = _joined(axes, axes_folded_in[c.name])
+            n = math.prod(mesh_shape[a] for a in axes.split("+")) if axes != "?" else n
         times = runs.get(c.computation, 1)
         instr = module.instructions[c.computation][c.name]
         sizes = [size * _source_width(module, c.computation, operand)

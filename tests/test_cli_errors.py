@@ -19,6 +19,10 @@ CASES = {
     "unknown flag": (["--wrap", "3"], "unrecognized arguments"),
     "pipeline not available": (["--mesh", "pp=2,dp=4"], "pipeline parallelism"),
     "unknown hardware": (["--hardware", "tpu-v9"], "unknown hardware 'tpu-v9'"),
+    "sequence not in 2 x sp chunks": (["--mesh", "sp=4", "--seq", "12"], "does not divide into 2 x sp = 8 chunks"),
+    "sp with accumulation": (["--mesh", "sp=2", "--grad-accum", "2"], "--grad-accum with sp > 1 is not supported"),
+    "megatron-sp sequence": (["--mesh", "tp=4", "--megatron-sp", "--seq", "6"], "does not divide by sp x tp = 4"),
+    "unknown attention mode": (["--attention", "flash"], "invalid choice: 'flash'"),
 }
 # spmd.plan takes the same flags; these are its own.
 PLAN_CASES = {

@@ -1,0 +1,143 @@
+"""Attention across the `sp` axis (sequence / context parallelism), with `jax.shard_map`.
+
+The map is manual over `sp` and the batch axes (each device attends over its own rows)
+and automatic over tp, so the heads keep their split. Every layer's activations are split along the
+sequence; only attention needs the other ranks' keys and values.
+
+Layout (zig-zag): the sequence is cut into 2n chunks for n = sp ranks and rank i holds
+chunks i and 2n-1-i, one early and one late, so under the causal mask every rank has the
+same work. The trainer reorders tokens, targets and positions this way before the model
+(`zigzag_order`); masks compare positions, so the loss is that of the original order.
+
+- ring: K/V blocks travel the ring with `ppermute`, n-1 hops; each hop merges a partial
+  softmax into a running max and sum (the online softmax of flash attention). A chunk
+  pair that the causal mask hides entirely is skipped (`lax.cond`): after the first hop
+  each rank computes 2 of its 4 chunk pairs. XLA may overlap a hop with the previous
+  hop's compute; autodiff sends the K/V gradients back around the ring.
+- all-gather: K and V are all-gathered over sp, queries stay local; the backward pass
+  reduce-scatters their gradients.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.ad_checkpoint import checkpoint_name
+
+from models.annotate import ACTIVATION
+from spmd.mesh import BATCH_AXES
+
+AXIS = "sp"
+_HIDDEN = -1e30  # score of a masked key: finite, so a row with no visible key stays finite
+
+
+def zigzag_order(seq: int, n: int) -> np.ndarray:
+    """Positions in the order the sp ranks hold them: rank i's chunks i and 2n-1-i."""
+    chunks = np.arange(seq).reshape(2 * n, seq // (2 * n))
+    return np.concatenate([np.concatenate([chunks[i], chunks[2 * n - 1 - i]]) for i in range(n)])
+
+
+def make_attention(mesh: jax.sharding.Mesh, mode: str):
+    """attention(q, k, v, positions) for sequences laid out by `zigzag_order` over sp."""
+    n = mesh.shape[AXIS]
+    body = functools.partial(_ring if mode == "ring" else _gathered, n=n)
+    # Manual over sp and the batch axes (each device's own rows), automatic over tp (heads).
+    # (Manual over sp alone, XLA gathered the whole batch for the all-gather variant.)
+    split = jax.P(BATCH_AXES, AXIS)
+
+    def attention(q, k, v, positions):
+        del positions  # each rank knows its own: they follow from the layout
+        return jax.shard_map(body, mesh=mesh, in_specs=(split, split, split), out_specs=split,
+                             axis_names=frozenset({AXIS, *BATCH_AXES}), check_vma=False)(q, k, v)
+
+    return attention
+
+
+def _chunk_positions(rank, chunk: int, n: int) -> tuple[jax.Array, jax.Array]:
+    """Positions of rank's two chunks (early, late)."""
+    offsets = jnp.arange(chunk)
+    return rank * chunk + offsets, (2 * n - 1 - rank) * chunk + offsets
+
+
+def _gathered(q, k, v, *, n: int):
+    from models.attention import causal_attention
+
+    rank = jax.lax.axis_index(AXIS)
+    chunk = q.shape[1] // 2
+    q_positions = jnp.concatenate(_chunk_positions(rank, chunk, n))
+    # Named as activations, like the ring's blocks: kept rather than gathered again.
+    k_all = checkpoint_name(jax.lax.all_gather(k, AXIS, axis=1, tiled=True), ACTIVATION)
+    v_all = checkpoint_name(jax.lax.all_gather(v, AXIS, axis=1, tiled=True), ACTIVATION)
+    k_positions = jnp.asarray(zigzag_order(2 * n * chunk, n))
+    return causal_attention(q, k_all, v_all, q_positions, k_positions)
+
+
+# ----------------------------------------------------------------------------- ring
+
+def _partial(q, k, v, q_positions, k_positions):
+    """Unnormalized attention of a query chunk on a key chunk: (out, row max, row sum)."""
+    scores = jnp.einsum("bskgd,btkd->bkgst", q, k).astype(jnp.float32) / math.sqrt(q.shape[-1])
+    scores = jnp.where(q_positions[:, None] >= k_positions[None, :], scores, _HIDDEN)
+    top = jnp.max(scores, axis=-1)
+    weights = jnp.exp(scores - top[..., None])
+    out = jnp.einsum("bkgst,btkd->bskgd", weights.astype(v.dtype), v).astype(jnp.float32)
+    return out, top, jnp.sum(weights, axis=-1)
+
+
+def _nothing(q):
+    b, s, kv, g, _ = q.shape
+    return (jnp.zeros(q.shape, jnp.float32), jnp.full((b, kv, g, s), _HIDDEN, jnp.float32),
+            jnp.zeros((b, kv, g, s), jnp.float32))
+
+
+def _merge(a, b):
+    """Combine two partial softmaxes over disjoint key sets."""
+    (out_a, top_a, sum_a), (out_b, top_b, sum_b) = a, b
+    top = jnp.maximum(top_a, top_b)
+    wa, wb = jnp.exp(top_a - top), jnp.exp(top_b - top)
+    rows = lambda w: jnp.moveaxis(w, -1, 1)[..., None]  # (b, kv, g, s) -> (b, s, kv, g, 1)  # noqa: E731
+    return out_a * rows(wa) + out_b * rows(wb), top, sum_a * wa + sum_b * wb
+
+
+def _ring(q, k, v, *, n: int):
+    rank = jax.lax.axis_index(AXIS)
+    chunk = q.shape[1] // 2
+    q_chunks = [(q[:, :chunk], rank), (q[:, chunk:], 2 * n - 1 - rank)]
+    ring = [(j, (j + 1) % n) for j in range(n)]
+
+    def visit(states, k, v, source):
+        """Merge the attention of the local queries on the K/V block that `source` holds."""
+        k_chunks = [(k[:, :chunk], v[:, :chunk], source), (k[:, chunk:], v[:, chunk:], 2 * n - 1 - source)]
+        states = list(states)
+        for i, (qc, qi) in enumerate(q_chunks):
+            for kc, vc, ki in k_chunks:
+                # A key chunk after the query chunk is hidden by the causal mask: skip it.
+                part = jax.lax.cond(
+                    qi >= ki,
+                    lambda qc, kc, vc, qi, ki: _partial(qc, kc, vc, *_positions(qi, ki, chunk)),
+                    lambda qc, kc, vc, qi, ki: _nothing(qc),
+                    qc, kc, vc, qi, ki)
+                states[i] = _merge(states[i], part)
+        return tuple(states)
+
+    def hop(carry, step):
+        k, v, states = carry
+        # Named as activations: remat policies that keep those keep the received blocks,
+        # so the backward pass does not pass them around the ring again.
+        k = checkpoint_name(jax.lax.ppermute(k, AXIS, ring), ACTIVATION)
+        v = checkpoint_name(jax.lax.ppermute(v, AXIS, ring), ACTIVATION)
+        return (k, v, visit(states, k, v, (rank - step) % n)), None
+
+    states = visit(tuple(_nothing(qc) for qc, _ in q_chunks), k, v, rank)
+    (_, _, states), _ = jax.lax.scan(hop, (k, v, states), jnp.arange(1, n))
+    outs = [out / jnp.moveaxis(total, -1, 1)[..., None] for out, _, total in states]
+    return jnp.concatenate(outs, axis=1).astype(q.dtype)
+
+
+def _positions(q_chunk, k_chunk, chunk: int):
+    offsets = jnp.arange(chunk)
+    return q_chunk * chunk + offsets, k_chunk * chunk + offsets
