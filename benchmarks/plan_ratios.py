@@ -35,12 +35,17 @@ LAYOUTS = [
     ("3-D + grad-accum 4", 8, dict(TINY, mesh="dp=2,fsdp=2,tp=2", grad_accum=4)),
     ("FSDP+TP, remat full", 8, dict(TINY, mesh="fsdp=4,tp=2", remat="full")),
     ("3-D, bf16", 8, dict(TINY, mesh="dp=2,fsdp=2,tp=2", dtype="bfloat16")),
+    ("sp=4 ring", 4, dict(TINY, mesh="sp=4")),
+    ("sp=4 all-gather", 4, dict(TINY, mesh="sp=4", attention="all-gather")),
+    ("dp,fsdp,sp ring", 8, dict(TINY, mesh="dp=2,fsdp=2,sp=2")),
+    ("Megatron-SP tp=2", 2, dict(TINY, mesh="tp=2", megatron_sp=True)),
+    ("Megatron-SP sp=2,tp=2", 4, dict(TINY, mesh="sp=2,tp=2", megatron_sp=True)),
     ("llama3-8b fsdp=8,tp=8 bf16", 64,
      dict(model="llama3-8b", batch=64, seq=2048, mesh="fsdp=8,tp=8", dtype="bfloat16", remat="full")),
     ("llama3-8b HSDP+ZeRO-1 bf16", 8,
      dict(model="llama3-8b", batch=16, seq=2048, mesh="dp=4,fsdp=2", zero=1, dtype="bfloat16", remat="dots")),
 ]
-OPS = ("all-gather", "reduce-scatter", "all-reduce")
+OPS = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute")
 
 
 def main() -> int:

@@ -29,6 +29,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from models.annotate import ACTIVATION
+from models.attention import causal_attention
 from spmd.mesh import BATCH_AXES
 
 AXIS = "sp"
@@ -57,18 +58,15 @@ def make_attention(mesh: jax.sharding.Mesh, mode: str):
     return attention
 
 
-def _chunk_positions(rank, chunk: int, n: int) -> tuple[jax.Array, jax.Array]:
-    """Positions of rank's two chunks (early, late)."""
-    offsets = jnp.arange(chunk)
-    return rank * chunk + offsets, (2 * n - 1 - rank) * chunk + offsets
+def _positions(chunk_index, chunk: int) -> jax.Array:
+    """Positions of the `chunk_index`-th chunk of `chunk` tokens."""
+    return chunk_index * chunk + jnp.arange(chunk)
 
 
 def _gathered(q, k, v, *, n: int):
-    from models.attention import causal_attention
-
     rank = jax.lax.axis_index(AXIS)
     chunk = q.shape[1] // 2
-    q_positions = jnp.concatenate(_chunk_positions(rank, chunk, n))
+    q_positions = jnp.concatenate([_positions(rank, chunk), _positions(2 * n - 1 - rank, chunk)])
     # Named as activations, like the ring's blocks: kept rather than gathered again.
     k_all = checkpoint_name(jax.lax.all_gather(k, AXIS, axis=1, tiled=True), ACTIVATION)
     v_all = checkpoint_name(jax.lax.all_gather(v, AXIS, axis=1, tiled=True), ACTIVATION)
@@ -118,7 +116,7 @@ def _ring(q, k, v, *, n: int):
                 # A key chunk after the query chunk is hidden by the causal mask: skip it.
                 part = jax.lax.cond(
                     qi >= ki,
-                    lambda qc, kc, vc, qi, ki: _partial(qc, kc, vc, *_positions(qi, ki, chunk)),
+                    lambda qc, kc, vc, qi, ki: _partial(qc, kc, vc, _positions(qi, chunk), _positions(ki, chunk)),
                     lambda qc, kc, vc, qi, ki: _nothing(qc),
                     qc, kc, vc, qi, ki)
                 states[i] = _merge(states[i], part)
@@ -136,8 +134,3 @@ def _ring(q, k, v, *, n: int):
     (_, _, states), _ = jax.lax.scan(hop, (k, v, states), jnp.arange(1, n))
     outs = [out / jnp.moveaxis(total, -1, 1)[..., None] for out, _, total in states]
     return jnp.concatenate(outs, axis=1).astype(q.dtype)
-
-
-def _positions(q_chunk, k_chunk, chunk: int):
-    offsets = jnp.arange(chunk)
-    return q_chunk * chunk + offsets, k_chunk * chunk + offsets

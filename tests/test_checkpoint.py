@@ -78,8 +78,8 @@ def poisoned_loss(monkeypatch):
     marks = [int(source.rows(step, 0, 1, 33)[0, 0]) * 1000 + int(source.rows(step, 0, 1, 33)[0, 1])
              for step in (2, 3)]
 
-    def loss(graphdef, params, rows):
-        value = real(graphdef, params, rows)
+    def loss(graphdef, params, rows, order=None):
+        value = real(graphdef, params, rows, order)
         key = rows[0, 0] * 1000 + rows[0, 1]
         hit = jnp.any(jnp.asarray(marks) == key)
         return jnp.where(hit, jnp.nan, value)
