@@ -50,7 +50,7 @@ OPS = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute")
 
 def main() -> int:
     names = [name for name, _, _ in LAYOUTS if len(sys.argv) < 2 or any(a in name for a in sys.argv[1:])]
-    header = f"{'layout':30}{'collectives':>12}" + "".join(f"{op:>16}" for op in OPS) + f"{'state':>8}  unexpected"
+    header = f"{'layout':30}{'collectives':>12}" + "".join(f"{op:>20}" for op in OPS) + f"{'state':>8}  unexpected"
     print("measured / theory, bytes per device per step\n" + header)
     worst = 0.0
     for name, devices, overrides in LAYOUTS:
@@ -64,7 +64,7 @@ def main() -> int:
         for op in OPS:
             m = sum(r.measured for r in plan.rows if r.op == op and r.theory)
             t = sum(r.theory for r in plan.rows if r.op == op)
-            per_op.append(f"{m / t:16.3f}" if t else f"{'-':>16}")
+            per_op.append(f"{m / t:20.3f}" if t else f"{'-':>20}")
             worst = max(worst, abs(m / t - 1) if t else 0.0)
         state = plan.measured_state / plan.theory_state
         worst = max(worst, abs(measured / theory - 1) if theory else 0.0, abs(state - 1))
