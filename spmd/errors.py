@@ -1,5 +1,39 @@
-"""The one exception type for mistakes in what the user asked for."""
+"""The one exception type for mistakes in what the user asked for, and how CLIs report it."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import tempfile
 
 
 class UserError(Exception):
     """Bad input: the CLI prints `error: <message>` on one line and exits 2."""
+
+
+@contextlib.contextmanager
+def one_line_errors():
+    """Run a CLI's checks and set-up; a UserError becomes one `error: ...` line and exit 2.
+
+    Meanwhile stderr is held back for every thread: a failed checkpoint read leaves
+    Orbax's I/O threads printing tracebacks, which must not surround the one line. When
+    the block ends otherwise (ready, or crashed), stderr comes back with what was held.
+    """
+    sys.stderr.flush()
+    stderr = os.dup(2)
+    held = tempfile.TemporaryFile()
+    os.dup2(held.fileno(), 2)
+    try:
+        yield
+    except UserError as exc:
+        sys.stdout.flush()
+        os.write(stderr, f"error: {exc}\n".encode())
+        os._exit(2)  # nothing has been written; exit before those threads are done
+    finally:
+        sys.stderr.flush()
+        os.dup2(stderr, 2)
+        os.close(stderr)
+        held.seek(0)
+        os.write(2, held.read())
+        held.close()

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import sys
 from pathlib import Path
 
-from spmd.errors import UserError
+from spmd.errors import UserError, one_line_errors
 
 
 def main(argv=None) -> int:
@@ -27,11 +26,8 @@ def main(argv=None) -> int:
     parser.add_argument("--mesh", help="mesh to restore onto (default: the one that wrote the checkpoint)")
     parser.add_argument("--cpu-devices", type=int, help="emulated CPU devices (default: what the mesh needs)")
     args = parser.parse_args(argv)
-    try:
+    with one_line_errors():
         export(args)
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        os._exit(2)  # as spmd.train: nothing written, and no Orbax shutdown noise
     return 0
 
 

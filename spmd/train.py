@@ -8,49 +8,27 @@ devices).
 
 from __future__ import annotations
 
-import os
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 from spmd.config import TrainConfig, parse_args
-from spmd.errors import UserError
+from spmd.errors import UserError, one_line_errors
 from spmd.mesh import emulate_cpu_devices, parse_mesh
 
 EXIT_NON_FINITE = 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    # Until the run is ready, stderr (of every thread) is held back: a failed checkpoint
-    # read leaves Orbax's I/O threads printing tracebacks, and bad input must show one line.
-    sys.stderr.flush()
-    stderr = os.dup(2)
-    held = tempfile.TemporaryFile()
-    os.dup2(held.fileno(), 2)
-    try:
+    with one_line_errors():
         cfg = parse_args(argv)
         emulate_cpu_devices(parse_mesh(cfg.mesh), cfg.cpu_devices)
         from spmd.layout import make_layout
 
         layout = make_layout(cfg)
         run = prepare(cfg, layout)
-    except UserError as exc:
-        sys.stdout.flush()
-        os.write(stderr, f"error: {exc}\n".encode())
-        os._exit(2)  # nothing has been written; exit before those threads are done
-    finally:  # ready, or crashed: give back stderr, and what was held (warnings, a traceback)
-        _give_back(stderr, held)
     return 0 if run.loop().ok else EXIT_NON_FINITE
-
-
-def _give_back(stderr: int, held) -> None:
-    sys.stderr.flush()
-    os.dup2(stderr, 2)
-    held.seek(0)
-    os.write(2, held.read())
-    held.close()
 
 
 def train(cfg: TrainConfig, layout, log=print) -> tuple[list[dict], dict]:
