@@ -16,7 +16,6 @@ import numpy as np
 from spmd.checkpoint import make_meta
 from spmd.data import MarkovSource, Prefetcher, global_batch
 from spmd.hardware import peak_tflops, train_flops_per_token
-from spmd.plan import default_hardware, make_plan
 from spmd.report import describe_run
 
 
@@ -60,8 +59,8 @@ class StopSignals:
 
 
 class Run:
-    def __init__(self, cfg, layout, program, step_fn, state, start_step, checkpoints, setup_s, skipped=0, log=print):
-        self.cfg, self.layout, self.program, self.step_fn = cfg, layout, program, step_fn
+    def __init__(self, cfg, layout, plan, step_fn, state, start_step, checkpoints, setup_s, skipped=0, log=print):
+        self.cfg, self.layout, self.plan, self.step_fn = cfg, layout, plan, step_fn
         self.state, self.start_step, self.checkpoints = state, start_step, checkpoints
         self.setup_s, self.skipped, self.log = setup_s, skipped, log
         self.source = MarkovSource(layout.skeleton.model_cfg.vocab, cfg.seed)
@@ -78,9 +77,7 @@ class Run:
     def loop(self) -> Result:
         cfg, layout = self.cfg, self.layout
         floor = self.source.entropy_floor(cfg.seq)
-        plan = make_plan(cfg, layout, compiled=self.step_fn, program=self.program,
-                         hardware=default_hardware(cfg, list(layout.mesh.devices.flat)))
-        for line in describe_run(cfg, layout, plan, floor, self.setup_s):
+        for line in describe_run(cfg, layout, self.plan, floor, self.setup_s):
             self.log(line)
         devices = layout.mesh.devices.size
         tokens = cfg.batch * cfg.seq

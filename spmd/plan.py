@@ -130,19 +130,18 @@ class Plan:
 
 
 def compare(measured, expected) -> list[Row]:
-    """Measured traffic (spmd.traffic) and theory (spmd.theory) side by side, per (op, axes)."""
+    """Measured traffic (spmd.traffic) and theory (spmd.theory) side by side, per (op, axes),
+    the largest first."""
     from spmd.theory import by_op_and_axes
 
     theory = by_op_and_axes(expected)
-    seen: dict[tuple[str, str], list] = {}
+    rows = {key: Row(*key, 0, 0.0, bytes_, False) for key, bytes_ in theory.items()}
     for t in measured:
-        row = seen.setdefault((t.op, t.axes), [0, 0.0, False])
-        row[0] += t.count
-        row[1] += t.bytes_per_device
-        row[2] |= t.from_all_reduce
-    keys = sorted(set(seen) | set(theory), key=lambda k: (-max(seen.get(k, [0, 0.0])[1], theory.get(k, 0.0)), k))
-    return [Row(op, axes, seen.get((op, axes), [0])[0], seen.get((op, axes), [0, 0.0])[1],
-                theory.get((op, axes), 0.0), seen.get((op, axes), [0, 0.0, False])[2]) for op, axes in keys]
+        row = rows.get((t.op, t.axes)) or Row(t.op, t.axes, 0, 0.0, 0.0, False)
+        rows[(t.op, t.axes)] = dataclasses.replace(row, count=row.count + t.count,
+                                                   measured=row.measured + t.bytes_per_device,
+                                                   from_all_reduce=row.from_all_reduce or t.from_all_reduce)
+    return sorted(rows.values(), key=lambda r: (-max(r.measured, r.theory), r.op, r.axes))
 
 
 def make_plan(cfg, layout, compiled=None, hardware=None, planned_on: str | None = None, program=None) -> Plan:

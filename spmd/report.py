@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from spmd.layout import bytes_per_device
-
 
 def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -11,14 +9,6 @@ def human_bytes(n: float) -> str:
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1024
     raise AssertionError
-
-
-def state_bytes_per_device(program) -> dict[str, int]:
-    state = program.abstract_state
-    return {
-        "params": bytes_per_device(state["params"]),
-        "opt_state": bytes_per_device(state["opt_state"]),
-    }
 
 
 def describe_run(cfg, layout, plan, floor: float, compile_s: float) -> list[str]:

@@ -48,6 +48,7 @@ def prepare(cfg: TrainConfig, layout, log=print):
 
     from spmd.checkpoint import Checkpoints, check_compatible
     from spmd.loop import Run
+    from spmd.plan import default_hardware, make_plan
     from spmd.step import build_program
 
     program = build_program(cfg, layout)
@@ -73,7 +74,11 @@ def prepare(cfg: TrainConfig, layout, log=print):
         raise UserError(f"the checkpoint is at step {step}, beyond --steps {cfg.steps}")
     step_fn = program.compile_step()
     out = Checkpoints(cfg.out, keep=cfg.keep) if cfg.out else None
-    return Run(cfg, layout, program, step_fn, state, step, out, time.perf_counter() - started,
+    setup_s = time.perf_counter() - started
+    # What each device holds and what crosses the wire, read from the compiled step.
+    plan = make_plan(cfg, layout, compiled=step_fn, program=program,
+                     hardware=default_hardware(cfg, list(layout.mesh.devices.flat)))
+    return Run(cfg, layout, plan, step_fn, state, step, out, setup_s,
                skipped=meta.get("skipped_updates", 0), log=log)
 
 

@@ -4,7 +4,7 @@ import jax
 import pytest
 
 from conftest import train_run
-from spmd.report import state_bytes_per_device
+from spmd.layout import bytes_per_device
 
 PSI = 131_392  # parameters of the tiny model; every one has an `embed` dimension that divides 8
 N = 8
@@ -18,7 +18,8 @@ N = 8
     ("fsdp=8", 0, 4 * PSI // N, 8 * PSI // N),
 ])
 def test_state_bytes_per_device_match_zero_theory(mesh, zero, params, opt):
-    held = state_bytes_per_device(train_run(mesh, 8, zero=zero).program)
+    state = train_run(mesh, 8, zero=zero).program.abstract_state  # carries each leaf's sharding
+    held = {"params": bytes_per_device(state["params"]), "opt_state": bytes_per_device(state["opt_state"])}
     assert held["params"] == params
     # Beyond the moments, the optimizer holds only step counters (a few int32 scalars).
     assert 0 <= held["opt_state"] - opt <= 16
