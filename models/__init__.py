@@ -1,6 +1,7 @@
 """Models written for one device, and their named presets."""
 
 from models.llama import Llama, LlamaConfig
+from models.moe import MoEConfig, Routing
 
 PRESETS: dict[str, LlamaConfig] = {
     # For tests and the CPU demo: every dimension divides 2, 4 and 8.
@@ -22,6 +23,24 @@ PRESETS: dict[str, LlamaConfig] = {
         vocab=128256, embed=8192, layers=80, heads=64, kv_heads=8, head_dim=128, mlp=28672,
         rope_theta=500_000.0,
     ),
+    # Mixture of experts. For tests: 8 experts, top-2, a shared expert, MoE in every
+    # second layer (one dense block, then one MoE block).
+    "moe-tiny": LlamaConfig(
+        vocab=256, embed=64, layers=2, heads=8, kv_heads=4, head_dim=8, mlp=192,
+        moe=MoEConfig(experts=8, top_k=2, expert_mlp=64, shared_experts=1, every=2),
+    ),
+    # Mixtral 8x7B's shapes: 8 experts of width 14336, top-2, in every layer.
+    "mixtral-8x7b": LlamaConfig(
+        vocab=32000, embed=4096, layers=32, heads=32, kv_heads=8, head_dim=128, mlp=14336,
+        rope_theta=1_000_000.0, moe=MoEConfig(experts=8, top_k=2, expert_mlp=14336),
+    ),
+    # Fine-grained experts after DeepSeekMoE 16B (64 narrow experts, top-6, 2 shared) with
+    # DeepSeek-V3's sigmoid scoring; standard grouped-query attention instead of MLA, and
+    # every layer MoE (DeepSeek keeps its first layer dense).
+    "deepseek-moe-16b-like": LlamaConfig(
+        vocab=102400, embed=2048, layers=28, heads=16, kv_heads=16, head_dim=128, mlp=10944,
+        moe=MoEConfig(experts=64, top_k=6, expert_mlp=1408, shared_experts=2, scoring="sigmoid"),
+    ),
 }
 
-__all__ = ["Llama", "LlamaConfig", "PRESETS"]
+__all__ = ["Llama", "LlamaConfig", "MoEConfig", "PRESETS", "Routing"]

@@ -1,10 +1,11 @@
 """A Llama-family decoder written for one device.
 
-RMSNorm, rotary embeddings, grouped-query attention and a SwiGLU MLP; the blocks are
-created stacked (one leading "layers" axis) and run with a scan, so compile time does not
-grow with depth. Every parameter and the important activations carry logical axis names
-(`batch, seq, residual_seq, embed, heads, kv_heads, head_dim, mlp, vocab, layers`); nothing here knows
-about meshes, devices or parallel strategies.
+RMSNorm, rotary embeddings, grouped-query attention and a SwiGLU MLP, or a mixture of
+experts in every n-th layer (models.moe); the blocks are created stacked (one leading
+"layers" axis) and run with a scan, so compile time does not grow with depth. Every
+parameter and the important activations carry logical axis names (`batch, seq,
+residual_seq, embed, heads, kv_heads, head_dim, mlp, vocab, experts, layers`); nothing
+here knows about meshes, devices or parallel strategies.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from flax import nnx
 
 from models.annotate import ACTIVATION, constrain, weight
 from models.attention import attend
+from models.moe import MoE, MoEConfig, Routing
 
 # Activation checkpointing of each block. Every policy keeps only what it lists, so a
 # weight as used (`models.annotate.weight`: cast, and gathered if it is stored split) is
@@ -43,13 +45,23 @@ class LlamaConfig:
     rope_theta: float = 10_000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    moe: MoEConfig | None = None  # MoE feed-forward in every moe.every-th layer
 
-    def num_params(self) -> int:
-        """Parameter count from the shapes (matches the built model)."""
+    @property
+    def moe_layers(self) -> int:
+        return self.layers // self.moe.every if self.moe else 0
+
+    def num_params(self, active: bool = False) -> int:
+        """Parameter count from the shapes (matches the built model); `active`: only those
+        one token multiplies with (its top-k experts)."""
         attn = self.embed * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
-        block = attn + 3 * self.embed * self.mlp + 2 * self.embed
+        dense = self.layers - self.moe_layers
+        blocks = self.layers * (attn + 2 * self.embed) + dense * 3 * self.embed * self.mlp
+        if self.moe:
+            per_layer = self.moe.active_per_layer if active else self.moe.params_per_layer
+            blocks += self.moe_layers * per_layer(self.embed)
         head = 0 if self.tie_embeddings else self.embed * self.vocab
-        return self.vocab * self.embed + self.layers * block + self.embed + head
+        return self.vocab * self.embed + blocks + self.embed + head
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...], std: float) -> nnx.Param:
@@ -130,34 +142,57 @@ class SwiGLU(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, dtype, rngs: nnx.Rngs):
+    """Attention then a feed-forward layer: SwiGLU, or a mixture of experts (`routing`)."""
+
+    def __init__(self, cfg: LlamaConfig, dtype, rngs: nnx.Rngs, routing: Routing | None = None):
         self.attn_norm = RMSNorm(cfg.embed, cfg.norm_eps)
         self.attn = Attention(cfg, dtype, rngs)
         self.mlp_norm = RMSNorm(cfg.embed, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg, dtype, rngs)
+        self.mlp = SwiGLU(cfg, dtype, rngs) if routing is None else MoE(cfg.embed, cfg.moe, routing, dtype, rngs)
 
-    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, dict]:
+        """The new residual stream, and the MoE layer's statistics (empty if dense)."""
         # The residual stream (and the norms on it) may be split along the sequence more
         # finely than the attention and MLP inside ("residual_seq", e.g. Megatron-SP).
         x = x + self.attn(constrain(self.attn_norm(x), "batch", "seq", "embed"), positions)
         x = constrain(x, "batch", "residual_seq", "embed")
-        x = x + self.mlp(constrain(self.mlp_norm(x), "batch", "seq", "embed"))
-        return constrain(x, "batch", "residual_seq", "embed")
+        normed = constrain(self.mlp_norm(x), "batch", "seq", "embed")
+        if isinstance(self.mlp, MoE):
+            y, stats = self.mlp(normed, positions)
+        else:
+            y, stats = self.mlp(normed), {}
+        return constrain(x + y, "batch", "residual_seq", "embed"), stats
+
+
+class MoEGroup(nnx.Module):
+    """moe.every layers: every-1 dense blocks, then one MoE block (the unit that is stacked
+    and scanned in an MoE model, so every scan step has the same structure)."""
+
+    def __init__(self, cfg: LlamaConfig, dtype, rngs: nnx.Rngs, routing: Routing):
+        self.dense = nnx.List([Block(cfg, dtype, rngs) for _ in range(cfg.moe.every - 1)])
+        self.moe = Block(cfg, dtype, rngs, routing)
+
+    def __call__(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, dict]:
+        for block in self.dense:
+            x, _ = block(x, positions)
+        return self.moe(x, positions)
 
 
 class Llama(nnx.Module):
     """Decoder-only transformer: tokens (batch, seq) -> float32 logits (batch, seq, vocab)."""
 
-    def __init__(self, cfg: LlamaConfig, *, dtype=jnp.float32, remat: str = "none", rngs: nnx.Rngs):
+    def __init__(self, cfg: LlamaConfig, *, dtype=jnp.float32, remat: str = "none",
+                 routing: Routing = Routing(), rngs: nnx.Rngs):
         if remat not in REMAT_POLICIES:
             raise ValueError(f"remat must be one of {sorted(REMAT_POLICIES)}, got {remat!r}")
         self.cfg, self.dtype, self.remat = cfg, dtype, remat
         self.embedding = _param(rngs, (cfg.vocab, cfg.embed), ("vocab", "embed"), 1.0)
 
-        @nnx.split_rngs(splits=cfg.layers)
+        # Stacked along a leading "layers" axis: blocks, or groups of blocks in an MoE model.
+        @nnx.split_rngs(splits=cfg.moe_layers or cfg.layers)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def make_blocks(rngs: nnx.Rngs) -> Block:
-            return Block(cfg, dtype, rngs)
+        def make_blocks(rngs: nnx.Rngs) -> Block | MoEGroup:
+            return MoEGroup(cfg, dtype, rngs, routing) if cfg.moe else Block(cfg, dtype, rngs)
 
         self.blocks = make_blocks(rngs)
         self.final_norm = RMSNorm(cfg.embed, cfg.norm_eps)
@@ -167,6 +202,11 @@ class Llama(nnx.Module):
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
         """`positions` (seq,): where each column sits in the sequence (default: in order;
         a trainer may reorder the columns, e.g. to balance causal attention)."""
+        return self.forward(tokens, positions)[0]
+
+    def forward(self, tokens: jax.Array, positions: jax.Array | None = None) -> tuple[jax.Array, dict]:
+        """Logits, and the MoE layers' statistics stacked along a leading layer axis
+        (`models.moe`; empty for a dense model)."""
         cfg, dt = self.cfg, self.dtype
         if positions is None:
             positions = jnp.arange(tokens.shape[1])
@@ -174,19 +214,20 @@ class Llama(nnx.Module):
         x = jnp.take(weight(self.embedding, jnp.float32), tokens, axis=0).astype(dt)
         x = constrain(x, "batch", "residual_seq", "embed")
 
-        def run_block(block: Block, x: jax.Array) -> jax.Array:
+        def run_block(block: Block | MoEGroup, x: jax.Array) -> tuple[jax.Array, dict]:
             return block(x, positions)
 
         run_block = nnx.remat(run_block, policy=REMAT_POLICIES[self.remat])
 
-        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def over_layers(x: jax.Array, block: Block) -> jax.Array:
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0), transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def over_layers(x: jax.Array, block: Block | MoEGroup) -> tuple[jax.Array, dict]:
             return run_block(block, x)
 
-        x = constrain(self.final_norm(over_layers(x, self.blocks)), "batch", "seq", "embed")
+        x, stats = over_layers(x, self.blocks)
+        x = constrain(self.final_norm(x), "batch", "seq", "embed")
         if cfg.tie_embeddings:
             head = weight(self.embedding, dt).T * cfg.embed**-0.5
         else:
             head = weight(self.head, dt)
         logits = jnp.einsum("bse,ev->bsv", x, head).astype(jnp.float32)
-        return constrain(logits, "batch", "seq", "vocab")
+        return constrain(logits, "batch", "seq", "vocab"), stats

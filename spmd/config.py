@@ -20,6 +20,7 @@ DTYPES = ("float32", "bfloat16")
 REMAT = ("none", "full", "dots")
 ON_NAN = ("stop", "skip")
 ATTENTION = ("ring", "all-gather")
+MOE_DISPATCH = ("dropless", "capacity")
 
 
 def _field(default, help: str, **argparse_kwargs):
@@ -50,6 +51,12 @@ class TrainConfig:
     remat: str = _field("none", "activation checkpointing of each block", choices=REMAT)
     attention: str = _field("ring", "attention across the sp axis: K/V blocks passed around a ring, or all-gathered", choices=ATTENTION)
     megatron_sp: bool = _field(False, "Megatron sequence parallelism: norms and residuals split along the sequence over tp too")
+    experts: int | None = _field(None, "MoE models: number of experts (default: the preset's)")
+    top_k: int | None = _field(None, "MoE models: experts per token (default: the preset's)")
+    moe_dispatch: str = _field("dropless", "MoE models: every token reaches its experts, or each expert takes at most a capacity of each sequence's tokens (the rest dropped)", choices=MOE_DISPATCH)
+    capacity_factor: float = _field(1.25, "capacity mode: slots per expert per sequence = factor x seq x top-k / experts")
+    aux_loss_weight: float = _field(0.01, "MoE models: weight of the load-balancing loss")
+    z_loss_weight: float = _field(0.001, "MoE models: weight of the router z-loss")
     log_every: int = _field(10, "print a log line every N steps (metrics are fetched from devices only then)")
     metrics_file: str | None = _field(None, "write one JSON object per step to this .jsonl file (appended on resume)")
     out: str | None = _field(None, "directory for checkpoints; a run resumes from its latest checkpoint there")
@@ -160,6 +167,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             raise UserError(f"--{name} must not be negative, got {getattr(cfg, name)}")
     if cfg.lr <= 0 or cfg.clip <= 0:
         raise UserError("--lr and --clip must be positive")
+    _validate_moe(cfg, PRESETS[cfg.model])
     if cfg.save_every and not cfg.out:
         raise UserError("--save-every needs --out DIR")
     if cfg.hardware is not None:
@@ -169,3 +177,32 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if cfg.batch % cfg.grad_accum:
         raise UserError(f"--batch {cfg.batch} does not divide into --grad-accum {cfg.grad_accum} microbatches")
     return cfg
+
+
+def _validate_moe(cfg: TrainConfig, model_cfg) -> None:
+    if model_cfg.moe is None:
+        if cfg.experts is not None or cfg.top_k is not None:
+            raise UserError(f"--experts and --top-k apply to MoE models; {cfg.model} is dense")
+        return
+    experts = cfg.experts if cfg.experts is not None else model_cfg.moe.experts
+    top_k = cfg.top_k if cfg.top_k is not None else model_cfg.moe.top_k
+    if experts < 1 or top_k < 1:
+        raise UserError(f"--experts and --top-k must be at least 1, got {experts} and {top_k}")
+    if top_k > experts:
+        raise UserError(f"--top-k {top_k} is more than the {experts} experts")
+    if not cfg.capacity_factor > 0:
+        raise UserError(f"--capacity-factor must be positive, got {cfg.capacity_factor}")
+    if cfg.aux_loss_weight < 0 or cfg.z_loss_weight < 0:
+        raise UserError("--aux-loss-weight and --z-loss-weight must not be negative")
+
+
+def model_config(cfg: TrainConfig):
+    """The model preset with the run's overrides (number of experts, top-k)."""
+    from models import PRESETS
+
+    model_cfg = PRESETS[cfg.model]
+    if model_cfg.moe is None:
+        return model_cfg
+    moe = dataclasses.replace(model_cfg.moe, **{k: v for k, v in (("experts", cfg.experts), ("top_k", cfg.top_k))
+                                                  if v is not None})
+    return dataclasses.replace(model_cfg, moe=moe)

@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx, traverse_util
 
-from models import PRESETS, Llama, LlamaConfig
+from models import PRESETS, Llama, LlamaConfig, Routing
+from spmd.config import model_config
 from spmd.errors import UserError
 from spmd.mesh import BATCH_AXES, build_mesh, format_mesh, parse_mesh, resolve_mesh
 from spmd.rules import Rules, axes_of, make_rules, spec_for, without_axes
@@ -42,10 +43,21 @@ class ModelSkeleton:
         return sum(math.prod(s.shape) for s in jax.tree.leaves(self.shapes))
 
 
+def routing(cfg) -> Routing:
+    return Routing(cfg.moe_dispatch, cfg.capacity_factor)
+
+
+def skeleton_for(cfg) -> ModelSkeleton:
+    return model_skeleton(model_config(cfg), cfg.dtype, cfg.remat, routing(cfg))
+
+
 @functools.lru_cache(maxsize=32)  # read-only; spmd.plan --auto builds many layouts of one model
-def model_skeleton(model: str, dtype: str = "float32", remat: str = "none") -> ModelSkeleton:
-    model_cfg = PRESETS[model]
-    abstract = nnx.eval_shape(lambda: Llama(model_cfg, dtype=DTYPES[dtype], remat=remat, rngs=nnx.Rngs(0)))
+def model_skeleton(model: str | LlamaConfig, dtype: str = "float32", remat: str = "none",
+                   routing: Routing = Routing()) -> ModelSkeleton:
+    """`model`: a preset's name or a model config. The graph holds dtype, remat and routing."""
+    model_cfg = PRESETS[model] if isinstance(model, str) else model
+    abstract = nnx.eval_shape(lambda: Llama(model_cfg, dtype=DTYPES[dtype], remat=remat, routing=routing,
+                                            rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     shapes, names = {}, {}
     for path, var in nnx.to_flat_state(state):
@@ -105,7 +117,7 @@ def make_layout(cfg, devices=None, for_training: bool = True) -> Layout:
     if shape["pp"] > 1:
         raise UserError("pipeline parallelism (pp > 1) is not available yet; use dp, fsdp, ep, sp and tp")
     rules = make_rules(cfg.zero, cfg.megatron_sp)
-    skeleton = model_skeleton(cfg.model, cfg.dtype, cfg.remat)
+    skeleton = skeleton_for(cfg)
     check_divisible(cfg, shape, rules, skeleton, for_training)
     return Layout(build_mesh(shape, devices), shape, rules, skeleton)
 
@@ -145,6 +157,13 @@ def check_batch(cfg, shape: Mapping[str, int]) -> None:
                         "(sequence parallelism gives each sp rank two chunks, one early and one late)")
     if cfg.megatron_sp and cfg.seq % (sp * shape["tp"]):
         raise UserError(f"--megatron-sp: --seq {cfg.seq} does not divide by sp x tp = {sp * shape['tp']}")
+    if model_config(cfg).moe is not None:
+        if sp > 1:
+            raise UserError(f"model {cfg.model}: MoE layers with sp > 1 are not supported yet; use ep, dp, fsdp and tp")
+        if shape["ep"] > 1 and cfg.grad_accum > 1:
+            # The per-shard vmap of accumulation cannot hold ep's all-to-all (a shard_map
+            # over the batch axes), as with sp.
+            raise UserError("--grad-accum with ep > 1 is not supported yet; use a smaller --batch or more devices")
 
 
 def bytes_per_device(tree) -> int:

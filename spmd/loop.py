@@ -160,6 +160,7 @@ class Run:
             }
             if peak:
                 record["mfu"] = record["tflops_per_device"] / peak
+            record |= {name: float(m[name]) for name in MOE_METRICS if name in m}
             window.append(record)
         return window
 
@@ -175,13 +176,20 @@ class Run:
             self.checkpoints.wait()
 
 
+# Metrics of MoE models (spmd.step): load-balancing and z-loss, share of dropped choices,
+# expert load imbalance (max / mean tokens per expert).
+MOE_METRICS = ("aux_loss", "z_loss", "dropped", "imbalance")
+
+
 def log_line(r: dict, steps: int, window_loss: float, skipped: int) -> str:
     done = r["step"] + 1
     mfu = f"  mfu {r['mfu']:.1%}" if "mfu" in r else ""
     skip = f"  skipped {skipped}" if skipped else ""
+    moe = (f"  aux {r['aux_loss']:.3f}  z {r['z_loss']:.3f}  dropped {r['dropped']:.1%}  imbalance {r['imbalance']:.2f}"
+           if "aux_loss" in r else "")
     return (f"[{done:>{len(str(steps))}}/{steps} {done / steps:4.0%}] loss {window_loss:.4f}  "
             f"grad_norm {r['grad_norm']:.3f}  lr {r['lr']:.2e}  {r['tokens_per_sec']:,.0f} tok/s  "
-            f"{r['step_time_s'] * 1e3:.1f} ms/step  {r['tflops_per_device']:.3f} TFLOP/s/device{mfu}{skip}")
+            f"{r['step_time_s'] * 1e3:.1f} ms/step  {r['tflops_per_device']:.3f} TFLOP/s/device{mfu}{moe}{skip}")
 
 
 def recent_loss(records: list[dict], n: int) -> float:

@@ -24,24 +24,47 @@ from flax import nnx
 from models import Llama
 from models.annotate import storage
 from models.attention import attention_implementation
-from spmd.layout import DTYPES, Layout
-from spmd.mesh import BATCH_AXES
+from models.moe import expert_implementation
 from spmd.context import make_attention, zigzag_order
+from spmd.experts import make_experts
+from spmd.layout import DTYPES, Layout, routing
+from spmd.mesh import BATCH_AXES
 from spmd.optim import make_optimizer, schedule
 
 
-def _loss(graphdef, params, rows: jax.Array, order: np.ndarray | None = None) -> jax.Array:
-    """Mean next-token cross-entropy of token rows (b, seq + 1). `order`: the columns'
-    order for the model (a permutation of the positions); the mean is that of any order."""
+def _loss(graphdef, params, rows: jax.Array, order: np.ndarray | None = None,
+          aux_weights: tuple[float, float] = (0.0, 0.0)) -> tuple[jax.Array, dict]:
+    """The loss to minimize and the step's metrics, for token rows (b, seq + 1).
+
+    `loss` is the mean next-token cross-entropy; an MoE model adds its load-balancing and
+    router z-losses (weights `aux_weights`) to what is minimized. Every metric is a mean
+    over sequences, so means over equal microbatches compose. `order`: the columns' order
+    for the model (a permutation of the positions); the mean is that of any order."""
     model = nnx.merge(graphdef, params)
     inputs, targets, positions = rows[:, :-1], rows[:, 1:], jnp.arange(rows.shape[1] - 1)
     if order is not None:
         inputs, targets, positions = inputs[:, order], targets[:, order], positions[order]
-    logits = model(inputs, positions)
+    logits, moe_stats = model.forward(inputs, positions)
     targets = jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype)
     # One-hot rather than a gather: the vocab dimension may be split over tp.
     picked = jnp.sum(logits * targets, axis=-1)
-    return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - picked)
+    loss = jnp.mean(jax.nn.logsumexp(logits, axis=-1) - picked)
+    if not moe_stats:
+        return loss, {"loss": loss}
+    metrics = {"loss": loss, "aux_loss": jnp.mean(moe_stats["balance_loss"]),
+               "z_loss": jnp.mean(moe_stats["z_loss"]), "dropped": jnp.mean(moe_stats["dropped"]),
+               "expert_load": moe_stats["expert_load"]}
+    return loss + aux_weights[0] * metrics["aux_loss"] + aux_weights[1] * metrics["z_loss"], metrics
+
+
+def _step_metrics(metrics: dict) -> dict:
+    """Expert loads (layers, experts), each a share of all choices, become the load
+    imbalance: max over mean tokens per expert, averaged over MoE layers."""
+    metrics = dict(metrics)
+    load = metrics.pop("expert_load", None)
+    if load is not None:
+        metrics["imbalance"] = jnp.mean(jnp.max(load, axis=-1) * load.shape[-1])
+    return metrics
 
 
 @dataclasses.dataclass
@@ -70,7 +93,8 @@ def build_program(cfg, layout: Layout) -> Program:
     grad_sh = layout.shardings(rules.grads)
 
     def init(key):
-        model = Llama(layout.skeleton.model_cfg, dtype=DTYPES[cfg.dtype], remat=cfg.remat, rngs=nnx.Rngs(params=key))
+        model = Llama(layout.skeleton.model_cfg, dtype=DTYPES[cfg.dtype], remat=cfg.remat, routing=routing(cfg),
+                      rngs=nnx.Rngs(params=key))
         params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
         return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
 
@@ -83,6 +107,10 @@ def build_program(cfg, layout: Layout) -> Program:
 
     sequence_parallel = layout.shape["sp"] > 1
     order = zigzag_order(cfg.seq, layout.shape["sp"]) if sequence_parallel else None
+    # Experts: each batch shard routes its own tokens (all-to-all over ep when ep > 1).
+    expert_parallel = layout.skeleton.model_cfg.moe is not None and layout.batch_shards > 1
+    aux_weights = (cfg.aux_loss_weight, cfg.z_loss_weight)
+    loss_of = lambda p, rows: _loss(graphdef, p, rows, order, aux_weights)  # noqa: E731
 
     def annotated(batch_local: bool = False):
         """The rules that the model's annotations read (models.annotate)."""
@@ -91,11 +119,14 @@ def build_program(cfg, layout: Layout) -> Program:
         stack.enter_context(storage(rules.storage(batch_local)))
         if sequence_parallel:
             stack.enter_context(attention_implementation(make_attention(layout.mesh, cfg.attention)))
+        if expert_parallel and not batch_local:  # inside one batch shard, its experts are all at hand
+            stack.enter_context(expert_implementation(make_experts(layout.mesh)))
         return stack
 
     def loss_and_grads(params, rows):
         with annotated():
-            return jax.value_and_grad(lambda p: _loss(graphdef, p, rows, order))(params)
+            (_, metrics), grads = jax.value_and_grad(loss_of, has_aux=True)(params, rows)
+            return metrics, grads
 
     def accumulated(params, rows):
         k, shards = cfg.grad_accum, layout.batch_shards
@@ -107,30 +138,35 @@ def build_program(cfg, layout: Layout) -> Program:
 
         def shard_grads(p, shard_rows):
             with annotated(batch_local=True):
-                return jax.value_and_grad(lambda q: _loss(graphdef, q, shard_rows, order))(p)
+                (_, metrics), grads = jax.value_and_grad(loss_of, has_aux=True)(p, shard_rows)
+                return metrics, grads
 
         per_shard = jax.vmap(shard_grads, in_axes=(None, 0), spmd_axis_name=BATCH_AXES)
+        metric_shapes, _ = jax.eval_shape(per_shard, params, micro[0])
 
         def body(carry, mb):
-            loss, grads = per_shard(params, mb)
-            total_loss, total = carry
+            metrics, grads = per_shard(params, mb)
+            total_metrics, total = carry
             total = jax.tree.map(jnp.add, total, grads)
             total = jax.tree.map(jax.lax.with_sharding_constraint, total, per_shard_spec)
-            return (total_loss + loss, total), None
+            return (jax.tree.map(jnp.add, total_metrics, metrics), total), None
 
         zeros = jax.tree.map(lambda p, s: jax.lax.with_sharding_constraint(jnp.zeros((shards, *p.shape), p.dtype), s),
                              params, per_shard_spec)
-        (losses, grads), _ = jax.lax.scan(body, (jnp.zeros((shards,), jnp.float32), zeros), micro)
+        no_metrics = jax.tree.map(lambda m: jnp.zeros(m.shape, m.dtype), metric_shapes)
+        (metrics, grads), _ = jax.lax.scan(body, (no_metrics, zeros), micro)
         # The one reduction of the step: sum the shards' gradients.
         scale = 1.0 / (k * shards)
-        return jnp.sum(losses) * scale, jax.tree.map(lambda g: jnp.sum(g, axis=0) * scale, grads)
+        return (jax.tree.map(lambda m: jnp.sum(m, axis=0) * scale, metrics),
+                jax.tree.map(lambda g: jnp.sum(g, axis=0) * scale, grads))
 
     def train_step(state, rows):
         params = state["params"]
         if cfg.grad_accum == 1:
-            loss, grads = loss_and_grads(params, rows)
+            metrics, grads = loss_and_grads(params, rows)
         else:
-            loss, grads = accumulated(params, rows)
+            metrics, grads = accumulated(params, rows)
+        loss = metrics["loss"]
         grads = jax.lax.with_sharding_constraint(grads, grad_sh)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state["opt_state"], params)
@@ -142,7 +178,7 @@ def build_program(cfg, layout: Layout) -> Program:
             "params": keep_if_finite(optax.apply_updates(params, updates), params),
             "opt_state": keep_if_finite(opt_state, state["opt_state"]),
         }
-        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr_at(state["step"]), "skipped": ~finite}
+        metrics = _step_metrics(metrics) | {"grad_norm": grad_norm, "lr": lr_at(state["step"]), "skipped": ~finite}
         return new_state, metrics
 
     batch_sh = layout.batch_sharding

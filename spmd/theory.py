@@ -20,7 +20,13 @@ all-reduce over N devices moves 2(N-1)/N of its buffer, an all-gather or reduce-
   attention and MLP block forward, and their input gradients backward (once more per
   layer under full remat, which recomputes the forward up to the MLP); a vocab split over tp adds one
   all-reduce for the embedding lookup, one for the output head's input gradient and
-  three small ones for the softmax statistics (max, sum, target logit).
+  three small ones for the softmax statistics (max, sum, target logit);
+- expert parallelism exchanges tokens by all-to-all over ep in each MoE layer (spmd.
+  experts): there and back forward, their gradients backward (and there and back again
+  under remat other than "none", which recomputes the forward). Each exchange sends the
+  (ep-1)/ep of its buffer that leaves the device: capacity mode its per-sequence
+  buffers, dropless its padded blocks and their expert indices (int32). An expert's
+  gradient is summed only over the batch axes that do not split the experts.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from collections.abc import Mapping
 import jax.numpy as jnp
 from flax import traverse_util
 
-from spmd.layout import DTYPES, Layout, is_names
+from spmd.layout import DTYPES, Layout, is_names, routing
 from spmd.mesh import AXES, BATCH_AXES
 from spmd.rules import axes_of, spec_for
 
@@ -107,8 +113,9 @@ def collectives(cfg, layout: Layout) -> list[Expected]:
     residual_tokens = _live((*TOKEN_AXES, "tp"), shape) if cfg.megatron_sp else plain_tokens
     out: list[Expected] = []
     for p in params(layout):
-        token_axes = residual_tokens if _is_vector(p) else plain_tokens
         compute = _spec_axes(p.names, rules.activations)
+        # An axis that splits the parameter as used (ep for experts) does not sum it.
+        token_axes = tuple(a for a in (residual_tokens if _is_vector(p) else plain_tokens) if a not in compute)
         at_rest = _spec_axes(p.names, rules.params)
         slice_numel = p.numel / _ways(compute, shape)  # one device's slice, as used
         widths = uses(p, model_cfg, compute_bytes)
@@ -140,6 +147,7 @@ def collectives(cfg, layout: Layout) -> list[Expected]:
                                 "parameters after the sharded optimizer update (ZeRO-1/2)"))
     out += _tensor_parallel(cfg, layout, compute_bytes)
     out += _sequence_parallel(cfg, layout, compute_bytes)
+    out += _expert_parallel(cfg, layout, compute_bytes)
     return out
 
 
@@ -163,8 +171,15 @@ def _tensor_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
         else:
             out.append(Expected("all-reduce", "tp", times * 2 * (t - 1) / t * nbytes, why))
 
-    # Per layer: the attention and MLP outputs forward, their input gradients backward.
-    reduced(activation, 4 * model.layers, "Megatron: block outputs forward, block input gradients backward")
+    # Per layer: the attention and MLP outputs forward, their input gradients backward. An
+    # MoE layer's experts reduce their rows instead (and its shared expert the tokens).
+    moe_layers = model.moe_layers
+    dense = model.layers - moe_layers + (moe_layers if model.moe and model.moe.shared_experts else 0)
+    reduced(activation, 2 * model.layers + 2 * dense, "Megatron: block outputs forward, block input gradients backward")
+    if moe_layers:
+        rows = expert_rows(cfg, layout) * model.embed * compute_bytes
+        out.append(Expected("all-reduce", "tp", moe_layers * 2 * 2 * (t - 1) / t * rows,
+                            "experts: their outputs forward, their input gradients backward"))
     if cfg.remat == "full":
         # The forward is recomputed up to the MLP (its output is not needed for gradients).
         if cfg.megatron_sp:  # attention input and output, and the MLP's input, again
@@ -202,6 +217,32 @@ def _sequence_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected
     gathers = 2 * (2 if recomputed else 1)
     return [Expected("all-gather", "sp", model.layers * gathers * (n - 1) * block, "attention: K and V gathered"),
             Expected("reduce-scatter", "sp", model.layers * 2 * (n - 1) * block, "attention: K/V gradients")]
+
+
+def expert_rows(cfg, layout: Layout) -> int:
+    """Rows of tokens each device runs through its experts per MoE layer (spmd.experts):
+    capacity mode's buffers, or the dropless choices (padded per destination over ep)."""
+    moe, ep = layout.skeleton.model_cfg.moe, layout.shape["ep"]
+    tokens = tokens_per_device(cfg, layout.shape)
+    capacity = routing(cfg).capacity(cfg.seq, moe)
+    if capacity is not None:
+        return tokens // cfg.seq * moe.experts * capacity
+    return tokens * ep * min(moe.top_k, moe.experts // ep)
+
+
+def _expert_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
+    """All-to-all of tokens over ep, per MoE layer (spmd.experts)."""
+    ep, model = layout.shape["ep"], layout.skeleton.model_cfg
+    if ep == 1 or model.moe is None:
+        return []
+    rows, leaves = expert_rows(cfg, layout), (ep - 1) / ep
+    dropless = cfg.moe_dispatch == "dropless"
+    exchange = rows * model.embed * compute_bytes * leaves
+    indices = rows * 4 * leaves if dropless else 0  # each row's expert, forward only
+    recomputed = cfg.remat != "none"  # the others run the forward exchanges again
+    per_layer = (3 if recomputed else 2) * 2 * exchange + (2 if recomputed else 1) * indices
+    return [Expected("all-to-all", "ep", model.moe_layers * per_layer,
+                     f"experts: routed tokens, {'padded dropless blocks' if dropless else 'capacity buffers'}")]
 
 
 def by_op_and_axes(expected: list[Expected]) -> dict[tuple[str, str], float]:

@@ -1,7 +1,10 @@
 """Tests run on the CPU with 8 emulated devices, set before JAX starts its backend.
 
 Compiling for emulated meshes dominates the suite's time, so runs are cached per layout
-for the whole session and shared between the tests that look at them.
+for the whole session and shared between the tests that look at them. Runs start from
+the one-device initial state, placed on their layout: compiling the initializer costs
+more than the step (its random draws), and that the sharded initializer gives the same
+values is tested once per kind of model (test_sharding).
 """
 
 import os
@@ -30,6 +33,7 @@ PARITY = dict(model="tiny", batch=32, seq=32, steps=4, lr=3e-3, warmup=1)
 @dataclasses.dataclass
 class Run:
     losses: np.ndarray
+    metrics: dict  # name -> one value per step
     params: dict
     hlo: str
     layout: object
@@ -43,16 +47,31 @@ def _run(mesh: str, devices: int, items: tuple) -> Run:
     cfg = validate(TrainConfig(mesh=mesh, **dict(PARITY, **dict(items))))
     layout = make_layout(cfg, jax.devices()[:devices])
     program = build_program(cfg, layout)
-    with jax.set_mesh(layout.mesh):
-        state = program.init(jax.random.key(cfg.seed))
+    shardings = jax.tree.map(lambda s: s.sharding, program.abstract_state)
+    state = jax.device_put(initial_state(_init_config(cfg)), shardings)
     compiled = program.compile_step()
     source = MarkovSource(layout.skeleton.model_cfg.vocab, cfg.seed)
-    losses = []
+    steps = []
     for step in range(cfg.steps):
         batch = global_batch(source, step, cfg.batch, cfg.seq + 1, layout.batch_sharding)
         state, metrics = compiled(state, batch)
-        losses.append(float(metrics["loss"]))
-    return Run(np.array(losses), jax.device_get(state["params"]), compiled.as_text(), layout, program, cfg, compiled)
+        steps.append(jax.device_get(metrics))
+    metrics = {name: np.array([m[name] for m in steps]) for name in steps[0]}
+    return Run(metrics["loss"], metrics, jax.device_get(state["params"]), compiled.as_text(), layout, program, cfg,
+               compiled)
+
+
+def _init_config(cfg: TrainConfig) -> TrainConfig:
+    """What the initial values depend on (the model and the seed), on one device."""
+    return dataclasses.replace(cfg, mesh="", zero=0, grad_accum=1, megatron_sp=False, dtype="float32", remat="none")
+
+
+@functools.lru_cache(maxsize=None)
+def initial_state(cfg: TrainConfig) -> dict:
+    """The initial train state of a one-device run, on the host."""
+    program = build_program(cfg, make_layout(cfg, jax.devices()[:1]))
+    with jax.set_mesh(program.layout.mesh):
+        return jax.device_get(program.init(jax.random.key(cfg.seed)))
 
 
 def train_run(mesh: str, devices: int, **overrides) -> Run:

@@ -23,6 +23,11 @@ CASES = {
     "sp with accumulation": (["--mesh", "sp=2", "--grad-accum", "2"], "--grad-accum with sp > 1 is not supported"),
     "megatron-sp sequence": (["--mesh", "tp=4", "--megatron-sp", "--seq", "6"], "does not divide by sp x tp = 4"),
     "unknown attention mode": (["--attention", "flash"], "invalid choice: 'flash'"),
+    "experts not divisible by ep": (["--model", "moe-tiny", "--experts", "6", "--mesh", "ep=4"], "experts=6 does not divide by ep=4"),
+    "top-k above experts": (["--model", "moe-tiny", "--top-k", "9"], "--top-k 9 is more than the 8 experts"),
+    "capacity factor not positive": (["--model", "moe-tiny", "--capacity-factor", "0"], "--capacity-factor must be positive"),
+    "experts on a dense model": (["--experts", "4"], "tiny is dense"),
+    "MoE with ep and accumulation": (["--model", "moe-tiny", "--mesh", "ep=2", "--grad-accum", "2"], "--grad-accum with ep > 1"),
 }
 # spmd.plan takes the same flags; these are its own.
 PLAN_CASES = {

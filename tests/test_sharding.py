@@ -3,7 +3,9 @@
 import jax
 import pytest
 
-from conftest import train_run
+import numpy as np
+
+from conftest import _init_config, initial_state, train_run
 from spmd.layout import bytes_per_device
 
 PSI = 131_392  # parameters of the tiny model; every one has an `embed` dimension that divides 8
@@ -25,12 +27,28 @@ def test_state_bytes_per_device_match_zero_theory(mesh, zero, params, opt):
     assert 0 <= held["opt_state"] - opt <= 16
 
 
-def test_initializer_creates_state_already_sharded():
-    run = train_run("dp=2,fsdp=2,tp=2", 8)
+def _born_sharded(mesh: str, **overrides) -> dict:
+    run = train_run(mesh, 8, **overrides)
     with jax.set_mesh(run.layout.mesh):
         state = run.program.init(jax.random.key(0))
+    # The same values as on one device (the other tests start from those).
+    one_device = initial_state(_init_config(run.cfg))
+    for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(one_device), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), want)
+    return state
+
+
+def test_initializer_creates_state_already_sharded():
+    state = _born_sharded("dp=2,fsdp=2,tp=2")
     wqkv = state["params"]["blocks"]["attn"]["wqkv"]  # (layers, embed, kv_heads, groups + 2, head_dim)
     assert wqkv.sharding.spec == jax.P("pp", "fsdp", "tp", None, None)  # pp has size 1 here
     assert {s.data.shape for s in wqkv.addressable_shards} == {(2, 32, 2, 4, 8)}
     mu = state["opt_state"][1][0].mu["blocks"]["mlp"]["down"]  # (layers, mlp, embed)
     assert mu.sharding.spec == jax.P("pp", "tp", "fsdp")
+
+
+def test_experts_are_born_split_over_ep():
+    state = _born_sharded("ep=2,fsdp=2,tp=2", model="moe-tiny")
+    gate_up = state["params"]["blocks"]["moe"]["mlp"]["gate_up"]  # (groups, experts, embed, 2, expert_mlp)
+    assert gate_up.sharding.spec == jax.P("pp", "ep", "fsdp", None, "tp")
+    assert {s.data.shape for s in gate_up.addressable_shards} == {(1, 4, 32, 2, 32)}

@@ -1,0 +1,234 @@
+"""Mixture-of-Experts feed-forward layer, written for one device.
+
+A router scores each token against every expert (softmax, or sigmoid as in DeepSeek-V3),
+keeps its top-k, and the token's output is the gate-weighted sum of those experts' SwiGLU
+outputs, plus an optional shared expert that every token uses.
+
+Two ways to reach the experts:
+
+- capacity: each expert takes at most C tokens of each sequence, C = ceil(factor * seq *
+  k / experts) (at most seq). A sequence's tokens claim slots in position order; what
+  does not fit is dropped (its gate counts as zero) and counted. Expert inputs are fixed
+  (experts, C) buffers, so the compute has a static shape.
+- dropless: every choice is computed. Choices are sorted by expert and run as one grouped
+  matmul (`jax.lax.ragged_dot`).
+
+Capacity is per sequence, so what is dropped does not depend on how the batch is split.
+The load-balancing loss is also per sequence (DeepSeek-V3's sequence-wise form): for each
+sequence, experts x sum_e f_e P_e, with f_e the share of its choices that went to e and
+P_e the mean score of e; 1 when balanced. The router z-loss is the mean squared
+log-sum-exp of the router logits.
+
+Moving tokens between devices is not written here: the expert computation goes through
+`experts_ffn`, which a trainer may swap (`expert_implementation`, see spmd.experts) for
+one that sends tokens to the devices holding their experts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.annotate import constrain, weight
+
+SCORING = ("softmax", "sigmoid")
+DISPATCH = ("dropless", "capacity")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    experts: int
+    top_k: int
+    expert_mlp: int  # hidden width of one expert
+    shared_experts: int = 0  # a shared expert of width shared_experts x expert_mlp
+    every: int = 1  # every n-th layer is an MoE layer; the others are dense
+    scoring: str = "softmax"
+
+    def params_per_layer(self, embed: int) -> int:
+        """Router, experts and shared expert of one MoE layer."""
+        return embed * self.experts + 3 * embed * self.expert_mlp * (self.experts + self.shared_experts)
+
+    def active_per_layer(self, embed: int) -> int:
+        """Of those, the ones one token multiplies with."""
+        return embed * self.experts + 3 * embed * self.expert_mlp * (self.top_k + self.shared_experts)
+
+
+@dataclasses.dataclass(frozen=True)
+class Routing:
+    """How tokens reach experts (a training choice, not part of the checkpoint)."""
+
+    dispatch: str = "dropless"
+    capacity_factor: float = 1.25
+
+    def capacity(self, seq: int, moe: MoEConfig) -> int | None:
+        """Slots per expert per sequence (None: dropless)."""
+        if self.dispatch == "dropless":
+            return None
+        return min(seq, math.ceil(self.capacity_factor * seq * moe.top_k / moe.experts))
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """Where each token's k choices go: arrays of shape (batch, seq, k)."""
+
+    expert: jax.Array  # int32 expert index
+    slot: jax.Array  # int32 rank among its sequence's tokens sent to that expert (capacity mode)
+    gate: jax.Array  # float32 weight of that expert's output; zero where dropped
+
+
+def _param(rngs, shape, names, std):
+    value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
+    return nnx.Param(value, out_sharding=names, eager_sharding=False)
+
+
+class MoE(nnx.Module):
+    def __init__(self, embed: int, moe: MoEConfig, routing: Routing, dtype, rngs: nnx.Rngs):
+        e, n, m = embed, moe.experts, moe.expert_mlp
+        # The router's expert dimension stays whole: every token scores every expert.
+        self.router = _param(rngs, (e, n), ("embed", None), e**-0.5)
+        self.gate_up = _param(rngs, (n, e, 2, m), ("experts", "embed", None, "mlp"), e**-0.5)
+        self.down = _param(rngs, (n, m, e), ("experts", "mlp", "embed"), m**-0.5)
+        if moe.shared_experts:
+            width = moe.shared_experts * m
+            self.shared_gate_up = _param(rngs, (e, 2, width), ("embed", None, "mlp"), e**-0.5)
+            self.shared_down = _param(rngs, (width, e), ("mlp", "embed"), width**-0.5)
+        self.moe, self.routing, self.dtype = moe, routing, dtype
+
+    def __call__(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, dict]:
+        moe, dt = self.moe, self.dtype
+        logits = jnp.einsum("bse,en->bsn", x.astype(jnp.float32), weight(self.router, jnp.float32))
+        logits = constrain(logits, "batch", "seq", None)  # every device scores its own tokens
+        if moe.scoring == "softmax":
+            scores = jax.nn.softmax(logits, axis=-1)
+        else:
+            scores = jax.nn.sigmoid(logits)
+        top, expert = _top_k(scores, moe.top_k)
+        gate = top / jnp.sum(top, axis=-1, keepdims=True)
+        capacity = self.routing.capacity(x.shape[1], moe)
+        slot = _slots(expert, positions, moe.experts)
+        kept = slot < capacity if capacity is not None else jnp.ones(slot.shape, bool)
+        choice = Choice(expert, slot, jnp.where(kept, gate, 0.0))
+        y = experts_ffn(x, choice, weight(self.gate_up, dt), weight(self.down, dt), capacity)
+        if moe.shared_experts:
+            y = y + _swiglu(x, weight(self.shared_gate_up, dt), weight(self.shared_down, dt))
+        return y.astype(x.dtype), _statistics(logits, scores, expert, kept, moe)
+
+
+def _top_k(scores: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """The k largest scores of the last axis and their indices (ties: lower index first).
+    A stable sort rather than `lax.top_k`, which XLA's partitioner runs on the whole
+    batch (it gathered the batch over ep)."""
+    order = jnp.argsort(-scores, axis=-1, stable=True)[..., :k]
+    return jnp.take_along_axis(scores, order, axis=-1), order.astype(jnp.int32)
+
+
+def _swiglu(x, gate_up, down):
+    both = jnp.einsum("bse,eim->bsim", x, gate_up)
+    hidden = constrain(jax.nn.silu(both[:, :, 0]) * both[:, :, 1], "batch", "seq", "mlp")
+    return jnp.einsum("bsm,me->bse", hidden, down)
+
+
+def _slots(expert: jax.Array, positions: jax.Array, experts: int) -> jax.Array:
+    """Each choice's rank among its sequence's choices of the same expert, earlier
+    positions first (then lower k): the order in which tokens claim capacity."""
+    order = jnp.argsort(positions)
+    in_order = expert[:, order]  # (b, s, k), by position
+    b, s, k = in_order.shape
+    one_hot = jax.nn.one_hot(in_order.reshape(b, s * k), experts, dtype=jnp.int32)
+    before = jnp.cumsum(one_hot, axis=1) - one_hot  # choices of that expert earlier in the sequence
+    rank = jnp.sum(before * one_hot, axis=-1).reshape(b, s, k)
+    return rank[:, jnp.argsort(order)]
+
+
+def _statistics(logits, scores, expert, kept, moe: MoEConfig) -> dict:
+    """Per-layer terms, each a mean over sequences (so averages of equal parts compose)."""
+    share = jnp.sum(jax.nn.one_hot(expert, moe.experts, dtype=jnp.float32), axis=2)  # (b, s, n)
+    f = jnp.mean(share, axis=1) / moe.top_k  # (b, n): share of each sequence's choices
+    p = jnp.mean(scores / jnp.sum(scores, axis=-1, keepdims=True), axis=1)  # (b, n)
+    return {
+        "balance_loss": jnp.mean(moe.experts * jnp.sum(f * p, axis=-1)),
+        "z_loss": jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1))),
+        "dropped": 1.0 - jnp.mean(kept.astype(jnp.float32)),
+        "expert_load": jnp.mean(f, axis=0),  # (n,) share of all choices per expert
+    }
+
+
+# ------------------------------------------------------------------ expert computation
+
+def swiglu_experts(tokens: jax.Array, gate_up: jax.Array, down: jax.Array) -> jax.Array:
+    """Each expert on its own tokens: tokens (n, t, embed) -> (n, t, embed)."""
+    both = jnp.einsum("nte,neim->ntim", tokens, gate_up)
+    return jnp.einsum("ntm,nme->nte", jax.nn.silu(both[:, :, 0]) * both[:, :, 1], down)
+
+
+def grouped_experts(tokens: jax.Array, expert: jax.Array, gate_up: jax.Array, down: jax.Array) -> jax.Array:
+    """Each row of `tokens` (t, embed) through the expert `expert` (t,) names; an index
+    equal to the number of experts marks padding (output zero). Rows are sorted by expert
+    and run as one grouped matmul, then put back in their order."""
+    n = gate_up.shape[0]
+    order = jnp.argsort(expert, stable=True)
+    sizes = jnp.bincount(expert, length=n + 1)[:n].astype(jnp.int32)  # padding sorts last, outside every group
+    dims = jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(([1], [1]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+    both = jax.lax.ragged_dot_general(tokens[order], gate_up, sizes, dims)  # (t, 2, m)
+    hidden = jax.nn.silu(both[:, 0]) * both[:, 1]
+    out = jax.lax.ragged_dot(hidden, down, sizes)
+    return jnp.zeros_like(out).at[order].set(out)
+
+
+def to_buffers(x: jax.Array, choice: Choice, experts: int, capacity: int) -> jax.Array:
+    """Tokens (b, s, e) into per-sequence expert buffers (b, experts, capacity, e); choices
+    past capacity fall off."""
+    def one(x, expert, slot):
+        rows = jnp.broadcast_to(x[:, None], (*expert.shape, x.shape[-1]))
+        return jnp.zeros((experts, capacity, x.shape[-1]), x.dtype).at[expert, slot].set(rows, mode="drop")
+    return jax.vmap(one)(x, choice.expert, choice.slot)
+
+
+def from_buffers(buffers: jax.Array, choice: Choice) -> jax.Array:
+    """Expert outputs (b, experts, capacity, e) back to tokens (b, s, e), gate-weighted."""
+    def one(buffer, expert, slot, gate):
+        rows = buffer.at[expert, slot].get(mode="fill", fill_value=0)  # (s, k, e)
+        return jnp.einsum("ske,sk->se", rows, gate.astype(rows.dtype))
+    return jax.vmap(one)(buffers, choice.expert, choice.slot, choice.gate)
+
+
+def single_device_experts(x, choice: Choice, gate_up, down, capacity: int | None) -> jax.Array:
+    """The expert computation when every expert is at hand."""
+    experts = gate_up.shape[0]
+    if capacity is not None:
+        buffers = to_buffers(x, choice, experts, capacity)
+        b = x.shape[0]
+        flat = buffers.swapaxes(0, 1).reshape(experts, b * capacity, -1)  # each expert's tokens together
+        out = swiglu_experts(flat, gate_up, down).reshape(experts, b, capacity, -1).swapaxes(0, 1)
+        return from_buffers(out, choice)
+    b, s, k = choice.expert.shape
+    rows = jnp.repeat(x.reshape(b * s, -1), k, axis=0)  # one row per choice
+    out = grouped_experts(rows, choice.expert.reshape(-1), gate_up, down).reshape(b, s, k, -1)
+    return jnp.einsum("bske,bsk->bse", out, choice.gate.astype(out.dtype))
+
+
+_IMPLEMENTATION: contextvars.ContextVar[Callable | None] = contextvars.ContextVar("experts", default=None)
+
+
+def experts_ffn(x, choice: Choice, gate_up, down, capacity: int | None) -> jax.Array:
+    """Gate-weighted sum of each token's chosen experts (what the MoE layer calls)."""
+    implementation = _IMPLEMENTATION.get() or single_device_experts
+    return implementation(x, choice, gate_up, down, capacity)
+
+
+@contextlib.contextmanager
+def expert_implementation(implementation: Callable | None):
+    """Within this context `experts_ffn` calls `implementation(x, choice, gate_up, down, capacity)`."""
+    token = _IMPLEMENTATION.set(implementation)
+    try:
+        yield
+    finally:
+        _IMPLEMENTATION.reset(token)

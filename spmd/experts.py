@@ -1,0 +1,90 @@
+"""Expert parallelism: tokens travel to the devices that hold their experts, with `jax.shard_map`.
+
+Experts are split over `ep` (rules table: `experts` -> ep); the batch is split over the
+batch axes (dp, fsdp, ep). The map is manual over the batch axes, so each device routes
+its own tokens, and automatic over tp, so an expert's hidden width keeps its tp split.
+With ep = 1 nothing moves: each device runs its tokens through all experts locally (a
+global sort of every token would otherwise gather the batch).
+
+- capacity: each device fills per-sequence buffers (sequences, experts, capacity, embed)
+  as on one device (`models.moe.to_buffers`); one all-to-all over ep hands each expert's
+  slice to its owner, which runs its experts on every source's tokens at once; a second
+  all-to-all brings the outputs back. Bytes per all-to-all: capacity x experts x embed
+  per local sequence, the (ep-1)/ep of it that leaves the device.
+- dropless: a device's choices are packed per destination into (ep, P, embed), P =
+  local tokens x min(k, experts per device), the most one device can ever send another,
+  since a token picks an expert at most once. All-to-all, a grouped matmul over the
+  received rows (sorted by expert, `jax.lax.ragged_dot`), all-to-all back. XLA:CPU has no
+  ragged all-to-all, so the padding travels too: that is the price of never dropping a
+  token on this backend.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from models.annotate import ACTIVATION
+from models.moe import Choice, from_buffers, grouped_experts, single_device_experts, swiglu_experts, to_buffers
+from spmd.mesh import BATCH_AXES
+
+AXIS = "ep"
+
+
+def make_experts(mesh: jax.sharding.Mesh):
+    """experts_ffn(x, choice, gate_up, down, capacity) for tokens split over the batch axes."""
+    ep = mesh.shape[AXIS]
+    batch, experts = jax.P(BATCH_AXES), jax.P(AXIS)
+
+    def implementation(x, choice: Choice, gate_up, down, capacity: int | None):
+        body = functools.partial(_capacity if capacity is not None else _dropless, ep=ep, capacity=capacity)
+        return jax.shard_map(body, mesh=mesh, in_specs=(batch, batch, batch, batch, experts, experts),
+                             out_specs=batch, axis_names=frozenset(BATCH_AXES)
+                             )(x, choice.expert, choice.slot, choice.gate, gate_up, down)
+
+    return implementation
+
+
+def _exchange(x: jax.Array, axis: int) -> jax.Array:
+    """Block j of `axis` (size ep) goes to ep rank j; block i of the result came from rank i.
+    Named as an activation: remat policies that keep those keep what arrived, so the
+    backward pass does not exchange it again."""
+    return checkpoint_name(jax.lax.all_to_all(x, AXIS, axis, axis, tiled=True), ACTIVATION)
+
+
+def _capacity(x, expert, slot, gate, gate_up, down, *, ep: int, capacity: int):
+    choice = Choice(expert, slot, gate)
+    if ep == 1:
+        return single_device_experts(x, choice, gate_up, down, capacity)
+    local, (b, e) = gate_up.shape[0], (x.shape[0], x.shape[-1])
+    buffers = to_buffers(x, choice, local * ep, capacity).reshape(b, ep, local, capacity, e)
+    received = _exchange(buffers, 1)  # (b, source rank, local expert, slot, e)
+    tokens = received.transpose(2, 1, 0, 3, 4).reshape(local, ep * b * capacity, e)
+    out = swiglu_experts(tokens, gate_up, down).reshape(local, ep, b, capacity, e).transpose(2, 1, 0, 3, 4)
+    returned = _exchange(out, 1)  # (b, expert's rank, local expert, slot, e)
+    return from_buffers(returned.reshape(b, ep * local, capacity, e), choice)
+
+
+def _dropless(x, expert, slot, gate, gate_up, down, *, ep: int, capacity: None):
+    del slot, capacity
+    if ep == 1:
+        return single_device_experts(x, Choice(expert, None, gate), gate_up, down, None)
+    local = gate_up.shape[0]
+    b, s, k = expert.shape
+    rows = jnp.repeat(x.reshape(b * s, -1), k, axis=0)  # one row per choice
+    ids = expert.reshape(-1)
+    rank, local_id = ids // local, ids % local
+    # A choice's place in its destination's block: how many earlier choices go there too.
+    to_rank = jax.nn.one_hot(rank, ep, dtype=jnp.int32)
+    place = jnp.sum((jnp.cumsum(to_rank, axis=0) - to_rank) * to_rank, axis=-1)
+    per_rank = b * s * min(k, local)
+    send = jnp.zeros((ep, per_rank, rows.shape[-1]), rows.dtype).at[rank, place].set(rows)
+    send_ids = jnp.full((ep, per_rank), local, jnp.int32).at[rank, place].set(local_id)  # `local`: padding
+    received, received_ids = _exchange(send, 0), _exchange(send_ids, 0)
+    out = grouped_experts(received.reshape(ep * per_rank, -1), received_ids.reshape(-1), gate_up, down)
+    back = _exchange(out.reshape(ep, per_rank, -1), 0)
+    mine = back[rank, place].reshape(b, s, k, -1)
+    return jnp.einsum("bske,bsk->bse", mine, gate.astype(mine.dtype))

@@ -1,0 +1,75 @@
+"""Mixture of experts: every ep layout trains to the numbers of one device, tokens travel
+by all-to-all, and a small capacity drops tokens (counted) without stopping training."""
+
+import json
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import train_run
+from spmd.plan import make_plan
+from test_parity import LOSS_RTOL, PARAM_ATOL
+
+# moe-tiny: 8 experts, top-2. A capacity factor of experts / k gives every expert room for
+# a whole sequence, so capacity mode drops nothing and must match dropless exactly.
+NO_DROPS = {"moe_dispatch": "capacity", "capacity_factor": 4.0}
+LAYOUTS = [(mesh, devices, mode) for mode in ({}, NO_DROPS)
+           for mesh, devices in (("ep=2", 2), ("ep=4", 4), ("ep=8", 8), ("ep=2,fsdp=2,tp=2", 8))]
+
+
+@pytest.fixture(scope="module")
+def moe_reference():
+    return train_run("", 1, model="moe-tiny")  # dropless, every expert on the one device
+
+
+@pytest.mark.parametrize("mesh,devices,mode", LAYOUTS,
+                         ids=[f"{m}-{o.get('moe_dispatch', 'dropless')}" for m, _, o in LAYOUTS])
+def test_expert_parallel_layout_matches_one_device(moe_reference, mesh, devices, mode):
+    run = train_run(mesh, devices, model="moe-tiny", **mode)
+    np.testing.assert_allclose(run.losses, moe_reference.losses, rtol=LOSS_RTOL, atol=0)
+    assert moe_reference.losses[-1] < moe_reference.losses[0] - 0.05  # it learns, so matching means something
+    for got, want in zip(jax.tree.leaves(run.params), jax.tree.leaves(moe_reference.params)):
+        np.testing.assert_allclose(got, want, rtol=0, atol=PARAM_ATOL)
+    # The auxiliary terms are part of what was minimized; they match too (same tolerance).
+    for name in ("aux_loss", "z_loss", "imbalance"):
+        np.testing.assert_allclose(run.metrics[name], moe_reference.metrics[name], rtol=LOSS_RTOL)
+    assert np.all(run.metrics["dropped"] == 0)
+
+
+@pytest.mark.parametrize("mesh,devices,mode", [("ep=2", 2, {}), ("ep=2", 2, NO_DROPS), ("ep=2,fsdp=2,tp=2", 8, NO_DROPS)],
+                         ids=["ep2-dropless", "ep2-capacity", "ep2-fsdp2-tp2-capacity"])
+def test_tokens_move_by_all_to_all_and_expert_weights_are_never_gathered_over_ep(mesh, devices, mode):
+    run = train_run(mesh, devices, model="moe-tiny", **mode)  # compiled once, shared with the parity test
+    rows = {(r.op, r.axes): r for r in make_plan(run.cfg, run.layout, compiled=run.compiled).rows}
+    to_all = rows[("all-to-all", "ep")]
+    # There and back forward, the gradients of both backward; dropless also sends the
+    # expert index of each row.
+    assert to_all.count == (5 if "moe_dispatch" not in mode else 4)
+    assert to_all.measured == pytest.approx(to_all.theory, rel=0.05)
+    # No all-gather involves ep: each device keeps its own experts and no device ever
+    # holds another's (fsdp still gathers the embed split of weights, as for dense ones).
+    assert not [key for key in rows if key[0] == "all-gather" and "ep" in key[1]]
+    for row in rows.values():
+        assert not row.unexpected, row
+        if row.theory:
+            assert row.measured == pytest.approx(row.theory, rel=0.05), row
+
+
+def test_small_capacity_drops_tokens_reports_it_and_still_trains(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    cmd = [sys.executable, "-m", "spmd.train", "--model", "moe-tiny", "--mesh", "ep=2", "--moe-dispatch", "capacity",
+           "--capacity-factor", "0.5", "--steps", "12", "--warmup", "1", "--log-every", "6", "--batch", "8",
+           "--seq", "32", "--metrics-file", str(metrics)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert len(records) == 12
+    # Capacity per expert per sequence: ceil(0.5 x 32 x 2 / 8) = 4 slots, so 8 experts take
+    # at most 32 of a sequence's 64 choices: at least half are dropped.
+    assert all(r["dropped"] >= 0.5 for r in records)
+    assert all(np.isfinite(r["loss"]) and r["imbalance"] >= 1.0 for r in records)
+    assert records[-1]["loss"] < records[0]["loss"] - 0.1  # still learning without the dropped tokens
+    assert "dropped" in proc.stdout.splitlines()[-2]  # the log line reports it
