@@ -78,11 +78,12 @@ def poisoned_loss(monkeypatch):
     marks = [int(source.rows(step, 0, 1, 33)[0, 0]) * 1000 + int(source.rows(step, 0, 1, 33)[0, 1])
              for step in (2, 3)]
 
-    def loss(graphdef, params, rows, order=None):
-        value = real(graphdef, params, rows, order)
+    def loss(graphdef, params, rows, *args):
+        value, metrics = real(graphdef, params, rows, *args)
         key = rows[0, 0] * 1000 + rows[0, 1]
         hit = jnp.any(jnp.asarray(marks) == key)
-        return jnp.where(hit, jnp.nan, value)
+        poison = lambda x: jnp.where(hit, jnp.nan, x)  # noqa: E731
+        return poison(value), metrics | {"loss": poison(metrics["loss"])}
 
     monkeypatch.setattr(spmd.step, "_loss", loss)
 
