@@ -22,6 +22,7 @@ global sort of every token would otherwise gather the batch).
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -37,13 +38,21 @@ AXIS = "ep"
 def make_experts(mesh: jax.sharding.Mesh):
     """experts_ffn(x, choice, gate_up, down, capacity) for tokens split over the batch axes."""
     ep = mesh.shape[AXIS]
-    batch, experts = jax.P(BATCH_AXES), jax.P(AXIS)
+    # The experts are replicated over the other batch axes. They enter the map as one copy
+    # per shard (a broadcast, split over those axes), so their gradients are summed outside
+    # it by XLA like any other weight's: a replicated input's gradient summed inside a
+    # partly manual map crashed XLA:CPU's bf16 all-reduce promotion.
+    replicas = tuple(a for a in BATCH_AXES if a != AXIS)
+    copies = math.prod(mesh.shape[a] for a in replicas)
+    batch, experts = jax.P(BATCH_AXES), jax.P(replicas, AXIS)
 
     def implementation(x, choice: Choice, gate_up, down, capacity: int | None):
         body = functools.partial(_capacity if capacity is not None else _dropless, ep=ep, capacity=capacity)
-        return jax.shard_map(body, mesh=mesh, in_specs=(batch, batch, batch, batch, experts, experts),
-                             out_specs=batch, axis_names=frozenset(BATCH_AXES)
-                             )(x, choice.expert, choice.slot, choice.gate, gate_up, down)
+        per_copy = lambda w: jnp.broadcast_to(w, (copies, *w.shape))  # noqa: E731
+        return jax.shard_map(lambda x, e, s, g, gu, d: body(x, e, s, g, gu[0], d[0]), mesh=mesh,
+                             in_specs=(batch, batch, batch, batch, experts, experts), out_specs=batch,
+                             axis_names=frozenset(BATCH_AXES)
+                             )(x, choice.expert, choice.slot, choice.gate, per_copy(gate_up), per_copy(down))
 
     return implementation
 

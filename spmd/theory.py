@@ -294,9 +294,21 @@ def activation_bytes(cfg, layout: Layout, compute_bytes: int) -> float:
     # qkv projection and rotated q/k/v, per-head attention output, the scores, the MLP's
     # gate/up and hidden); "dots" keeps matmuls without batch dimensions; "full" only the
     # block input, and recomputes one layer at a time during the backward pass.
-    everything = 4 * e + (2 * qkv + 2 * heads + 3 * m.mlp + m.heads * cfg.seq) / t
+    attention = 4 * e + (2 * qkv + 2 * heads + m.heads * cfg.seq) / t
+    everything = attention + 3 * m.mlp / t
     per_layer = {"none": everything, "dots": 3 * e + (qkv + 2 * m.mlp) / t, "full": e}[cfg.remat]
     working = 0 if cfg.remat == "none" else everything
+    dense_layers = m.layers - m.moe_layers
+    kept = dense_layers * per_layer
+    if m.moe_layers:
+        # An MoE layer keeps, per row its experts run (spmd.experts), the row as received
+        # and as returned and the two matmul outputs; per token the router's scores and
+        # the shared expert like an MLP.
+        rows = expert_rows(cfg, layout) / tokens
+        moe = (attention + m.moe.experts + rows * (3 * e + 2 * m.moe.expert_mlp / t)
+               + 3 * m.moe.shared_experts * m.moe.expert_mlp / t)
+        kept += m.moe_layers * {"none": moe, "dots": 3 * e + qkv / t + rows * 2 * m.moe.expert_mlp / t, "full": e}[cfg.remat]
+        working = max(working, 0 if cfg.remat == "none" else moe)
     vocab_split = _ways(axes_of(layout.rules.activations["vocab"]), layout.shape)
     logits = 3 * tokens * m.vocab / vocab_split * 4
-    return tokens * (m.layers * per_layer + working) * compute_bytes + logits
+    return tokens * (kept + working) * compute_bytes + logits

@@ -81,6 +81,14 @@ def train_run(mesh: str, devices: int, **overrides) -> Run:
     return _run(mesh, devices, tuple(sorted(changed.items())))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def shared_compilation_cache(tmp_path_factory):
+    """Subprocess tests (the CLI) start many runs of the same configuration; a persistent
+    compilation cache for this session lets all but the first load what XLA compiled.
+    Set after this process imported JAX, so only the subprocesses use it."""
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path_factory.mktemp("jax-cache"))
+
+
 @pytest.fixture(scope="session")
 def reference() -> Run:
     return train_run("", 1)

@@ -6,6 +6,8 @@ import pytest
 
 from conftest import PARITY, train_run
 
+pytestmark = pytest.mark.xdist_group("layouts")  # they share compiled runs (conftest)
+
 LAYOUTS = [
     # (mesh, devices, overrides)
     ("dp=8", 8, {}),

@@ -10,6 +10,8 @@ from spmd.config import TrainConfig, validate
 from spmd.layout import make_layout
 from spmd.plan import make_plan
 
+pytestmark = pytest.mark.xdist_group("layouts")  # they share compiled runs (conftest)
+
 PSI = 131_392  # parameters of the tiny model
 STACKED = 98_560  # of which in the 2 stacked blocks (gathered again in the backward pass)
 N = 8

@@ -7,6 +7,8 @@ from conftest import train_run
 from spmd.context import zigzag_order
 from spmd.plan import make_plan
 
+pytestmark = pytest.mark.xdist_group("layouts")  # they share compiled runs (conftest)
+
 
 def test_zigzag_gives_each_rank_an_early_and_a_late_chunk():
     # 16 positions, 2 ranks: chunks of 4; rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2.

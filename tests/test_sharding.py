@@ -8,6 +8,8 @@ import numpy as np
 from conftest import _init_config, initial_state, train_run
 from spmd.layout import bytes_per_device
 
+pytestmark = pytest.mark.xdist_group("layouts")  # they share compiled runs (conftest)
+
 PSI = 131_392  # parameters of the tiny model; every one has an `embed` dimension that divides 8
 N = 8
 
