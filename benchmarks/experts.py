@@ -6,7 +6,8 @@ of dropless against capacity dispatch.
    - theory (spmd/theory.py): the buffers spmd.experts exchanges (capacity slots, or
      dropless blocks padded per destination, plus their expert indices);
    - routed: DESIGN.md section 8's 2 all-to-all forward + 2 backward of the routed
-     tokens x top-k, what an unpadded (ragged) exchange would send.
+     tokens x top-k (+2 forward again under remat), what an unpadded (ragged) exchange
+     would send.
    Goal: measured / theory = 1.000; measured / routed shows the padding.
 2. A small MoE model trains on 8 emulated devices (ep=4, dp=2) in both modes, timed in
    alternating rounds (this machine drifts by tens of percent between minutes); printed:
@@ -49,10 +50,12 @@ LAYOUTS = [  # (model, mesh, devices, dtype, overrides)
 
 
 def routed_bytes(cfg, layout) -> float:
-    """4 exchanges (2 forward, 2 backward) of each local token's k choices, (ep-1)/ep leaving."""
+    """Each local token's k choices, (ep-1)/ep leaving, in 4 exchanges (2 forward, 2 backward;
+    6 when remat recomputes the forward)."""
     model, ep = model_config(cfg), layout.shape["ep"]
     itemsize = 2 if cfg.dtype == "bfloat16" else 4
-    per_layer = 4 * tokens_per_device(cfg, layout.shape) * model.moe.top_k * model.embed * itemsize * (ep - 1) / ep
+    exchanges = 4 if cfg.remat == "none" else 6
+    per_layer = exchanges * tokens_per_device(cfg, layout.shape) * model.moe.top_k * model.embed * itemsize * (ep - 1) / ep
     return model.moe_layers * per_layer
 
 

@@ -164,6 +164,12 @@ def check_batch(cfg, shape: Mapping[str, int]) -> None:
             # The per-shard vmap of accumulation cannot hold ep's all-to-all (a shard_map
             # over the batch axes), as with sp.
             raise UserError("--grad-accum with ep > 1 is not supported yet; use a smaller --batch or more devices")
+        if cfg.moe_dispatch == "dropless" and cfg.grad_accum > 1:
+            # jax 0.10.2 batches a ragged dot (the grouped matmul) only when the weights are
+            # batched too, and differentiates no custom batching rule.
+            raise UserError(f"--grad-accum with --moe-dispatch dropless is not supported yet; use --moe-dispatch "
+                            f"capacity (--capacity-factor {model_config(cfg).moe.experts / model_config(cfg).moe.top_k:g} "
+                            "or more never drops)")
 
 
 def bytes_per_device(tree) -> int:

@@ -77,11 +77,12 @@ class Rules:
         """Flax-style rules for `models.annotate.constrain`.
 
         `batch_local`: the values live inside one batch shard (a vmap over shards whose
-        mapped axis is already split over the batch axes), so `batch` maps to nothing.
+        mapped axis is already split over the batch axes), so `batch` (and any other name
+        on a batch axis) maps to nothing.
         """
         table = dict(self.activations)
-        if batch_local:
-            table["batch"] = None
+        if batch_local:  # nothing inside one shard may be split over the batch axes (e.g. experts over ep)
+            table = {name: None if set(axes_of(axes)) & set(BATCH_AXES) else axes for name, axes in table.items()}
         return tuple(table.items())
 
 

@@ -28,6 +28,8 @@ CASES = {
     "capacity factor not positive": (["--model", "moe-tiny", "--capacity-factor", "0"], "--capacity-factor must be positive"),
     "experts on a dense model": (["--experts", "4"], "tiny is dense"),
     "MoE with ep and accumulation": (["--model", "moe-tiny", "--mesh", "ep=2", "--grad-accum", "2"], "--grad-accum with ep > 1"),
+    "dropless MoE with accumulation": (["--model", "moe-tiny", "--mesh", "dp=8", "--grad-accum", "2"],
+                                       "use --moe-dispatch capacity (--capacity-factor 4 or more never drops)"),
 }
 # spmd.plan takes the same flags; these are its own.
 PLAN_CASES = {

@@ -1,5 +1,6 @@
-"""The Llama model on one device: shapes of the real presets, causality, remat."""
+"""The Llama model on one device: shapes of the real presets, causality, remat, MoE routing."""
 
+import dataclasses
 import pathlib
 import re
 
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models import PRESETS, Llama
+from models import PRESETS, Llama, Routing
 from spmd.layout import model_skeleton
 
 # Published parameter counts of the real models.
@@ -60,3 +61,39 @@ def test_models_name_logical_axes_only():
     mesh_axis = re.compile(r"""["'](pp|dp|fsdp|ep|sp|tp)["']|jax\.devices\(|device_count\(""")
     for path in pathlib.Path(__file__).parents[1].joinpath("models").glob("*.py"):
         assert not mesh_axis.search(path.read_text()), path
+
+
+@pytest.mark.parametrize("name", ["mixtral-8x7b", "deepseek-moe-16b-like"])
+def test_moe_presets_build_abstractly(name):
+    skeleton = model_skeleton(name)
+    assert skeleton.num_params == PRESETS[name].num_params()
+    moe = skeleton.names["blocks"]["moe"]["mlp"]
+    assert moe["gate_up"] == ("layers", "experts", "embed", None, "mlp")
+    assert moe["down"] == ("layers", "experts", "mlp", "embed")
+    if name == "mixtral-8x7b":  # published: 46.7B parameters, 12.9B used per token
+        assert skeleton.num_params == 46_702_792_704
+        assert round(PRESETS[name].num_params(active=True) / 1e9, 1) == 12.9
+
+
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+def test_moe_layer_capacity_without_drops_equals_dropless(scoring):
+    cfg = dataclasses.replace(PRESETS["moe-tiny"], moe=dataclasses.replace(PRESETS["moe-tiny"].moe, scoring=scoring))
+    tokens = jax.random.randint(jax.random.key(3), (4, 16), 0, 256)
+
+    params = nnx.state(Llama(cfg, rngs=nnx.Rngs(params=jax.random.key(0))))
+
+    def forward(dispatch, factor):  # the same parameters under another routing
+        shape = nnx.eval_shape(lambda: Llama(cfg, routing=Routing(dispatch, factor), rngs=nnx.Rngs(0)))
+        return nnx.merge(nnx.graphdef(shape), params).forward(tokens)
+
+    dropless, stats = forward("dropless", 1.0)
+    roomy, roomy_stats = forward("capacity", cfg.moe.experts / cfg.moe.top_k)  # room for every token
+    tight, tight_stats = forward("capacity", 0.5)
+    # float32 sums in another order: a few roundings of logits of size ~10.
+    np.testing.assert_allclose(roomy, dropless, atol=1e-5)
+    assert float(stats["dropped"][0]) == float(roomy_stats["dropped"][0]) == 0.0
+    # 0.5 x 16 x 2 / 8 = 2 slots per expert: at most 16 of each sequence's 32 choices fit.
+    assert float(tight_stats["dropped"][0]) >= 0.5
+    assert not np.allclose(tight, dropless, atol=1e-3)
+    assert 1.0 <= float(stats["balance_loss"][0]) <= cfg.moe.experts  # 1 when perfectly balanced
+    np.testing.assert_allclose(np.sum(stats["expert_load"], axis=-1), 1.0, rtol=1e-6)

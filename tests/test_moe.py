@@ -20,6 +20,8 @@ pytestmark = pytest.mark.xdist_group("moe")  # the all-to-all test reads the par
 NO_DROPS = {"moe_dispatch": "capacity", "capacity_factor": 4.0}
 LAYOUTS = [(mesh, devices, mode) for mode in ({}, NO_DROPS)
            for mesh, devices in (("ep=2", 2), ("ep=4", 4), ("ep=8", 8), ("ep=2,fsdp=2,tp=2", 8))]
+# Accumulation: capacity and the balance loss are per sequence, so microbatches compose.
+LAYOUTS.append(("dp=2,fsdp=2", 4, NO_DROPS | {"grad_accum": 2}))
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +30,8 @@ def moe_reference():
 
 
 @pytest.mark.parametrize("mesh,devices,mode", LAYOUTS,
-                         ids=[f"{m}-{o.get('moe_dispatch', 'dropless')}" for m, _, o in LAYOUTS])
+                         ids=[f"{m}-{o.get('moe_dispatch', 'dropless')}{'-accum' if 'grad_accum' in o else ''}"
+                              for m, _, o in LAYOUTS])
 def test_expert_parallel_layout_matches_one_device(moe_reference, mesh, devices, mode):
     run = train_run(mesh, devices, model="moe-tiny", **mode)
     np.testing.assert_allclose(run.losses, moe_reference.losses, rtol=LOSS_RTOL, atol=0)

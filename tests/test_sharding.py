@@ -6,7 +6,9 @@ import pytest
 import numpy as np
 
 from conftest import _init_config, initial_state, train_run
-from spmd.layout import bytes_per_device
+from spmd.config import TrainConfig, validate
+from spmd.layout import bytes_per_device, make_layout
+from spmd.step import build_program
 
 pytestmark = pytest.mark.xdist_group("layouts")  # they share compiled runs (conftest)
 
@@ -49,8 +51,9 @@ def test_initializer_creates_state_already_sharded():
     assert mu.sharding.spec == jax.P("pp", "tp", "fsdp")
 
 
-def test_experts_are_born_split_over_ep():
-    state = _born_sharded("ep=2,fsdp=2,tp=2", model="moe-tiny")
+def test_experts_are_stored_split_over_ep():
+    cfg = validate(TrainConfig(model="moe-tiny", mesh="ep=2,fsdp=2,tp=2"))
+    state = build_program(cfg, make_layout(cfg)).abstract_state  # what init is jitted to produce
     gate_up = state["params"]["blocks"]["moe"]["mlp"]["gate_up"]  # (groups, experts, embed, 2, expert_mlp)
     assert gate_up.sharding.spec == jax.P("pp", "ep", "fsdp", None, "tp")
-    assert {s.data.shape for s in gate_up.addressable_shards} == {(1, 4, 32, 2, 32)}
+    assert gate_up.sharding.shard_shape(gate_up.shape) == (1, 4, 32, 2, 32)
