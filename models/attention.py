@@ -7,15 +7,12 @@ load-balanced layout reorders it): a query sees the keys at positions up to its 
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
-_IMPLEMENTATION: contextvars.ContextVar[Callable | None] = contextvars.ContextVar("attention", default=None)
+from models.swap import Swappable
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array,
@@ -29,19 +26,11 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.
     return jnp.einsum("bkgst,btkd->bskgd", probs, v)
 
 
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array) -> jax.Array:
-    """Causal self-attention of a sequence with the given positions (what models call)."""
-    implementation = _IMPLEMENTATION.get()
-    if implementation is None:
-        return causal_attention(q, k, v, positions, positions)
-    return implementation(q, k, v, positions)
+def _one_device(q, k, v, positions):
+    return causal_attention(q, k, v, positions, positions)
 
 
-@contextlib.contextmanager
-def attention_implementation(implementation: Callable | None):
-    """Within this context `attend` calls `implementation(q, k, v, positions)`."""
-    token = _IMPLEMENTATION.set(implementation)
-    try:
-        yield
-    finally:
-        _IMPLEMENTATION.reset(token)
+# Causal self-attention of a sequence with the given positions: attend(q, k, v, positions)
+# is what models call; `attention_implementation(f)` swaps in f (e.g. ring attention).
+attend = Swappable("attention", _one_device)
+attention_implementation = attend.use

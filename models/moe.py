@@ -26,17 +26,15 @@ one that sends tokens to the devices holding their experts.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import math
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from models.annotate import constrain, weight
+from models.swap import Swappable
 
 SCORING = ("softmax", "sigmoid")
 DISPATCH = ("dropless", "capacity")
@@ -215,20 +213,7 @@ def single_device_experts(x, choice: Choice, gate_up, down, capacity: int | None
     return jnp.einsum("bske,bsk->bse", out, choice.gate.astype(out.dtype))
 
 
-_IMPLEMENTATION: contextvars.ContextVar[Callable | None] = contextvars.ContextVar("experts", default=None)
-
-
-def experts_ffn(x, choice: Choice, gate_up, down, capacity: int | None) -> jax.Array:
-    """Gate-weighted sum of each token's chosen experts (what the MoE layer calls)."""
-    implementation = _IMPLEMENTATION.get() or single_device_experts
-    return implementation(x, choice, gate_up, down, capacity)
-
-
-@contextlib.contextmanager
-def expert_implementation(implementation: Callable | None):
-    """Within this context `experts_ffn` calls `implementation(x, choice, gate_up, down, capacity)`."""
-    token = _IMPLEMENTATION.set(implementation)
-    try:
-        yield
-    finally:
-        _IMPLEMENTATION.reset(token)
+# Gate-weighted sum of each token's chosen experts: experts_ffn(x, choice, gate_up, down,
+# capacity) is what the MoE layer calls; `expert_implementation(f)` swaps in f.
+experts_ffn = Swappable("experts", single_device_experts)
+expert_implementation = experts_ffn.use

@@ -157,7 +157,8 @@ def check_batch(cfg, shape: Mapping[str, int]) -> None:
                         "(sequence parallelism gives each sp rank two chunks, one early and one late)")
     if cfg.megatron_sp and cfg.seq % (sp * shape["tp"]):
         raise UserError(f"--megatron-sp: --seq {cfg.seq} does not divide by sp x tp = {sp * shape['tp']}")
-    if model_config(cfg).moe is not None:
+    moe = model_config(cfg).moe
+    if moe is not None:
         if sp > 1:
             raise UserError(f"model {cfg.model}: MoE layers with sp > 1 are not supported yet; use ep, dp, fsdp and tp")
         if shape["ep"] > 1 and cfg.grad_accum > 1:
@@ -168,7 +169,7 @@ def check_batch(cfg, shape: Mapping[str, int]) -> None:
             # jax 0.10.2 batches a ragged dot (the grouped matmul) only when the weights are
             # batched too, and differentiates no custom batching rule.
             raise UserError(f"--grad-accum with --moe-dispatch dropless is not supported yet; use --moe-dispatch "
-                            f"capacity (--capacity-factor {model_config(cfg).moe.experts / model_config(cfg).moe.top_k:g} "
+                            f"capacity (--capacity-factor {moe.experts / moe.top_k:g} "
                             "or more never drops)")
 
 

@@ -48,7 +48,7 @@ def _run(mesh: str, devices: int, items: tuple) -> Run:
     layout = make_layout(cfg, jax.devices()[:devices])
     program = build_program(cfg, layout)
     shardings = jax.tree.map(lambda s: s.sharding, program.abstract_state)
-    state = jax.device_put(initial_state(_init_config(cfg)), shardings)
+    state = jax.device_put(initial_state(init_config(cfg)), shardings)
     compiled = program.compile_step()
     source = MarkovSource(layout.skeleton.model_cfg.vocab, cfg.seed)
     steps = []
@@ -61,7 +61,7 @@ def _run(mesh: str, devices: int, items: tuple) -> Run:
                compiled)
 
 
-def _init_config(cfg: TrainConfig) -> TrainConfig:
+def init_config(cfg: TrainConfig) -> TrainConfig:
     """What the initial values depend on (the model and the seed), on one device."""
     return dataclasses.replace(cfg, mesh="", zero=0, grad_accum=1, megatron_sp=False, dtype="float32", remat="none")
 

@@ -5,7 +5,7 @@ import pytest
 
 import numpy as np
 
-from conftest import _init_config, initial_state, train_run
+from conftest import init_config, initial_state, train_run
 from spmd.config import TrainConfig, validate
 from spmd.layout import bytes_per_device, make_layout
 from spmd.step import build_program
@@ -36,7 +36,7 @@ def _born_sharded(mesh: str, **overrides) -> dict:
     with jax.set_mesh(run.layout.mesh):
         state = run.program.init(jax.random.key(0))
     # The same values as on one device (the other tests start from those).
-    one_device = initial_state(_init_config(run.cfg))
+    one_device = initial_state(init_config(run.cfg))
     for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(one_device), strict=True):
         np.testing.assert_array_equal(np.asarray(got), want)
     return state
