@@ -207,13 +207,21 @@ class Llama(nnx.Module):
     def forward(self, tokens: jax.Array, positions: jax.Array | None = None) -> tuple[jax.Array, dict]:
         """Logits, and the MoE layers' statistics stacked along a leading layer axis
         (`models.moe`; empty for a dense model)."""
-        cfg, dt = self.cfg, self.dtype
         if positions is None:
             positions = jnp.arange(tokens.shape[1])
-        # A lookup has no FLOPs to save: rows are read (and their gradient summed) in float32.
-        x = jnp.take(weight(self.embedding, jnp.float32), tokens, axis=0).astype(dt)
-        x = constrain(x, "batch", "residual_seq", "embed")
+        x, stats = self.run_layers(self.blocks, self.embed(tokens), positions)
+        return self.logits(x), stats
 
+    # The three parts of `forward`, for a trainer that runs the layers elsewhere (e.g. in
+    # pipeline stages): the embedding, any slice of the stacked layers, the output head.
+
+    def embed(self, tokens: jax.Array) -> jax.Array:
+        # A lookup has no FLOPs to save: rows are read (and their gradient summed) in float32.
+        x = jnp.take(weight(self.embedding, jnp.float32), tokens, axis=0).astype(self.dtype)
+        return constrain(x, "batch", "residual_seq", "embed")
+
+    def run_layers(self, blocks: Block | MoEGroup, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, dict]:
+        """Run stacked `blocks` (this model's, or a slice of them along the layer axis) in order."""
         def run_block(block: Block | MoEGroup, x: jax.Array) -> tuple[jax.Array, dict]:
             return block(x, positions)
 
@@ -223,11 +231,15 @@ class Llama(nnx.Module):
         def over_layers(x: jax.Array, block: Block | MoEGroup) -> tuple[jax.Array, dict]:
             return run_block(block, x)
 
-        x, stats = over_layers(x, self.blocks)
+        return over_layers(x, blocks)
+
+    def logits(self, x: jax.Array) -> jax.Array:
+        """float32 logits (batch, seq, vocab) of the last layer's output."""
+        cfg, dt = self.cfg, self.dtype
         x = constrain(self.final_norm(x), "batch", "seq", "embed")
         if cfg.tie_embeddings:
             head = weight(self.embedding, dt).T * cfg.embed**-0.5
         else:
             head = weight(self.head, dt)
         logits = jnp.einsum("bse,ev->bsv", x, head).astype(jnp.float32)
-        return constrain(logits, "batch", "seq", "vocab"), stats
+        return constrain(logits, "batch", "seq", "vocab")

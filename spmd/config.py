@@ -21,6 +21,7 @@ REMAT = ("none", "full", "dots")
 ON_NAN = ("stop", "skip")
 ATTENTION = ("ring", "all-gather")
 MOE_DISPATCH = ("dropless", "capacity")
+PP_SCHEDULES = ("gpipe", "circular", "1f1b")
 
 
 def _field(default, help: str, **argparse_kwargs):
@@ -51,6 +52,10 @@ class TrainConfig:
     remat: str = _field("none", "activation checkpointing of each block", choices=REMAT)
     attention: str = _field("ring", "attention across the sp axis: K/V blocks passed around a ring, or all-gathered", choices=ATTENTION)
     megatron_sp: bool = _field(False, "Megatron sequence parallelism: norms and residuals split along the sequence over tp too")
+    layers: int | None = _field(None, "number of layers (default: the preset's)")
+    pp_schedule: str = _field("gpipe", "pipeline schedule over the pp axis (gpipe, circular with --pp-repeats chunks per stage, 1f1b)", choices=PP_SCHEDULES)
+    pp_repeats: int = _field(1, "circular schedule: chunks of layers per pipeline stage (v)")
+    microbatches: int | None = _field(None, "pipeline microbatches per step (default: pp; a multiple of pp)")
     experts: int | None = _field(None, "MoE models: number of experts (default: the preset's)")
     top_k: int | None = _field(None, "MoE models: experts per token (default: the preset's)")
     moe_dispatch: str = _field("dropless", "MoE models: every token reaches its experts, or each expert takes at most a capacity of each sequence's tokens (the rest dropped)", choices=MOE_DISPATCH)
@@ -159,7 +164,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
 
     if cfg.model not in PRESETS:
         raise UserError(f"unknown model {cfg.model!r}; choose one of {', '.join(PRESETS)}")
-    for name in ("batch", "seq", "grad_accum", "log_every", "ref_batch", "keep"):
+    for name in ("batch", "seq", "grad_accum", "log_every", "ref_batch", "keep", "pp_repeats"):
         if getattr(cfg, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
     for name in ("steps", "warmup", "save_every"):
@@ -168,6 +173,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if cfg.lr <= 0 or cfg.clip <= 0:
         raise UserError("--lr and --clip must be positive")
     _validate_moe(cfg, PRESETS[cfg.model])
+    _validate_pipeline(cfg)
     if cfg.save_every and not cfg.out:
         raise UserError("--save-every needs --out DIR")
     if cfg.hardware is not None:
@@ -196,11 +202,24 @@ def _validate_moe(cfg: TrainConfig, model_cfg) -> None:
         raise UserError("--aux-loss-weight and --z-loss-weight must not be negative")
 
 
+def _validate_pipeline(cfg: TrainConfig) -> None:
+    if cfg.layers is not None and cfg.layers < 1:
+        raise UserError(f"--layers must be at least 1, got {cfg.layers}")
+    if cfg.microbatches is not None and cfg.microbatches < 1:
+        raise UserError(f"--microbatches must be at least 1, got {cfg.microbatches}")
+    if cfg.pp_schedule == "circular" and cfg.pp_repeats < 2:
+        raise UserError("--pp-schedule circular needs --pp-repeats 2 or more (chunks of layers per stage)")
+    if cfg.pp_schedule != "circular" and cfg.pp_repeats != 1:
+        raise UserError(f"--pp-repeats applies to --pp-schedule circular, not {cfg.pp_schedule}")
+
+
 def model_config(cfg: TrainConfig):
-    """The model preset with the run's overrides (number of experts, top-k)."""
+    """The model preset with the run's overrides (depth, number of experts, top-k)."""
     from models import PRESETS
 
     model_cfg = PRESETS[cfg.model]
+    if cfg.layers is not None:
+        model_cfg = dataclasses.replace(model_cfg, layers=cfg.layers)
     if model_cfg.moe is None:
         return model_cfg
     moe = dataclasses.replace(model_cfg.moe, **{k: v for k, v in (("experts", cfg.experts), ("top_k", cfg.top_k))

@@ -20,6 +20,7 @@ from models import PRESETS, Llama, LlamaConfig, Routing
 from spmd.config import model_config
 from spmd.errors import UserError
 from spmd.mesh import BATCH_AXES, build_mesh, format_mesh, parse_mesh, resolve_mesh
+from spmd.pipeline import Schedule
 from spmd.rules import Rules, axes_of, make_rules, spec_for, without_axes
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -72,6 +73,7 @@ class Layout:
     shape: Mapping[str, int]  # all six axes, in mesh order
     rules: Rules
     skeleton: ModelSkeleton
+    schedule: Schedule | None = None  # pipeline stages (pp > 1)
 
     def shardings(self, table: Mapping) -> dict:
         """NamedSharding per parameter, under one rules table (params, grads or opt_state)."""
@@ -85,8 +87,13 @@ class Layout:
         return self.named(jax.P())
 
     @property
+    def data_axes(self) -> tuple[str, ...]:
+        """The axes that split a step's rows: the batch axes, and pp (outside the pipeline)."""
+        return BATCH_AXES + (("pp",) if self.schedule else ())
+
+    @property
     def batch_sharding(self) -> jax.sharding.NamedSharding:
-        return self.named(jax.P(BATCH_AXES, None))
+        return self.named(jax.P(self.data_axes, None))
 
     @property
     def batch_shards(self) -> int:
@@ -105,6 +112,11 @@ class Layout:
             transform_non_params=lambda _: self.replicated,
         )
 
+    def stored(self, tree):
+        """A model's params (or optimizer state) as this layout stores them: the circular
+        pipeline keeps the stacked layers as (repeats, layers / repeats)."""
+        return restack(tree, self.schedule.repeats) if self.schedule and self.schedule.repeats > 1 else tree
+
     def describe(self) -> str:
         return format_mesh(self.shape)
 
@@ -114,12 +126,65 @@ def make_layout(cfg, devices=None, for_training: bool = True) -> Layout:
     (of the batch and sequence too, unless the layout is only for holding parameters)."""
     devices = list(jax.devices() if devices is None else devices)
     shape = resolve_mesh(parse_mesh(cfg.mesh), len(devices))
-    if shape["pp"] > 1:
-        raise UserError("pipeline parallelism (pp > 1) is not available yet; use dp, fsdp, ep, sp and tp")
     rules = make_rules(cfg.zero, cfg.megatron_sp)
     skeleton = skeleton_for(cfg)
+    schedule = check_pipeline(cfg, shape, skeleton.model_cfg, for_training)
+    if schedule and schedule.repeats > 1:
+        skeleton = restacked(skeleton, schedule.repeats)
     check_divisible(cfg, shape, rules, skeleton, for_training)
-    return Layout(build_mesh(shape, devices), shape, rules, skeleton)
+    return Layout(build_mesh(shape, devices), shape, rules, skeleton, schedule)
+
+
+def restacked(skeleton: ModelSkeleton, repeats: int) -> ModelSkeleton:
+    """The skeleton with its stacked layers stored as (repeats, layers / repeats): the
+    circular schedule's layout (spmd.pipeline)."""
+    def names(n):
+        return (None, *n) if n and n[0] == "layers" else n
+
+    return dataclasses.replace(skeleton, shapes=restack(skeleton.shapes, repeats),
+                               names=jax.tree.map(names, skeleton.names, is_leaf=is_names))
+
+
+def restack(tree, repeats: int):
+    """Stacked-layer leaves (under `blocks`, in params or optimizer state) of a model's
+    (layers, ...) layout -> (repeats, layers / repeats, ...); repeats < 0 undoes it."""
+    def leaf(path, x):
+        if not any(getattr(k, "key", None) == "blocks" for k in path):
+            return x
+        shape = (repeats, x.shape[0] // repeats, *x.shape[1:]) if repeats > 0 else (-1, *x.shape[2:])
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(shape, x.dtype)
+        return x.reshape(shape)
+    return jax.tree_util.tree_map_with_path(leaf, tree)
+
+
+def check_pipeline(cfg, shape: Mapping[str, int], model_cfg: LlamaConfig, for_training: bool) -> Schedule | None:
+    """The pipeline schedule of a layout with pp > 1, its divisibility checked."""
+    p = shape["pp"]
+    if p == 1:
+        if cfg.pp_schedule != "gpipe" or cfg.microbatches is not None:
+            raise UserError("--pp-schedule, --pp-repeats and --microbatches need a pp axis (e.g. --mesh pp=2,dp=4)")
+        return None
+    schedule = Schedule(cfg.pp_schedule, p, cfg.microbatches or p, cfg.pp_repeats)
+    stacked = model_cfg.moe_layers or model_cfg.layers
+    unit = f"{model_cfg.moe.every}-layer groups" if model_cfg.moe else "layers"
+    if stacked % (p * schedule.repeats):
+        raise UserError(f"model {cfg.model}: {stacked} {unit} do not divide into pp x repeats = "
+                        f"{p} x {schedule.repeats} pipeline chunks")
+    m = schedule.microbatches
+    if m % p:
+        raise UserError(f"--microbatches {m} must be a multiple of pp={p} "
+                        "(the head and loss split the microbatches over the stages)")
+    if shape["sp"] > 1 or shape["ep"] > 1:
+        raise UserError("pipeline stages with sp or ep are not supported yet; combine pp with dp, fsdp and tp")
+    if schedule.name == "1f1b" and model_cfg.moe:
+        raise UserError(f"model {cfg.model}: --pp-schedule 1f1b does not support MoE models yet; use gpipe or circular")
+    if for_training:
+        shards = math.prod(shape[a] for a in BATCH_AXES)
+        if cfg.microbatch % (m * shards):
+            raise UserError(f"--batch {cfg.microbatch} does not divide into {m} microbatches x "
+                            f"{shards} batch shards" + (" per --grad-accum step" if cfg.grad_accum > 1 else ""))
+    return schedule
 
 
 def check_divisible(cfg, shape: Mapping[str, int], rules: Rules, skeleton: ModelSkeleton,

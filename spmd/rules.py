@@ -44,7 +44,7 @@ TABLE: dict[str, tuple[Axes, Axes]] = {
     "mlp": ("tp", "tp"),
     "vocab": ("tp", "tp"),
     "experts": ("ep", "ep"),
-    "layers": ("pp", None),  # pipeline stages own contiguous layers (pp > 1 not enabled yet)
+    "layers": ("pp", None),  # pipeline stages own contiguous layers (spmd.pipeline)
 }
 
 ZERO_STAGES = (0, 1, 2, 3)
@@ -60,30 +60,33 @@ class Rules:
     opt_state: Mapping[str, Axes]
     activations: Mapping[str, Axes]
 
-    def storage(self, batch_local: bool = False) -> Storage:
+    def storage(self, local_axes: tuple[str, ...] = ()) -> Storage:
         """Where parameters and gradients live, for `models.annotate.weight`.
 
-        `batch_local`: inside a vmap over batch shards the batch axes may not be named
-        (and per-shard gradients are not reduced); dimensions stored split over them are
-        left to XLA (unconstrained)."""
+        `local_axes`: axes that may not be named where the weights are used: inside a vmap
+        over batch shards (gradients per shard, not reduced), or inside a map that is
+        manual over them. Dimensions stored split over them are left to XLA (unconstrained)."""
         def local(table):
-            if not batch_local:
-                return dict(table)
-            return {name: jax.P.UNCONSTRAINED if set(axes_of(axes)) & set(BATCH_AXES) else axes
+            return {name: jax.P.UNCONSTRAINED if set(axes_of(axes)) & set(local_axes) else axes
                     for name, axes in table.items()}
         return Storage(params=local(self.params), grads=local(self.grads))
 
-    def activation_rules(self, batch_local: bool = False) -> tuple[tuple[str, Axes], ...]:
+    def activation_rules(self, local_axes: tuple[str, ...] = (), data_axes: tuple[str, ...] = BATCH_AXES,
+                         ) -> tuple[tuple[str, Axes], ...]:
         """Flax-style rules for `models.annotate.constrain`.
 
-        `batch_local`: the values live inside one batch shard (a vmap over shards whose
-        mapped axis is already split over the batch axes), so `batch` (and any other name
-        on a batch axis) maps to nothing.
+        `local_axes`: the values live inside one shard along these axes (a vmap over batch
+        shards whose mapped axis is already split over them, or a map manual over them),
+        so no name maps to them. `data_axes`: what splits `batch` (outside pipeline
+        stages, pp as well).
         """
-        table = dict(self.activations)
-        if batch_local:  # nothing inside one shard may be split over the batch axes (e.g. experts over ep)
-            table = {name: None if set(axes_of(axes)) & set(BATCH_AXES) else axes for name, axes in table.items()}
-        return tuple(table.items())
+        table = dict(self.activations) | {"batch": data_axes}
+        return tuple((name, _without(axes, local_axes)) for name, axes in table.items())
+
+
+def _without(entry: Axes, drop: tuple[str, ...]) -> Axes:
+    kept = tuple(a for a in axes_of(entry) if a not in drop)
+    return kept if len(kept) > 1 else (kept[0] if kept else None)
 
 
 MEGATRON_SP = {"residual_seq": ("sp", "tp")}  # norms and residuals split along the sequence over tp too
@@ -121,8 +124,4 @@ def axes_of(entry: Axes) -> tuple[str, ...]:
 
 def without_axes(spec: jax.sharding.PartitionSpec, drop: tuple[str, ...]) -> jax.sharding.PartitionSpec:
     """The same spec with some mesh axes removed (e.g. the batch axes, to replicate over them)."""
-    out = []
-    for entry in spec:
-        kept = tuple(a for a in axes_of(entry) if a not in drop)
-        out.append(kept if len(kept) > 1 else (kept[0] if kept else None))
-    return jax.P(*out)
+    return jax.P(*(_without(entry, drop) for entry in spec))

@@ -29,6 +29,7 @@ from spmd.context import make_attention, zigzag_order
 from spmd.experts import make_experts
 from spmd.layout import DTYPES, Layout, routing
 from spmd.mesh import BATCH_AXES
+from spmd.pipeline import MANUAL_AXES, from_microbatches, pipeline, to_microbatches
 from spmd.optim import make_optimizer, schedule
 
 
@@ -45,6 +46,10 @@ def _loss(graphdef, params, rows: jax.Array, order: np.ndarray | None = None,
     if order is not None:
         inputs, targets, positions = inputs[:, order], targets[:, order], positions[order]
     logits, moe_stats = model.forward(inputs, positions)
+    return _objective(logits, targets, moe_stats, aux_weights)
+
+
+def _objective(logits, targets, moe_stats: dict, aux_weights: tuple[float, float]) -> tuple[jax.Array, dict]:
     targets = jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype)
     # One-hot rather than a gather: the vocab dimension may be split over tp.
     picked = jnp.sum(logits * targets, axis=-1)
@@ -53,8 +58,27 @@ def _loss(graphdef, params, rows: jax.Array, order: np.ndarray | None = None,
         return loss, {"loss": loss}
     metrics = {"loss": loss, "aux_loss": jnp.mean(moe_stats["balance_loss"]),
                "z_loss": jnp.mean(moe_stats["z_loss"]), "dropped": jnp.mean(moe_stats["dropped"]),
-               "expert_load": moe_stats["expert_load"]}
+               "expert_load": moe_stats["expert_load"].reshape(-1, moe_stats["expert_load"].shape[-1])}
     return loss + aux_weights[0] * metrics["aux_loss"] + aux_weights[1] * metrics["z_loss"], metrics
+
+
+def _pipelined_loss(graphdef, params, rows: jax.Array, layout: Layout, in_stage,
+                    aux_weights: tuple[float, float]) -> tuple[jax.Array, dict]:
+    """`_loss` with the stacked layers run as pipeline stages (spmd.pipeline); the
+    embedding, head and loss run outside, on rows split over the data axes and pp."""
+    schedule, shards = layout.schedule, layout.batch_shards
+    model = nnx.merge(graphdef, params)
+    inputs, targets, positions = rows[:, :-1], rows[:, 1:], jnp.arange(rows.shape[1] - 1)
+    blocks_graph = nnx.split(model.blocks)[0]
+
+    def stage(chunk, x):
+        with in_stage():
+            return model.run_layers(nnx.merge(blocks_graph, chunk), x, positions)
+
+    x = to_microbatches(model.embed(inputs), shards, schedule)
+    out, moe_stats = pipeline(layout.mesh, schedule, stage, params["blocks"], x)
+    logits = model.logits(from_microbatches(out, shards, schedule))
+    return _objective(logits, targets, moe_stats, aux_weights)
 
 
 def _step_metrics(metrics: dict) -> dict:
@@ -95,7 +119,7 @@ def build_program(cfg, layout: Layout) -> Program:
     def init(key):
         model = Llama(layout.skeleton.model_cfg, dtype=DTYPES[cfg.dtype], remat=cfg.remat, routing=routing(cfg),
                       rngs=nnx.Rngs(params=key))
-        params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        params = layout.stored(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
         return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
 
     shapes = jax.eval_shape(init, jax.random.key(0))
@@ -110,18 +134,24 @@ def build_program(cfg, layout: Layout) -> Program:
     # Experts: each batch shard routes its own tokens (all-to-all over ep when ep > 1).
     expert_parallel = layout.skeleton.model_cfg.moe is not None and layout.batch_shards > 1
     aux_weights = (cfg.aux_loss_weight, cfg.z_loss_weight)
-    loss_of = lambda p, rows: _loss(graphdef, p, rows, order, aux_weights)  # noqa: E731
-
-    def annotated(batch_local: bool = False):
-        """The rules that the model's annotations read (models.annotate)."""
+    def annotated(local_axes: tuple[str, ...] = (), data_axes: tuple[str, ...] = layout.data_axes):
+        """The rules that the model's annotations read (models.annotate). `local_axes`:
+        axes the values are local to (a vmap over batch shards, a map manual over them)."""
         stack = contextlib.ExitStack()
-        stack.enter_context(nnx.logical_axis_rules(rules.activation_rules(batch_local)))
-        stack.enter_context(storage(rules.storage(batch_local)))
+        stack.enter_context(nnx.logical_axis_rules(rules.activation_rules(local_axes, data_axes)))
+        stack.enter_context(storage(rules.storage(local_axes)))
         if sequence_parallel:
             stack.enter_context(attention_implementation(make_attention(layout.mesh, cfg.attention)))
-        if expert_parallel and not batch_local:  # inside one batch shard, its experts are all at hand
+        if expert_parallel and not local_axes:  # inside one batch shard, its experts are all at hand
             stack.enter_context(expert_implementation(make_experts(layout.mesh)))
         return stack
+
+    if layout.schedule:
+        # Inside a stage the map is manual over pp and dp (spmd.pipeline): neither splits `batch` there.
+        in_stage = lambda: annotated(MANUAL_AXES, BATCH_AXES)  # noqa: E731
+        loss_of = lambda p, rows: _pipelined_loss(graphdef, p, rows, layout, in_stage, aux_weights)  # noqa: E731
+    else:
+        loss_of = lambda p, rows: _loss(graphdef, p, rows, order, aux_weights)  # noqa: E731
 
     def loss_and_grads(params, rows):
         with annotated():
@@ -137,7 +167,7 @@ def build_program(cfg, layout: Layout) -> Program:
         per_shard_spec = layout.per_shard_specs()
 
         def shard_grads(p, shard_rows):
-            with annotated(batch_local=True):
+            with annotated(local_axes=BATCH_AXES):
                 (_, metrics), grads = jax.value_and_grad(loss_of, has_aux=True)(p, shard_rows)
                 return metrics, grads
 

@@ -48,7 +48,7 @@ def _run(mesh: str, devices: int, items: tuple) -> Run:
     layout = make_layout(cfg, jax.devices()[:devices])
     program = build_program(cfg, layout)
     shardings = jax.tree.map(lambda s: s.sharding, program.abstract_state)
-    state = jax.device_put(initial_state(init_config(cfg)), shardings)
+    state = jax.device_put(layout.stored(initial_state(init_config(cfg))), shardings)
     compiled = program.compile_step()
     source = MarkovSource(layout.skeleton.model_cfg.vocab, cfg.seed)
     steps = []
@@ -63,7 +63,8 @@ def _run(mesh: str, devices: int, items: tuple) -> Run:
 
 def init_config(cfg: TrainConfig) -> TrainConfig:
     """What the initial values depend on (the model and the seed), on one device."""
-    return dataclasses.replace(cfg, mesh="", zero=0, grad_accum=1, megatron_sp=False, dtype="float32", remat="none")
+    return dataclasses.replace(cfg, mesh="", zero=0, grad_accum=1, megatron_sp=False, dtype="float32", remat="none",
+                               pp_schedule="gpipe", pp_repeats=1, microbatches=None)
 
 
 @functools.lru_cache(maxsize=None)

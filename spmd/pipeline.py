@@ -1,0 +1,156 @@
+"""Pipeline stages over the `pp` axis, with `jax.shard_map`.
+
+The stacked layers are cut into p stages (rules table: `layers` -> pp); a step's rows are
+cut into m microbatches that stream through them. The map is manual over pp only: dp,
+fsdp and tp stay automatic inside a stage, so a stage is the model's own layer scan
+under the same rules as without a pipeline. Activations move to the next stage by
+`ppermute` once per tick; every stage runs every tick (a bubble tick computes on zeros
+and its result is dropped), so the compiled program executes (ticks / useful ticks)
+times the useful work: the schedule's bubble, exactly.
+
+Outside the pipeline, pp is one more data axis: the embedding, the output head and the
+loss run on rows split over (dp, fsdp, ep, pp). Entering, the embedded rows are gathered
+over pp (every stage holds the microbatches; stage 0 reads them); leaving, stage 0's
+results are reduce-scattered back, each pp rank getting m/p microbatches.
+
+Schedules:
+- gpipe: tick t, stage s runs microbatch t - s; m + p - 1 ticks forward, then autodiff
+  runs them backward. Bubble (p-1)/(m+p-1); every microbatch's activations are kept.
+- circular (`repeats` v): stage s holds v chunks of layers, s, s+p, ... (stored as a
+  (v, layers/v) stack split over pp on its second axis, so each device holds its chunks
+  and a row-major reshape gives the model's order). A microbatch goes around the ring v
+  times; stage 0 keeps what comes back from the last stage in its input queue until the
+  microbatch's next round. v*m + p - 1 ticks, bubble (p-1)/(v*m+p-1); needs m >= p.
+- 1f1b: the backward pass is written out, so each tick runs one forward and one backward
+  on every stage: microbatch k's forward at stage s in tick k + s, its backward in tick
+  k + 2(p-1) - s. A stage keeps at most 2(p-1-s)+1 <= 2p-1 microbatches' residuals
+  (a ring of 2p-1 slots), however large m is. The last stage computes the head and loss
+  of each microbatch in its forward tick, so its backward starts at once. Warm-up (p-1
+  ticks, forwards only), steady state (m ticks) and cool-down (p-1, backwards only) are
+  three scans, so the executed work is GPipe's: bubble (p-1)/(m+p-1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+AXIS = "pp"
+# The map is manual over dp as well: each dp shard then sums its own gradients over the
+# ticks, and they are reduced over dp once per step (where the map ends), not every tick.
+BATCH_AXIS = "dp"
+MANUAL_AXES = (AXIS, BATCH_AXIS)
+SCHEDULES = ("gpipe", "circular", "1f1b")
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    name: str
+    stages: int  # p
+    microbatches: int  # m
+    repeats: int = 1  # v (circular)
+
+    @property
+    def ticks(self) -> int:
+        """Ticks of the forward pass (GPipe, circular) or of the fused passes (1f1b)."""
+        if self.name == "1f1b":
+            return self.microbatches + 2 * (self.stages - 1)
+        return self.repeats * self.microbatches + self.stages - 1
+
+    @property
+    def bubble(self) -> float:
+        """Share of the executed stage work that is idle (computes on padding)."""
+        p, useful = self.stages, self.repeats * self.microbatches
+        return (p - 1) / (useful + p - 1)
+
+    @property
+    def residual_slots(self) -> int:
+        """Microbatches whose residuals a stage keeps at once (1f1b)."""
+        return 2 * self.stages - 1
+
+
+# ------------------------------------------------------------------ rows <-> microbatches
+
+def to_microbatches(x: jax.Array, shards: int, schedule: Schedule) -> jax.Array:
+    """Rows (b, ...) split over (batch axes, pp) -> (m, b/m, ...): pp rank i's rows are
+    microbatches [i*m/p, (i+1)*m/p), each taking an equal share of every batch shard's
+    rows, so the reshuffle moves nothing between devices."""
+    p, m = schedule.stages, schedule.microbatches
+    b = x.shape[0]
+    x = x.reshape(shards, p, m // p, b // (shards * m), *x.shape[1:])
+    return jnp.moveaxis(x, 0, 2).reshape(m, b // m, *x.shape[4:])
+
+
+def from_microbatches(x: jax.Array, shards: int, schedule: Schedule) -> jax.Array:
+    """The inverse of `to_microbatches`."""
+    p, m = schedule.stages, schedule.microbatches
+    b = x.shape[0] * x.shape[1]
+    x = x.reshape(p, m // p, shards, b // (shards * m), *x.shape[2:])
+    return jnp.moveaxis(x, 2, 0).reshape(b, *x.shape[4:])
+
+
+def stage_view(leaf: jax.Array, repeats: int) -> jax.Array:
+    """A stage's local slice of a stacked parameter -> (repeats, layers per chunk, ...)."""
+    return leaf.reshape(repeats, -1, *leaf.shape[(2 if repeats > 1 else 1):])
+
+
+def stacked_spec(repeats: int) -> jax.P:
+    """How the stacked layers are split over pp: (layers,) or (repeats, layers / repeats)."""
+    return jax.P(None, AXIS) if repeats > 1 else jax.P(AXIS)
+
+
+def _ring(p: int, shift: int) -> list[tuple[int, int]]:
+    return [(s, (s + shift) % p) for s in range(p)]
+
+
+def _exit(outputs: jax.Array, stage: jax.Array) -> jax.Array:
+    """Stage 0's (m, ...) results, reduce-scattered so pp rank i gets microbatches i*m/p..."""
+    mine = jnp.where(stage == 0, outputs, jnp.zeros_like(outputs))
+    return jax.lax.psum_scatter(mine, AXIS, scatter_dimension=0, tiled=True)
+
+
+# ----------------------------------------------------------------------- gpipe / circular
+
+def pipeline(mesh, schedule: Schedule, stage_fn, blocks, x: jax.Array):
+    """Run microbatches x (m, mb, ...) through the stages; differentiable by `jax.grad`.
+
+    `stage_fn(chunk, x) -> (y, stats)` runs one chunk of stacked layers (leading axis:
+    layers of the chunk) on one microbatch. Returns the outputs (m, mb, ...) split over pp
+    along m, and the stats of every layer, averaged over microbatches, stacked (p, v, c, ...)."""
+    p, m, v = schedule.stages, schedule.microbatches, schedule.repeats
+    spec = stacked_spec(v)
+
+    def run(blocks, x):
+        stage = jax.lax.axis_index(AXIS)
+        chunks = jax.tree.map(lambda w: stage_view(w, v), blocks)
+        stats_shape = jax.eval_shape(lambda c, y: stage_fn(c, y)[1], jax.tree.map(lambda w: w[0], chunks), x[0])
+
+        def tick(carry, t):
+            queue, arrived, stats = carry
+            i = t - stage  # this stage's iteration: repeat i // m, microbatch i % m
+            valid = (i >= 0) & (i < v * m)
+            repeat = jnp.clip(i // m, 0, v - 1)
+            inp = jnp.where(stage == 0, queue[t % m], arrived)
+            chunk = jax.tree.map(lambda w: w[repeat], chunks)
+            out, st = stage_fn(chunk, inp)
+            st = jax.tree.map(lambda a: jnp.where(valid, a, 0), st)
+            stats = jax.tree.map(lambda acc, a: acc.at[repeat].add(a), stats, st)
+            arrived = jax.lax.ppermute(out, AXIS, _ring(p, 1))
+            # Stage 0 files what the last stage finished into its queue (that microbatch's
+            # next round, or its final output).
+            last = t - (p - 1)
+            filed = (stage == 0) & (last >= 0) & (last < v * m)
+            slot = jnp.clip(last, 0, v * m - 1) % m
+            queue = queue.at[slot].set(jnp.where(filed, arrived, queue[slot]))
+            return (queue, arrived, stats), None
+
+        stats = jax.tree.map(lambda s: jnp.zeros((v, *s.shape), s.dtype), stats_shape)
+        (queue, _, stats), _ = jax.lax.scan(tick, (x, jnp.zeros_like(x[0]), stats), jnp.arange(schedule.ticks))
+        stats = jax.tree.map(lambda a: jax.lax.pmean(a, BATCH_AXIS)[None] / m, stats)
+        return _exit(queue, stage), stats
+
+    rows = jax.P(None, BATCH_AXIS)
+    return jax.shard_map(run, mesh=mesh, in_specs=(spec, rows), out_specs=(jax.P(AXIS, BATCH_AXIS), jax.P(AXIS)),
+                         axis_names=frozenset(MANUAL_AXES), check_vma=False)(blocks, x)
