@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import jax
@@ -22,6 +23,7 @@ import orbax.checkpoint as ocp
 from flax import traverse_util
 
 from spmd.errors import UserError
+from spmd.layout import restack
 
 FORMAT = 1
 ITEMS = ("params", "opt_state", "meta")
@@ -30,6 +32,19 @@ ITEMS = ("params", "opt_state", "meta")
 def _shapes_of(params) -> dict[str, list[int]]:
     flat = traverse_util.flatten_dict(params)
     return {"/".join(map(str, path)): list(leaf.shape) for path, leaf in flat.items()}
+
+
+def stacked_repeats(config: dict) -> int:
+    """How a run's config stores the stacked layers: (layers, ...) or, under a circular
+    pipeline, (repeats, layers / repeats, ...) (spmd.layout.restack)."""
+    return config.get("pp_repeats", 1) if config.get("pp_schedule") == "circular" else 1
+
+
+def _model_shapes(shapes: dict[str, list[int]], repeats: int) -> dict[str, list[int]]:
+    """Parameter shapes as the model has them, whatever the pipeline's storage."""
+    if repeats == 1:
+        return shapes
+    return {k: [v[0] * v[1], *v[2:]] if k.startswith("blocks/") else v for k, v in shapes.items()}
 
 
 def make_meta(cfg, step: int, params) -> dict:
@@ -69,14 +84,24 @@ class Checkpoints:
     def meta(self, step: int) -> dict:
         return read_meta(self.directory, step)
 
-    def restore(self, step: int, abstract_state: dict, items=("params", "opt_state")) -> dict:
-        """Read `items` of checkpoint `step` into the shardings of `abstract_state`."""
-        args = {name: ocp.args.StandardRestore(abstract_state[name]) for name in items}
+    def restore(self, step: int, abstract_state: dict, items=("params", "opt_state"), repeats: int = 1) -> dict:
+        """Read `items` of checkpoint `step` into the shardings of `abstract_state`, whose
+        stacked layers are stored for `repeats` (spmd.layout.restack). A checkpoint whose
+        layers are stored otherwise is read as it was saved, then restacked once."""
+        saved = stacked_repeats(self.meta(step).get("config", {}))
+        targets = {name: abstract_state[name] for name in items}
+        as_saved = targets if saved == repeats else _as_saved(targets, repeats, saved)
+        args = {name: ocp.args.StandardRestore(as_saved[name]) for name in items}
         try:
             restored = self._manager.restore(step, args=ocp.args.Composite(**args))
         except Exception as exc:  # noqa: BLE001 - any unreadable file is the user's bad input
             raise _unreadable(self.directory / str(step), exc) from None
         state = {name: restored[name] for name in items}
+        if saved != repeats:
+            def convert(tree):
+                tree = restack(tree, -1) if saved > 1 else tree
+                return restack(tree, repeats) if repeats > 1 else tree
+            state = jax.jit(convert, out_shardings=jax.tree.map(lambda t: t.sharding, targets))(state)
         if "step" in abstract_state:
             state["step"] = jax.device_put(jnp.asarray(step, jnp.int32), abstract_state["step"].sharding)
         return state
@@ -120,10 +145,32 @@ def locate(path: str | Path) -> tuple[Path, int | None]:
     return path, None
 
 
+def _as_saved(targets, repeats: int, saved: int):
+    """The abstract arrays of `targets` (stacked layers stored for `repeats`) as a
+    checkpoint that stored them for `saved` repeats holds them, on the targets' mesh
+    (the layers split over pp where they divide, the other dimensions as targeted)."""
+    def leaf(path, target):
+        if not any(getattr(k, "key", None) == "blocks" for k in path):
+            return target
+        stacked_dims = 2 if repeats > 1 else 1
+        layers = math.prod(target.shape[:stacked_dims])
+        spec = tuple(target.sharding.spec) + (None,) * target.ndim
+        rest, rest_spec = target.shape[stacked_dims:], spec[stacked_dims:target.ndim]
+        pp = target.sharding.mesh.shape["pp"]
+        per_repeat = layers // saved
+        stacked = ((saved, per_repeat), (None, "pp" if per_repeat % pp == 0 else None)) if saved > 1 else \
+            ((layers,), ("pp" if layers % pp == 0 else None,))
+        sharding = jax.NamedSharding(target.sharding.mesh, jax.P(*stacked[1], *rest_spec))
+        return jax.ShapeDtypeStruct((*stacked[0], *rest), target.dtype, sharding=sharding)
+    return jax.tree_util.tree_map_with_path(leaf, targets)
+
+
 def check_compatible(meta: dict, cfg, params_shapes, where: Path) -> None:
-    """The checkpoint must hold the parameters this run builds, with the same shapes."""
-    want = _shapes_of(params_shapes)
-    if meta.get("param_shapes") != want:
+    """The checkpoint must hold the parameters this run builds, with the same shapes
+    (as the model has them: a pipeline may store its stacked layers otherwise)."""
+    want = _model_shapes(_shapes_of(params_shapes), stacked_repeats(dataclasses.asdict(cfg)))
+    have_shapes = _model_shapes(meta.get("param_shapes", {}), stacked_repeats(meta.get("config", {})))
+    if have_shapes != want:
         have = meta.get("model", "?")
         differ = sorted(set(want) ^ set(meta.get("param_shapes", {}))) or [
             k for k in want if meta["param_shapes"].get(k) != want[k]]

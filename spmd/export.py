@@ -48,7 +48,9 @@ def export(args) -> Path:
     meta = read_meta(run_dir, step)
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     cfg = TrainConfig(**{k: v for k, v in meta.get("config", {}).items() if k in fields})
-    cfg = validate(dataclasses.replace(cfg, mesh=args.mesh or cfg.mesh))
+    # Exported as the model has them: stacked layers in order, whatever pipeline wrote them.
+    cfg = validate(dataclasses.replace(cfg, mesh=args.mesh or cfg.mesh, pp_schedule="gpipe", pp_repeats=1,
+                                       microbatches=None))
     emulate_cpu_devices(parse_mesh(cfg.mesh), args.cpu_devices)  # before Orbax starts JAX
 
     from spmd.layout import make_layout

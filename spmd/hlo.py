@@ -170,3 +170,39 @@ def parse(text: str) -> HloModule:
             collectives.append(Collective(base, name, current, shape_bytes(result_type), operand_bytes,
                                           attributes, line.strip()))
     return HloModule(entry, calls, loop_bodies, trip_counts, instructions, roots, collectives)
+
+
+_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
+
+
+def _dims(type_text: str) -> list[int]:
+    found = _SHAPE.search(type_text)
+    return [int(d) for d in found.group(2).split(",") if d] if found else []
+
+
+def branch_computations(module: HloModule) -> set[str]:
+    """Computations that run only in some branch of a `conditional` (and what they call)."""
+    roots = set()
+    for table in module.instructions.values():
+        for instr in table.values():
+            if instr.op == "conditional":
+                roots |= {c for c in module.calls[instr.computation] if c in instr.attributes}
+    return module.reachable(roots)
+
+
+def dot_flops(module: HloModule, skip: set[str] = frozenset()) -> float:
+    """FLOPs of the matrix products one device executes per step: every `dot`, times how
+    often its computation runs (loop bodies their trip count; `compiled.cost_analysis()`
+    counts a loop body once). Computations in `skip` are left out."""
+    runs = module.runs_per_step()
+    total = 0.0
+    for comp, table in module.instructions.items():
+        if comp not in runs or comp in skip:
+            continue
+        for instr in table.values():
+            if instr.op != "dot":
+                continue
+            lhs = _dims(table[instr.operands[0]].result_type)
+            contracted = math.prod(lhs[int(i)] for i in _CONTRACTING.search(instr.attributes).group(1).split(",") if i)
+            total += runs[comp] * 2 * math.prod(_dims(instr.result_type)) * contracted
+    return total

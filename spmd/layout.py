@@ -112,10 +112,15 @@ class Layout:
             transform_non_params=lambda _: self.replicated,
         )
 
+    @property
+    def repeats(self) -> int:
+        """Chunks of layers per pipeline stage: the circular schedule stores the stacked
+        layers as (repeats, layers / repeats)."""
+        return self.schedule.repeats if self.schedule else 1
+
     def stored(self, tree):
-        """A model's params (or optimizer state) as this layout stores them: the circular
-        pipeline keeps the stacked layers as (repeats, layers / repeats)."""
-        return restack(tree, self.schedule.repeats) if self.schedule and self.schedule.repeats > 1 else tree
+        """A model's params (or optimizer state) as this layout stores them."""
+        return restack(tree, self.repeats) if self.repeats > 1 else tree
 
     def describe(self) -> str:
         return format_mesh(self.shape)

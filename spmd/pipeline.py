@@ -33,6 +33,7 @@ Schedules:
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -154,3 +155,105 @@ def pipeline(mesh, schedule: Schedule, stage_fn, blocks, x: jax.Array):
     rows = jax.P(None, BATCH_AXIS)
     return jax.shard_map(run, mesh=mesh, in_specs=(spec, rows), out_specs=(jax.P(AXIS, BATCH_AXIS), jax.P(AXIS)),
                          axis_names=frozenset(MANUAL_AXES), check_vma=False)(blocks, x)
+
+
+# ---------------------------------------------------------------------------------- 1f1b
+
+def one_f_one_b(mesh, schedule: Schedule, stage_fn, head_fn, blocks, outer, x: jax.Array, targets: jax.Array):
+    """Loss and gradients with the 1F1B schedule (no `jax.grad` around it: the backward
+    pass is interleaved with the forward here).
+
+    `stage_fn(chunk, x) -> y` runs the stage's layers on one microbatch;
+    `head_fn(outer, y, targets) -> loss` is the mean loss of one microbatch's rows from
+    the last stage's output (the parameters outside the stages, `outer`, are replicated
+    over pp). x: (m, mb, ...) embedded microbatches, targets (m, mb, ...).
+    Returns (loss, d_blocks, d_outer, dx): the mean loss, the gradients of the stacked
+    layers (split over pp) and of `outer` (only the head's part; the embedding's comes
+    from `dx`, the gradient of x, split over pp along m like `pipeline`'s outputs)."""
+    p, m = schedule.stages, schedule.microbatches
+    slots = schedule.residual_slots
+
+    def run(blocks, outer, x, targets):
+        stage = jax.lax.axis_index(AXIS)
+        last = stage == p - 1
+        dp = jax.lax.psum(1, BATCH_AXIS)
+        seed = 1.0 / (m * dp)  # each dp shard's microbatch loss is a mean over its own rows
+        def trace(chunk, inp):
+            """The stage's output and its backward pass, as the leaves of a pytree."""
+            y, vjp = jax.vjp(stage_fn, chunk, inp)
+            leaves, tree = jax.tree.flatten(vjp)
+            return y, leaves, tree
+
+        def structure_of(chunk, inp):
+            _, leaves, tree = trace(chunk, inp)
+            weights = jax.tree.leaves(chunk)
+            # For each leaf of the backward pass, which weight it is (-1: a residual).
+            found["where"] = tuple(next((j for j, w in enumerate(weights) if leaf is w), -1) for leaf in leaves)
+            found["tree"] = tree
+            return [leaf for leaf, j in zip(leaves, found["where"]) if j < 0]
+
+        found = {}
+        shapes = jax.eval_shape(structure_of, blocks, x[0])
+        tree, where = found["tree"], found["where"]
+
+        def forward(chunk, inp):
+            """The output, and the residuals to keep: all but the weights, which are read
+            again when the backward pass runs rather than kept once per microbatch."""
+            y, leaves, _ = trace(chunk, inp)
+            return y, [leaf for leaf, j in zip(leaves, where) if j < 0]
+
+        def backward(chunk, residuals, cotangent):
+            weights, kept = jax.tree.leaves(chunk), iter(residuals)
+            vjp = jax.tree.unflatten(tree, [weights[j] if j >= 0 else next(kept) for j in where])
+            return vjp(cotangent)
+
+        def head(y, k):
+            def on_last(y, k):
+                loss, vjp = jax.vjp(lambda o, y: head_fn(o, y, targets[k]), outer, y)
+                d_outer, dy = vjp(jnp.asarray(seed, loss.dtype))
+                return loss, d_outer, dy
+            def elsewhere(y, k):
+                return jnp.zeros(()), jax.tree.map(jnp.zeros_like, outer), jnp.zeros_like(y)
+            return jax.lax.cond(last, on_last, elsewhere, y, k)
+
+        def tick(carry, t, *, forwards: bool, backwards: bool):
+            arrived, returned, ring, d_blocks, d_outer, loss, dx = carry
+            if forwards:
+                k = t - stage
+                valid = (k >= 0) & (k < m)
+                inp = jnp.where(stage == 0, x[jnp.clip(k, 0, m - 1)], arrived)
+                y, residuals = forward(blocks, inp)
+                ring = [buf.at[k % slots].set(r) for buf, r in zip(ring, residuals)]
+                head_loss, head_grads, dy = head(y, jnp.clip(k, 0, m - 1))
+                keep = valid & last
+                loss = loss + jnp.where(keep, head_loss, 0.0)
+                d_outer = jax.tree.map(lambda acc, g: acc + jnp.where(keep, g, 0), d_outer, head_grads)
+                arrived = jax.lax.ppermute(y, AXIS, _ring(p, 1))
+            if backwards:
+                k = t - 2 * (p - 1) + stage
+                valid = (k >= 0) & (k < m)
+                cotangent = jnp.where(last, dy, returned) if forwards else returned
+                d_chunk, d_inp = backward(blocks, [buf[k % slots] for buf in ring], cotangent)
+                d_blocks = jax.tree.map(lambda acc, g: acc + jnp.where(valid, g, 0), d_blocks, d_chunk)
+                slot = jnp.clip(k, 0, m - 1)
+                dx = dx.at[slot].set(jnp.where(valid & (stage == 0), d_inp, dx[slot]))
+                returned = jax.lax.ppermute(d_inp, AXIS, _ring(p, -1))
+            return (arrived, returned, ring, d_blocks, d_outer, loss, dx), None
+
+        zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)  # noqa: E731
+        ring = [jnp.zeros((slots, *s.shape), s.dtype) for s in shapes]
+        carry = (jnp.zeros_like(x[0]), jnp.zeros_like(x[0]), ring, zeros(blocks), zeros(outer), jnp.zeros(()),
+                 jnp.zeros_like(x))
+        phases = ((0, p - 1, True, False), (p - 1, m, True, True), (m + p - 1, p - 1, False, True))
+        for start, length, forwards, backwards in phases:
+            body = functools.partial(tick, forwards=forwards, backwards=backwards)
+            carry, _ = jax.lax.scan(body, carry, start + jnp.arange(length))
+        _, _, _, d_blocks, d_outer, loss, dx = carry
+        loss = jax.lax.psum(loss, AXIS) / m
+        return (jax.lax.pmean(loss, BATCH_AXIS), jax.lax.psum(d_blocks, BATCH_AXIS),
+                jax.lax.psum(d_outer, MANUAL_AXES), _exit(dx, stage))
+
+    rows = jax.P(None, BATCH_AXIS)
+    return jax.shard_map(run, mesh=mesh, in_specs=(stacked_spec(1), jax.P(), rows, rows),
+                         out_specs=(jax.P(), jax.P(AXIS), jax.P(), jax.P(AXIS, BATCH_AXIS)),
+                         axis_names=frozenset(MANUAL_AXES), check_vma=False)(blocks, outer, x, targets)

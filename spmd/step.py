@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +30,7 @@ from spmd.context import make_attention, zigzag_order
 from spmd.experts import make_experts
 from spmd.layout import DTYPES, Layout, routing
 from spmd.mesh import BATCH_AXES
-from spmd.pipeline import MANUAL_AXES, from_microbatches, pipeline, to_microbatches
+from spmd.pipeline import MANUAL_AXES, from_microbatches, one_f_one_b, pipeline, to_microbatches
 from spmd.optim import make_optimizer, schedule
 
 
@@ -79,6 +80,32 @@ def _pipelined_loss(graphdef, params, rows: jax.Array, layout: Layout, in_stage,
     out, moe_stats = pipeline(layout.mesh, schedule, stage, params["blocks"], x)
     logits = model.logits(from_microbatches(out, shards, schedule))
     return _objective(logits, targets, moe_stats, aux_weights)
+
+
+def _one_f_one_b_grads(graphdef, params, rows: jax.Array, layout: Layout, in_stage) -> tuple[dict, dict]:
+    """Metrics and gradients of `_pipelined_loss` under the 1F1B schedule, which computes
+    the stages' gradients itself (spmd.pipeline.one_f_one_b); autodiff does the rest."""
+    schedule, shards = layout.schedule, layout.batch_shards
+    inputs, targets, positions = rows[:, :-1], rows[:, 1:], jnp.arange(rows.shape[1] - 1)
+    outer = {name: value for name, value in params.items() if name != "blocks"}
+    # The stages' weights are not needed outside them: a model of shapes holds their place.
+    no_blocks = jax.tree.map(lambda w: jax.ShapeDtypeStruct(w.shape, w.dtype), params["blocks"])
+    model_of = lambda outer: nnx.merge(graphdef, {**outer, "blocks": no_blocks})  # noqa: E731
+    blocks_graph = nnx.split(model_of(outer).blocks)[0]
+
+    def stage(chunk, x):
+        with in_stage():
+            return model_of(outer).run_layers(nnx.merge(blocks_graph, chunk), x, positions)[0]
+
+    def head(outer, y, targets):
+        with in_stage():
+            return _objective(model_of(outer).logits(y), targets, {}, (0.0, 0.0))[0]
+
+    x, embed_vjp = jax.vjp(lambda outer: to_microbatches(model_of(outer).embed(inputs), shards, schedule), outer)
+    loss, d_blocks, d_head, dx = one_f_one_b(layout.mesh, schedule, stage, head, params["blocks"], outer, x,
+                                             to_microbatches(targets, shards, schedule))
+    (d_embed,) = embed_vjp(dx)
+    return {"loss": loss}, {**jax.tree.map(jnp.add, d_head, d_embed), "blocks": d_blocks}
 
 
 def _step_metrics(metrics: dict) -> dict:
@@ -154,6 +181,9 @@ def build_program(cfg, layout: Layout) -> Program:
         loss_of = lambda p, rows: _loss(graphdef, p, rows, order, aux_weights)  # noqa: E731
 
     def loss_and_grads(params, rows):
+        if layout.schedule and layout.schedule.name == "1f1b":
+            with annotated():
+                return _one_f_one_b_grads(graphdef, params, rows, layout, in_stage)
         with annotated():
             (_, metrics), grads = jax.value_and_grad(loss_of, has_aux=True)(params, rows)
             return metrics, grads
@@ -190,10 +220,28 @@ def build_program(cfg, layout: Layout) -> Program:
         return (jax.tree.map(lambda m: jnp.sum(m, axis=0) * scale, metrics),
                 jax.tree.map(lambda g: jnp.sum(g, axis=0) * scale, grads))
 
+    def pipeline_rounds(params, rows):
+        """Accumulation with pipeline stages: one full pipeline pass per round (each
+        reduces its gradients over dp as it ends), summed in a scan."""
+        k, shards = cfg.grad_accum, math.prod(layout.shape[a] for a in layout.data_axes)
+        b, width = rows.shape
+        # Round i takes rows [i*r, (i+1)*r) of each data shard: nothing moves between devices.
+        rounds = rows.reshape(shards, k, b // (shards * k), width).swapaxes(0, 1).reshape(k, b // k, width)
+        rounds = jax.lax.with_sharding_constraint(rounds, jax.P(None, layout.data_axes))
+
+        def body(total, round_rows):
+            return jax.tree.map(jnp.add, total, loss_and_grads(params, round_rows)), None
+
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(loss_and_grads, params, rounds[0]))
+        total, _ = jax.lax.scan(body, zeros, rounds)
+        return jax.tree.map(lambda x: x / k, total)
+
     def train_step(state, rows):
         params = state["params"]
         if cfg.grad_accum == 1:
             metrics, grads = loss_and_grads(params, rows)
+        elif layout.schedule:
+            metrics, grads = pipeline_rounds(params, rows)
         else:
             metrics, grads = accumulated(params, rows)
         loss = metrics["loss"]

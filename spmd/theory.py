@@ -27,6 +27,18 @@ all-reduce over N devices moves 2(N-1)/N of its buffer, an all-gather or reduce-
   (ep-1)/ep of its buffer that leaves the device: capacity mode its per-sequence
   buffers, dropless its padded blocks and their expert indices (int32). An expert's
   gradient is summed only over the batch axes that do not split the experts.
+
+Pipeline stages (spmd.pipeline; p stages, m microbatches, v chunks per stage): each
+device holds and runs 1/p of the stacked layers (never gathered over pp), on the rows of
+its whole pp group; outside the pipeline pp is one more data axis, so the embedding, the
+head and their gradients see tokens split over pp too. Every stage runs every one of the
+v*m + p - 1 ticks, so per-layer work (Megatron's all-reduces, fsdp's gathers and
+reduce-scatters, kept activations) is (v*m + p - 1)/(v*m) times the useful work. dp is
+manual in the map: the stage's gradients are summed per dp shard over the ticks in
+float32 and reduced over dp once. pp itself moves the stage output (one microbatch) by
+collective-permute each tick forward and its gradient each tick backward; entering and
+leaving, the device's rows are all-gathered and reduce-scattered over pp (and their
+gradients reduce-scattered and all-gathered). 1f1b has GPipe's counts.
 """
 
 from __future__ import annotations
@@ -38,11 +50,10 @@ from collections.abc import Mapping
 import jax.numpy as jnp
 from flax import traverse_util
 
+from spmd import pipeline
 from spmd.layout import DTYPES, Layout, is_names, routing
 from spmd.mesh import AXES, BATCH_AXES
 from spmd.rules import axes_of, spec_for
-
-TOKEN_AXES = (*BATCH_AXES, "sp")  # weight gradients are summed over every axis that splits tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,23 +109,43 @@ def _spec_axes(names, table) -> tuple[str, ...]:
 
 
 def tokens_per_device(cfg, shape: Mapping[str, int], microbatch: bool = False) -> int:
-    """Tokens one device computes on in a step (or in one accumulated microbatch)."""
+    """Tokens one device computes on in a step (or in one accumulated microbatch), outside
+    pipeline stages (where pp splits the rows too)."""
     rows = cfg.microbatch if microbatch else cfg.batch
-    return rows * cfg.seq // (_ways(BATCH_AXES, shape) * shape["sp"])
+    return rows * cfg.seq // (_ways(BATCH_AXES, shape) * shape["sp"] * shape["pp"])
+
+
+def stage_overhead(layout: Layout) -> float:
+    """Executed over useful work of the stacked layers: every stage runs every tick of
+    its schedule, (v*m + p - 1)/(v*m) of the useful ones (1f1b: GPipe's, v = 1); 1
+    without a pipeline. Each device runs 1/p of the layers on p times `tokens_per_device`."""
+    return 1 / (1 - layout.schedule.bubble) if layout.schedule else 1.0
+
+
+def _compute_table(layout: Layout) -> Mapping:
+    """How parameters are laid out where used: the activations' rules, and under pipeline
+    stages the stacked layers split over pp (each stage runs its own)."""
+    table = layout.rules.activations
+    return {**table, "layers": "pp"} if layout.schedule else table
 
 
 def collectives(cfg, layout: Layout) -> list[Expected]:
     shape, rules = layout.shape, layout.rules
     compute_bytes = jnp.dtype(DTYPES[cfg.dtype]).itemsize
     model_cfg = layout.skeleton.model_cfg
-    plain_tokens = _live(TOKEN_AXES, shape)
+    used_table = _compute_table(layout)
+    # Weight gradients are summed over every axis that splits the tokens.
+    plain_tokens = _live((*layout.data_axes, "sp"), shape)
     # Under Megatron-SP the residual stream is split over tp too, and with it the tokens
     # that the vectors used on it (norm scales) see.
-    residual_tokens = _live((*TOKEN_AXES, "tp"), shape) if cfg.megatron_sp else plain_tokens
+    residual_tokens = _live((*layout.data_axes, "sp", "tp"), shape) if cfg.megatron_sp else plain_tokens
+    # How often a device runs its share of the stacked layers forward: once per
+    # microbatch; in pipeline stages a 1/v chunk of them each tick.
+    stage_runs = cfg.grad_accum * (layout.schedule.microbatches if layout.schedule else 1) * stage_overhead(layout)
     out: list[Expected] = []
     for p in params(layout):
-        compute = _spec_axes(p.names, rules.activations)
-        # An axis that splits the parameter as used (ep for experts) does not sum it.
+        compute = _spec_axes(p.names, used_table)
+        # An axis that splits the parameter as used (ep for experts, pp for stages) does not sum it.
         token_axes = tuple(a for a in (residual_tokens if _is_vector(p) else plain_tokens) if a not in compute)
         at_rest = _spec_axes(p.names, rules.params)
         slice_numel = p.numel / _ways(compute, shape)  # one device's slice, as used
@@ -122,23 +153,12 @@ def collectives(cfg, layout: Layout) -> list[Expected]:
         gathered = _live(set(at_rest) - set(compute), shape)
         if gathered:
             n = _ways(gathered, shape)
-            # Stacked weights are gathered in the layer scans of every microbatch;
-            # the others are loop-invariant and gathered once.
-            times = 2 * cfg.grad_accum if p.stacked else 1
+            # Stacked weights are gathered in the layer scans of every microbatch (every
+            # tick of a pipeline), and again in backward; the others once.
+            times = 2 * stage_runs if p.stacked else 1
             out.append(Expected("all-gather", "+".join(gathered), times * (n - 1) / n * slice_numel * sum(widths),
                                 "weights gathered where used" + (", again in backward" if p.stacked else "")))
-        # The gradient: summed in the widest dtype of its uses, or in float32 (the
-        # accumulators' dtype) when microbatches are accumulated before the one reduction.
-        used = slice_numel * (p.itemsize if cfg.grad_accum > 1 else max(widths))
-        scatter = tuple(a for a in _live(_spec_axes(p.names, rules.grads), shape) if a in token_axes)
-        summed = tuple(a for a in token_axes if a not in scatter)
-        if scatter:
-            k = _ways(scatter, shape)
-            out.append(Expected("reduce-scatter", "+".join(scatter), (k - 1) / k * used, "gradients"))
-        if summed:
-            m = _ways(summed, shape)
-            out.append(Expected("all-reduce", "+".join(summed), 2 * (m - 1) / m * used / _ways(scatter, shape),
-                                "gradients"))
+        out += _gradients(cfg, layout, p, token_axes, slice_numel, widths, stage_runs)
         regather = _live(set(_spec_axes(p.names, rules.opt_state)) - set(at_rest), shape)
         if regather:
             n = _ways(regather, shape)
@@ -148,6 +168,36 @@ def collectives(cfg, layout: Layout) -> list[Expected]:
     out += _tensor_parallel(cfg, layout, compute_bytes)
     out += _sequence_parallel(cfg, layout, compute_bytes)
     out += _expert_parallel(cfg, layout, compute_bytes)
+    out += _pipeline(cfg, layout, compute_bytes)
+    return out
+
+
+def _gradients(cfg, layout: Layout, p: Param, token_axes: tuple[str, ...], slice_numel: float,
+               widths: tuple[int, ...], stage_runs: float) -> list[Expected]:
+    """A parameter's gradient, summed over `token_axes`: reduce-scattered over the axes it
+    is stored split over, all-reduced over the rest. It is summed in the widest dtype of
+    its uses, or in float32 (the accumulators' dtype) when summed over microbatches (or
+    pipeline ticks) before the one reduction."""
+    if layout.schedule and p.stacked and cfg.grad_accum == 1:
+        # In the stages: over the automatic axes (fsdp) each tick, as computed; over the
+        # manual ones (dp) once, after the ticks are summed.
+        manual = tuple(a for a in token_axes if a == pipeline.BATCH_AXIS)
+        phases = [(tuple(a for a in token_axes if a not in manual), stage_runs, max(widths)), (manual, 1, p.itemsize)]
+    else:
+        phases = [(token_axes, 1, p.itemsize if cfg.grad_accum > 1 else max(widths))]
+    stored_split = _live(_spec_axes(p.names, layout.rules.grads), layout.shape)
+    out, numel = [], slice_numel
+    for axes, times, width in phases:
+        scatter = tuple(a for a in stored_split if a in axes)
+        summed = tuple(a for a in axes if a not in scatter)
+        k = _ways(scatter, layout.shape)
+        if scatter:
+            out.append(Expected("reduce-scatter", "+".join(scatter), times * (k - 1) / k * numel * width, "gradients"))
+        if summed:
+            n = _ways(summed, layout.shape)
+            out.append(Expected("all-reduce", "+".join(summed), times * 2 * (n - 1) / n * numel / k * width,
+                                "gradients"))
+        numel /= k
     return out
 
 
@@ -157,7 +207,8 @@ def _tensor_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
         return []
     model = layout.skeleton.model_cfg
     tokens = tokens_per_device(cfg, layout.shape)
-    activation = tokens * model.embed * compute_bytes
+    activation = tokens * model.embed * compute_bytes  # outside pipeline stages: the head's input
+    per_layer = stage_overhead(layout)  # the layers' activations, in pipeline stages, bubble ticks included
     lookup = tokens * model.embed * 4  # float32 rows (see LOOKUP_TABLE)
     vocab_split = "tp" in axes_of(layout.rules.activations["vocab"])
     out = []
@@ -175,18 +226,20 @@ def _tensor_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
     # MoE layer's experts reduce their rows instead (and its shared expert the tokens).
     moe_layers = model.moe_layers
     dense = model.layers - moe_layers + (moe_layers if model.moe and model.moe.shared_experts else 0)
-    reduced(activation, 2 * model.layers + 2 * dense, "Megatron: block outputs forward, block input gradients backward")
+    reduced(activation, per_layer * (2 * model.layers + 2 * dense),
+            "Megatron: block outputs forward, block input gradients backward")
     if moe_layers:
         rows = expert_rows(cfg, layout) * model.embed * compute_bytes
-        out.append(Expected("all-reduce", "tp", moe_layers * 2 * 2 * (t - 1) / t * rows,
+        out.append(Expected("all-reduce", "tp", per_layer * moe_layers * 2 * 2 * (t - 1) / t * rows,
                             "experts: their outputs forward, their input gradients backward"))
     if cfg.remat == "full":
         # The forward is recomputed up to the MLP (its output is not needed for gradients).
+        layers = per_layer * model.layers
         if cfg.megatron_sp:  # attention input and output, and the MLP's input, again
-            out.append(Expected("all-gather", "tp", 2 * model.layers * (t - 1) / t * activation, "remat"))
-            out.append(Expected("reduce-scatter", "tp", model.layers * (t - 1) / t * activation, "remat"))
+            out.append(Expected("all-gather", "tp", 2 * layers * (t - 1) / t * activation, "remat"))
+            out.append(Expected("reduce-scatter", "tp", layers * (t - 1) / t * activation, "remat"))
         else:
-            reduced(activation, model.layers, "remat: the attention output again")
+            reduced(activation, layers, "remat: the attention output again")
     if vocab_split and cfg.megatron_sp:
         # XLA gathers the float32 table for the lookup (and reduce-scatters its gradient)
         # rather than reduce-scattering the looked-up rows.
@@ -245,6 +298,25 @@ def _expert_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
                      f"experts: routed tokens, {'padded dropless blocks' if dropless else 'capacity buffers'}")]
 
 
+def _pipeline(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
+    """Activations between pipeline stages (spmd.pipeline): each tick a stage's output
+    microbatch to the next stage, forward and (its gradient) backward; entering, the
+    embedded rows all-gathered over pp, leaving, the outputs reduce-scattered (and
+    backward their gradients the other way)."""
+    schedule = layout.schedule
+    if schedule is None:
+        return []
+    p, m, v = schedule.stages, schedule.microbatches, schedule.repeats
+    # The device's rows of the step before pp splits them (m microbatches), as the
+    # residual stream lays them out (Megatron-SP splits their sequence over tp).
+    split = layout.shape["tp"] if cfg.megatron_sp else 1
+    rows = tokens_per_device(cfg, layout.shape) * p * layout.skeleton.model_cfg.embed * compute_bytes / split
+    ticks = v * m * stage_overhead(layout)  # v*m + p - 1
+    return [Expected("collective-permute", "pp", 2 * ticks * rows / m, "stage outputs forward, their gradients back"),
+            Expected("all-gather", "pp", 2 * (p - 1) / p * rows, "rows entering the stages; output gradients"),
+            Expected("reduce-scatter", "pp", 2 * (p - 1) / p * rows, "rows leaving the stages; input gradients")]
+
+
 def by_op_and_axes(expected: list[Expected]) -> dict[tuple[str, str], float]:
     totals: dict[tuple[str, str], float] = {}
     for e in expected:
@@ -259,24 +331,36 @@ def memory(cfg, layout: Layout) -> dict[str, float]:
     set (the reduced gradient, gathered weights, saved activations and logits)."""
     shape, rules = layout.shape, layout.rules
     compute_bytes = jnp.dtype(DTYPES[cfg.dtype]).itemsize
-    ps = params(layout)
+    used_table = _compute_table(layout)
 
-    def held(table, bytes_each=None) -> float:
-        return sum(p.numel * (bytes_each or p.itemsize) / _ways(_spec_axes(p.names, table), shape) for p in ps)
+    def held(p: Param, axes, bytes_each=None) -> float:
+        return p.numel * (bytes_each or p.itemsize) / _ways(axes, shape)
+
+    def total(table) -> float:
+        return sum(held(p, _spec_axes(p.names, table)) for p in params(layout))
 
     model = layout.skeleton.model_cfg
-    gathered = 0.0
-    for p in ps:
-        if _live(set(_spec_axes(p.names, rules.params)) - set(_spec_axes(p.names, rules.activations)), shape):
-            used = p.numel * sum(uses(p, model, compute_bytes)) / _ways(_spec_axes(p.names, rules.activations), shape)
-            # Stacked weights are gathered a layer at a time (two alive: this one and the next).
-            gathered += used * (2 / model.layers if p.stacked else 1)
-    # With accumulation each device sums its own microbatches' gradients (laid out as
-    # computed, float32) and reduces once; otherwise the reduced gradient is what is held.
-    gradients = held(rules.activations, 4) if cfg.grad_accum > 1 else held(rules.grads)
+    gathered = gradients = 0.0
+    for p in params(layout):
+        compute = _spec_axes(p.names, used_table)
+        if _live(set(_spec_axes(p.names, rules.params)) - set(compute), shape):
+            used = held(p, compute, sum(uses(p, model, compute_bytes)))
+            # Stacked weights are gathered a layer at a time (two alive: this one and the
+            # next, of the device's layers).
+            gathered += used * (2 * shape["pp"] / model.layers if p.stacked else 1)
+        # With accumulation each device sums its own microbatches' gradients (laid out as
+        # computed, float32) and reduces once; so does each dp shard of pipeline stages
+        # over the ticks (reduced over fsdp each tick); otherwise the reduced gradient is
+        # what is held.
+        if cfg.grad_accum > 1:
+            gradients += held(p, compute, 4)
+        elif layout.schedule and p.stacked:
+            gradients += held(p, [a for a in _spec_axes(p.names, rules.grads) if a != pipeline.BATCH_AXIS])
+        else:
+            gradients += held(p, _spec_axes(p.names, rules.grads))
     return {
-        "params": held(rules.params),
-        "opt_state": 2 * held(rules.opt_state),  # Adam's mu and nu, float32 like the parameters
+        "params": total(rules.params),
+        "opt_state": 2 * total(rules.opt_state),  # Adam's mu and nu, float32 like the parameters
         "gradients": gradients,
         "gathered_weights": gathered,
         "activations": activation_bytes(cfg, layout, compute_bytes),
@@ -285,7 +369,8 @@ def memory(cfg, layout: Layout) -> dict[str, float]:
 
 def activation_bytes(cfg, layout: Layout, compute_bytes: int) -> float:
     """Activations kept for the backward pass, by remat policy (models.llama), plus the
-    float32 logits (logits, their softmax and its gradient)."""
+    float32 logits (logits, their softmax and its gradient) and, in pipeline stages, the
+    queue of microbatches entering them."""
     m, t = layout.skeleton.model_cfg, layout.shape["tp"]
     e, qkv, heads = m.embed, (m.heads + 2 * m.kv_heads) * m.head_dim, m.heads * m.head_dim
     tokens = tokens_per_device(cfg, layout.shape, microbatch=True)
@@ -311,4 +396,13 @@ def activation_bytes(cfg, layout: Layout, compute_bytes: int) -> float:
         working = max(working, 0 if cfg.remat == "none" else moe)
     vocab_split = _ways(axes_of(layout.rules.activations["vocab"]), layout.shape)
     logits = 3 * tokens * m.vocab / vocab_split * 4
-    return tokens * (kept + working) * compute_bytes + logits
+    schedule = layout.schedule
+    if schedule is None:
+        return tokens * (kept + working) * compute_bytes + logits
+    # A device keeps its 1/p of the layers for every tick (gpipe, circular), or for 2p - 1
+    # microbatches (1f1b), on microbatches of p/m of its `tokens`; one tick's (a 1/v chunk
+    # of its layers) are built apart before they are filed. The queue holds all its rows.
+    p, v = schedule.stages, schedule.repeats
+    mb = tokens * p / schedule.microbatches
+    kept_tokens = mb * schedule.residual_slots / p if schedule.name == "1f1b" else tokens * stage_overhead(layout)
+    return (kept_tokens * kept + mb * (working + kept / (p * v)) + tokens * p * e) * compute_bytes + logits

@@ -62,7 +62,7 @@ def prepare(cfg: TrainConfig, layout, log=print):
                 raise UserError(f"no spmd checkpoint in {source_dir}")
             meta = source.meta(step)
             check_compatible(meta, cfg, program.abstract_state["params"], source_dir / str(step))
-            state = source.restore(step, program.abstract_state)
+            state = source.restore(step, program.abstract_state, repeats=layout.repeats)
         finally:
             source.close()
         log(f"resumed from {source_dir / str(step)} (written on mesh {meta['config']['mesh']})")
