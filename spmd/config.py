@@ -196,6 +196,9 @@ def _validate_moe(cfg: TrainConfig, model_cfg) -> None:
         raise UserError(f"--experts and --top-k must be at least 1, got {experts} and {top_k}")
     if top_k > experts:
         raise UserError(f"--top-k {top_k} is more than the {experts} experts")
+    if cfg.layers is not None and cfg.layers % model_cfg.moe.every:
+        raise UserError(f"--layers {cfg.layers}: {cfg.model} has MoE in every {model_cfg.moe.every}th layer; "
+                        f"give a multiple of {model_cfg.moe.every}")
     if not cfg.capacity_factor > 0:
         raise UserError(f"--capacity-factor must be positive, got {cfg.capacity_factor}")
     if cfg.aux_loss_weight < 0 or cfg.z_loss_weight < 0:

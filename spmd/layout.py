@@ -171,10 +171,8 @@ def check_pipeline(cfg, shape: Mapping[str, int], model_cfg: LlamaConfig, for_tr
             raise UserError("--pp-schedule, --pp-repeats and --microbatches need a pp axis (e.g. --mesh pp=2,dp=4)")
         return None
     schedule = Schedule(cfg.pp_schedule, p, cfg.microbatches or p, cfg.pp_repeats)
-    stacked = model_cfg.moe_layers or model_cfg.layers
-    unit = f"{model_cfg.moe.every}-layer groups" if model_cfg.moe else "layers"
-    if stacked % (p * schedule.repeats):
-        raise UserError(f"model {cfg.model}: {stacked} {unit} do not divide into pp x repeats = "
+    if model_cfg.layers % (p * schedule.repeats):
+        raise UserError(f"model {cfg.model}: {model_cfg.layers} layers do not divide into pp x repeats = "
                         f"{p} x {schedule.repeats} pipeline chunks")
     m = schedule.microbatches
     if m % p:
@@ -182,8 +180,8 @@ def check_pipeline(cfg, shape: Mapping[str, int], model_cfg: LlamaConfig, for_tr
                         "(the head and loss split the microbatches over the stages)")
     if shape["sp"] > 1 or shape["ep"] > 1:
         raise UserError("pipeline stages with sp or ep are not supported yet; combine pp with dp, fsdp and tp")
-    if schedule.name == "1f1b" and model_cfg.moe:
-        raise UserError(f"model {cfg.model}: --pp-schedule 1f1b does not support MoE models yet; use gpipe or circular")
+    if model_cfg.moe:
+        raise UserError(f"model {cfg.model}: pipeline stages with MoE layers are not supported yet; use ep, dp, fsdp and tp")
     if for_training:
         shards = math.prod(shape[a] for a in BATCH_AXES)
         if cfg.microbatch % (m * shards):

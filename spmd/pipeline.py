@@ -1,17 +1,21 @@
 """Pipeline stages over the `pp` axis, with `jax.shard_map`.
 
 The stacked layers are cut into p stages (rules table: `layers` -> pp); a step's rows are
-cut into m microbatches that stream through them. The map is manual over pp only: dp,
-fsdp and tp stay automatic inside a stage, so a stage is the model's own layer scan
-under the same rules as without a pipeline. Activations move to the next stage by
-`ppermute` once per tick; every stage runs every tick (a bubble tick computes on zeros
-and its result is dropped), so the compiled program executes (ticks / useful ticks)
-times the useful work: the schedule's bubble, exactly.
+cut into m microbatches that stream through them. The map is manual over pp and dp; fsdp
+and tp stay automatic inside a stage, so a stage is the model's own layer scan under the
+same rules as without a pipeline. Being manual over dp lets each dp shard sum its own
+gradients over the ticks and reduce them once, where the map ends (automatic, XLA would
+reduce them every tick). Activations move to the next stage by `ppermute` once per tick;
+every stage runs every tick (a bubble tick computes on zeros and its result is dropped),
+so the compiled program executes (ticks / useful ticks) times the useful work: the
+schedule's bubble, exactly.
 
-Outside the pipeline, pp is one more data axis: the embedding, the output head and the
-loss run on rows split over (dp, fsdp, ep, pp). Entering, the embedded rows are gathered
-over pp (every stage holds the microbatches; stage 0 reads them); leaving, stage 0's
-results are reduce-scattered back, each pp rank getting m/p microbatches.
+Outside the map, pp is one more data axis: the embedding, the output head and the loss
+run on rows split over (dp, fsdp, ep, pp). The microbatches enter as one copy per stage
+(an all-gather over pp; stage 0 reads its copy) and leave as the sum of the stages'
+results, zero but on stage 0 (a reduce-scatter: each pp rank gets m/p microbatches).
+Both happen outside the map, where XLA keeps the rows split over fsdp and reduces
+bfloat16 safely (XLA:CPU aborts on a bfloat16 reduction inside a partly manual map).
 
 Schedules:
 - gpipe: tick t, stage s runs microbatch t - s; m + p - 1 ticks forward, then autodiff
@@ -38,10 +42,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from spmd.mesh import BATCH_AXES
+
 AXIS = "pp"
-# The map is manual over dp as well: each dp shard then sums its own gradients over the
-# ticks, and they are reduced over dp once per step (where the map ends), not every tick.
-BATCH_AXIS = "dp"
+BATCH_AXIS = "dp"  # also manual in the map: gradients are reduced over it once per step
 MANUAL_AXES = (AXIS, BATCH_AXIS)
 SCHEDULES = ("gpipe", "circular", "1f1b")
 
@@ -106,38 +110,66 @@ def _ring(p: int, shift: int) -> list[tuple[int, int]]:
     return [(s, (s + shift) % p) for s in range(p)]
 
 
-def _exit(outputs: jax.Array, stage: jax.Array) -> jax.Array:
-    """Stage 0's (m, ...) results, reduce-scattered so pp rank i gets microbatches i*m/p..."""
-    mine = jnp.where(stage == 0, outputs, jnp.zeros_like(outputs))
-    return jax.lax.psum_scatter(mine, AXIS, scatter_dimension=0, tiled=True)
+def _copies(x: jax.Array, mesh) -> jax.Array:
+    """Microbatches (m, ...), split over pp along m -> one copy per stage (p, m, ...),
+    split over pp along the copies: an all-gather over pp (stage 0 reads its copy). Done
+    outside the map, where XLA keeps the rows split over the batch axes, and the copies'
+    gradients are summed there too: a reduce-scatter."""
+    p = mesh.shape[AXIS]
+    return jax.lax.with_sharding_constraint(jnp.broadcast_to(x, (p, *x.shape)), _per_stage(mesh))
+
+
+def _from_stage_0(per_stage: jax.Array, mesh) -> jax.Array:
+    """Each stage's (m, ...) results, zero but on stage 0 -> stage 0's, split over pp along
+    m: a reduce-scatter over pp (and its gradient an all-gather)."""
+    return jax.lax.with_sharding_constraint(jnp.sum(per_stage, axis=0),
+                                            jax.NamedSharding(mesh, jax.P(AXIS, BATCH_AXES)))
+
+
+def _per_stage(mesh) -> jax.NamedSharding:
+    return jax.NamedSharding(mesh, jax.P(AXIS, None, BATCH_AXES))
+
+
+def _only_stage_0(x: jax.Array, stage: jax.Array) -> jax.Array:
+    return jnp.where(stage == 0, x, jnp.zeros_like(x))[None]
 
 
 # ----------------------------------------------------------------------- gpipe / circular
 
-def pipeline(mesh, schedule: Schedule, stage_fn, blocks, x: jax.Array):
-    """Run microbatches x (m, mb, ...) through the stages; differentiable by `jax.grad`.
+def _run_chunk(stage_fn, policy, chunks, repeat, x):
+    """stage_fn on chunk `repeat` of the stage's layers (chunks: (v, layers, ...)).
 
-    `stage_fn(chunk, x) -> (y, stats)` runs one chunk of stacked layers (leading axis:
-    layers of the chunk) on one microbatch. Returns the outputs (m, mb, ...) split over pp
-    along m, and the stats of every layer, averaged over microbatches, stacked (p, v, c, ...)."""
+    Autodiff of the tick loop keeps what the stage computes from its weights each tick:
+    with one chunk (v = 1) the weights are the same every tick and nothing is copied; with
+    several, the chunk picked each tick would be kept once per tick, so the tick runs under
+    the model's remat `policy` (a picked chunk is neither a matmul output nor a named
+    activation: the backward pass picks it again). Under remat "full" that runs the
+    tick's forward once more in the backward pass."""
+    if jax.tree.leaves(chunks)[0].shape[0] == 1:
+        return stage_fn(jax.tree.map(lambda w: w[0], chunks), x)
+
+    def run(chunks, repeat, x):
+        return stage_fn(jax.tree.map(lambda w: w[repeat], chunks), x)
+    return jax.checkpoint(run, policy=policy)(chunks, repeat, x)
+
+
+def pipeline(mesh, schedule: Schedule, stage_fn, blocks, x: jax.Array, policy=None) -> jax.Array:
+    """Run microbatches x (m, mb, ...), split over pp along m, through the stages;
+    differentiable by `jax.grad`. `stage_fn(chunk, x) -> y` runs one chunk of stacked
+    layers (leading axis: the chunk's layers) on one microbatch; `policy`: the model's
+    remat policy. Returns the outputs, laid out like x."""
     p, m, v = schedule.stages, schedule.microbatches, schedule.repeats
-    spec = stacked_spec(v)
 
     def run(blocks, x):
-        stage = jax.lax.axis_index(AXIS)
+        stage, x = jax.lax.axis_index(AXIS), x[0]
         chunks = jax.tree.map(lambda w: stage_view(w, v), blocks)
-        stats_shape = jax.eval_shape(lambda c, y: stage_fn(c, y)[1], jax.tree.map(lambda w: w[0], chunks), x[0])
 
         def tick(carry, t):
-            queue, arrived, stats = carry
+            queue, arrived = carry
             i = t - stage  # this stage's iteration: repeat i // m, microbatch i % m
-            valid = (i >= 0) & (i < v * m)
             repeat = jnp.clip(i // m, 0, v - 1)
             inp = jnp.where(stage == 0, queue[t % m], arrived)
-            chunk = jax.tree.map(lambda w: w[repeat], chunks)
-            out, st = stage_fn(chunk, inp)
-            st = jax.tree.map(lambda a: jnp.where(valid, a, 0), st)
-            stats = jax.tree.map(lambda acc, a: acc.at[repeat].add(a), stats, st)
+            out = _run_chunk(stage_fn, policy, chunks, repeat, inp)
             arrived = jax.lax.ppermute(out, AXIS, _ring(p, 1))
             # Stage 0 files what the last stage finished into its queue (that microbatch's
             # next round, or its final output).
@@ -145,36 +177,35 @@ def pipeline(mesh, schedule: Schedule, stage_fn, blocks, x: jax.Array):
             filed = (stage == 0) & (last >= 0) & (last < v * m)
             slot = jnp.clip(last, 0, v * m - 1) % m
             queue = queue.at[slot].set(jnp.where(filed, arrived, queue[slot]))
-            return (queue, arrived, stats), None
+            return (queue, arrived), None
 
-        stats = jax.tree.map(lambda s: jnp.zeros((v, *s.shape), s.dtype), stats_shape)
-        (queue, _, stats), _ = jax.lax.scan(tick, (x, jnp.zeros_like(x[0]), stats), jnp.arange(schedule.ticks))
-        stats = jax.tree.map(lambda a: jax.lax.pmean(a, BATCH_AXIS)[None] / m, stats)
-        return _exit(queue, stage), stats
+        (queue, _), _ = jax.lax.scan(tick, (x, jnp.zeros_like(x[0])), jnp.arange(schedule.ticks))
+        return _only_stage_0(queue, stage)
 
-    rows = jax.P(None, BATCH_AXIS)
-    return jax.shard_map(run, mesh=mesh, in_specs=(spec, rows), out_specs=(jax.P(AXIS, BATCH_AXIS), jax.P(AXIS)),
-                         axis_names=frozenset(MANUAL_AXES), check_vma=False)(blocks, x)
+    copies = jax.P(AXIS, None, BATCH_AXIS)
+    out = jax.shard_map(run, mesh=mesh, in_specs=(stacked_spec(v), copies), out_specs=copies,
+                        axis_names=frozenset(MANUAL_AXES), check_vma=False)(blocks, _copies(x, mesh))
+    return _from_stage_0(out, mesh)
 
 
 # ---------------------------------------------------------------------------------- 1f1b
 
-def one_f_one_b(mesh, schedule: Schedule, stage_fn, head_fn, blocks, outer, x: jax.Array, targets: jax.Array):
+def one_f_one_b(mesh, schedule: Schedule, stage_fn, head_fn, blocks, head, x: jax.Array, targets: jax.Array):
     """Loss and gradients with the 1F1B schedule (no `jax.grad` around it: the backward
     pass is interleaved with the forward here).
 
     `stage_fn(chunk, x) -> y` runs the stage's layers on one microbatch;
-    `head_fn(outer, y, targets) -> loss` is the mean loss of one microbatch's rows from
-    the last stage's output (the parameters outside the stages, `outer`, are replicated
-    over pp). x: (m, mb, ...) embedded microbatches, targets (m, mb, ...).
-    Returns (loss, d_blocks, d_outer, dx): the mean loss, the gradients of the stacked
-    layers (split over pp) and of `outer` (only the head's part; the embedding's comes
-    from `dx`, the gradient of x, split over pp along m like `pipeline`'s outputs)."""
+    `head_fn(head, y, targets) -> loss` is the mean loss of one microbatch's rows from
+    the last stage's output, `head` the parameters it uses (replicated over pp).
+    x: (m, mb, ...) embedded microbatches, split over pp along m; targets (m, mb, ...).
+    Returns (loss, d_blocks, d_head, dx): the mean loss, the gradients of the stacked
+    layers (split over pp) and of `head`, and dx, the gradient of x (laid out like x), from
+    which the embedding's follows."""
     p, m = schedule.stages, schedule.microbatches
     slots = schedule.residual_slots
 
-    def run(blocks, outer, x, targets):
-        stage = jax.lax.axis_index(AXIS)
+    def run(blocks, head_params, x, targets):
+        stage, x = jax.lax.axis_index(AXIS), x[0]
         last = stage == p - 1
         dp = jax.lax.psum(1, BATCH_AXIS)
         seed = 1.0 / (m * dp)  # each dp shard's microbatch loss is a mean over its own rows
@@ -209,15 +240,15 @@ def one_f_one_b(mesh, schedule: Schedule, stage_fn, head_fn, blocks, outer, x: j
 
         def head(y, k):
             def on_last(y, k):
-                loss, vjp = jax.vjp(lambda o, y: head_fn(o, y, targets[k]), outer, y)
-                d_outer, dy = vjp(jnp.asarray(seed, loss.dtype))
-                return loss, d_outer, dy
+                loss, vjp = jax.vjp(lambda h, y: head_fn(h, y, targets[k]), head_params, y)
+                d_head, dy = vjp(jnp.asarray(seed, loss.dtype))
+                return loss, d_head, dy
             def elsewhere(y, k):
-                return jnp.zeros(()), jax.tree.map(jnp.zeros_like, outer), jnp.zeros_like(y)
+                return jnp.zeros(()), jax.tree.map(jnp.zeros_like, head_params), jnp.zeros_like(y)
             return jax.lax.cond(last, on_last, elsewhere, y, k)
 
         def tick(carry, t, *, forwards: bool, backwards: bool):
-            arrived, returned, ring, d_blocks, d_outer, loss, dx = carry
+            arrived, returned, ring, d_blocks, d_head, loss, dx = carry
             if forwards:
                 k = t - stage
                 valid = (k >= 0) & (k < m)
@@ -227,7 +258,7 @@ def one_f_one_b(mesh, schedule: Schedule, stage_fn, head_fn, blocks, outer, x: j
                 head_loss, head_grads, dy = head(y, jnp.clip(k, 0, m - 1))
                 keep = valid & last
                 loss = loss + jnp.where(keep, head_loss, 0.0)
-                d_outer = jax.tree.map(lambda acc, g: acc + jnp.where(keep, g, 0), d_outer, head_grads)
+                d_head = jax.tree.map(lambda acc, g: acc + jnp.where(keep, g, 0), d_head, head_grads)
                 arrived = jax.lax.ppermute(y, AXIS, _ring(p, 1))
             if backwards:
                 k = t - 2 * (p - 1) + stage
@@ -238,22 +269,24 @@ def one_f_one_b(mesh, schedule: Schedule, stage_fn, head_fn, blocks, outer, x: j
                 slot = jnp.clip(k, 0, m - 1)
                 dx = dx.at[slot].set(jnp.where(valid & (stage == 0), d_inp, dx[slot]))
                 returned = jax.lax.ppermute(d_inp, AXIS, _ring(p, -1))
-            return (arrived, returned, ring, d_blocks, d_outer, loss, dx), None
+            return (arrived, returned, ring, d_blocks, d_head, loss, dx), None
 
         zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)  # noqa: E731
         ring = [jnp.zeros((slots, *s.shape), s.dtype) for s in shapes]
-        carry = (jnp.zeros_like(x[0]), jnp.zeros_like(x[0]), ring, zeros(blocks), zeros(outer), jnp.zeros(()),
+        carry = (jnp.zeros_like(x[0]), jnp.zeros_like(x[0]), ring, zeros(blocks), zeros(head_params), jnp.zeros(()),
                  jnp.zeros_like(x))
         phases = ((0, p - 1, True, False), (p - 1, m, True, True), (m + p - 1, p - 1, False, True))
         for start, length, forwards, backwards in phases:
             body = functools.partial(tick, forwards=forwards, backwards=backwards)
             carry, _ = jax.lax.scan(body, carry, start + jnp.arange(length))
-        _, _, _, d_blocks, d_outer, loss, dx = carry
+        _, _, _, d_blocks, d_head, loss, dx = carry
         loss = jax.lax.psum(loss, AXIS) / m
         return (jax.lax.pmean(loss, BATCH_AXIS), jax.lax.psum(d_blocks, BATCH_AXIS),
-                jax.lax.psum(d_outer, MANUAL_AXES), _exit(dx, stage))
+                jax.lax.psum(d_head, MANUAL_AXES), _only_stage_0(dx, stage))
 
-    rows = jax.P(None, BATCH_AXIS)
-    return jax.shard_map(run, mesh=mesh, in_specs=(stacked_spec(1), jax.P(), rows, rows),
-                         out_specs=(jax.P(), jax.P(AXIS), jax.P(), jax.P(AXIS, BATCH_AXIS)),
-                         axis_names=frozenset(MANUAL_AXES), check_vma=False)(blocks, outer, x, targets)
+    copies = jax.P(AXIS, None, BATCH_AXIS)
+    loss, d_blocks, d_head, dx = jax.shard_map(
+        run, mesh=mesh, in_specs=(stacked_spec(1), jax.P(), copies, jax.P(None, BATCH_AXIS)),
+        out_specs=(jax.P(), jax.P(AXIS), jax.P(), copies), axis_names=frozenset(MANUAL_AXES), check_vma=False,
+    )(blocks, head, _copies(x, mesh), targets)
+    return loss, d_blocks, d_head, _from_stage_0(dx, mesh)

@@ -20,6 +20,7 @@ import math
 from collections.abc import Iterable, Mapping
 
 from spmd.hardware import Hardware, train_flops_per_token
+from spmd.pipeline import Schedule
 from spmd.mesh import AXES
 
 OVERLAPPED_AXES = {"dp", "fsdp", "ep"}
@@ -61,6 +62,9 @@ def predict(cfg, shape: Mapping[str, int], model_cfg, traffic: Iterable[tuple[st
     """`traffic`: (op, axes, bytes per device per step) rows, measured or theoretical."""
     devices = math.prod(shape.values())
     model_flops, executed = executed_flops_per_step(cfg, model_cfg)
+    if shape.get("pp", 1) > 1:  # every stage computes in every tick of its schedule, bubbles included
+        schedule = Schedule(cfg.pp_schedule, shape["pp"], cfg.microbatches or shape["pp"], cfg.pp_repeats)
+        executed /= 1 - schedule.bubble
     compute_s = executed / devices / hardware.peak_flops(cfg.dtype)
     comm: dict[str, float] = {}
     exposed = overlapped = 0.0

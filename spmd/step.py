@@ -23,6 +23,7 @@ import optax
 from flax import nnx
 
 from models import Llama
+from models.llama import REMAT_POLICIES
 from models.annotate import storage
 from models.attention import attention_implementation
 from models.moe import expert_implementation
@@ -63,10 +64,10 @@ def _objective(logits, targets, moe_stats: dict, aux_weights: tuple[float, float
     return loss + aux_weights[0] * metrics["aux_loss"] + aux_weights[1] * metrics["z_loss"], metrics
 
 
-def _pipelined_loss(graphdef, params, rows: jax.Array, layout: Layout, in_stage,
-                    aux_weights: tuple[float, float]) -> tuple[jax.Array, dict]:
-    """`_loss` with the stacked layers run as pipeline stages (spmd.pipeline); the
-    embedding, head and loss run outside, on rows split over the data axes and pp."""
+def _pipelined_loss(graphdef, params, rows: jax.Array, layout: Layout, in_stage) -> tuple[jax.Array, dict]:
+    """`_loss` of a dense model with the stacked layers run as pipeline stages
+    (spmd.pipeline); the embedding, head and loss run outside, on rows split over the
+    data axes and pp."""
     schedule, shards = layout.schedule, layout.batch_shards
     model = nnx.merge(graphdef, params)
     inputs, targets, positions = rows[:, :-1], rows[:, 1:], jnp.arange(rows.shape[1] - 1)
@@ -74,12 +75,12 @@ def _pipelined_loss(graphdef, params, rows: jax.Array, layout: Layout, in_stage,
 
     def stage(chunk, x):
         with in_stage():
-            return model.run_layers(nnx.merge(blocks_graph, chunk), x, positions)
+            return model.run_layers(nnx.merge(blocks_graph, chunk), x, positions)[0]  # dense: no statistics
 
     x = to_microbatches(model.embed(inputs), shards, schedule)
-    out, moe_stats = pipeline(layout.mesh, schedule, stage, params["blocks"], x)
+    out = pipeline(layout.mesh, schedule, stage, params["blocks"], x, REMAT_POLICIES[model.remat])
     logits = model.logits(from_microbatches(out, shards, schedule))
-    return _objective(logits, targets, moe_stats, aux_weights)
+    return _objective(logits, targets, {}, (0.0, 0.0))
 
 
 def _one_f_one_b_grads(graphdef, params, rows: jax.Array, layout: Layout, in_stage) -> tuple[dict, dict]:
@@ -97,15 +98,20 @@ def _one_f_one_b_grads(graphdef, params, rows: jax.Array, layout: Layout, in_sta
         with in_stage():
             return model_of(outer).run_layers(nnx.merge(blocks_graph, chunk), x, positions)[0]
 
-    def head(outer, y, targets):
+    # The head's parameters: the final norm, and the output projection (or the tied table).
+    head_names = ("final_norm", "embedding" if layout.skeleton.model_cfg.tie_embeddings else "head")
+
+    def head(head_params, y, targets):
         with in_stage():
-            return _objective(model_of(outer).logits(y), targets, {}, (0.0, 0.0))[0]
+            return _objective(model_of({**outer, **head_params}).logits(y), targets, {}, (0.0, 0.0))[0]
 
     x, embed_vjp = jax.vjp(lambda outer: to_microbatches(model_of(outer).embed(inputs), shards, schedule), outer)
-    loss, d_blocks, d_head, dx = one_f_one_b(layout.mesh, schedule, stage, head, params["blocks"], outer, x,
+    loss, d_blocks, d_head, dx = one_f_one_b(layout.mesh, schedule, stage, head, params["blocks"],
+                                             {name: outer[name] for name in head_names}, x,
                                              to_microbatches(targets, shards, schedule))
-    (d_embed,) = embed_vjp(dx)
-    return {"loss": loss}, {**jax.tree.map(jnp.add, d_head, d_embed), "blocks": d_blocks}
+    (grads,) = embed_vjp(dx)
+    grads = grads | {name: jax.tree.map(jnp.add, grads[name], d_head[name]) for name in head_names}
+    return {"loss": loss}, grads | {"blocks": d_blocks}
 
 
 def _step_metrics(metrics: dict) -> dict:
@@ -176,7 +182,7 @@ def build_program(cfg, layout: Layout) -> Program:
     if layout.schedule:
         # Inside a stage the map is manual over pp and dp (spmd.pipeline): neither splits `batch` there.
         in_stage = lambda: annotated(MANUAL_AXES, BATCH_AXES)  # noqa: E731
-        loss_of = lambda p, rows: _pipelined_loss(graphdef, p, rows, layout, in_stage, aux_weights)  # noqa: E731
+        loss_of = lambda p, rows: _pipelined_loss(graphdef, p, rows, layout, in_stage)  # noqa: E731
     else:
         loss_of = lambda p, rows: _loss(graphdef, p, rows, order, aux_weights)  # noqa: E731
 

@@ -122,6 +122,23 @@ def stage_overhead(layout: Layout) -> float:
     return 1 / (1 - layout.schedule.bubble) if layout.schedule else 1.0
 
 
+def _head_in_stages(layout: Layout) -> bool:
+    return layout.schedule is not None and layout.schedule.name == "1f1b"
+
+
+def _backward_gathers(cfg, layout: Layout, stage_runs: float) -> float:
+    """How often the backward pass gathers the stacked weights again (once per forward).
+    In GPipe stages under remat "full", XLA hoists that gather out of the backward tick
+    loop (the weights are the same every tick): once. A circular schedule under remat
+    "full" runs each tick's forward once more in the backward pass (spmd.pipeline.
+    _run_chunk): twice per forward."""
+    if layout.schedule is None or layout.schedule.name == "1f1b":
+        return stage_runs
+    if layout.schedule.repeats > 1:
+        return stage_runs * (2 if cfg.remat == "full" else 1)
+    return 1 if cfg.remat == "full" else stage_runs
+
+
 def _compute_table(layout: Layout) -> Mapping:
     """How parameters are laid out where used: the activations' rules, and under pipeline
     stages the stacked layers split over pp (each stage runs its own)."""
@@ -151,11 +168,18 @@ def collectives(cfg, layout: Layout) -> list[Expected]:
         slice_numel = p.numel / _ways(compute, shape)  # one device's slice, as used
         widths = uses(p, model_cfg, compute_bytes)
         gathered = _live(set(at_rest) - set(compute), shape)
+        if gathered and layout.schedule and p.stacked and pipeline.BATCH_AXIS in gathered:
+            # Stored split over dp (ZeRO-3), the stages' weights enter the map (manual over
+            # dp) gathered over it, once per step; over the rest (fsdp) as below.
+            n = shape[pipeline.BATCH_AXIS]
+            out.append(Expected("all-gather", pipeline.BATCH_AXIS, (n - 1) / n * slice_numel * p.itemsize / _ways(
+                [a for a in gathered if a != pipeline.BATCH_AXIS], shape), "stage weights entering the pipeline"))
+            gathered = tuple(a for a in gathered if a != pipeline.BATCH_AXIS)
         if gathered:
             n = _ways(gathered, shape)
             # Stacked weights are gathered in the layer scans of every microbatch (every
             # tick of a pipeline), and again in backward; the others once.
-            times = 2 * stage_runs if p.stacked else 1
+            times = (stage_runs + _backward_gathers(cfg, layout, stage_runs)) if p.stacked else 1
             out.append(Expected("all-gather", "+".join(gathered), times * (n - 1) / n * slice_numel * sum(widths),
                                 "weights gathered where used" + (", again in backward" if p.stacked else "")))
         out += _gradients(cfg, layout, p, token_axes, slice_numel, widths, stage_runs)
@@ -184,7 +208,9 @@ def _gradients(cfg, layout: Layout, p: Param, token_axes: tuple[str, ...], slice
         manual = tuple(a for a in token_axes if a == pipeline.BATCH_AXIS)
         phases = [(tuple(a for a in token_axes if a not in manual), stage_runs, max(widths)), (manual, 1, p.itemsize)]
     else:
-        phases = [(token_axes, 1, p.itemsize if cfg.grad_accum > 1 else max(widths))]
+        # 1f1b sums the head's gradients over microbatches before reducing them.
+        summed_first = cfg.grad_accum > 1 or (_head_in_stages(layout) and not p.stacked)
+        phases = [(token_axes, 1, p.itemsize if summed_first else max(widths))]
     stored_split = _live(_spec_axes(p.names, layout.rules.grads), layout.shape)
     out, numel = [], slice_numel
     for axes, times, width in phases:
@@ -208,6 +234,10 @@ def _tensor_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
     model = layout.skeleton.model_cfg
     tokens = tokens_per_device(cfg, layout.shape)
     activation = tokens * model.embed * compute_bytes  # outside pipeline stages: the head's input
+    # 1f1b runs the head on the last stage, per microbatch: in a branch that every device's
+    # program holds, on all of its pp group's rows.
+    head_tokens = tokens * (layout.shape["pp"] if _head_in_stages(layout) else 1)
+    head_input = head_tokens * model.embed * compute_bytes
     per_layer = stage_overhead(layout)  # the layers' activations, in pipeline stages, bubble ticks included
     lookup = tokens * model.embed * 4  # float32 rows (see LOOKUP_TABLE)
     vocab_split = "tp" in axes_of(layout.rules.activations["vocab"])
@@ -228,6 +258,8 @@ def _tensor_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
     dense = model.layers - moe_layers + (moe_layers if model.moe and model.moe.shared_experts else 0)
     reduced(activation, per_layer * (2 * model.layers + 2 * dense),
             "Megatron: block outputs forward, block input gradients backward")
+    if layout.schedule and layout.schedule.repeats > 1 and cfg.remat == "full":
+        reduced(activation, per_layer * 2 * model.layers, "circular stages: each tick's forward again")
     if moe_layers:
         rows = expert_rows(cfg, layout) * model.embed * compute_bytes
         out.append(Expected("all-reduce", "tp", per_layer * moe_layers * 2 * 2 * (t - 1) / t * rows,
@@ -246,12 +278,12 @@ def _tensor_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
         table = model.vocab * model.embed * 4
         out.append(Expected("all-gather", "tp", (t - 1) / t * table, "vocab split: the table, for the lookup"))
         out.append(Expected("reduce-scatter", "tp", (t - 1) / t * table, "vocab split: the table's gradient"))
-        reduced(activation, 1, "vocab split: the output head's input")
+        reduced(head_input, 1, "vocab split: the output head's input")
     elif vocab_split:
         reduced(lookup, 1, "vocab split: embedding lookup (float32 rows)")
-        reduced(activation, 1, "vocab split: the output head's input")
+        reduced(head_input, 1, "vocab split: the output head's input")
     if vocab_split:
-        out.append(Expected("all-reduce", "tp", 2 * (t - 1) / t * tokens * 4 * 3, "vocab split: softmax statistics"))
+        out.append(Expected("all-reduce", "tp", 2 * (t - 1) / t * head_tokens * 4 * 3, "vocab split: softmax statistics"))
     return out
 
 
@@ -312,9 +344,19 @@ def _pipeline(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
     split = layout.shape["tp"] if cfg.megatron_sp else 1
     rows = tokens_per_device(cfg, layout.shape) * p * layout.skeleton.model_cfg.embed * compute_bytes / split
     ticks = v * m * stage_overhead(layout)  # v*m + p - 1
+    leaves = (p - 1) / p
+    if _head_in_stages(layout):
+        # Forward sends in the warm-up and steady ticks, backward ones in the steady and
+        # cool-down ticks; with p = 2 the cool-down is one tick and its unused send is
+        # dropped. Only x enters (with the targets, int32) and only its gradient leaves.
+        sends = 2 * ticks - (1 if p == 2 else 0)
+        targets = tokens_per_device(cfg, layout.shape) * p * 4
+        return [Expected("collective-permute", "pp", sends * rows / m, "stage outputs forward, their gradients back"),
+                Expected("all-gather", "pp", leaves * (rows + targets), "rows and targets entering the stages"),
+                Expected("reduce-scatter", "pp", leaves * rows, "the gradient of the rows entering")]
     return [Expected("collective-permute", "pp", 2 * ticks * rows / m, "stage outputs forward, their gradients back"),
-            Expected("all-gather", "pp", 2 * (p - 1) / p * rows, "rows entering the stages; output gradients"),
-            Expected("reduce-scatter", "pp", 2 * (p - 1) / p * rows, "rows leaving the stages; input gradients")]
+            Expected("all-gather", "pp", 2 * leaves * rows, "rows entering the stages; output gradients"),
+            Expected("reduce-scatter", "pp", 2 * leaves * rows, "rows leaving the stages; input gradients")]
 
 
 def by_op_and_axes(expected: list[Expected]) -> dict[tuple[str, str], float]:
