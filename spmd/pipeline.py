@@ -47,7 +47,6 @@ from spmd.mesh import BATCH_AXES
 AXIS = "pp"
 BATCH_AXIS = "dp"  # also manual in the map: gradients are reduced over it once per step
 MANUAL_AXES = (AXIS, BATCH_AXIS)
-SCHEDULES = ("gpipe", "circular", "1f1b")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +115,8 @@ def _copies(x: jax.Array, mesh) -> jax.Array:
     outside the map, where XLA keeps the rows split over the batch axes, and the copies'
     gradients are summed there too: a reduce-scatter."""
     p = mesh.shape[AXIS]
-    return jax.lax.with_sharding_constraint(jnp.broadcast_to(x, (p, *x.shape)), _per_stage(mesh))
+    return jax.lax.with_sharding_constraint(jnp.broadcast_to(x, (p, *x.shape)),
+                                            jax.NamedSharding(mesh, jax.P(AXIS, None, BATCH_AXES)))
 
 
 def _from_stage_0(per_stage: jax.Array, mesh) -> jax.Array:
@@ -124,10 +124,6 @@ def _from_stage_0(per_stage: jax.Array, mesh) -> jax.Array:
     m: a reduce-scatter over pp (and its gradient an all-gather)."""
     return jax.lax.with_sharding_constraint(jnp.sum(per_stage, axis=0),
                                             jax.NamedSharding(mesh, jax.P(AXIS, BATCH_AXES)))
-
-
-def _per_stage(mesh) -> jax.NamedSharding:
-    return jax.NamedSharding(mesh, jax.P(AXIS, None, BATCH_AXES))
 
 
 def _only_stage_0(x: jax.Array, stage: jax.Array) -> jax.Array:
@@ -190,6 +186,35 @@ def pipeline(mesh, schedule: Schedule, stage_fn, blocks, x: jax.Array, policy=No
 
 # ---------------------------------------------------------------------------------- 1f1b
 
+def _split_vjp(stage_fn, chunk, example: jax.Array):
+    """The stage's forward and backward passes as two functions joined by arrays:
+    forward(chunk, x) -> (y, residuals), backward(chunk, residuals, dy) -> (d_chunk, dx),
+    and the residuals' shapes. The weights are left out of the residuals: the backward
+    pass reads them again rather than a copy being kept per microbatch in flight."""
+    found = {}
+
+    def structure(chunk, x):
+        _, vjp = jax.vjp(stage_fn, chunk, x)
+        leaves, found["tree"] = jax.tree.flatten(vjp)
+        weights = jax.tree.leaves(chunk)
+        # For each leaf of the backward pass, which weight it is (-1: a residual).
+        found["where"] = tuple(next((j for j, w in enumerate(weights) if leaf is w), -1) for leaf in leaves)
+        return [leaf for leaf, j in zip(leaves, found["where"]) if j < 0]
+
+    shapes = jax.eval_shape(structure, chunk, example)
+    tree, where = found["tree"], found["where"]
+
+    def forward(chunk, x):
+        y, vjp = jax.vjp(stage_fn, chunk, x)
+        return y, [leaf for leaf, j in zip(jax.tree.leaves(vjp), where) if j < 0]
+
+    def backward(chunk, residuals, cotangent):
+        weights, kept = jax.tree.leaves(chunk), iter(residuals)
+        return jax.tree.unflatten(tree, [weights[j] if j >= 0 else next(kept) for j in where])(cotangent)
+
+    return forward, backward, shapes
+
+
 def one_f_one_b(mesh, schedule: Schedule, stage_fn, head_fn, blocks, head, x: jax.Array, targets: jax.Array):
     """Loss and gradients with the 1F1B schedule (no `jax.grad` around it: the backward
     pass is interleaved with the forward here).
@@ -209,34 +234,7 @@ def one_f_one_b(mesh, schedule: Schedule, stage_fn, head_fn, blocks, head, x: ja
         last = stage == p - 1
         dp = jax.lax.psum(1, BATCH_AXIS)
         seed = 1.0 / (m * dp)  # each dp shard's microbatch loss is a mean over its own rows
-        def trace(chunk, inp):
-            """The stage's output and its backward pass, as the leaves of a pytree."""
-            y, vjp = jax.vjp(stage_fn, chunk, inp)
-            leaves, tree = jax.tree.flatten(vjp)
-            return y, leaves, tree
-
-        def structure_of(chunk, inp):
-            _, leaves, tree = trace(chunk, inp)
-            weights = jax.tree.leaves(chunk)
-            # For each leaf of the backward pass, which weight it is (-1: a residual).
-            found["where"] = tuple(next((j for j, w in enumerate(weights) if leaf is w), -1) for leaf in leaves)
-            found["tree"] = tree
-            return [leaf for leaf, j in zip(leaves, found["where"]) if j < 0]
-
-        found = {}
-        shapes = jax.eval_shape(structure_of, blocks, x[0])
-        tree, where = found["tree"], found["where"]
-
-        def forward(chunk, inp):
-            """The output, and the residuals to keep: all but the weights, which are read
-            again when the backward pass runs rather than kept once per microbatch."""
-            y, leaves, _ = trace(chunk, inp)
-            return y, [leaf for leaf, j in zip(leaves, where) if j < 0]
-
-        def backward(chunk, residuals, cotangent):
-            weights, kept = jax.tree.leaves(chunk), iter(residuals)
-            vjp = jax.tree.unflatten(tree, [weights[j] if j >= 0 else next(kept) for j in where])
-            return vjp(cotangent)
+        forward, backward, shapes = _split_vjp(stage_fn, blocks, x[0])
 
         def head(y, k):
             def on_last(y, k):

@@ -60,8 +60,26 @@ def _objective(logits, targets, moe_stats: dict, aux_weights: tuple[float, float
         return loss, {"loss": loss}
     metrics = {"loss": loss, "aux_loss": jnp.mean(moe_stats["balance_loss"]),
                "z_loss": jnp.mean(moe_stats["z_loss"]), "dropped": jnp.mean(moe_stats["dropped"]),
-               "expert_load": moe_stats["expert_load"].reshape(-1, moe_stats["expert_load"].shape[-1])}
+               "expert_load": moe_stats["expert_load"]}
     return loss + aux_weights[0] * metrics["aux_loss"] + aux_weights[1] * metrics["z_loss"], metrics
+
+
+def _stage_parts(graphdef, params, rows: jax.Array, in_stage):
+    """What a pipelined step is made of: the model less its stages' weights (a model of
+    their shapes holds their place; `model_of(outer)`), the non-stacked parameters, the
+    inputs and targets, and `stage(chunk, x)`, which runs a chunk of stacked layers on
+    one microbatch under the rules inside the stages."""
+    inputs, targets, positions = rows[:, :-1], rows[:, 1:], jnp.arange(rows.shape[1] - 1)
+    outer = {name: value for name, value in params.items() if name != "blocks"}
+    no_blocks = jax.tree.map(lambda w: jax.ShapeDtypeStruct(w.shape, w.dtype), params["blocks"])
+    model_of = lambda outer: nnx.merge(graphdef, {**outer, "blocks": no_blocks})  # noqa: E731
+    blocks_graph = nnx.split(model_of(outer).blocks)[0]
+
+    def stage(chunk, x):
+        with in_stage():
+            return model_of(outer).run_layers(nnx.merge(blocks_graph, chunk), x, positions)[0]  # dense: no statistics
+
+    return model_of, outer, inputs, targets, stage
 
 
 def _pipelined_loss(graphdef, params, rows: jax.Array, layout: Layout, in_stage) -> tuple[jax.Array, dict]:
@@ -69,14 +87,8 @@ def _pipelined_loss(graphdef, params, rows: jax.Array, layout: Layout, in_stage)
     (spmd.pipeline); the embedding, head and loss run outside, on rows split over the
     data axes and pp."""
     schedule, shards = layout.schedule, layout.batch_shards
-    model = nnx.merge(graphdef, params)
-    inputs, targets, positions = rows[:, :-1], rows[:, 1:], jnp.arange(rows.shape[1] - 1)
-    blocks_graph = nnx.split(model.blocks)[0]
-
-    def stage(chunk, x):
-        with in_stage():
-            return model.run_layers(nnx.merge(blocks_graph, chunk), x, positions)[0]  # dense: no statistics
-
+    model_of, outer, inputs, targets, stage = _stage_parts(graphdef, params, rows, in_stage)
+    model = model_of(outer)
     x = to_microbatches(model.embed(inputs), shards, schedule)
     out = pipeline(layout.mesh, schedule, stage, params["blocks"], x, REMAT_POLICIES[model.remat])
     logits = model.logits(from_microbatches(out, shards, schedule))
@@ -87,17 +99,7 @@ def _one_f_one_b_grads(graphdef, params, rows: jax.Array, layout: Layout, in_sta
     """Metrics and gradients of `_pipelined_loss` under the 1F1B schedule, which computes
     the stages' gradients itself (spmd.pipeline.one_f_one_b); autodiff does the rest."""
     schedule, shards = layout.schedule, layout.batch_shards
-    inputs, targets, positions = rows[:, :-1], rows[:, 1:], jnp.arange(rows.shape[1] - 1)
-    outer = {name: value for name, value in params.items() if name != "blocks"}
-    # The stages' weights are not needed outside them: a model of shapes holds their place.
-    no_blocks = jax.tree.map(lambda w: jax.ShapeDtypeStruct(w.shape, w.dtype), params["blocks"])
-    model_of = lambda outer: nnx.merge(graphdef, {**outer, "blocks": no_blocks})  # noqa: E731
-    blocks_graph = nnx.split(model_of(outer).blocks)[0]
-
-    def stage(chunk, x):
-        with in_stage():
-            return model_of(outer).run_layers(nnx.merge(blocks_graph, chunk), x, positions)[0]
-
+    model_of, outer, inputs, targets, stage = _stage_parts(graphdef, params, rows, in_stage)
     # The head's parameters: the final norm, and the output projection (or the tied table).
     head_names = ("final_norm", "embedding" if layout.skeleton.model_cfg.tie_embeddings else "head")
 
@@ -167,6 +169,7 @@ def build_program(cfg, layout: Layout) -> Program:
     # Experts: each batch shard routes its own tokens (all-to-all over ep when ep > 1).
     expert_parallel = layout.skeleton.model_cfg.moe is not None and layout.batch_shards > 1
     aux_weights = (cfg.aux_loss_weight, cfg.z_loss_weight)
+
     def annotated(local_axes: tuple[str, ...] = (), data_axes: tuple[str, ...] = layout.data_axes):
         """The rules that the model's annotations read (models.annotate). `local_axes`:
         axes the values are local to (a vmap over batch shards, a map manual over them)."""
