@@ -10,10 +10,6 @@ values is tested once per kind of model (test_sharding).
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# Compiling dominates the suite, and most of XLA:CPU's compile time is LLVM optimizing the
-# generated code; tests run a few steps of tiny models, so unoptimized code compiles ~30%
-# faster for the same numbers. (Subprocesses inherit it.)
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
 import jax  # noqa: E402
 
@@ -87,11 +83,16 @@ def train_run(mesh: str, devices: int, **overrides) -> Run:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def shared_compilation_cache(tmp_path_factory):
+def subprocess_compilation(tmp_path_factory):
     """Subprocess tests (the CLI) start many runs of the same configuration; a persistent
     compilation cache for this session lets all but the first load what XLA compiled.
-    Set after this process imported JAX, so only the subprocesses use it."""
+    They also compile unoptimized CPU code: most of XLA:CPU's compile time is LLVM
+    optimizing it, and those runs check behaviour (errors, signals, resumes, the default
+    run's loss), not layouts against each other. Set after this process started its
+    backend, so only the subprocesses use them: parity runs here keep the default."""
+    jax.devices()
     os.environ["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path_factory.mktemp("jax-cache"))
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
 
 @pytest.fixture(scope="session")

@@ -12,6 +12,7 @@ from conftest import PARITY, train_run
 from spmd import hlo
 from spmd.checkpoint import Checkpoints, make_meta
 from spmd.layout import make_layout, restack
+from spmd.plan import make_plan
 from spmd.step import build_program
 
 pytestmark = pytest.mark.xdist_group("pipeline")  # they share compiled runs (conftest)
@@ -99,3 +100,17 @@ def test_circular_checkpoint_restores_onto_a_layout_without_pipeline(tmp_path):
     checkpoints.close()
     for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(restack(run.params, -1))):
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("i", [3, 5, 6], ids=[IDS[3], IDS[5], IDS[6]])
+def test_plan_matches_the_compiled_pipeline(i):
+    """spmd.plan's theory of pipeline stages (the pp permutes, the rows entering and
+    leaving, the bubble ticks' tp traffic, dp reduced once) against the compiled step."""
+    run = _run(i)
+    plan = make_plan(run.cfg, run.layout, compiled=run.compiled)
+    expected = [r for r in plan.rows if r.theory]
+    assert any(r.op == "collective-permute" and r.axes == "pp" for r in expected)
+    for row in expected:  # within 5% per collective and mesh axis, as for the other layouts
+        assert row.measured == pytest.approx(row.theory, rel=0.05), row
+    assert not any(r.unexpected for r in plan.rows)
+    assert 0 <= plan.measured_state - plan.theory_state <= 16
