@@ -23,9 +23,7 @@ LAYOUTS = [
     # (mesh, devices, overrides)
     ("pp=2", 2, {}),  # GPipe, microbatches = pp
     ("pp=4", 4, {"microbatches": 8}),
-    ("pp=2", 2, {"pp_schedule": "circular", "pp_repeats": 2}),
     ("pp=4", 4, {"pp_schedule": "circular", "pp_repeats": 2, "microbatches": 4}),
-    ("pp=2", 2, {"pp_schedule": "1f1b", "microbatches": 4}),
     ("pp=4", 4, {"pp_schedule": "1f1b", "microbatches": 8}),
     ("pp=2,dp=2,tp=2", 8, {"microbatches": 4}),
     # 1F1B with fsdp, ZeRO-1 over dp... and two accumulated pipeline passes.
@@ -65,7 +63,7 @@ def _stage_flops(run) -> float:
     return hlo.dot_flops(module, skip=hlo.branch_computations(module) | (set(module.instructions) - module.in_loops()))
 
 
-@pytest.mark.parametrize("i", [0, 3, 5], ids=[IDS[0], IDS[3], IDS[5]])
+@pytest.mark.parametrize("i", [0, 2, 3], ids=[IDS[0], IDS[2], IDS[3]])
 def test_executed_compute_is_the_bubble_formula(deep_reference, i):
     """p devices execute (v*m + p - 1) / (v*m) times the layer work of one device: the
     bubble ticks compute on padding, and nothing else is repeated."""
@@ -77,7 +75,7 @@ def test_executed_compute_is_the_bubble_formula(deep_reference, i):
 
 def test_one_f_one_b_keeps_fewer_activations_than_gpipe():
     """pp=4, m=8: GPipe keeps m + p - 1 = 11 ticks of a stage's activations, 1F1B 2p - 1 = 7."""
-    gpipe, one_f_one_b = (_run(i).compiled.memory_analysis().temp_size_in_bytes for i in (1, 5))
+    gpipe, one_f_one_b = (_run(i).compiled.memory_analysis().temp_size_in_bytes for i in (1, 3))
     # 7/11 = 0.64 of the kept activations; other temporaries (logits, the weights'
     # gradients, the microbatches' copies) are alike in both. Measured 0.73 (12.9 / 17.7
     # MiB). 1F1B keeping the weights in its ring (a copy per slot) would measure 0.88.
@@ -87,7 +85,7 @@ def test_one_f_one_b_keeps_fewer_activations_than_gpipe():
 def test_circular_checkpoint_restores_onto_a_layout_without_pipeline(tmp_path):
     """A circular pipeline stores its stacked layers as (repeats, layers / repeats); its
     checkpoint restores onto another layout as the model's layers, in order."""
-    run = _run(3)
+    run = _run(2)
     abstract = run.program.abstract_state
     params = jax.device_put(run.params, jax.tree.map(lambda s: s.sharding, abstract["params"]))
     opt_state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype, device=s.sharding), abstract["opt_state"])
@@ -102,7 +100,7 @@ def test_circular_checkpoint_restores_onto_a_layout_without_pipeline(tmp_path):
         np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("i", [3, 5, 6], ids=[IDS[3], IDS[5], IDS[6]])
+@pytest.mark.parametrize("i", [2, 3, 4], ids=[IDS[2], IDS[3], IDS[4]])
 def test_plan_matches_the_compiled_pipeline(i):
     """spmd.plan's theory of pipeline stages (the pp permutes, the rows entering and
     leaving, the bubble ticks' tp traffic, dp reduced once) against the compiled step."""

@@ -100,11 +100,13 @@ def test_json_has_the_documented_keys():
     assert 0 < data["predicted_step_time_s"] and 0 < data["predicted_mfu"] < 1
 
 
-def test_auto_finds_a_layout_where_pure_data_parallel_does_not_fit():
+def test_auto_finds_a_layout_where_pure_data_parallel_does_not_fit(monkeypatch):
     import jax
 
-    from spmd import hardware
+    from spmd import hardware, plan
     from spmd.plan import auto
+
+    monkeypatch.setattr(plan, "AUTO_SHOWN", 2)  # confirm the best two, not five: fewer compiles
 
     # A device with 48 MiB: the small model's replicas need 16 B x 3.3M parameters (50 MiB)
     # for their state alone; split over fsdp or tp, it fits.
@@ -115,7 +117,7 @@ def test_auto_finds_a_layout_where_pure_data_parallel_does_not_fit():
     assert pure_dp.fits is False
 
     plans, searched = auto(cfg, devices, tiny_device, "4 emulated CPU devices")
-    assert 1 <= len(plans) <= 5 and "fit" in searched
+    assert 1 <= len(plans) <= 2 and "fit" in searched
     assert all(p.fits and p.peak <= tiny_device.memory_bytes(4) for p in plans)
     assert all(p.layout.shape["dp"] < 4 or p.cfg.zero > 0 for p in plans)  # never plain replicas
     steps = [p.prediction.step_s for p in plans]
