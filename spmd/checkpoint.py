@@ -23,7 +23,7 @@ import orbax.checkpoint as ocp
 from flax import traverse_util
 
 from spmd.errors import UserError
-from spmd.layout import restack
+from spmd.layout import is_stacked, restack
 
 FORMAT = 1
 ITEMS = ("params", "opt_state", "meta")
@@ -150,7 +150,7 @@ def _as_saved(targets, repeats: int, saved: int):
     checkpoint that stored them for `saved` repeats holds them, on the targets' mesh
     (the layers split over pp where they divide, the other dimensions as targeted)."""
     def leaf(path, target):
-        if not any(getattr(k, "key", None) == "blocks" for k in path):
+        if not is_stacked(path):
             return target
         stacked_dims = 2 if repeats > 1 else 1
         layers = math.prod(target.shape[:stacked_dims])

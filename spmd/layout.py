@@ -150,11 +150,16 @@ def restacked(skeleton: ModelSkeleton, repeats: int) -> ModelSkeleton:
                                names=jax.tree.map(names, skeleton.names, is_leaf=is_names))
 
 
+def is_stacked(path) -> bool:
+    """Whether a leaf of params (or optimizer state, which mirrors them) is a stacked layer's."""
+    return any(getattr(k, "key", None) == "blocks" for k in path)
+
+
 def restack(tree, repeats: int):
-    """Stacked-layer leaves (under `blocks`, in params or optimizer state) of a model's
-    (layers, ...) layout -> (repeats, layers / repeats, ...); repeats < 0 undoes it."""
+    """Stacked-layer leaves (in params or optimizer state) of a model's (layers, ...)
+    layout -> (repeats, layers / repeats, ...); repeats < 0 undoes it."""
     def leaf(path, x):
-        if not any(getattr(k, "key", None) == "blocks" for k in path):
+        if not is_stacked(path):
             return x
         shape = (repeats, x.shape[0] // repeats, *x.shape[1:]) if repeats > 0 else (-1, *x.shape[2:])
         if isinstance(x, jax.ShapeDtypeStruct):

@@ -10,6 +10,13 @@ values is tested once per kind of model (test_sharding).
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import tempfile  # noqa: E402
+
+# Tests build many programs that XLA has compiled before in this session (another test's
+# identical step, the same one-device initializer on each worker): one persistent
+# compilation cache, shared by the workers of a run and their subprocesses, loads them.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
+    tempfile.gettempdir(), f"spmd-tests-jax-cache-{os.environ.get('PYTEST_XDIST_TESTRUNUID', os.getpid())}"))
 
 import jax  # noqa: E402
 
@@ -83,15 +90,13 @@ def train_run(mesh: str, devices: int, **overrides) -> Run:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def subprocess_compilation(tmp_path_factory):
-    """Subprocess tests (the CLI) start many runs of the same configuration; a persistent
-    compilation cache for this session lets all but the first load what XLA compiled.
-    They also compile unoptimized CPU code: most of XLA:CPU's compile time is LLVM
-    optimizing it, and those runs check behaviour (errors, signals, resumes, the default
-    run's loss), not layouts against each other. Set after this process started its
-    backend, so only the subprocesses use them: parity runs here keep the default."""
+def unoptimized_subprocesses():
+    """Subprocess tests (the CLI) compile unoptimized CPU code: most of XLA:CPU's compile
+    time is LLVM optimizing it, and those runs check behaviour (errors, signals, resumes),
+    not layouts against each other. Set after this process started its backend, so only
+    the subprocesses use it: parity runs here keep the default (it changes float32
+    rounding)."""
     jax.devices()
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path_factory.mktemp("jax-cache"))
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
 
