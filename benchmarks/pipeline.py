@@ -3,13 +3,16 @@
 
 For each schedule the train step is compiled on p emulated CPU devices (pp only, so
 every device runs one stage) and on one device without a pipeline. Executed compute is
-the FLOPs of every matrix product in the compiled HLO times how often its loop runs
-(`spmd.hlo.dot_flops`), summed over the p devices; useful compute is the same count for
-the one-device step. Their ratio should be 1 / (1 - bubble): (v*m + p - 1) / (v*m). The
-output head runs outside the stages (gpipe, circular) or, for 1f1b, in a branch that
-only the last stage takes: branches are left out of the count, and the head's FLOPs are
-counted once per device in both steps, so the small model's head (3% of its FLOPs) adds
-its share to the 1f1b ratio only through what sits outside loops.
+the FLOPs of every matrix product inside the compiled step's loops (the stages' ticks and
+layer scans), times how often its loop runs (`spmd.hlo.dot_flops`), summed over the p
+devices; useful compute is the same count for the one-device step (its layer scan). Their
+ratio should be 1 / (1 - bubble) = (v*m + p - 1) / (v*m). Left out on both sides: what
+runs outside loops (embedding, output head), and 1F1B's head, which sits in a branch that
+only the last stage takes.
+
+Memory: XLA's temporaries per device. (2p-1)/(m+p-1) is the ratio of the kept
+activations alone (1F1B's ring of residuals against GPipe's ticks); the other
+temporaries (logits, gradients, the microbatches' copies) are alike in both.
 
     python benchmarks/pipeline.py            # small model, 8 layers, seq 128
 """
