@@ -42,9 +42,7 @@ def compiled(mesh: str, devices: int, **overrides):
 
 
 def loop_flops(step) -> float:
-    module = hlo.parse(step.as_text())
-    outside = set(module.instructions) - module.in_loops()
-    return hlo.dot_flops(module, skip=hlo.branch_computations(module) | outside)
+    return hlo.loop_dot_flops(hlo.parse(step.as_text()))
 
 
 def main() -> None:

@@ -206,3 +206,10 @@ def dot_flops(module: HloModule, skip: set[str] = frozenset()) -> float:
             contracted = math.prod(lhs[int(i)] for i in _CONTRACTING.search(instr.attributes).group(1).split(",") if i)
             total += runs[comp] * 2 * math.prod(_dims(instr.result_type)) * contracted
     return total
+
+
+def loop_dot_flops(module: HloModule) -> float:
+    """`dot_flops` of what runs inside loops (a train step's layer scans, pipeline ticks),
+    leaving out computations that run only in some branch of a `conditional`."""
+    outside = set(module.instructions) - module.in_loops()
+    return dot_flops(module, skip=branch_computations(module) | outside)

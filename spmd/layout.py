@@ -175,7 +175,7 @@ def check_pipeline(cfg, shape: Mapping[str, int], model_cfg: LlamaConfig, for_tr
         if cfg.pp_schedule != "gpipe" or cfg.microbatches is not None:
             raise UserError("--pp-schedule, --pp-repeats and --microbatches need a pp axis (e.g. --mesh pp=2,dp=4)")
         return None
-    schedule = Schedule(cfg.pp_schedule, p, cfg.microbatches or p, cfg.pp_repeats)
+    schedule = Schedule.of(cfg, p)
     if model_cfg.layers % (p * schedule.repeats):
         raise UserError(f"model {cfg.model}: {model_cfg.layers} layers do not divide into pp x repeats = "
                         f"{p} x {schedule.repeats} pipeline chunks")

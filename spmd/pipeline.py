@@ -56,11 +56,14 @@ class Schedule:
     microbatches: int  # m
     repeats: int = 1  # v (circular)
 
+    @classmethod
+    def of(cls, cfg, stages: int) -> "Schedule":
+        """The schedule a run's options ask for on `stages` pipeline stages."""
+        return cls(cfg.pp_schedule, stages, cfg.microbatches or stages, cfg.pp_repeats)
+
     @property
     def ticks(self) -> int:
-        """Ticks of the forward pass (GPipe, circular) or of the fused passes (1f1b)."""
-        if self.name == "1f1b":
-            return self.microbatches + 2 * (self.stages - 1)
+        """Ticks of the forward pass (GPipe, circular)."""
         return self.repeats * self.microbatches + self.stages - 1
 
     @property

@@ -116,6 +116,13 @@ def _one_f_one_b_grads(graphdef, params, rows: jax.Array, layout: Layout, in_sta
     return {"loss": loss}, grads | {"blocks": d_blocks}
 
 
+def _split_locally(rows: jax.Array, shards: int, k: int) -> jax.Array:
+    """Rows (b, width) split over `shards` -> (k, shards, b / (shards k), width): part i is
+    each shard's own rows [i*r, (i+1)*r), so nothing moves between devices."""
+    b, width = rows.shape
+    return rows.reshape(shards, k, b // (shards * k), width).swapaxes(0, 1)
+
+
 def _step_metrics(metrics: dict) -> dict:
     """Expert loads (layers, experts), each a share of all choices, become the load
     imbalance: max over mean tokens per expert, averaged over MoE layers."""
@@ -199,9 +206,7 @@ def build_program(cfg, layout: Layout) -> Program:
 
     def accumulated(params, rows):
         k, shards = cfg.grad_accum, layout.batch_shards
-        b, width = rows.shape
-        # Rows stay on their device: shard d's microbatch i is its own rows [i*m, (i+1)*m).
-        micro = rows.reshape(shards, k, b // (shards * k), width).swapaxes(0, 1)
+        micro = _split_locally(rows, shards, k)
         micro = jax.lax.with_sharding_constraint(micro, jax.P(None, BATCH_AXES))
         per_shard_spec = layout.per_shard_specs()
 
@@ -233,9 +238,7 @@ def build_program(cfg, layout: Layout) -> Program:
         """Accumulation with pipeline stages: one full pipeline pass per round (each
         reduces its gradients over dp as it ends), summed in a scan."""
         k, shards = cfg.grad_accum, math.prod(layout.shape[a] for a in layout.data_axes)
-        b, width = rows.shape
-        # Round i takes rows [i*r, (i+1)*r) of each data shard: nothing moves between devices.
-        rounds = rows.reshape(shards, k, b // (shards * k), width).swapaxes(0, 1).reshape(k, b // k, width)
+        rounds = _split_locally(rows, shards, k).reshape(k, rows.shape[0] // k, rows.shape[1])
         rounds = jax.lax.with_sharding_constraint(rounds, jax.P(None, layout.data_axes))
 
         def body(total, round_rows):

@@ -60,8 +60,7 @@ def test_pipeline_matches_one_device(deep_reference, i):
 
 def _stage_flops(run) -> float:
     """Dot FLOPs one device runs in loops (the stages' layer scans), branches aside."""
-    module = hlo.parse(run.hlo)
-    return hlo.dot_flops(module, skip=hlo.branch_computations(module) | (set(module.instructions) - module.in_loops()))
+    return hlo.loop_dot_flops(hlo.parse(run.hlo))
 
 
 @pytest.mark.parametrize("i", [0, 1, 2], ids=[IDS[0], IDS[1], IDS[2]])
