@@ -5,6 +5,9 @@ import sys
 
 import pytest
 
+# One worker runs them all: the module's fixture starts every case's process at once.
+pytestmark = pytest.mark.xdist_group("cli")
+
 CASES = {
     "mesh product is not the device count": (["--mesh", "dp=3", "--cpu-devices", "8"], "needs 3 devices"),
     "unknown axis": (["--mesh", "xp=2"], "unknown mesh axis 'xp'"),

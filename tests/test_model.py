@@ -30,15 +30,24 @@ def test_real_presets_build_abstractly_with_published_sizes(name):
     assert wqkv == ("layers", "embed", "kv_heads", None, "head_dim")
 
 
+def _built(cfg, **kwargs) -> Llama:
+    """The model with parameters drawn by one unoptimized compiled program: drawn op by op
+    (eagerly), or optimized by LLVM, they take seconds."""
+    make = lambda: Llama(cfg, rngs=nnx.Rngs(params=jax.random.key(0)), **kwargs)  # noqa: E731
+    params = jax.jit(lambda: nnx.state(make()), compiler_options={"xla_backend_optimization_level": 0})()
+    return nnx.merge(nnx.graphdef(nnx.eval_shape(make)), params)
+
+
 def _tiny(remat="none"):
-    return Llama(PRESETS["tiny"], remat=remat, rngs=nnx.Rngs(params=jax.random.key(0)))
+    return _built(PRESETS["tiny"], remat=remat)
 
 
 def test_a_token_never_sees_the_future():
     model = _tiny()
     tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, 256)
     changed = tokens.at[:, 10:].set((tokens[:, 10:] + 7) % 256)
-    a, b = model(tokens), model(changed)
+    forward = nnx.jit(lambda m, t: m(t))  # one compiled program instead of op-by-op dispatch
+    a, b = forward(model, tokens), forward(model, changed)
     np.testing.assert_array_equal(a[:, :10], b[:, :10])
     assert not np.allclose(a[:, 10:], b[:, 10:])
 
@@ -49,7 +58,7 @@ def test_remat_changes_memory_not_gradients(policy):
 
     def grads(model):
         graphdef, params = nnx.split(model)
-        return jax.grad(lambda p: jnp.mean(nnx.merge(graphdef, p)(tokens) ** 2))(params)
+        return jax.jit(jax.grad(lambda p: jnp.mean(nnx.merge(graphdef, p)(tokens) ** 2)))(params)
 
     for got, want in zip(jax.tree.leaves(grads(_tiny(policy))), jax.tree.leaves(grads(_tiny()))):
         # Recomputing the forward pass repeats the same float32 operations: equal up to
@@ -80,11 +89,12 @@ def test_moe_layer_capacity_without_drops_equals_dropless(scoring):
     cfg = dataclasses.replace(PRESETS["moe-tiny"], moe=dataclasses.replace(PRESETS["moe-tiny"].moe, scoring=scoring))
     tokens = jax.random.randint(jax.random.key(3), (4, 16), 0, 256)
 
-    params = nnx.state(Llama(cfg, rngs=nnx.Rngs(params=jax.random.key(0))))
+    params = nnx.state(_built(cfg))
 
     def forward(dispatch, factor):  # the same parameters under another routing
         shape = nnx.eval_shape(lambda: Llama(cfg, routing=Routing(dispatch, factor), rngs=nnx.Rngs(0)))
-        return nnx.merge(nnx.graphdef(shape), params).forward(tokens)
+        graphdef = nnx.graphdef(shape)
+        return jax.jit(lambda p: nnx.merge(graphdef, p).forward(tokens))(params)
 
     dropless, stats = forward("dropless", 1.0)
     roomy, roomy_stats = forward("capacity", cfg.moe.experts / cfg.moe.top_k)  # room for every token
