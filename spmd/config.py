@@ -22,6 +22,7 @@ ON_NAN = ("stop", "skip")
 ATTENTION = ("ring", "all-gather")
 MOE_DISPATCH = ("dropless", "capacity")
 PP_SCHEDULES = ("gpipe", "circular", "1f1b")
+TOKEN_DTYPES = ("uint16", "uint32")
 
 
 def _field(default, help: str, **argparse_kwargs):
@@ -70,6 +71,19 @@ class TrainConfig:
     resume: str | None = _field(None, "resume from this run directory's latest checkpoint, or from one step's directory")
     on_nan: str = _field("stop", "on a non-finite loss, drop that update, then stop (naming the last good checkpoint) or skip and go on", choices=ON_NAN)
     hardware: str | None = _field(None, "accelerator the layout is planned for (spmd/hardware.toml; default: the one found, if listed)")
+    data: str | None = _field(None, "local training data: a text file or folder (.txt/.md, .jsonl, .parquet) or token files (.npy, .bin); default: the built-in synthetic chain")
+    tokenizer: str | None = _field(None, "SentencePiece .model or Hugging Face tokenizer.json for text data (default: UTF-8 bytes)")
+    text_field: str = _field("text", "the field of JSONL records / column of Parquet files that holds the text")
+    token_dtype: str = _field("uint16", "dtype of raw .bin token files (.npy files say their own)", choices=TOKEN_DTYPES)
+    eval_every: int = _field(0, "every N steps, report the loss on held-out data (0: never)")
+    eval_batches: int = _field(4, "batches of held-out data per evaluation")
+    eval_fraction: float = _field(0.05, "share of --data's samples held out for evaluation (when --eval-every is set)")
+    coordinator: str | None = _field(None, "several processes: process 0's host:port, or 'auto' to let JAX find the cluster (TPU pod, SLURM, Open MPI); default: from the environment, else one process")
+    num_processes: int | None = _field(None, "several processes: how many")
+    process_id: int | None = _field(None, "several processes: this one's index, 0 to N-1")
+    dcn: str | None = _field(None, "the part of the mesh that spans processes or slices over the data-center network, e.g. dp=2 (each named axis's factor; the rest of the mesh stays within a host or slice)")
+    step_timeout: float = _field(300.0, "seconds the host waits for a step before deciding a process died or hangs, and exiting with an error")
+    heartbeat_timeout: int = _field(100, "several processes: seconds without a heartbeat before the others give up on a process")
 
     @property
     def microbatch(self) -> int:
@@ -77,7 +91,7 @@ class TrainConfig:
 
 
 def _parser(prog: str, description: str) -> argparse.ArgumentParser:
-    parser = _OneLineErrorParser(prog=prog, description=description)
+    parser = OneLineErrorParser(prog=prog, description=description)
     parser.add_argument("--config", metavar="FILE.yaml", help="YAML file of these options (flags override it)")
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
@@ -91,7 +105,7 @@ def _parser(prog: str, description: str) -> argparse.ArgumentParser:
     return parser
 
 
-class _OneLineErrorParser(argparse.ArgumentParser):
+class OneLineErrorParser(argparse.ArgumentParser):
     def error(self, message: str):
         raise UserError(message)
 
@@ -164,14 +178,23 @@ def validate(cfg: TrainConfig) -> TrainConfig:
 
     if cfg.model not in PRESETS:
         raise UserError(f"unknown model {cfg.model!r}; choose one of {', '.join(PRESETS)}")
-    for name in ("batch", "seq", "grad_accum", "log_every", "ref_batch", "keep", "pp_repeats"):
+    for name in ("batch", "seq", "grad_accum", "log_every", "ref_batch", "keep", "pp_repeats", "eval_batches",
+                 "heartbeat_timeout"):
         if getattr(cfg, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
-    for name in ("steps", "warmup", "save_every"):
+    for name in ("steps", "warmup", "save_every", "eval_every"):
         if getattr(cfg, name) < 0:
             raise UserError(f"--{name} must not be negative, got {getattr(cfg, name)}")
     if cfg.lr <= 0 or cfg.clip <= 0:
         raise UserError("--lr and --clip must be positive")
+    if not 0 < cfg.eval_fraction < 1 or not cfg.step_timeout > 0:
+        raise UserError("--eval-fraction must be between 0 and 1, and --step-timeout positive")
+    if cfg.tokenizer and not cfg.data:
+        raise UserError("--tokenizer applies to --data; the built-in data has its own tokens")
+    if cfg.dcn:
+        from spmd.mesh import parse_mesh
+
+        parse_mesh(cfg.dcn)
     _validate_moe(cfg, PRESETS[cfg.model])
     _validate_pipeline(cfg)
     if cfg.save_every and not cfg.out:

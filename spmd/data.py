@@ -1,4 +1,4 @@
-"""The built-in data: a seeded random Markov chain over the vocabulary.
+"""The built-in data (a seeded random Markov chain), and batches as global arrays.
 
 Its entropy is known exactly, so a run can be judged against the best loss any model can
 reach (the floor). Row `r` of the batch of step `k` is a pure function of (seed, k, r):
@@ -30,6 +30,7 @@ class MarkovSource:
         self.probs = rng.dirichlet(np.ones(k), size=vocab)
         self._cdf = np.cumsum(self.probs, axis=1)
         self._cdf[:, -1] = 1.0
+        self.rows_read = 0
 
     def entropy_floor(self, seq: int) -> float:
         """Mean cross-entropy (nats/token) of the true chain over `seq` predicted positions."""
@@ -43,12 +44,17 @@ class MarkovSource:
             dist = nxt
         return total / seq
 
-    def rows(self, step: int, start: int, stop: int, length: int) -> np.ndarray:
-        """Rows [start, stop) of step `step`'s batch, each `length` tokens, int32."""
+    def describe(self, seq: int) -> str:
+        return f"synthetic Markov chain (seed {self.seed}), floor {self.entropy_floor(seq):.4f} nats/token"
+
+    def rows(self, step: int, start: int, stop: int, length: int, split: str = "train") -> np.ndarray:
+        """Rows [start, stop) of step `step`'s batch (or eval batch `step`'s), each `length` tokens, int32."""
         n = stop - start
         uniforms = np.empty((n, length))
+        stream = () if split == "train" else (1,)  # held-out rows: another stream of draws
         for i, row in enumerate(range(start, stop)):
-            uniforms[i] = np.random.default_rng([self.seed, step, row]).random(length)
+            uniforms[i] = np.random.default_rng([self.seed, step, row, *stream]).random(length)
+        self.rows_read += n if split == "train" else 0
         tokens = np.empty((n, length), np.int32)
         tokens[:, 0] = np.minimum((uniforms[:, 0] * self.vocab).astype(np.int32), self.vocab - 1)
         for t in range(1, length):
@@ -58,8 +64,21 @@ class MarkovSource:
         return tokens
 
 
-def global_batch(source: MarkovSource, step: int, batch: int, length: int, sharding: jax.sharding.Sharding) -> jax.Array:
-    """Step `step`'s batch (batch, length) as one global array, built from this process's rows.
+def make_source(cfg, vocab: int):
+    """The run's data: `--data` read into a spmd.corpus.TokenSource, else the synthetic chain."""
+    if not cfg.data:
+        return MarkovSource(vocab, cfg.seed)
+    from spmd.corpus import TokenSource, load_tokenizer, token_stream
+
+    stream = token_stream(cfg.data, load_tokenizer(cfg.tokenizer), cfg.text_field, cfg.token_dtype, vocab)
+    return TokenSource(stream, cfg.seq + 1, cfg.batch, cfg.seed, cfg.eval_fraction if cfg.eval_every else 0.0,
+                       name=cfg.data, tokenizer=cfg.tokenizer or "UTF-8 bytes")
+
+
+def global_batch(source, step: int, batch: int, length: int, sharding: jax.sharding.Sharding,
+                 split: str = "train") -> jax.Array:
+    """Step `step`'s batch (batch, length) as one global array, built from this process's
+    rows of `source` (a MarkovSource or a spmd.corpus.TokenSource).
 
     Every distinct row range that a local device holds is generated once (devices that
     replicate a range, e.g. along tp, share it).
@@ -71,7 +90,7 @@ def global_batch(source: MarkovSource, step: int, batch: int, length: int, shard
     for index in index_map.values():
         key = _row_range(index, batch)
         if key not in cache:
-            cache[key] = source.rows(step, *key, length)
+            cache[key] = source.rows(step, *key, length, split)
         pieces.append(cache[key][:, index[1]])
     arrays = jax.device_put(pieces, list(index_map))  # one batched transfer
     return jax.make_array_from_single_device_arrays(shape, sharding, arrays)

@@ -137,7 +137,8 @@ def make_layout(cfg, devices=None, for_training: bool = True) -> Layout:
     if schedule and schedule.repeats > 1:
         skeleton = restacked(skeleton, schedule.repeats)
     check_divisible(cfg, shape, rules, skeleton, for_training)
-    return Layout(build_mesh(shape, devices), shape, rules, skeleton, schedule)
+    dcn = parse_mesh(getattr(cfg, "dcn", None))
+    return Layout(build_mesh(shape, devices, dcn), shape, rules, skeleton, schedule)
 
 
 def restacked(skeleton: ModelSkeleton, repeats: int) -> ModelSkeleton:

@@ -14,7 +14,8 @@ import jax
 import numpy as np
 
 from spmd.checkpoint import make_meta
-from spmd.data import MarkovSource, Prefetcher, global_batch
+from spmd.data import Prefetcher, global_batch
+from spmd.distributed import Watchdog
 from spmd.hardware import peak_tflops, train_flops_per_token
 from spmd.report import describe_run
 
@@ -59,12 +60,17 @@ class StopSignals:
 
 
 class Run:
-    def __init__(self, cfg, layout, plan, step_fn, state, start_step, checkpoints, setup_s, skipped=0, log=print):
+    """`log` prints the run's lines (process 0's job); `say` prints this process's own."""
+
+    def __init__(self, cfg, layout, plan, step_fn, state, start_step, checkpoints, setup_s, source, eval_fn=None,
+                 skipped=0, log=print):
         self.cfg, self.layout, self.plan, self.step_fn = cfg, layout, plan, step_fn
         self.state, self.start_step, self.checkpoints = state, start_step, checkpoints
         self.setup_s, self.skipped, self.log = setup_s, skipped, log
-        self.source = MarkovSource(layout.skeleton.model_cfg.vocab, cfg.seed)
+        self.source, self.eval_fn = source, eval_fn
         self.last_saved: int | None = None
+        self.primary = jax.process_index() == 0
+        self.watchdog = Watchdog(cfg.step_timeout)
 
     def save(self, step: int) -> None:
         if self.checkpoints is None or self.last_saved == step or step in self.checkpoints.steps():
@@ -76,15 +82,15 @@ class Run:
 
     def loop(self) -> Result:
         cfg, layout = self.cfg, self.layout
-        floor = self.source.entropy_floor(cfg.seq)
-        for line in describe_run(cfg, layout, self.plan, floor, self.setup_s):
+        for line in describe_run(cfg, layout, self.plan, self.source.describe(cfg.seq), self.setup_s):
             self.log(line)
         devices = layout.mesh.devices.size
         tokens = cfg.batch * cfg.seq
         flops = train_flops_per_token(layout.skeleton.model_cfg, cfg.seq) * tokens
         peak = peak_tflops(layout.mesh.devices.flat[0].device_kind)
 
-        if cfg.metrics_file and self.start_step == 0:
+        metrics_file = cfg.metrics_file if self.primary else None  # one process writes the run's file
+        if metrics_file and self.start_step == 0:
             open(cfg.metrics_file, "w").close()  # a fresh run starts a fresh file; a resumed one appends
         records: list[dict] = []
         pending: list[dict] = []
@@ -97,26 +103,33 @@ class Run:
         try:
             with StopSignals() as stop:
                 for step in range(self.start_step, cfg.steps):
-                    self.state, metrics = self.step_fn(self.state, batches.next())
+                    with self.watchdog.waiting(f"reading step {step}'s batch"):
+                        batch = batches.next()
+                    self.state, metrics = self.step_fn(self.state, batch)
                     pending.append(metrics)
                     in_flight.append(metrics["loss"])
                     if len(in_flight) > MAX_STEPS_IN_FLIGHT:
-                        in_flight.popleft().block_until_ready()  # a step already behind: no stall
+                        with self.watchdog.waiting(f"step {step - MAX_STEPS_IN_FLIGHT}"):
+                            in_flight.popleft().block_until_ready()  # a step already behind: no stall
                     done = step + 1
                     stopping = stop.requested  # read once: a signal may land mid-iteration
                     save_due = bool(cfg.save_every) and done % cfg.save_every == 0
                     log_due = done % cfg.log_every == 0 or done == cfg.steps
-                    if not (save_due or log_due or stopping):
+                    eval_due = bool(cfg.eval_every) and done % cfg.eval_every == 0
+                    if not (save_due or log_due or eval_due or stopping):
                         continue
                     # Fetch before saving, so that a non-finite loss is seen before its state is kept.
-                    fetched = jax.device_get(pending)
+                    with self.watchdog.waiting(f"step {step}"):
+                        fetched = jax.device_get(pending)
                     now = time.perf_counter()
                     window = self._records(fetched, done - len(fetched), (now - window_start) / len(fetched),
                                            tokens, flops / devices, peak)
+                    if eval_due:
+                        window[-1]["eval_loss"] = self.evaluate(done)
                     records += window
                     pending, window_start = [], now
-                    if cfg.metrics_file:
-                        append_records(cfg.metrics_file, window)
+                    if metrics_file:
+                        append_records(metrics_file, window)
                     bad = [r["step"] for r in window if r["skipped"]]
                     if bad and cfg.on_nan == "stop":
                         ok = False
@@ -124,7 +137,7 @@ class Run:
                         break
                     if save_due or stopping:
                         self.save(done)
-                    if log_due or stopping:
+                    if log_due or eval_due or stopping:
                         self.log(log_line(window[-1], cfg.steps, recent_loss(records, cfg.log_every), self.skipped))
                     if stopping:
                         self._finish_saves()
@@ -139,9 +152,29 @@ class Run:
 
         if records and ok:  # the summary of a run that went to the end
             last = recent_loss(records, cfg.log_every)
-            self.log(f"done: final loss {last:.4f} nats/token (mean of the last log window); "
-                     f"synthetic floor {floor:.4f}; gap {last - floor:+.4f}")
+            versus = ""
+            if hasattr(self.source, "entropy_floor"):
+                floor = self.source.entropy_floor(cfg.seq)
+                versus = f"; synthetic floor {floor:.4f}; gap {last - floor:+.4f}"
+            self.log(f"done: final loss {last:.4f} nats/token (mean of the last log window){versus}")
+        steps = cfg.steps - self.start_step
+        self.say(f"data: read {self.source.rows_read:,} training rows in {steps} steps "
+                 f"({self.source.rows_read / max(steps, 1):g} per step of the global batch's {cfg.batch})")
         return Result(records, self.state, ok)
+
+    def say(self, line: str) -> None:
+        """A line of this process's own (every process prints it, named when there are several)."""
+        who = f"[process {jax.process_index()}/{jax.process_count()}] " if jax.process_count() > 1 else ""
+        print(who + line, flush=True)
+
+    def evaluate(self, step: int) -> float:
+        """Mean loss over --eval-batches held-out batches (the same ones every time)."""
+        cfg, layout = self.cfg, self.layout
+        losses = [self.eval_fn(self.state["params"],
+                               global_batch(self.source, j, cfg.batch, cfg.seq + 1, layout.batch_sharding, "eval"))
+                  for j in range(cfg.eval_batches)]
+        with self.watchdog.waiting(f"evaluation at step {step}"):
+            return float(np.mean(jax.device_get(losses)))
 
     def _records(self, fetched, first: int, step_time: float, tokens: int, flops_per_device: float, peak):
         window = []
@@ -185,11 +218,12 @@ def log_line(r: dict, steps: int, window_loss: float, skipped: int) -> str:
     done = r["step"] + 1
     mfu = f"  mfu {r['mfu']:.1%}" if "mfu" in r else ""
     skip = f"  skipped {skipped}" if skipped else ""
+    held_out = f"  eval_loss {r['eval_loss']:.4f}" if "eval_loss" in r else ""
     moe = (f"  aux {r['aux_loss']:.3f}  z {r['z_loss']:.3f}  dropped {r['dropped']:.1%}  imbalance {r['imbalance']:.2f}"
            if "aux_loss" in r else "")
     return (f"[{done:>{len(str(steps))}}/{steps} {done / steps:4.0%}] loss {window_loss:.4f}  "
             f"grad_norm {r['grad_norm']:.3f}  lr {r['lr']:.2e}  {r['tokens_per_sec']:,.0f} tok/s  "
-            f"{r['step_time_s'] * 1e3:.1f} ms/step  {r['tflops_per_device']:.3f} TFLOP/s/device{mfu}{moe}{skip}")
+            f"{r['step_time_s'] * 1e3:.1f} ms/step  {r['tflops_per_device']:.3f} TFLOP/s/device{mfu}{moe}{held_out}{skip}")
 
 
 def recent_loss(records: list[dict], n: int) -> float:

@@ -96,8 +96,9 @@ def accelerator_plugin_installed() -> bool:
     return False
 
 
-def emulate_cpu_devices(sizes: Mapping[str, int], cpu_devices: int | None) -> None:
-    """On a CPU-only machine, create as many emulated devices as the mesh asks for.
+def emulate_cpu_devices(sizes: Mapping[str, int], cpu_devices: int | None, processes: int = 1) -> None:
+    """On a CPU-only machine, create as many emulated devices as the mesh asks of this
+    process (its share when the run has several processes).
 
     Must run before anything starts a JAX backend. On a machine with an accelerator
     plugin this does nothing: the mesh is checked against the real devices later.
@@ -108,6 +109,10 @@ def emulate_cpu_devices(sizes: Mapping[str, int], cpu_devices: int | None) -> No
     if wanted is None:
         has_rest = REMAINING in sizes.values()
         wanted = max(explicit_product(sizes), DEFAULT_CPU_DEVICES_FOR_REMAINING if has_rest else 1)
+        if processes > 1:
+            if wanted % processes:
+                raise UserError(f"the mesh's {wanted} devices do not divide among {processes} processes")
+            wanted //= processes
     if wanted < 1:
         raise UserError(f"--cpu-devices must be positive, got {wanted}")
     import jax
@@ -121,14 +126,34 @@ def emulate_cpu_devices(sizes: Mapping[str, int], cpu_devices: int | None) -> No
                                 f"{len(jax.devices())}; set the device count before using JAX") from None
 
 
-def build_mesh(shape: Mapping[str, int], devices: Sequence | None = None):
-    """A `jax.sharding.Mesh` over `devices` (default: all) with Auto axes, `tp` innermost."""
+def build_mesh(shape: Mapping[str, int], devices: Sequence | None = None, dcn: Mapping[str, int] | None = None):
+    """A `jax.sharding.Mesh` over `devices` (default: all) with Auto axes, `tp` innermost.
+
+    `dcn` (e.g. {"dp": 2}): the factor of each axis that spans granules (TPU slices, else
+    processes), which talk over the data-center network; the rest of every axis stays
+    within a granule, on its fast links."""
     import jax
 
     devices = list(jax.devices() if devices is None else devices)
     sizes = tuple(shape[a] for a in AXES)
     if math.prod(sizes) != len(devices):
         raise UserError(f"mesh {format_mesh(shape)} needs {math.prod(sizes)} devices, got {len(devices)}")
-    return jax.make_mesh(
-        sizes, AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(AXES), devices=devices
-    )
+    auto = (jax.sharding.AxisType.Auto,) * len(AXES)
+    if not dcn:
+        return jax.make_mesh(sizes, AXES, axis_types=auto, devices=devices)
+    from jax.experimental import mesh_utils
+
+    across = tuple(dcn.get(a, 1) for a in AXES)
+    for axis, n in dcn.items():
+        if n == REMAINING or shape[axis] % n:
+            raise UserError(f"--dcn {axis}={n} does not divide the mesh's {axis}={shape[axis]}")
+    slices = {getattr(d, "slice_index", None) for d in devices}
+    by_slice = None not in slices and len(slices) > 1  # TPU multislice; else processes are the granules
+    granules = len({d.slice_index if by_slice else d.process_index for d in devices})
+    if math.prod(across) != granules:
+        what = "slices" if by_slice else "processes"
+        raise UserError(f"--dcn {format_mesh(dcn)} spans {math.prod(across)} granules, but the devices are on "
+                        f"{granules} {what}")
+    within = tuple(n // k for n, k in zip(sizes, across))
+    grid = mesh_utils.create_hybrid_device_mesh(within, across, devices, process_is_granule=not by_slice)
+    return jax.sharding.Mesh(grid, AXES, axis_types=auto)

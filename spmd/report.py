@@ -11,7 +11,7 @@ def human_bytes(n: float) -> str:
     raise AssertionError
 
 
-def describe_run(cfg, layout, plan, floor: float, compile_s: float) -> list[str]:
+def describe_run(cfg, layout, plan, data: str, compile_s: float) -> list[str]:
     devices = layout.mesh.devices
     kind = devices.flat[0].device_kind
     skel = layout.skeleton
@@ -20,7 +20,7 @@ def describe_run(cfg, layout, plan, floor: float, compile_s: float) -> list[str]
         f"(axes {', '.join(f'{a}={n}' for a, n in layout.shape.items())})",
         f"model: {cfg.model}, {skel.num_params:,} parameters, compute {cfg.dtype}, remat {cfg.remat}",
         f"batch: {cfg.batch} x {cfg.seq} tokens, grad-accum {cfg.grad_accum}, zero {cfg.zero}",
-        f"data: synthetic Markov chain (seed {cfg.seed}), floor {floor:.4f} nats/token",
+        f"data: {data}",
         *plan_summary(plan),
         f"ready in {compile_s:.1f} s (initialize or restore, then compile)",
     ]

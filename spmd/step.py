@@ -142,12 +142,17 @@ class Program:
     abstract_state: dict  # ShapeDtypeStructs carrying their shardings
     init: object  # jitted
     step: object  # jitted
+    evaluate: object  # jitted: (params, batch) -> the batch's loss
     batch_struct: jax.ShapeDtypeStruct
 
     def compile_step(self):
         """AOT-compile the step for the abstract state and batch (nothing is allocated)."""
         with jax.set_mesh(self.layout.mesh):
             return self.step.lower(self.abstract_state, self.batch_struct).compile()
+
+    def compile_eval(self):
+        with jax.set_mesh(self.layout.mesh):
+            return self.evaluate.lower(self.abstract_state["params"], self.batch_struct).compile()
 
 
 def init_compiler_options(layout: Layout) -> dict:
@@ -254,6 +259,10 @@ def build_program(cfg, layout: Layout) -> Program:
         total, _ = jax.lax.scan(body, zeros, rounds)
         return jax.tree.map(lambda x: x / k, total)
 
+    def eval_loss(params, rows):  # the same loss, without its gradients (1F1B's: as GPipe)
+        with annotated():
+            return loss_of(params, rows)[1]["loss"]
+
     def train_step(state, rows):
         params = state["params"]
         if cfg.grad_accum == 1:
@@ -285,5 +294,6 @@ def build_program(cfg, layout: Layout) -> Program:
         init=jax.jit(init, out_shardings=state_sh, compiler_options=init_compiler_options(layout)),
         step=jax.jit(train_step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, layout.replicated),
                      donate_argnums=0),
+        evaluate=jax.jit(eval_loss, in_shardings=(param_sh, batch_sh), out_shardings=layout.replicated),
         batch_struct=jax.ShapeDtypeStruct((cfg.batch, cfg.seq + 1), jnp.int32, sharding=batch_sh),
     )

@@ -8,27 +8,48 @@ devices).
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 from spmd.config import TrainConfig, parse_args
+from spmd.distributed import initialize, processes
 from spmd.errors import UserError, one_line_errors
 from spmd.mesh import emulate_cpu_devices, parse_mesh
 
 EXIT_NON_FINITE = 1
+EXIT_PEER_FAILED = 4
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     with one_line_errors():
         cfg = parse_args(argv)
-        emulate_cpu_devices(parse_mesh(cfg.mesh), cfg.cpu_devices)
+        procs = processes(cfg)
+        emulate_cpu_devices(parse_mesh(cfg.mesh), cfg.cpu_devices, procs.count)
+        initialize(procs, cfg.heartbeat_timeout)
+        import jax
+
         from spmd.layout import make_layout
 
         layout = make_layout(cfg)
-        run = prepare(cfg, layout)
-    return 0 if run.loop().ok else EXIT_NON_FINITE
+        run = prepare(cfg, layout, log=print if jax.process_index() == 0 else _silent)
+    try:
+        return 0 if run.loop().ok else EXIT_NON_FINITE
+    except Exception as exc:
+        if jax.process_count() == 1:
+            raise
+        # A collective failed: most likely another process died. Exit now, without the
+        # shutdown barrier, which would wait for the dead process until its heartbeat times out.
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"error: process {jax.process_index()} of {jax.process_count()} stops: {first} "
+              f"(did another process die? see its log)", file=sys.stderr, flush=True)
+        os._exit(EXIT_PEER_FAILED)
+
+
+def _silent(line: str) -> None:
+    """The log of processes other than 0: process 0 speaks for the run."""
 
 
 def train(cfg: TrainConfig, layout, log=print) -> tuple[list[dict], dict]:
@@ -47,12 +68,14 @@ def prepare(cfg: TrainConfig, layout, log=print):
     import jax
 
     from spmd.checkpoint import Checkpoints, check_compatible
+    from spmd.data import make_source
     from spmd.loop import Run
     from spmd.plan import default_hardware, make_plan
     from spmd.step import build_program
 
     program = build_program(cfg, layout)
     started = time.perf_counter()
+    data = make_source(cfg, layout.skeleton.model_cfg.vocab)
     source_dir, source_step = _resume_source(cfg)
     if source_dir is not None:
         source = Checkpoints(source_dir, keep=cfg.keep)
@@ -73,12 +96,13 @@ def prepare(cfg: TrainConfig, layout, log=print):
     if step > cfg.steps:
         raise UserError(f"the checkpoint is at step {step}, beyond --steps {cfg.steps}")
     step_fn = program.compile_step()
+    eval_fn = program.compile_eval() if cfg.eval_every else None
     out = Checkpoints(cfg.out, keep=cfg.keep) if cfg.out else None
     setup_s = time.perf_counter() - started
     # What each device holds and what crosses the wire, read from the compiled step.
     plan = make_plan(cfg, layout, compiled=step_fn, program=program,
                      hardware=default_hardware(cfg, list(layout.mesh.devices.flat)))
-    return Run(cfg, layout, plan, step_fn, state, step, out, setup_s,
+    return Run(cfg, layout, plan, step_fn, state, step, out, setup_s, data, eval_fn,
                skipped=meta.get("skipped_updates", 0), log=log)
 
 

@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import PARITY, train_run
+from conftest import assert_params_match, train_run
 
 pytestmark = pytest.mark.xdist_group("layouts")  # they share compiled runs (conftest)
 
@@ -36,13 +36,7 @@ LAYOUTS = [
 # The spec asks for 1e-5 relative on the loss. Measured: at most ~3e-7, i.e. a few
 # float32 roundings of sums taken in another order.
 LOSS_RTOL = 1e-5
-# Parameters: Adam moves each element by lr * g / (|g| + eps) per step. Where a gradient
-# element is about as small as eps (1e-8), that ratio amplifies float32 rounding: one
-# embedding entry had g = -5.30e-9 on one device and -5.21e-9 on dp=8 (a sum that
-# cancels, taken in another order), and after 4 steps sat 1.1e-5 (0.4% of lr) away.
-# A hundredth of one step's move bounds that; a wrong update (off by ~lr = 3e-3) fails
-# it by 100x.
-PARAM_ATOL = 1e-2 * PARITY["lr"]
+# Parameters: conftest.assert_params_match says why its tolerances.
 
 
 @pytest.mark.parametrize("mesh,devices,overrides", LAYOUTS,
@@ -53,8 +47,7 @@ def test_layout_matches_one_device(reference, mesh, devices, overrides):
     np.testing.assert_allclose(run.losses, reference.losses, rtol=LOSS_RTOL, atol=0)
     # The loss must actually move, or matching it would prove little.
     assert reference.losses[-1] < reference.losses[0] - 0.05
-    for got, want in zip(jax.tree.leaves(run.params), jax.tree.leaves(reference.params)):
-        np.testing.assert_allclose(got, want, rtol=0, atol=PARAM_ATOL)
+    assert_params_match(run.params, reference.params)
 
 
 def test_bfloat16_compute_keeps_float32_master_weights(reference):

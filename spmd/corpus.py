@@ -1,0 +1,293 @@
+"""Training data from local files: text, JSONL, Parquet, or token files (`--data PATH`).
+
+Documents are tokenized and packed into one token stream, each followed by the
+tokenizer's end-of-text token. Sample i is the window `stream[i*seq : i*seq + seq + 1]`
+(inputs and their next tokens); the last samples are held out for evaluation when
+`--eval-every` asks for it. The global order of the training samples is a seeded
+permutation, drawn anew each epoch and indexed by (step, row): it does not depend on the
+mesh or on the number of processes, and a process reads only the windows of its rows.
+
+Token files (`.npy`, or raw `.bin` with `--token-dtype`) are memory-mapped: nothing but
+the rows a process needs is read. Text sources are tokenized once, in memory, by every
+process; for corpora of many gigabytes, tokenize once into a `.npy` file
+(`python -m spmd.corpus`).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from spmd.config import TOKEN_DTYPES, OneLineErrorParser
+from spmd.errors import UserError, one_line_errors
+
+TEXT_SUFFIXES = (".txt", ".text", ".md")
+SUFFIXES = {**dict.fromkeys(TEXT_SUFFIXES, "text"), ".jsonl": "jsonl", ".parquet": "parquet",
+            ".npy": "tokens", ".bin": "tokens"}
+# End-of-text tokens that Hugging Face tokenizers commonly define, in order of preference.
+EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>")
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens (vocabulary 256). NUL, which text files do not hold, is
+    dropped from the text and separates documents."""
+
+    vocab_size = 256
+    eos = 0
+    name = "bytes"
+
+    def encode(self, texts: Sequence[str]) -> list[np.ndarray]:
+        return [np.frombuffer(t.encode().replace(b"\0", b""), np.uint8) for t in texts]
+
+
+class SentencePieceTokenizer:
+    def __init__(self, path: Path):
+        spm = _optional("sentencepiece", "a SentencePiece tokenizer")
+        try:
+            self._sp = spm.SentencePieceProcessor(model_file=str(path))
+        except (OSError, RuntimeError) as exc:
+            raise UserError(f"--tokenizer {path}: not a SentencePiece model ({exc})") from None
+        self.vocab_size, self.eos, self.name = self._sp.get_piece_size(), self._sp.eos_id(), path.name
+        if self.eos < 0:
+            raise UserError(f"--tokenizer {path} defines no end-of-text token to separate documents")
+
+    def encode(self, texts: Sequence[str]) -> list[np.ndarray]:
+        return [np.asarray(ids, np.int64) for ids in self._sp.encode(list(texts))]
+
+
+class HuggingFaceTokenizer:
+    def __init__(self, path: Path):
+        tokenizers = _optional("tokenizers", "a tokenizer.json")
+        try:
+            self._tok = tokenizers.Tokenizer.from_file(str(path))
+        except Exception as exc:  # the Rust library raises its own exception types
+            raise UserError(f"--tokenizer {path}: not a Hugging Face tokenizer.json ({exc})") from None
+        self.vocab_size, self.name = self._tok.get_vocab_size(with_added_tokens=True), path.name
+        found = [self._tok.token_to_id(name) for name in EOS_NAMES]
+        found = [i for i in found if i is not None]
+        if not found:
+            raise UserError(f"--tokenizer {path} has none of the end-of-text tokens {', '.join(EOS_NAMES)}")
+        self.eos = found[0]
+
+    def encode(self, texts: Sequence[str]) -> list[np.ndarray]:
+        return [np.asarray(e.ids, np.int64) for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+
+
+def load_tokenizer(path: str | None):
+    if path is None:
+        return ByteTokenizer()
+    file = Path(path)
+    if not file.is_file():
+        raise UserError(f"--tokenizer {path}: no such file")
+    if file.suffix == ".json":
+        return HuggingFaceTokenizer(file)
+    if file.suffix == ".model":
+        return SentencePieceTokenizer(file)
+    raise UserError(f"--tokenizer {path}: give a SentencePiece .model or a Hugging Face tokenizer.json")
+
+
+def _optional(module: str, what: str):
+    try:
+        return __import__(module)
+    except ImportError:
+        raise UserError(f"reading {what} needs the '{module}' package: pip install 'spmd[data]'") from None
+
+
+def data_files(path: str) -> tuple[str, list[Path]]:
+    """The kind of data under `path` ('text', 'jsonl', 'parquet' or 'tokens') and its
+    files, in a fixed order (sorted paths, hidden files skipped)."""
+    root = Path(path)
+    if not root.exists():
+        raise UserError(f"--data {path}: no such file or directory")
+    if root.is_file():
+        files = [root]
+    else:
+        files = sorted(p for p in root.rglob("*") if p.is_file() and not any(
+            part.startswith(".") for part in p.relative_to(root).parts))
+        files = [p for p in files if p.suffix in SUFFIXES]
+    if not files:
+        raise UserError(f"--data {path}: no data files ({', '.join(sorted(SUFFIXES))})")
+    kinds = {SUFFIXES.get(p.suffix, "text") for p in files}  # a single file of any name is text
+    if len(kinds) > 1:
+        raise UserError(f"--data {path} mixes kinds of data ({', '.join(sorted(kinds))}); give one kind")
+    return kinds.pop(), files
+
+
+def documents(kind: str, files: Sequence[Path], text_field: str) -> Iterator[str]:
+    for file in files:
+        if kind == "text":
+            yield _read_text(file)
+        elif kind == "jsonl":
+            yield from _jsonl_texts(file, text_field)
+        else:
+            yield from _parquet_texts(file, text_field)
+
+
+def _read_text(file: Path) -> str:
+    try:
+        return file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"--data {file}: not UTF-8 text (byte {exc.start})") from None
+
+
+def _jsonl_texts(file: Path, field: str) -> Iterator[str]:
+    for number, line in enumerate(_read_text(file).splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            raise UserError(f"--data {file}, line {number}: not valid JSON") from None
+        if not isinstance(record, dict) or not isinstance(record.get(field), str):
+            raise UserError(f"--data {file}, line {number}: no text field {field!r} (--text-field)")
+        yield record[field]
+
+
+def _parquet_texts(file: Path, field: str) -> Iterator[str]:
+    _optional("pyarrow", "Parquet files")
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(file)
+    except Exception as exc:  # pyarrow's own error types
+        raise UserError(f"--data {file}: not a readable Parquet file ({exc})") from None
+    if field not in table.column_names:
+        raise UserError(f"--data {file}: no column {field!r} (--text-field); it has {', '.join(table.column_names)}")
+    for text in table.column(field).to_pylist():
+        if text is not None:
+            yield str(text)
+
+
+def token_stream(path: str, tokenizer=None, text_field: str = "text", token_dtype: str = "uint16",
+                 vocab: int | None = None) -> np.ndarray:
+    """All of `path`'s tokens as one array: memory-mapped token files, or the documents
+    tokenized and each followed by the end-of-text token. Token ids must fit `vocab`."""
+    kind, files = data_files(path)
+    if kind == "tokens":
+        parts = [_token_file(f, token_dtype) for f in files]
+        stream = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        _check_ids(stream, vocab, path)
+        return stream
+    tokenizer = tokenizer or ByteTokenizer()
+    if vocab is not None and tokenizer.vocab_size > vocab:
+        raise UserError(f"--tokenizer {tokenizer.name} has {tokenizer.vocab_size:,} tokens, more than the model's "
+                        f"vocabulary of {vocab:,}")
+    dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
+    pieces: list[np.ndarray] = []
+    eos = np.array([tokenizer.eos], dtype)
+    batch: list[str] = []
+    for text in documents(kind, files, text_field):
+        batch.append(text)
+        if len(batch) == 1024:
+            pieces += [p for ids in tokenizer.encode(batch) for p in (ids.astype(dtype), eos)]
+            batch = []
+    pieces += [p for ids in tokenizer.encode(batch) for p in (ids.astype(dtype), eos)]
+    return np.concatenate(pieces) if pieces else np.zeros(0, dtype)
+
+
+def _token_file(file: Path, token_dtype: str) -> np.ndarray:
+    if file.suffix == ".npy":
+        try:
+            tokens = np.load(file, mmap_mode="r", allow_pickle=False)
+        except ValueError as exc:
+            raise UserError(f"--data {file}: not a NumPy array file ({exc})") from None
+        if tokens.dtype.name not in TOKEN_DTYPES or tokens.ndim != 1:
+            raise UserError(f"--data {file} holds a {tokens.ndim}-d {tokens.dtype} array; token files hold "
+                            f"one 1-d array of {' or '.join(TOKEN_DTYPES)}")
+        return tokens
+    size = file.stat().st_size
+    itemsize = np.dtype(token_dtype).itemsize
+    if size % itemsize:
+        raise UserError(f"--data {file}: {size} bytes is not a whole number of {token_dtype} tokens (--token-dtype)")
+    return np.memmap(file, dtype=token_dtype, mode="r") if size else np.zeros(0, token_dtype)
+
+
+def _check_ids(stream: np.ndarray, vocab: int | None, path: str) -> None:
+    """Every id must be below the model's vocabulary; a uint16 file read as uint32 (or the
+    wrong file) shows up here. Read in chunks: the file may not fit in memory."""
+    if vocab is None or stream.size == 0:
+        return
+    chunk = 1 << 24
+    top = max(int(stream[i:i + chunk].max()) for i in range(0, stream.size, chunk))
+    if top >= vocab:
+        raise UserError(f"--data {path}: token id {top:,} is outside the model's vocabulary of {vocab:,} "
+                        f"(a file of another dtype than {stream.dtype}? see --token-dtype)")
+
+
+class TokenSource:
+    """Rows of packed samples, `length` tokens each, from one token stream.
+
+    Row r of step k's batch is training sample `order[k * batch + r]` of its epoch; eval
+    batch j is held-out samples in order, from sample j * batch. `rows_read` counts the
+    training rows this process has read."""
+
+    def __init__(self, stream: np.ndarray, length: int, batch: int, seed: int, eval_fraction: float = 0.0,
+                 name: str = "data", tokenizer: str = "tokens"):
+        self.stream, self.length, self.batch, self.seed = stream, length, batch, seed
+        self.name, self.tokenizer = name, tokenizer
+        samples = (stream.size - 1) // (length - 1) if stream.size else 0
+        held_out = int(np.ceil(samples * eval_fraction)) if eval_fraction else 0
+        self.train_samples, self.eval_samples = samples - held_out, held_out
+        if self.train_samples < 1 or (eval_fraction and held_out < 1) or (held_out and self.train_samples < 1):
+            raise UserError(f"--data {name}: {stream.size:,} tokens make {samples} sample(s) of {length - 1} tokens; "
+                            f"too few for training{' and evaluation' if eval_fraction else ''}")
+        self.rows_read = 0
+
+    def describe(self, seq: int) -> str:
+        held_out = f", {self.eval_samples:,} held out" if self.eval_samples else ""
+        return (f"{self.name}: {self.stream.size:,} tokens ({self.tokenizer}), {self.train_samples:,} samples of "
+                f"{seq}{held_out}; an epoch is {self.train_samples / self.batch:,.1f} steps")
+
+    @functools.lru_cache(maxsize=2)
+    def _order(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, epoch]).permutation(self.train_samples)
+
+    def samples(self, step: int, start: int, stop: int, split: str = "train") -> np.ndarray:
+        """The sample indices of rows [start, stop) of batch `step`."""
+        index = step * self.batch + np.arange(start, stop)
+        if split == "eval":
+            return self.train_samples + index % self.eval_samples
+        epochs, positions = np.divmod(index, self.train_samples)
+        return np.array([self._order(int(e))[p] for e, p in zip(epochs, positions)], np.int64)
+
+    def rows(self, step: int, start: int, stop: int, length: int, split: str = "train") -> np.ndarray:
+        if length != self.length:
+            raise ValueError(f"this source cuts samples of {self.length} tokens, not {length}")
+        stride = self.length - 1
+        rows = np.stack([self.stream[s * stride: s * stride + self.length] for s in self.samples(step, start, stop, split)])
+        self.rows_read += stop - start if split == "train" else 0
+        return rows.astype(np.int32)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m spmd.corpus --data DIR --out tokens.npy`: tokenize once, train from the file."""
+    parser = OneLineErrorParser(prog="python -m spmd.corpus", description=main.__doc__)
+    parser.add_argument("--data", required=True, help="text file or folder (.txt, .jsonl, .parquet)")
+    parser.add_argument("--tokenizer", help="SentencePiece .model or Hugging Face tokenizer.json (default: bytes)")
+    parser.add_argument("--text-field", default="text", help="JSONL/Parquet field holding the text")
+    parser.add_argument("--out", required=True, help="the .npy file to write")
+    with one_line_errors():
+        args = parser.parse_args(argv)
+        if not args.out.endswith(".npy"):
+            raise UserError("--out must name a .npy file")
+        if data_files(args.data)[0] == "tokens":
+            raise UserError(f"--data {args.data} holds token files already")
+        tokens = token_stream(args.data, load_tokenizer(args.tokenizer), args.text_field)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=out.parent, suffix=".npy", delete=False) as tmp:  # whole or nothing
+        np.save(tmp, tokens)
+    os.replace(tmp.name, out)
+    print(f"wrote {tokens.size:,} {tokens.dtype} tokens to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""Several processes: who they are, joining them with `jax.distributed`, and not waiting
+forever for one that died or hangs.
+
+A run is multi-process when flags say so (`--coordinator host:port --num-processes N
+--process-id i`), when the environment does (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES,
+JAX_PROCESS_ID, as `spmd.launch` sets them; or a SLURM job step of several tasks), or with
+`--coordinator auto` (JAX finds the cluster: a TPU pod, SLURM, Open MPI, Kubernetes).
+Otherwise it is one process and `jax.distributed` is never started.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import sys
+import threading
+import time
+from collections.abc import Mapping
+
+from spmd.errors import UserError
+
+AUTO = "auto"
+ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
+EXIT_TIMEOUT = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Processes:
+    count: int = 1  # 0: JAX detects it (--coordinator auto)
+    index: int = 0
+    coordinator: str | None = None
+    found_in: str = "single process"
+
+    @property
+    def multi(self) -> bool:
+        return self.count != 1
+
+
+def processes(cfg, environ: Mapping[str, str] = os.environ) -> Processes:
+    """This process's place in the run, from the flags, else the environment."""
+    if cfg.coordinator == AUTO:
+        if cfg.num_processes is not None or cfg.process_id is not None:
+            raise UserError("--coordinator auto finds the processes itself; drop --num-processes and --process-id")
+        return Processes(count=0, found_in="detected by JAX")
+    given = (cfg.coordinator, cfg.num_processes, cfg.process_id)
+    if any(v is not None for v in given):
+        if any(v is None for v in given):
+            raise UserError("several processes need all of --coordinator HOST:PORT, --num-processes and --process-id")
+        return _checked(cfg.coordinator, cfg.num_processes, cfg.process_id, "flags")
+    if any(name in environ for name in ENV):
+        missing = [name for name in ENV if name not in environ]
+        if missing:
+            raise UserError(f"the environment sets some of {', '.join(ENV)} but not {', '.join(missing)}")
+        return _checked(environ[ENV[0]], _int(environ, ENV[1]), _int(environ, ENV[2]), "environment")
+    if _int(environ, "SLURM_NTASKS", 1) > 1 and "SLURM_JOB_ID" in environ:
+        return Processes(count=0, found_in="SLURM")  # JAX reads the job's nodes and task ids
+    return Processes()
+
+
+def _int(environ: Mapping[str, str], name: str, default: int | None = None) -> int:
+    if name not in environ and default is not None:
+        return default
+    try:
+        return int(environ[name])
+    except ValueError:
+        raise UserError(f"environment variable {name}={environ[name]!r} is not an integer") from None
+
+
+def _checked(coordinator: str, count: int, index: int, found_in: str) -> Processes:
+    host, _, port = coordinator.rpartition(":")
+    if not host or not port.isdigit():
+        raise UserError(f"coordinator {coordinator!r} is not host:port")
+    if count < 1 or not 0 <= index < count:
+        raise UserError(f"process id {index} is not one of {count} processes (0 to {count - 1})")
+    return Processes(count, index, coordinator, found_in)
+
+
+def initialize(procs: Processes, heartbeat_timeout: int) -> None:
+    """Join the run's other processes (a barrier). Must come before JAX starts a backend."""
+    if not procs.multi:
+        return
+    import jax
+
+    kwargs = {} if procs.count == 0 else dict(coordinator_address=procs.coordinator, num_processes=procs.count,
+                                               process_id=procs.index)
+    try:
+        jax.distributed.initialize(**kwargs, heartbeat_timeout_seconds=heartbeat_timeout)
+    except (RuntimeError, ValueError) as exc:  # XlaRuntimeError is a RuntimeError
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"could not join the other processes ({procs.found_in}): {first}") from None
+
+
+class Watchdog:
+    """Bounds the host's waits on the devices: a step that does not finish within
+    `timeout` seconds means a process of the run died or hangs (its collectives never
+    complete), so this process says so on one line and exits, rather than wait forever."""
+
+    def __init__(self, timeout: float):
+        self.timeout = timeout
+        self._waiting: tuple[str, float] | None = None
+        self._lock = threading.Lock()
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    @contextlib.contextmanager
+    def waiting(self, what: str):
+        with self._lock:
+            self._waiting = (what, time.monotonic() + self.timeout)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._waiting = None
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(min(1.0, self.timeout / 4))
+            with self._lock:
+                waiting = self._waiting
+            if waiting and time.monotonic() > waiting[1]:
+                print(f"error: {waiting[0]} did not finish within {self.timeout:g} s: a process of the run died or "
+                      f"hangs, or a collective is stuck (--step-timeout)", file=sys.stderr, flush=True)
+                os._exit(EXIT_TIMEOUT)
