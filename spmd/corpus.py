@@ -184,6 +184,8 @@ def token_stream(path: str, tokenizer=None, text_field: str = "text", token_dtyp
     eos = np.array([tokenizer.eos], dtype)
     batch: list[str] = []
     for text in documents(kind, files, text_field):
+        if not text:
+            continue  # an empty document adds no separator either
         batch.append(text)
         if len(batch) == 1024:
             pieces += [p for ids in tokenizer.encode(batch) for p in (ids.astype(dtype), eos)]

@@ -126,6 +126,12 @@ def emulate_cpu_devices(sizes: Mapping[str, int], cpu_devices: int | None, proce
                                 f"{len(jax.devices())}; set the device count before using JAX") from None
 
 
+def check_dcn(shape: Mapping[str, int], dcn: Mapping[str, int]) -> None:
+    for axis, n in dcn.items():
+        if n == REMAINING or shape[axis] % n:
+            raise UserError(f"--dcn {axis}={n} does not divide the mesh's {axis}={shape[axis]}")
+
+
 def build_mesh(shape: Mapping[str, int], devices: Sequence | None = None, dcn: Mapping[str, int] | None = None):
     """A `jax.sharding.Mesh` over `devices` (default: all) with Auto axes, `tp` innermost.
 
@@ -143,10 +149,8 @@ def build_mesh(shape: Mapping[str, int], devices: Sequence | None = None, dcn: M
         return jax.make_mesh(sizes, AXES, axis_types=auto, devices=devices)
     from jax.experimental import mesh_utils
 
+    check_dcn(shape, dcn)
     across = tuple(dcn.get(a, 1) for a in AXES)
-    for axis, n in dcn.items():
-        if n == REMAINING or shape[axis] % n:
-            raise UserError(f"--dcn {axis}={n} does not divide the mesh's {axis}={shape[axis]}")
     slices = {getattr(d, "slice_index", None) for d in devices}
     by_slice = None not in slices and len(slices) > 1  # TPU multislice; else processes are the granules
     granules = len({d.slice_index if by_slice else d.process_index for d in devices})

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from spmd.config import REMAT, parse_with_extras
 from spmd.errors import UserError
-from spmd.mesh import accelerator_plugin_installed, explicit_product, parse_mesh
+from spmd.mesh import accelerator_plugin_installed, check_dcn, explicit_product, parse_mesh, resolve_mesh
 
 SMALL_BYTES = 1024  # collectives under this per step are scalars (loss, norms): listed, not flagged
 AUTO_SHOWN = 5
@@ -279,6 +279,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise UserError("a mesh axis of -1 needs --devices N to plan for")
         devices, planned_on = plan_devices(count)
         hardware = default_hardware(cfg, devices)
+        if cfg.dcn:  # the emulated devices are one process: plan the mesh; which devices span DCN changes no bytes
+            check_dcn(resolve_mesh(sizes, count), parse_mesh(cfg.dcn))
+            cfg = dataclasses.replace(cfg, dcn=None)
         if extras.auto:
             if hardware is None:
                 raise UserError("--auto needs --hardware (one of the entries in spmd/hardware.toml)")

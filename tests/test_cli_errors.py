@@ -3,6 +3,7 @@
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 # One worker runs them all: the module's fixture starts every case's process at once.
@@ -33,6 +34,14 @@ CASES = {
     "MoE with ep and accumulation": (["--model", "moe-tiny", "--mesh", "ep=2", "--grad-accum", "2"], "--grad-accum with ep > 1"),
     "dropless MoE with accumulation": (["--model", "moe-tiny", "--mesh", "dp=8", "--grad-accum", "2"],
                                        "use --moe-dispatch capacity (--capacity-factor 4 or more never drops)"),
+    "missing data path": (["--data", "no/such/corpus"], "--data no/such/corpus: no such file or directory"),
+    "empty data folder": (["--data", "{empty_dir}"], "no data files"),
+    "empty data file": (["--data", "{empty_file}"], "0 tokens make 0 sample(s) of 64 tokens; too few for training"),
+    "tokenizer larger than the model": (["--data", "{corpus}", "--tokenizer", "{big_tokenizer}"],
+                                        "has 300 tokens, more than the model's vocabulary of 256"),
+    "token file of the wrong dtype": (["--data", "{int64_tokens}"], "holds a 1-d int64 array"),
+    "dcn that does not divide the mesh": (["--dcn", "dp=4"], "--dcn dp=4 does not divide the mesh's dp=2"),
+    "some process flags missing": (["--num-processes", "2"], "several processes need all of --coordinator"),
 }
 # spmd.plan takes the same flags; these are its own.
 PLAN_CASES = {
@@ -42,26 +51,43 @@ PLAN_CASES = {
         ["--model", "llama3-70b", "--auto", "--devices", "8", "--hardware", "v6e"], "does not fit on 8 x v6e in any layout"),
     "plan: auto without hardware": (["--auto", "--devices", "8"], "--auto needs --hardware"),
 }
+# spmd.launch checks its own flags before it starts anything.
+LAUNCH_CASES = {"launch: no command": (["--nproc", "2"], "the command after --")}
+ALL = {**CASES, **PLAN_CASES, **LAUNCH_CASES}
+
+
+def _files(tmp) -> dict[str, str]:
+    """The files that the cases' {placeholders} name."""
+    from tokenizers import Tokenizer, models
+
+    (tmp / "bad.yaml").write_text("mesh: [dp=2\nsteps: 3\n")
+    (tmp / "unknown.yaml").write_text("warp: 9\n")
+    (tmp / "empty").mkdir()
+    (tmp / "empty.txt").write_text("")
+    (tmp / "corpus.txt").write_text("some text " * 100)
+    np.save(tmp / "int64.npy", np.arange(100, dtype=np.int64))
+    vocab = {f"w{i}": i for i in range(299)} | {"</s>": 299}
+    Tokenizer(models.WordLevel(vocab, unk_token="w0")).save(str(tmp / "big.json"))
+    names = {"bad": "bad.yaml", "unknown": "unknown.yaml", "empty_dir": "empty", "empty_file": "empty.txt",
+             "corpus": "corpus.txt", "int64_tokens": "int64.npy", "big_tokenizer": "big.json"}
+    return {f"{{{key}}}": str(tmp / name) for key, name in names.items()}
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cli")
-    bad = tmp / "bad.yaml"
-    bad.write_text("mesh: [dp=2\nsteps: 3\n")
-    unknown = tmp / "unknown.yaml"
-    unknown.write_text("warp: 9\n")
+    files = _files(tmp)
     procs = {}
-    for name, (args, _) in {**CASES, **PLAN_CASES}.items():
-        args = [str(bad) if a == "{bad}" else str(unknown) if a == "{unknown}" else a for a in args]
+    for name, (args, _) in ALL.items():
+        args = [files.get(a, a) for a in args]
         metrics = tmp / f"{len(procs)}.jsonl"
-        module = "spmd.plan" if name in PLAN_CASES else "spmd.train"
+        module = "spmd.plan" if name in PLAN_CASES else "spmd.launch" if name in LAUNCH_CASES else "spmd.train"
         cmd = [sys.executable, "-m", module, *args, "--metrics-file", str(metrics)]
         procs[name] = (subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), metrics)
     return {name: (p.communicate(timeout=300), p.returncode, metrics) for name, (p, metrics) in procs.items()}
 
 
-@pytest.mark.parametrize("case", [*CASES, *PLAN_CASES])
+@pytest.mark.parametrize("case", ALL)
 def test_bad_input_gives_one_error_line_and_exit_2(results, case):
     (out, err), code, metrics = results[case]
     assert code == 2, (out, err)
@@ -69,5 +95,5 @@ def test_bad_input_gives_one_error_line_and_exit_2(results, case):
     lines = err.strip().splitlines()
     assert len(lines) == 1, err
     assert lines[0].startswith("error: ")
-    assert {**CASES, **PLAN_CASES}[case][1] in lines[0]
+    assert ALL[case][1] in lines[0]
     assert not metrics.exists()  # nothing written
