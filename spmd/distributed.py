@@ -100,7 +100,11 @@ class Watchdog:
         self.timeout = timeout
         self._waiting: tuple[str, float] | None = None
         self._lock = threading.Lock()
+        self._closed = threading.Event()
         threading.Thread(target=self._watch, daemon=True).start()
+
+    def close(self) -> None:
+        self._closed.set()
 
     @contextlib.contextmanager
     def waiting(self, what: str):
@@ -113,8 +117,7 @@ class Watchdog:
                 self._waiting = None
 
     def _watch(self) -> None:
-        while True:
-            time.sleep(min(1.0, self.timeout / 4))
+        while not self._closed.wait(min(1.0, self.timeout / 4)):
             with self._lock:
                 waiting = self._waiting
             if waiting and time.monotonic() > waiting[1]:

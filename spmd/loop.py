@@ -149,6 +149,7 @@ class Run:
         finally:
             batches.close()
             self._finish_saves()
+            self.watchdog.close()
 
         if records and ok:  # the summary of a run that went to the end
             last = recent_loss(records, cfg.log_every)
