@@ -110,3 +110,29 @@ def test_killing_one_process_makes_the_other_exit_with_an_error(runs):
     assert survivor.returncode not in (0, None)
     assert re.search(r"^error: process 0 of 2 stops: .*(did another process die\?)|^error: .* did not finish within",
                      err, re.M), err
+
+
+def test_the_processes_come_from_flags_else_the_environment_else_there_is_one():
+    from spmd.config import TrainConfig
+    from spmd.distributed import processes
+    from spmd.errors import UserError
+
+    flags = TrainConfig(coordinator="10.0.0.1:1234", num_processes=4, process_id=3)
+    env = {"JAX_COORDINATOR_ADDRESS": "h:99", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1"}
+    slurm = {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "16"}
+    got = processes(flags, env)  # flags win over the environment
+    assert (got.count, got.index, got.coordinator, got.found_in) == (4, 3, "10.0.0.1:1234", "flags")
+    got = processes(TrainConfig(), env)
+    assert (got.count, got.index, got.coordinator, got.found_in) == (2, 1, "h:99", "environment")
+    assert processes(TrainConfig(), slurm).found_in == "SLURM"  # JAX reads the job's layout itself
+    assert processes(TrainConfig(coordinator="auto"), {}).count == 0  # JAX detects the cluster
+    assert not processes(TrainConfig(), {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1"}).multi
+    assert not processes(TrainConfig(), {}).multi
+    for cfg, environ, message in (
+            (TrainConfig(num_processes=2), {}, "need all of --coordinator"),
+            (TrainConfig(coordinator="nohost", num_processes=2, process_id=0), {}, "is not host:port"),
+            (TrainConfig(coordinator="h:1", num_processes=2, process_id=2), {}, "not one of 2 processes"),
+            (TrainConfig(), {"JAX_COORDINATOR_ADDRESS": "h:1"}, "but not JAX_NUM_PROCESSES, JAX_PROCESS_ID"),
+            (TrainConfig(), {**env, "JAX_PROCESS_ID": "one"}, "is not an integer")):
+        with pytest.raises(UserError, match=message):
+            processes(cfg, environ)
