@@ -172,7 +172,7 @@ def token_stream(path: str, tokenizer=None, text_field: str = "text", token_dtyp
     kind, files = data_files(path)
     if kind == "tokens":
         parts = [_token_file(f, token_dtype) for f in files]
-        stream = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        stream = parts[0] if len(parts) == 1 else Concatenated(parts)
         _check_ids(stream, vocab, path)
         return stream
     tokenizer = tokenizer or ByteTokenizer()
@@ -211,6 +211,28 @@ def _token_file(file: Path, token_dtype: str) -> np.ndarray:
     return np.memmap(file, dtype=token_dtype, mode="r") if size else np.zeros(0, token_dtype)
 
 
+class Concatenated:
+    """Several memory-mapped token files read as one stream, without loading them: a
+    slice is cut from the files it spans."""
+
+    def __init__(self, parts: Sequence[np.ndarray]):
+        if len({p.dtype for p in parts}) > 1:
+            raise UserError(f"the token files mix dtypes ({', '.join(sorted({str(p.dtype) for p in parts}))})")
+        self.parts, self.dtype = list(parts), parts[0].dtype
+        self.starts = np.cumsum([0] + [p.size for p in parts])
+        self.size = int(self.starts[-1])
+
+    def __getitem__(self, window: slice) -> np.ndarray:
+        start, stop, _ = window.indices(self.size)
+        first = int(np.searchsorted(self.starts, start, side="right")) - 1
+        pieces = []
+        for i in range(max(first, 0), len(self.parts)):
+            if self.starts[i] >= stop:
+                break
+            pieces.append(self.parts[i][max(start - self.starts[i], 0):stop - self.starts[i]])
+        return np.concatenate(pieces) if pieces else np.zeros(0, self.dtype)
+
+
 def _check_ids(stream: np.ndarray, vocab: int | None, path: str) -> None:
     """Every id must be below the model's vocabulary; a uint16 file read as uint32 (or the
     wrong file) shows up here. Read in chunks: the file may not fit in memory."""
@@ -237,7 +259,7 @@ class TokenSource:
         samples = (stream.size - 1) // (length - 1) if stream.size else 0
         held_out = int(np.ceil(samples * eval_fraction)) if eval_fraction else 0
         self.train_samples, self.eval_samples = samples - held_out, held_out
-        if self.train_samples < 1 or (eval_fraction and held_out < 1) or (held_out and self.train_samples < 1):
+        if self.train_samples < 1 or (eval_fraction and held_out < 1):
             raise UserError(f"--data {name}: {stream.size:,} tokens make {samples} sample(s) of {length - 1} tokens; "
                             f"too few for training{' and evaluation' if eval_fraction else ''}")
         self.rows_read = 0

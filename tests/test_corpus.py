@@ -67,6 +67,12 @@ def test_token_files_are_memory_mapped_and_checked(tmp_path):
     assert isinstance(mapped, np.memmap)
     np.testing.assert_array_equal(mapped, tokens)
     np.testing.assert_array_equal(token_stream(str(tmp_path / "t32.bin"), token_dtype="uint32", vocab=256), tokens)
+    (tmp_path / "parts").mkdir()
+    for i, part in enumerate(np.split(tokens, [300, 301])):
+        np.save(tmp_path / "parts" / f"{i}.npy", part)
+    parts = token_stream(str(tmp_path / "parts"), vocab=256)  # files in order, each still mapped
+    assert all(isinstance(p, np.memmap) for p in parts.parts) and parts.size == tokens.size
+    np.testing.assert_array_equal(parts[250:700], tokens[250:700])  # a window across all three files
     np.save(tmp_path / "wide.npy", tokens.astype(np.int64))
     tokens[:999].tofile(tmp_path / "odd.bin")
     tokens.tofile(tmp_path / "t16.bin")
