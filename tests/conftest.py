@@ -18,6 +18,12 @@ import tempfile  # noqa: E402
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
     tempfile.gettempdir(), f"spmd-tests-jax-cache-{os.environ.get('PYTEST_XDIST_TESTRUNUID', os.getpid())}"))
 
+# The tests compile unoptimized CPU code, in this process and in the CLI's subprocesses:
+# most of XLA:CPU's compile time is LLVM optimizing the code, while what the tests check
+# (numbers against one device, the partitioned HLO's collectives, buffer sizes) is decided
+# before LLVM runs. The 300-step default run (test_default_run) keeps the optimizer.
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
@@ -108,17 +114,6 @@ def train_run(mesh: str, devices: int, **overrides) -> Run:
     defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)} | PARITY
     changed = {k: v for k, v in overrides.items() if defaults.get(k) != v}  # one cache entry per config
     return _run(mesh, devices, tuple(sorted(changed.items())))
-
-
-@pytest.fixture(scope="session", autouse=True)
-def unoptimized_subprocesses():
-    """Subprocess tests (the CLI) compile unoptimized CPU code: most of XLA:CPU's compile
-    time is LLVM optimizing it, and those runs check behaviour (errors, signals, resumes),
-    not layouts against each other. Set after this process started its backend, so only
-    the subprocesses use it: parity runs here keep the default (it changes float32
-    rounding)."""
-    jax.devices()
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
 
 @pytest.fixture(scope="session")
