@@ -18,7 +18,7 @@ pytestmark = pytest.mark.xdist_group("moe")  # the all-to-all test reads the par
 # a whole sequence, so capacity mode drops nothing and must match dropless exactly.
 NO_DROPS = {"moe_dispatch": "capacity", "capacity_factor": 4.0}
 LAYOUTS = [(mesh, devices, mode) for mode in ({}, NO_DROPS)
-           for mesh, devices in (("ep=2", 2), ("ep=4", 4), ("ep=2,fsdp=2,tp=2", 8))]  # (ep=8: as ep=4; left out for time)
+           for mesh, devices in (("ep=2", 2), ("ep=4", 4), ("ep=8", 8), ("ep=2,fsdp=2,tp=2", 8))]
 # Accumulation: capacity and the balance loss are per sequence, so microbatches compose.
 LAYOUTS.append(("dp=2,fsdp=2", 4, NO_DROPS | {"grad_accum": 2}))
 

@@ -22,12 +22,10 @@ LAYOUTS = [
     ("dp=2,fsdp=2,tp=2", 8, {"grad_accum": 4}),
     ("dp=2,fsdp=4", 8, {"grad_accum": 4}),
     ("ep=2,sp=2,tp=2", 8, {}),
-    # Sequence parallelism (zig-zag layout), both attention modes. (sp=2 and sp=8 alone ran
-    # the same code as sp=4 and the combined layouts, a ring of another length; they were
-    # left out to keep the suite within its time budget.)
+    # Sequence parallelism (zig-zag layout), both attention modes.
     *[(mesh, devices, {"attention": mode})
       for mode in ("ring", "all-gather")
-      for mesh, devices in (("sp=4", 4), ("sp=2,tp=2", 4), ("dp=2,fsdp=2,sp=2", 8))],
+      for mesh, devices in (("sp=2", 2), ("sp=4", 4), ("sp=8", 8), ("sp=2,tp=2", 4), ("dp=2,fsdp=2,sp=2", 8))],
     # Megatron sequence parallelism: norms and residuals split along the sequence over tp.
     ("tp=2", 2, {"megatron_sp": True}),
     ("dp=2,sp=2,tp=2", 8, {"megatron_sp": True}),

@@ -27,6 +27,8 @@ LAYOUTS = [
     ("pp=4", 4, {"pp_schedule": "circular", "pp_repeats": 2, "microbatches": 4}),
     ("pp=4", 4, {"pp_schedule": "1f1b", "microbatches": 8}),
     ("pp=2,dp=2,tp=2", 8, {"microbatches": 4}),
+    ("pp=2,dp=2,tp=2", 8, {"pp_schedule": "circular", "pp_repeats": 2, "microbatches": 2}),
+    ("pp=2,dp=2,tp=2", 8, {"pp_schedule": "1f1b", "microbatches": 4}),
     # 1F1B with fsdp, ZeRO-1 over dp... and two accumulated pipeline passes.
     ("pp=2,fsdp=2,tp=2", 8, {"pp_schedule": "1f1b", "microbatches": 2, "grad_accum": 2, "zero": 1}),
 ]
