@@ -53,7 +53,10 @@ PLAN_CASES = {
 }
 # spmd.launch checks its own flags before it starts anything.
 LAUNCH_CASES = {"launch: no command": (["--nproc", "2"], "the command after --")}
-ALL = {**CASES, **PLAN_CASES, **LAUNCH_CASES}
+CORPUS_CASES = {"corpus: output not .npy": (["--data", "{corpus}", "--out", "tokens.bin"], "--out must name a .npy file")}
+ALL = {**CASES, **PLAN_CASES, **LAUNCH_CASES, **CORPUS_CASES}
+MODULES = {**dict.fromkeys(PLAN_CASES, "spmd.plan"), **dict.fromkeys(LAUNCH_CASES, "spmd.launch"),
+           **dict.fromkeys(CORPUS_CASES, "spmd.corpus")}
 
 
 def _files(tmp) -> dict[str, str]:
@@ -81,8 +84,9 @@ def results(tmp_path_factory):
     for name, (args, _) in ALL.items():
         args = [files.get(a, a) for a in args]
         metrics = tmp / f"{len(procs)}.jsonl"
-        module = "spmd.plan" if name in PLAN_CASES else "spmd.launch" if name in LAUNCH_CASES else "spmd.train"
-        cmd = [sys.executable, "-m", module, *args, "--metrics-file", str(metrics)]
+        module = MODULES.get(name, "spmd.train")
+        records = ["--metrics-file", str(metrics)] if module in ("spmd.train", "spmd.plan") else []
+        cmd = [sys.executable, "-m", module, *args, *records]
         procs[name] = (subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), metrics)
     return {name: (p.communicate(timeout=300), p.returncode, metrics) for name, (p, metrics) in procs.items()}
 

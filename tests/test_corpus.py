@@ -113,3 +113,14 @@ def test_too_little_data_is_refused(tmp_path):
     (tmp_path / "short.txt").write_text("tiny")
     with pytest.raises(UserError, match="too few for training"):
         TokenSource(token_stream(str(tmp_path / "short.txt")), 33, 8, seed=0)
+
+
+def test_tokenizing_once_writes_the_stream_that_training_would_build(sources, tmp_path):
+    from spmd.corpus import main
+
+    out = tmp_path / "tokens" / "docs.npy"
+    args = ["--data", str(sources / "docs.jsonl"), "--text-field", "body", "--tokenizer", str(sources / "tokenizer.json")]
+    assert main([*args, "--out", str(out)]) == 0
+    want = token_stream(str(sources / "docs.jsonl"), load_tokenizer(str(sources / "tokenizer.json")), "body")
+    np.testing.assert_array_equal(token_stream(str(out), vocab=256), want)
+    assert [p.name for p in out.parent.iterdir()] == ["docs.npy"]  # no temporary file left

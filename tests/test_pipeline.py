@@ -58,6 +58,19 @@ def test_pipeline_matches_one_device(deep_reference, i):
     assert_params_match(params, deep_reference.params)
 
 
+def test_evaluation_through_the_stages_gives_one_devices_loss(deep_reference):
+    """Held-out loss of a 1F1B run (evaluated as GPipe: forward only) against one device's,
+    each on its own final parameters, which agree as the parity test says."""
+    from spmd.data import MarkovSource, global_batch
+
+    losses = []
+    for run in (_run(2), deep_reference):  # 1F1B on pp=4, one device
+        params = jax.device_put(run.params, jax.tree.map(lambda s: s.sharding, run.program.abstract_state["params"]))
+        rows = global_batch(MarkovSource(256, seed=0), 0, 32, 33, run.layout.batch_sharding, "eval")
+        losses.append(float(run.program.compile_eval()(params, rows)))
+    np.testing.assert_allclose(losses[0], losses[1], rtol=LOSS_RTOL)
+
+
 def _stage_flops(run) -> float:
     """Dot FLOPs one device runs in loops (the stages' layer scans), branches aside."""
     return hlo.loop_dot_flops(hlo.parse(run.hlo))
