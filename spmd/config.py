@@ -133,7 +133,7 @@ def _yaml_to_argv(path: str) -> list[str]:
         flag = "--" + name.replace("_", "-")
         if names[name].type == "bool":
             argv.append(flag if value else "--no-" + flag[2:])
-        elif name == "mesh" and isinstance(value, Mapping):
+        elif name in ("mesh", "dcn") and isinstance(value, Mapping):
             argv += [flag, ",".join(f"{k}={v}" for k, v in value.items())]
         else:
             argv += [flag, str(value)]

@@ -17,7 +17,7 @@ from spmd.checkpoint import make_meta
 from spmd.data import Prefetcher, global_batch
 from spmd.distributed import Watchdog
 from spmd.hardware import peak_tflops, train_flops_per_token
-from spmd.report import describe_run
+from spmd.report import describe_run, emit
 
 
 # The host may run this many steps ahead of the devices. Enough to keep them busy while
@@ -166,7 +166,7 @@ class Run:
     def say(self, line: str) -> None:
         """A line of this process's own (every process prints it, named when there are several)."""
         who = f"[process {jax.process_index()}/{jax.process_count()}] " if jax.process_count() > 1 else ""
-        print(who + line, flush=True)
+        emit(who + line)
 
     def evaluate(self, step: int) -> float:
         """Mean loss over --eval-batches held-out batches (the same ones every time)."""

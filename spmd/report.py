@@ -2,6 +2,15 @@
 
 from __future__ import annotations
 
+import sys
+
+
+def emit(line: str) -> None:
+    """Print one line with one write: the processes of a run may share a terminal or pipe,
+    and print's separate write of the newline lets their lines interleave."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
 
 def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):

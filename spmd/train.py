@@ -34,7 +34,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from spmd.layout import make_layout
 
         layout = make_layout(cfg)
-        run = prepare(cfg, layout, log=print if jax.process_index() == 0 else _silent)
+        from spmd.report import emit
+
+        run = prepare(cfg, layout, log=emit if jax.process_index() == 0 else _silent)
     try:
         return 0 if run.loop().ok else EXIT_NON_FINITE
     except Exception as exc:

@@ -15,9 +15,9 @@ ROOT = pathlib.Path(__file__).parents[1]
 
 def test_flags_override_the_yaml_file(tmp_path):
     file = tmp_path / "run.yaml"
-    file.write_text("mesh: {dp: 2, tp: 4}\nsteps: 7\nlr: 0.01\nscale_lr: true\n")
+    file.write_text("mesh: {dp: 2, tp: 4}\ndcn: {dp: 2}\nsteps: 7\nlr: 0.01\nscale_lr: true\n")
     cfg = parse_args(["--config", str(file), "--steps", "9"])
-    assert (cfg.mesh, cfg.steps, cfg.lr, cfg.scale_lr) == ("dp=2,tp=4", 9, 0.01, True)
+    assert (cfg.mesh, cfg.dcn, cfg.steps, cfg.lr, cfg.scale_lr) == ("dp=2,tp=4", "dp=2", 9, 0.01, True)
 
 
 def test_every_preset_file_is_a_valid_config():
