@@ -52,7 +52,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.nproc < 1 or not command:
             raise UserError("--nproc must be at least 1, and a command must follow --")
     port = args.port or free_port()
-    procs = [subprocess.Popen(command, env=process_env(i, args.nproc, port)) for i in range(args.nproc)]
+    # Their own process group: a Ctrl-C at the terminal reaches the launcher alone, which
+    # passes it on once (twice would be the trainer's "abort now").
+    procs = [subprocess.Popen(command, env=process_env(i, args.nproc, port), process_group=0)
+             for i in range(args.nproc)]
     forward = lambda signum, frame: [p.send_signal(signum) for p in procs if p.poll() is None]  # noqa: E731
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, forward)
