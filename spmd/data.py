@@ -96,12 +96,6 @@ def global_batch(source, step: int, batch: int, length: int, sharding: jax.shard
     return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
 
-def rows_read_by_process(sharding: jax.sharding.Sharding, batch: int, length: int) -> int:
-    """How many distinct rows this process generates per step (for tests and logs)."""
-    ranges = {_row_range(i, batch) for i in sharding.addressable_devices_indices_map((batch, length)).values()}
-    return sum(b - a for a, b in ranges)
-
-
 def _row_range(index: tuple[slice, ...], batch: int) -> tuple[int, int]:
     rows = index[0]
     return (rows.start or 0, batch if rows.stop is None else rows.stop)

@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Mapping
 
-from spmd.errors import UserError
+from spmd.errors import UserError, first_line
 
 AUTO = "auto"
 ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
@@ -87,8 +87,7 @@ def initialize(procs: Processes, heartbeat_timeout: int) -> None:
     try:
         jax.distributed.initialize(**kwargs, heartbeat_timeout_seconds=heartbeat_timeout)
     except (RuntimeError, ValueError) as exc:  # XlaRuntimeError is a RuntimeError
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UserError(f"could not join the other processes ({procs.found_in}): {first}") from None
+        raise UserError(f"could not join the other processes ({procs.found_in}): {first_line(exc)}") from None
 
 
 class Watchdog:

@@ -12,6 +12,12 @@ class UserError(Exception):
     """Bad input: the CLI prints `error: <message>` on one line and exits 2."""
 
 
+def first_line(exc: BaseException) -> str:
+    """An exception's first line (XLA's runtime errors run to many), or its type's name."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 @contextlib.contextmanager
 def one_line_errors():
     """Run a CLI's checks and set-up; a UserError becomes one `error: ...` line and exit 2.

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from spmd.config import TrainConfig, parse_args
 from spmd.distributed import initialize, processes
-from spmd.errors import UserError, one_line_errors
+from spmd.errors import UserError, first_line, one_line_errors
 from spmd.mesh import emulate_cpu_devices, parse_mesh
 
 EXIT_NON_FINITE = 1
@@ -44,8 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         # A collective failed: most likely another process died. Exit now, without the
         # shutdown barrier, which would wait for the dead process until its heartbeat times out.
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        print(f"error: process {jax.process_index()} of {jax.process_count()} stops: {first} "
+        print(f"error: process {jax.process_index()} of {jax.process_count()} stops: {first_line(exc)} "
               f"(did another process die? see its log)", file=sys.stderr, flush=True)
         os._exit(EXIT_PEER_FAILED)
 
