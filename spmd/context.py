@@ -76,8 +76,12 @@ def _gathered(q, k, v, *, n: int):
 
 # ----------------------------------------------------------------------------- ring
 
+@jax.checkpoint
 def _partial(q, k, v, q_positions, k_positions):
-    """Unnormalized attention of a query chunk on a key chunk: (out, row max, row sum)."""
+    """Unnormalized attention of a query chunk on a key chunk: (out, row max, row sum).
+
+    Checkpointed, as flash attention does: the backward pass recomputes a chunk pair's
+    scores from q, k and v instead of keeping every hop's float32 scores until then."""
     scores = jnp.einsum("bskgd,btkd->bkgst", q, k).astype(jnp.float32) / math.sqrt(q.shape[-1])
     scores = jnp.where(q_positions[:, None] >= k_positions[None, :], scores, _HIDDEN)
     top = jnp.max(scores, axis=-1)

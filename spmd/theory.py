@@ -421,7 +421,13 @@ def activation_bytes(cfg, layout: Layout, compute_bytes: int) -> float:
     # qkv projection and rotated q/k/v, per-head attention output, the scores, the MLP's
     # gate/up and hidden); "dots" keeps matmuls without batch dimensions; "full" only the
     # block input, and recomputes one layer at a time during the backward pass.
-    attention = 4 * e + (2 * qkv + 2 * heads + m.heads * cfg.seq) / t
+    # Scores: each query token's whole row, kept like an activation. Ring attention across
+    # sp (spmd.context) recomputes them in the backward pass instead, a key chunk at a time:
+    # float32 scores, weights and their gradient over one chunk, for one layer (`ring_scores`, bytes).
+    sp = layout.shape["sp"]
+    ring = sp > 1 and cfg.attention == "ring"
+    attention = 4 * e + (2 * qkv + 2 * heads + (0 if ring else m.heads * cfg.seq)) / t
+    ring_scores = 3 * 4 * m.heads * (cfg.seq // (2 * sp)) / t if ring else 0
     everything = attention + 3 * m.mlp / t
     per_layer = {"none": everything, "dots": 3 * e + (qkv + 2 * m.mlp) / t, "full": e}[cfg.remat]
     working = 0 if cfg.remat == "none" else everything
@@ -440,7 +446,7 @@ def activation_bytes(cfg, layout: Layout, compute_bytes: int) -> float:
     logits = 3 * tokens * m.vocab / vocab_split * 4
     schedule = layout.schedule
     if schedule is None:
-        return tokens * (kept + working) * compute_bytes + logits
+        return tokens * ((kept + working) * compute_bytes + ring_scores) + logits
     # A device keeps its 1/p of the layers for every tick (gpipe, circular), or for 2p - 1
     # microbatches (1f1b), on microbatches of p/m of its `tokens`; one tick's (a 1/v chunk
     # of its layers) are built apart before they are filed. The queue holds all its rows.

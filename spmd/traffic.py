@@ -215,29 +215,51 @@ def _ring_bytes(op: str, operand_bytes: float, n: int) -> float:
     return (n - 1) / n * operand_bytes  # reduce-scatter, all-to-all: of the full buffer
 
 
-def _folded_all_reduces(module: hlo.HloModule) -> dict[str, str]:
-    """All-reduces whose results feed only the next all-reduce, operand for operand:
-    XLA on GPU/TPU folds such a pair into one all-reduce over both groups (XLA:CPU keeps
-    two). -> {first: second}"""
+def _is_copy(module: hlo.HloModule, instr: hlo.Instruction) -> bool:
+    """Moves or converts one value without computing (a convert, bitcast or copy, alone or fused)."""
+    if instr.op in ("bitcast", "copy", "convert"):
+        return True
+    return instr.op == "fusion" and (fused := _called(instr)) is not None and _elementwise_copy(module, fused)
+
+
+def _copied_from(module: hlo.HloModule, computation: str, name: str) -> str:
+    """The value `name` is a copy of, seen through converts, bitcasts and copies."""
+    table = module.instructions[computation]
+    while (instr := table.get(name)) is not None and _is_copy(module, instr) and len(instr.operands) == 1:
+        name = instr.operands[0]
+    return name
+
+
+def _only_feeds(module: hlo.HloModule, computation: str, name: str, target: str) -> bool:
+    """Whether every use of `name`, through tuple elements and copies, ends in `target`."""
+    users = module.users(computation, name)
+    return bool(users) and all(
+        u.name == target or ((u.op == "get-tuple-element" or _is_copy(module, u))
+                             and _only_feeds(module, computation, u.name, target))
+        for u in users)
+
+
+def _folded_all_reduces(module: hlo.HloModule) -> dict[tuple[str, int], tuple[str, int]]:
+    """All-reduce results that feed only one operand of the next all-reduce: XLA on
+    GPU/TPU folds such a pair into one all-reduce over both groups (XLA:CPU keeps two,
+    with the bf16 rounding of the first's result in between). Both may be tuples of
+    several combined all-reduces. -> {(first, its operand): (second, its operand)}"""
     folded = {}
     for c in module.collectives:
         if c.op != "all-reduce":
             continue
         table = module.instructions[c.computation]
-        sources = set()
-        for operand in table[c.name].operands:
-            instr = table.get(operand)
-            sources.add(instr.operands[0] if instr is not None and instr.op == "get-tuple-element" else operand)
-        if len(sources) != 1:
-            continue
-        first = table.get(sources.pop())
-        if first is None or first.op != "all-reduce":
-            continue
-        feeds_only_this = all(u.name == c.name or (u.op == "get-tuple-element" and
-                                                   {w.name for w in module.users(c.computation, u.name)} == {c.name})
-                              for u in module.users(c.computation, first.name))
-        if feeds_only_this:
-            folded[first.name] = c.name
+        for j, operand in enumerate(table[c.name].operands):
+            source = table.get(_copied_from(module, c.computation, operand))
+            if source is None:
+                continue
+            first, i = source, 0
+            if source.op == "get-tuple-element":
+                first = table.get(source.operands[0])
+                i = int(re.search(r"\bindex=(\d+)", source.attributes).group(1))
+            if first is not None and first.op == "all-reduce" and \
+                    _only_feeds(module, c.computation, source.name, c.name):
+                folded[(first.name, i)] = (c.name, j)
     return folded
 
 
@@ -250,22 +272,27 @@ def step_traffic(module: hlo.HloModule, mesh_shape: Mapping[str, int]) -> list[T
     """Every collective of the step, as (op, axes) rows with counts and bytes per device."""
     num_devices = math.prod(mesh_shape.values())
     runs = module.runs_per_step()
-    totals: dict[tuple[str, str, bool], list[float]] = {}
-    folded = _folded_all_reduces(module)
-    axes_folded_in: dict[str, str] = {}
+    axes_of: dict[str, tuple[str, int]] = {}  # collective -> (mesh axes, group size)
     for c in module.collectives:
         groups = device_groups(c.attributes, num_devices)
         permute = c.op == "collective-permute"
         n = 2 if permute else (len(groups[0]) if groups else num_devices)
-        if n <= 1 or (groups and max(len(g) for g in groups) <= 1):
+        if n > 1 and not (groups and max(len(g) for g in groups) <= 1):
+            axes_of[c.name] = (axes_of_groups(groups, mesh_shape, permute) if groups else "?", n)
+    folded = _folded_all_reduces(module)
+    feeders = {second: first for first, second in folded.items()}
+
+    def reduced_over(name: str, operand: int) -> str:
+        """The axes an all-reduce operand sums over, with those of the all-reduces folded into it."""
+        axes = axes_of[name][0] if name in axes_of else ""
+        first = feeders.get((name, operand))
+        return _joined(*filter(None, (axes, reduced_over(*first)))) if first else axes
+
+    totals: dict[tuple[str, str, bool], list[float]] = {}
+    for c in module.collectives:
+        if c.name not in axes_of:
             continue
-        axes = axes_of_groups(groups, mesh_shape, permute) if groups else "?"
-        if c.name in folded:  # counted with the all-reduce it feeds
-            axes_folded_in[folded[c.name]] = axes
-            continue
-        if c.name in axes_folded_in:
-            axes = _joined(axes, axes_folded_in[c.name])
-            n = math.prod(mesh_shape[a] for a in axes.split("+")) if axes != "?" else n
+        axes, n = axes_of[c.name]
         times = runs.get(c.computation, 1)
         instr = module.instructions[c.computation][c.name]
         sizes = [size * _source_width(module, c.computation, operand)
@@ -274,15 +301,19 @@ def step_traffic(module: hlo.HloModule, mesh_shape: Mapping[str, int]) -> list[T
         parts = [(c.op, axes, n, sum(sizes), False)]
         if c.op == "all-reduce" and axes != "?":
             parts = []
-            for size, k in zip(sizes, _operand_slice_fractions(module, c)):
-                split = _split_all_reduce(axes, k, mesh_shape) if k > 1 else None
+            for j, (size, k) in enumerate(zip(sizes, _operand_slice_fractions(module, c))):
+                if (c.name, j) in folded:  # counted with the all-reduce it feeds
+                    continue
+                on = reduced_over(c.name, j)
+                group = math.prod(mesh_shape[a] for a in on.split("+")) if on != "?" else n
+                split = _split_all_reduce(on, k, mesh_shape) if k > 1 and on != "?" else None
                 if split is None:
-                    parts.append(("all-reduce", axes, n, size, False))
+                    parts.append(("all-reduce", on, group, size, False))
                     continue
                 scatter_axes, rest = split
                 parts.append(("reduce-scatter", scatter_axes, k, size, True))
                 if rest:
-                    parts.append(("all-reduce", rest, n // k, size / k, True))
+                    parts.append(("all-reduce", rest, group // k, size / k, True))
         for op, on_axes, group, operand_bytes, converted in parts:
             row = totals.setdefault((op, on_axes, converted), [0, 0.0])
             row[0] += times
