@@ -20,7 +20,7 @@ from spmd.config import REMAT, parse_with_extras
 from spmd.errors import UserError
 from spmd.mesh import accelerator_plugin_installed, check_dcn, explicit_product, parse_mesh, resolve_mesh
 
-SMALL_BYTES = 1024  # collectives under this per step are scalars (loss, norms): listed, not flagged
+SMALL_BYTES = 1024  # collectives moving less each time are scalars (loss, norms, MoE statistics): listed, not flagged
 AUTO_SHOWN = 5
 AUTO_MAX_COMPILES = 12
 
@@ -42,7 +42,7 @@ class Row:
 
     @property
     def unexpected(self) -> bool:
-        return not self.theory and self.measured >= SMALL_BYTES
+        return not self.theory and self.measured >= SMALL_BYTES * max(self.count, 1)
 
 
 @dataclasses.dataclass

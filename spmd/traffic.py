@@ -162,7 +162,7 @@ def _source_width(module: hlo.HloModule, computation: str, name: str) -> float:
     while instr is not None:
         if instr.op == "fusion" and (fused := _called(instr)) and fused in module.roots:
             computation, instr = fused, module.instructions[fused][module.roots[fused]]
-        elif instr.op in ("bitcast", "copy"):
+        elif instr.op in ("bitcast", "copy", "transpose"):  # the same values, moved
             instr = module.instructions[computation].get(instr.operands[0])
         elif instr.op == "convert":
             source = module.instructions[computation].get(instr.operands[0])
