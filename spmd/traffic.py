@@ -125,9 +125,7 @@ def _slice_fraction(module: hlo.HloModule, computation: str, name: str, elements
         if user.op == "dynamic-slice":
             kept = _elements(user.result_type)
             fractions.add(elements // kept if kept and elements % kept == 0 else 1)
-        elif user.op in ("bitcast", "copy", "convert"):
-            fractions.add(_slice_fraction(module, computation, user.name, elements, depth + 1))
-        elif user.op == "fusion" and (fused := _called(user)) and _elementwise_copy(module, fused):
+        elif _is_copy(module, user):
             fractions.add(_slice_fraction(module, computation, user.name, elements, depth + 1))
         elif user.op == "fusion" and (fused := _called(user)):
             for index, operand in enumerate(user.operands):
@@ -152,6 +150,13 @@ def _elementwise_copy(module: hlo.HloModule, computation: str) -> bool:
     instrs = module.instructions.get(computation, {})
     return bool(instrs) and all(i.op in _PASS_THROUGH for i in instrs.values()) \
         and sum(i.op == "parameter" for i in instrs.values()) == 1
+
+
+def _is_copy(module: hlo.HloModule, instr: hlo.Instruction) -> bool:
+    """Moves or converts one value without computing (a convert, bitcast or copy, alone or fused)."""
+    if instr.op in ("bitcast", "copy", "convert"):
+        return True
+    return instr.op == "fusion" and (fused := _called(instr)) is not None and _elementwise_copy(module, fused)
 
 
 def _source_width(module: hlo.HloModule, computation: str, name: str) -> float:
@@ -213,13 +218,6 @@ def _ring_bytes(op: str, operand_bytes: float, n: int) -> float:
     if op == "collective-permute":
         return operand_bytes
     return (n - 1) / n * operand_bytes  # reduce-scatter, all-to-all: of the full buffer
-
-
-def _is_copy(module: hlo.HloModule, instr: hlo.Instruction) -> bool:
-    """Moves or converts one value without computing (a convert, bitcast or copy, alone or fused)."""
-    if instr.op in ("bitcast", "copy", "convert"):
-        return True
-    return instr.op == "fusion" and (fused := _called(instr)) is not None and _elementwise_copy(module, fused)
 
 
 def _copied_from(module: hlo.HloModule, computation: str, name: str) -> str:

@@ -41,7 +41,10 @@ def test_notebook_runs_top_to_bottom(path, tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(ROOT))  # the kernel imports the checked-out code
     if path.stem in OPTIMIZED:
         flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if f != "--xla_backend_optimization_level=0"]
-        monkeypatch.setenv("XLA_FLAGS", " ".join(flags)) if flags else monkeypatch.delenv("XLA_FLAGS", raising=False)
+        if flags:
+            monkeypatch.setenv("XLA_FLAGS", " ".join(flags))
+        else:  # an empty or blank XLA_FLAGS makes XLA abort: it reads it as a file name
+            monkeypatch.delenv("XLA_FLAGS", raising=False)
     nb = nbformat.read(path, as_version=4)
     NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
