@@ -37,10 +37,12 @@ class MarkovSource:
         row_entropy = -np.sum(self.probs * np.log(np.maximum(self.probs, 1e-300)), axis=1)
         dist = np.full(self.vocab, 1.0 / self.vocab)
         total = 0.0
-        for _ in range(seq):
+        for done in range(seq):
             total += float(dist @ row_entropy)
             nxt = np.zeros_like(dist)
             np.add.at(nxt, self.successors, dist[:, None] * self.probs)
+            if np.abs(nxt - dist).sum() < 1e-13:  # stationary: every later position adds the same
+                return (total + (seq - done - 1) * float(nxt @ row_entropy)) / seq
             dist = nxt
         return total / seq
 

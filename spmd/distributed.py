@@ -23,6 +23,7 @@ from spmd.errors import UserError, first_line
 AUTO = "auto"
 ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
 EXIT_TIMEOUT = 3
+JAX_JOIN_GRACE_S = 30  # JAX's own deadline comes this much after ours
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,14 +70,14 @@ def _int(environ: Mapping[str, str], name: str, default: int | None = None) -> i
 
 def _checked(coordinator: str, count: int, index: int, found_in: str) -> Processes:
     host, _, port = coordinator.rpartition(":")
-    if not host or not port.isdigit():
-        raise UserError(f"coordinator {coordinator!r} is not host:port")
+    if not host or not port.isascii() or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise UserError(f"coordinator {coordinator!r} is not host:port (a port from 1 to 65535)")
     if count < 1 or not 0 <= index < count:
         raise UserError(f"process id {index} is not one of {count} processes (0 to {count - 1})")
     return Processes(count, index, coordinator, found_in)
 
 
-def initialize(procs: Processes, heartbeat_timeout: int) -> None:
+def initialize(procs: Processes, heartbeat_timeout: int, join_timeout: int = 300) -> None:
     """Join the run's other processes (a barrier). Must come before JAX starts a backend."""
     if not procs.multi:
         return
@@ -84,10 +85,29 @@ def initialize(procs: Processes, heartbeat_timeout: int) -> None:
 
     kwargs = {} if procs.count == 0 else dict(coordinator_address=procs.coordinator, num_processes=procs.count,
                                                process_id=procs.index)
+    who = (f"process {procs.index} of {procs.count} waits for the others at {procs.coordinator}"
+           if procs.count else "waiting for the cluster's processes (found by JAX)")
+    print(f"{who} (up to {join_timeout} s, --join-timeout)", file=sys.stderr, flush=True)
+    # When the others never come, JAX's client aborts the process with a C++ stack trace
+    # (a fatal error in its own thread, which Python cannot catch): give up first, in one line.
+    timer = threading.Timer(join_timeout, _give_up, (procs, join_timeout))
+    timer.daemon = True
+    timer.start()
     try:
-        jax.distributed.initialize(**kwargs, heartbeat_timeout_seconds=heartbeat_timeout)
+        jax.distributed.initialize(**kwargs, heartbeat_timeout_seconds=heartbeat_timeout,
+                                   initialization_timeout=join_timeout + JAX_JOIN_GRACE_S)
     except (RuntimeError, ValueError) as exc:  # XlaRuntimeError is a RuntimeError
         raise UserError(f"could not join the other processes ({procs.found_in}): {first_line(exc)}") from None
+    finally:
+        timer.cancel()
+
+
+def _give_up(procs: Processes, join_timeout: int) -> None:
+    where = f" at {procs.coordinator}" if procs.coordinator else ""
+    count = f"{procs.count} " if procs.count else ""
+    print(f"error: the run's processes did not all join within {join_timeout} s{where} (are all {count}started, "
+          "with the same coordinator? --join-timeout)", file=sys.stderr, flush=True)
+    os._exit(EXIT_TIMEOUT)
 
 
 class Watchdog:

@@ -12,6 +12,11 @@ class UserError(Exception):
     """Bad input: the CLI prints `error: <message>` on one line and exits 2."""
 
 
+class OutputFailed(Exception):
+    """Writing an output failed mid-run (disk full, permission lost, I/O error): the CLI
+    prints `error: <message>` on one line, naming what is safe, and exits non-zero."""
+
+
 def first_line(exc: BaseException) -> str:
     """An exception's first line (XLA's runtime errors run to many), or its type's name."""
     text = str(exc).strip()
@@ -19,17 +24,20 @@ def first_line(exc: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def one_line_errors():
+def one_line_errors(hold_stderr: bool = True):
     """Run a CLI's checks and set-up; a UserError becomes one `error: ...` line and exit 2.
 
-    Meanwhile stderr is held back for every thread: a failed checkpoint read leaves
-    Orbax's I/O threads printing tracebacks, which must not surround the one line. When
-    the block ends otherwise (ready, or crashed), stderr comes back with what was held.
+    Meanwhile stderr is held back for every thread (unless `hold_stderr` is False): a
+    failed checkpoint read leaves Orbax's I/O threads printing tracebacks, which must not
+    surround the one line. When the block ends otherwise (ready, or crashed), stderr
+    comes back with what was held. A step that may end in a native abort (joining other
+    processes) is run without the hold, so that its message is not lost with the process.
     """
     sys.stderr.flush()
     stderr = os.dup(2)
-    held = tempfile.TemporaryFile()
-    os.dup2(held.fileno(), 2)
+    held = tempfile.TemporaryFile() if hold_stderr else None
+    if held:
+        os.dup2(held.fileno(), 2)
     try:
         yield
     except UserError as exc:
@@ -40,6 +48,7 @@ def one_line_errors():
         sys.stderr.flush()
         os.dup2(stderr, 2)
         os.close(stderr)
-        held.seek(0)
-        os.write(2, held.read())
-        held.close()
+        if held:
+            held.seek(0)
+            os.write(2, held.read())
+            held.close()

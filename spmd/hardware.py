@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import tomllib
 from pathlib import Path
 
@@ -72,3 +73,13 @@ def train_flops_per_token(model_cfg, seq: int) -> float:
     matmul_params = c.num_params(active=True) - lookup_only
     attention = 6 * c.layers * c.heads * c.head_dim * seq
     return 6.0 * matmul_params + attention
+
+
+def host_memory_bytes() -> int:
+    """This host's memory, or its container's limit (cgroup v2) when that is lower."""
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+    except OSError:
+        return total
+    return min(total, int(limit)) if limit.isdigit() else total

@@ -19,7 +19,7 @@ from flax import nnx, traverse_util
 from models import PRESETS, Llama, LlamaConfig, Routing
 from spmd.config import model_config
 from spmd.errors import UserError
-from spmd.mesh import BATCH_AXES, build_mesh, format_mesh, parse_mesh, resolve_mesh
+from spmd.mesh import BATCH_AXES, build_mesh, emulated_device_count, format_mesh, parse_mesh, resolve_mesh
 from spmd.pipeline import Schedule
 from spmd.rules import Rules, axes_of, make_rules, spec_for, without_axes
 
@@ -131,14 +131,29 @@ def make_layout(cfg, devices=None, for_training: bool = True) -> Layout:
     (of the batch and sequence too, unless the layout is only for holding parameters)."""
     devices = list(jax.devices() if devices is None else devices)
     shape = resolve_mesh(parse_mesh(cfg.mesh), len(devices))
+    rules, skeleton, schedule = check_layout(cfg, shape, for_training)
+    dcn = parse_mesh(getattr(cfg, "dcn", None))
+    return Layout(build_mesh(shape, devices, dcn), shape, rules, skeleton, schedule)
+
+
+def check_layout(cfg, shape: Mapping[str, int], for_training: bool = True):
+    """Every check of a mesh shape against the run, without devices. -> (rules, skeleton, schedule)"""
     rules = make_rules(cfg.zero, cfg.megatron_sp)
     skeleton = skeleton_for(cfg)
     schedule = check_pipeline(cfg, shape, skeleton.model_cfg, for_training)
     if schedule and schedule.repeats > 1:
         skeleton = restacked(skeleton, schedule.repeats)
     check_divisible(cfg, shape, rules, skeleton, for_training)
-    dcn = parse_mesh(getattr(cfg, "dcn", None))
-    return Layout(build_mesh(shape, devices, dcn), shape, rules, skeleton, schedule)
+    return rules, skeleton, schedule
+
+
+def check_before_devices(cfg, processes: int = 1, for_training: bool = True) -> None:
+    """With emulated CPU devices, the layout's checks before the devices are made: a
+    mesh that cannot hold the run (dp=1000000) is refused, not built."""
+    sizes = parse_mesh(cfg.mesh)
+    count = emulated_device_count(sizes, cfg.cpu_devices, processes)
+    if count is not None and processes >= 1:
+        check_layout(cfg, resolve_mesh(sizes, count * processes), for_training)
 
 
 def restacked(skeleton: ModelSkeleton, repeats: int) -> ModelSkeleton:

@@ -2,22 +2,27 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import signal
 import sys
+import tempfile
 import time
 from collections import deque
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from spmd.checkpoint import make_meta
+from spmd.checkpoint import finalized_steps, make_meta
 from spmd.data import Prefetcher, global_batch
 from spmd.distributed import Watchdog
 from spmd.hardware import peak_tflops, train_flops_per_token
+from spmd.errors import OutputFailed, first_line
 from spmd.report import describe_run, emit
+from spmd.signals import served
 
 
 # The host may run this many steps ahead of the devices. Enough to keep them busy while
@@ -35,22 +40,26 @@ class Result:
 
 class StopSignals:
     """SIGTERM or SIGINT asks the loop to stop after the current step (and save); a second
-    SIGINT aborts at once."""
+    SIGINT aborts at once. A command-line run's signals come from its signal thread
+    (spmd.signals); a library caller's through Python's handlers, while the loop runs."""
 
     def __init__(self):
         self.requested: str | None = None
         self._previous = {}
 
     def __enter__(self):
+        if served() is not None:
+            served().handler = self._handle  # until the process ends: a signal then waits for the last save
+            return self
         for sig in (signal.SIGTERM, signal.SIGINT):
-            self._previous[sig] = signal.signal(sig, self._handle)
+            self._previous[sig] = signal.signal(sig, lambda signum, frame: self._handle(signum))
         return self
 
     def __exit__(self, *exc):
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
-    def _handle(self, signum, frame):
+    def _handle(self, signum):
         name = signal.Signals(signum).name
         if self.requested and signum == signal.SIGINT:
             print(f"{name} again: aborting now", file=sys.stderr, flush=True)
@@ -63,7 +72,7 @@ class Run:
     """`log` prints the run's lines (process 0's job); `say` prints this process's own."""
 
     def __init__(self, cfg, layout, plan, step_fn, state, start_step, checkpoints, setup_s, source, eval_fn=None,
-                 skipped=0, log=print):
+                 skipped=0, log=print, lock=None):
         self.cfg, self.layout, self.plan, self.step_fn = cfg, layout, plan, step_fn
         self.state, self.start_step, self.checkpoints = state, start_step, checkpoints
         self.setup_s, self.skipped, self.log = setup_s, skipped, log
@@ -71,14 +80,32 @@ class Run:
         self.last_saved: int | None = None
         self.primary = jax.process_index() == 0
         self.watchdog = Watchdog(cfg.step_timeout)
+        self.lock = lock  # on the checkpoint directory (spmd.paths.DirectoryLock), released at the end
+        # Several processes must stop after the same step, whichever got the signal.
+        self.stop_vote = StopVote(layout.mesh) if jax.process_count() > 1 else None
 
     def save(self, step: int) -> None:
         if self.checkpoints is None or self.last_saved == step or step in self.checkpoints.steps():
             return
         meta = make_meta(self.cfg, step, self.state["params"])
         meta["skipped_updates"] = self.skipped
-        self.checkpoints.save(step, self.state, meta)
+        with self._writing_checkpoint(step):
+            self.checkpoints.save(step, self.state, meta)
         self.last_saved = step
+
+    @contextlib.contextmanager
+    def _writing_checkpoint(self, step: int):
+        """A save that fails (disk full, permission lost, I/O error) ends the run with one
+        line naming the last complete checkpoint; an async save's failure surfaces at the
+        next save or wait, so `step` is the newest one started."""
+        try:
+            yield
+        except Exception as exc:  # noqa: BLE001 - Orbax raises what the file system raised
+            done = [s for s in finalized_steps(self.checkpoints.directory) if s < step]
+            last = (f"the last complete checkpoint is {self.checkpoints.directory / str(max(done))}" if done
+                    else "no checkpoint was completed")
+            raise OutputFailed(f"saving the checkpoint of step {step} in {self.checkpoints.directory} failed: "
+                               f"{first_line(exc)}; {last}") from None
 
     def loop(self) -> Result:
         cfg, layout = self.cfg, self.layout
@@ -90,11 +117,12 @@ class Run:
         peak = peak_tflops(layout.mesh.devices.flat[0].device_kind)
 
         metrics_file = cfg.metrics_file if self.primary else None  # one process writes the run's file
-        if metrics_file and self.start_step == 0:
-            open(cfg.metrics_file, "w").close()  # a fresh run starts a fresh file; a resumed one appends
+        if metrics_file:
+            start_metrics(metrics_file, self.start_step)
         records: list[dict] = []
         pending: list[dict] = []
         in_flight: deque = deque()
+        votes: deque = deque()
         ok = True
         batches = Prefetcher(
             lambda k: global_batch(self.source, k, cfg.batch, cfg.seq + 1, layout.batch_sharding),
@@ -108,11 +136,16 @@ class Run:
                     self.state, metrics = self.step_fn(self.state, batch)
                     pending.append(metrics)
                     in_flight.append(metrics["loss"])
+                    stopping = stop.requested  # read once: a signal may land mid-iteration
+                    if self.stop_vote:
+                        votes.append(self.stop_vote.cast(stopping))
+                        stopping = None
                     if len(in_flight) > MAX_STEPS_IN_FLIGHT:
                         with self.watchdog.waiting(f"step {step - MAX_STEPS_IN_FLIGHT}"):
                             in_flight.popleft().block_until_ready()  # a step already behind: no stall
+                            if self.stop_vote:  # the vote cast with that step: every process reads the same
+                                stopping = self.stop_vote.outcome(votes.popleft())
                     done = step + 1
-                    stopping = stop.requested  # read once: a signal may land mid-iteration
                     save_due = bool(cfg.save_every) and done % cfg.save_every == 0
                     log_due = done % cfg.log_every == 0 or done == cfg.steps
                     eval_due = bool(cfg.eval_every) and done % cfg.eval_every == 0
@@ -142,14 +175,18 @@ class Run:
                     if stopping:
                         self._finish_saves()
                         where = f"saved {self.checkpoints.directory / str(done)}" if self.checkpoints else "not saved (no --out)"
-                        self.log(f"stopped by {stop.requested} after step {done}; {where}")
+                        self.log(f"stopped by {stopping} after step {done}; {where}")
                         return Result(records, self.state, ok)
                 else:
                     self.save(cfg.steps)
         finally:
             batches.close()
-            self._finish_saves()
-            self.watchdog.close()
+            try:
+                self._finish_saves()
+            finally:
+                self.watchdog.close()
+                if self.lock:
+                    self.lock.release()
 
         if records and ok:  # the summary of a run that went to the end
             last = recent_loss(records, cfg.log_every)
@@ -206,8 +243,9 @@ class Run:
               f"--on-nan skip would drop such updates and go on", file=sys.stderr, flush=True)
 
     def _finish_saves(self) -> None:
-        if self.checkpoints is not None:
-            self.checkpoints.wait()
+        if self.checkpoints is not None and self.last_saved is not None:
+            with self._writing_checkpoint(self.last_saved), self.watchdog.waiting("the last checkpoint's save"):
+                self.checkpoints.wait()
 
 
 # Metrics of MoE models (spmd.step): load-balancing and z-loss, share of dropped choices,
@@ -232,7 +270,59 @@ def recent_loss(records: list[dict], n: int) -> float:
     return float(np.mean([r["loss"] for r in records[-n:]]))
 
 
+def start_metrics(path: str, start_step: int) -> None:
+    """A fresh run starts a fresh file; a resumed one keeps the records of the steps before
+    its checkpoint (those after it are trained again, and would be there twice)."""
+    kept = []
+    if start_step and os.path.exists(path):
+        with open(path, errors="replace") as f:
+            for line in f:
+                try:
+                    if json.loads(line)["step"] < start_step:
+                        kept.append(line if line.endswith("\n") else line + "\n")
+                except (ValueError, KeyError, TypeError):
+                    pass  # not a record of ours, or cut short by a kill
+    with _writing_metrics(path):
+        mode = os.stat(path).st_mode & 0o777 if os.path.exists(path) else 0o644
+        with tempfile.NamedTemporaryFile("w", dir=os.path.dirname(os.path.abspath(path)), delete=False) as tmp:
+            tmp.writelines(kept)
+        os.chmod(tmp.name, mode)
+        os.replace(tmp.name, path)
+
+
 def append_records(path, records: list[dict]) -> None:
-    with open(path, "a") as f:
-        for record in records:
-            f.write(json.dumps(record) + "\n")
+    with _writing_metrics(path), open(path, "a") as f:
+        f.write("".join(json.dumps(record) + "\n" for record in records))
+
+
+@contextlib.contextmanager
+def _writing_metrics(path: str):
+    try:
+        yield
+    except OSError as exc:
+        raise OutputFailed(f"cannot write --metrics-file {path}: {exc.strerror or first_line(exc)}") from None
+
+
+class StopVote:
+    """Processes agree on a stop: with each step every process casts its stop request (a
+    signal's number, or 0) into a tiny all-reduce (max over all devices), and reads the
+    outcome when it next waits for that step anyway. All read the same value at the same
+    step, so all stop after the same step and save it together."""
+
+    def __init__(self, mesh):
+        self._sharding = jax.NamedSharding(mesh, jax.P(mesh.axis_names))
+        self._size = mesh.devices.size
+        self._ballots: dict[int, jax.Array] = {}  # built once per value: no transfer per step
+        self._max = jax.jit(jnp.max, out_shardings=jax.NamedSharding(mesh, jax.P()))
+
+    def cast(self, requested: str | None) -> jax.Array:
+        value = int(signal.Signals[requested]) if requested else 0
+        if value not in self._ballots:
+            self._ballots[value] = jax.make_array_from_callback(
+                (self._size,), self._sharding, lambda index: np.full(len(range(self._size)[index[0]]), value, np.int32))
+        return self._max(self._ballots[value])
+
+    @staticmethod
+    def outcome(vote: jax.Array) -> str | None:
+        value = int(jax.device_get(vote))
+        return signal.Signals(value).name if value else None

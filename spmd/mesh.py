@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.metadata
 import math
 import os
+import re
 from collections.abc import Mapping, Sequence
 
 from spmd.errors import UserError
@@ -18,6 +19,10 @@ AXES = ("pp", "dp", "fsdp", "ep", "sp", "tp")
 BATCH_AXES = ("dp", "fsdp", "ep")  # the axes that split the batch
 REMAINING = -1
 DEFAULT_CPU_DEVICES_FOR_REMAINING = 8
+# Emulated devices are cheap to create (2048 took 1 s and 0.4 GB here), but a typo like
+# dp=1000000 would build a million before anything else is checked. The presets plan
+# at most 128; this leaves room for planning large clusters.
+MAX_EMULATED_DEVICES = 4096
 
 
 def parse_mesh(spec: str | Mapping[str, int] | None) -> dict[str, int]:
@@ -49,10 +54,10 @@ def _split_pairs(text: str) -> list[tuple[str, str]]:
 
 
 def _parse_size(axis: str, size: object) -> int:
-    try:
-        value = int(str(size), 10)
-    except ValueError:
-        raise UserError(f"mesh axis {axis}={size!r}: the size must be an integer") from None
+    # Plain ASCII digits only: int() would also read "1_000", "+4" and other scripts' digits.
+    if isinstance(size, bool) or not re.fullmatch(r"-?[0-9]+", str(size)):
+        raise UserError(f"mesh axis {axis}={size!r}: the size must be an integer")
+    value = int(str(size))
     if value == 0 or value < REMAINING:
         raise UserError(f"mesh axis {axis}={value}: the size must be positive (or -1 for the rest)")
     return value
@@ -96,15 +101,11 @@ def accelerator_plugin_installed() -> bool:
     return False
 
 
-def emulate_cpu_devices(sizes: Mapping[str, int], cpu_devices: int | None, processes: int = 1) -> None:
-    """On a CPU-only machine, create as many emulated devices as the mesh asks of this
-    process (its share when the run has several processes).
-
-    Must run before anything starts a JAX backend. On a machine with an accelerator
-    plugin this does nothing: the mesh is checked against the real devices later.
-    """
+def emulated_device_count(sizes: Mapping[str, int], cpu_devices: int | None, processes: int = 1) -> int | None:
+    """How many CPU devices this process will emulate for the mesh (its share when the
+    run has several processes); None on a machine with an accelerator plugin."""
     if accelerator_plugin_installed():
-        return
+        return None
     wanted = cpu_devices
     if wanted is None:
         has_rest = REMAINING in sizes.values()
@@ -115,6 +116,22 @@ def emulate_cpu_devices(sizes: Mapping[str, int], cpu_devices: int | None, proce
             wanted //= processes
     if wanted < 1:
         raise UserError(f"--cpu-devices must be positive, got {wanted}")
+    return wanted
+
+
+def emulate_cpu_devices(sizes: Mapping[str, int], cpu_devices: int | None, processes: int = 1) -> None:
+    """On a CPU-only machine, create as many emulated devices as the mesh asks of this
+    process (its share when the run has several processes).
+
+    Must run before anything starts a JAX backend. On a machine with an accelerator
+    plugin this does nothing: the mesh is checked against the real devices later.
+    """
+    wanted = emulated_device_count(sizes, cpu_devices, processes)
+    if wanted is None:
+        return
+    if wanted > MAX_EMULATED_DEVICES:
+        raise UserError(f"the mesh asks for {wanted:,} emulated CPU devices; at most {MAX_EMULATED_DEVICES} can be "
+                        "emulated (check the mesh's sizes)")
     import jax
 
     if wanted > 1 or cpu_devices is not None:

@@ -16,9 +16,11 @@ import math
 import sys
 from collections.abc import Sequence
 
-from spmd.config import REMAT, parse_with_extras
+from spmd.config import REMAT, integer, parse_with_extras
 from spmd.errors import UserError
-from spmd.mesh import accelerator_plugin_installed, check_dcn, explicit_product, parse_mesh, resolve_mesh
+from spmd.mesh import (MAX_EMULATED_DEVICES, accelerator_plugin_installed, check_dcn, explicit_product, parse_mesh,
+                       resolve_mesh)
+from spmd.signals import serve as serve_signals
 
 SMALL_BYTES = 1024  # collectives moving less each time are scalars (loss, norms, MoE statistics): listed, not flagged
 AUTO_SHOWN = 5
@@ -256,25 +258,29 @@ def auto(cfg, devices, hardware, planned_on: str) -> tuple[list[Plan], str]:
 
 # ----------------------------------------------------------------------------- CLI
 
-def _plan_flags(parser: argparse.ArgumentParser) -> None:
+def plan_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument("--auto", action="store_true",
                         help="search dp/fsdp/tp meshes, ZeRO stage and remat for the fastest layouts that fit")
-    parser.add_argument("--devices", type=int, default=None,
+    parser.add_argument("--devices", type=integer, default=None,
                         help="device count for --auto (default: the product of --mesh)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     from spmd import report
 
+    serve_signals("stopped; nothing was written")
     try:
-        cfg, extras = parse_with_extras(argv, prog="python -m spmd.plan", add_extras=_plan_flags,
+        cfg, extras = parse_with_extras(argv, prog="python -m spmd.plan", add_extras=plan_flags,
                                         description="Show per-device memory, collectives and a step-time "
                                                     "estimate of a layout, before launch (trains nothing).")
         sizes = parse_mesh(cfg.mesh)
-        count = extras.devices or explicit_product(sizes)
+        count = explicit_product(sizes) if extras.devices is None else extras.devices
         if count < 1:
             raise UserError(f"--devices must be positive, got {count}")
+        if count > MAX_EMULATED_DEVICES and not accelerator_plugin_installed():
+            raise UserError(f"planning for {count:,} devices would emulate them on the CPU; at most "
+                            f"{MAX_EMULATED_DEVICES} can be emulated")
         if -1 in sizes.values() and not extras.devices and not extras.auto:
             raise UserError("a mesh axis of -1 needs --devices N to plan for")
         devices, planned_on = plan_devices(count)

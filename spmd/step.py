@@ -275,8 +275,9 @@ def build_program(cfg, layout: Layout) -> Program:
         grads = jax.lax.with_sharding_constraint(grads, grad_sh)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state["opt_state"], params)
-        # A non-finite loss or gradient never reaches the state: that update is dropped.
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        # A non-finite loss, gradient or update (a NaN learning rate, a moment gone bad)
+        # never reaches the state: that update is dropped.
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(optax.tree.norm(updates))
         keep_if_finite = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
         new_state = {
             "step": state["step"] + 1,

@@ -14,21 +14,33 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from spmd.config import TrainConfig, parse_args
+from spmd.config import TrainConfig, find_config, parse_args
 from spmd.distributed import initialize, processes
-from spmd.errors import UserError, first_line, one_line_errors
+from spmd.errors import OutputFailed, UserError, first_line, one_line_errors
 from spmd.mesh import emulate_cpu_devices, parse_mesh
+from spmd.paths import LOCK_NAME, DirectoryLock, check_outputs_apart, check_writable_dir, check_writable_file
+from spmd.signals import serve as serve_signals
+from spmd.signals import served
 
 EXIT_NON_FINITE = 1
 EXIT_PEER_FAILED = 4
+EXIT_OUTPUT_FAILED = 5
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    serve_signals()  # first: every thread started from here on leaves SIGINT/SIGTERM to it
     with one_line_errors():
         cfg = parse_args(argv)
+        check_outputs(cfg, find_config(argv))
         procs = processes(cfg)
+        from spmd.layout import check_before_devices
+
+        check_before_devices(cfg, procs.count)
         emulate_cpu_devices(parse_mesh(cfg.mesh), cfg.cpu_devices, procs.count)
-        initialize(procs, cfg.heartbeat_timeout)
+    with one_line_errors(hold_stderr=False):  # a native abort while joining must still show its message
+        initialize(procs, cfg.heartbeat_timeout, cfg.join_timeout)
+    with one_line_errors():
         import jax
 
         from spmd.layout import make_layout
@@ -39,6 +51,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         run = prepare(cfg, layout, log=emit if jax.process_index() == 0 else _silent)
     try:
         return 0 if run.loop().ok else EXIT_NON_FINITE
+    except OutputFailed as exc:
+        # Exit at once: Orbax's threads may still hold the failed save, and waiting for them can hang.
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        os._exit(EXIT_OUTPUT_FAILED)
     except Exception as exc:
         if jax.process_count() == 1:
             raise
@@ -47,6 +63,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: process {jax.process_index()} of {jax.process_count()} stops: {first_line(exc)} "
               f"(did another process die? see its log)", file=sys.stderr, flush=True)
         os._exit(EXIT_PEER_FAILED)
+
+
+def check_outputs(cfg: TrainConfig, config_file: str | None = None) -> None:
+    """Before anything runs: each output can be written, and none is an input
+    (a metrics file equal to --data would overwrite the training data)."""
+    from spmd.checkpoint import locate
+
+    if cfg.out:
+        check_writable_dir(cfg.out, "--out")
+    in_out = bool(cfg.out and cfg.metrics_file) and Path(cfg.metrics_file).absolute().parent == Path(cfg.out).absolute()
+    if cfg.metrics_file and not (in_out and not Path(cfg.out).exists()):  # else made with --out
+        check_writable_file(cfg.metrics_file, "--metrics-file")
+    resumed_run = str(locate(cfg.resume)[0]) if cfg.resume else None
+    writes_on = bool(cfg.out and resumed_run) and Path(cfg.out).resolve() == Path(resumed_run).resolve()
+    check_outputs_apart(
+        {"--out": cfg.out, "--metrics-file": cfg.metrics_file},
+        {"--data": cfg.data, "--tokenizer": cfg.tokenizer, "--config": config_file, "--resume": resumed_run},
+        # A run may write on into the directory it resumes (the metrics file with it).
+        allowed={("--out", "--resume"): writes_on, ("--metrics-file", "--resume"): writes_on},
+    )
 
 
 def _silent(line: str) -> None:
@@ -68,7 +104,7 @@ def prepare(cfg: TrainConfig, layout, log=print):
     """
     import jax
 
-    from spmd.checkpoint import Checkpoints, check_compatible
+    from spmd.checkpoint import Checkpoints
     from spmd.data import make_source
     from spmd.loop import Run
     from spmd.plan import default_hardware, make_plan
@@ -77,49 +113,95 @@ def prepare(cfg: TrainConfig, layout, log=print):
     program = build_program(cfg, layout)
     started = time.perf_counter()
     data = make_source(cfg, layout.skeleton.model_cfg.vocab)
-    source_dir, source_step = _resume_source(cfg)
+    source_dir, step, meta = _resume_source(cfg, program)
+    step_fn = program.compile_step()
+    # What each device holds and what crosses the wire, read from the compiled step.
+    plan = make_plan(cfg, layout, compiled=step_fn, program=program,
+                     hardware=default_hardware(cfg, list(layout.mesh.devices.flat)))
+    if not cfg.ignore_fit:
+        check_fit(plan)
     if source_dir is not None:
         source = Checkpoints(source_dir, keep=cfg.keep)
         try:
-            step = source.latest_step() if source_step is None else source_step
-            if step is None:
-                raise UserError(f"no spmd checkpoint in {source_dir}")
-            meta = source.meta(step)
-            check_compatible(meta, cfg, program.abstract_state["params"], source_dir / str(step))
             state = source.restore(step, program.abstract_state, repeats=layout.repeats)
         finally:
             source.close()
         log(f"resumed from {source_dir / str(step)} (written on mesh {meta['config']['mesh']})")
     else:
-        step, meta = 0, {}
         with jax.set_mesh(layout.mesh):
             state = program.init(jax.random.key(cfg.seed))
+    eval_fn = program.compile_eval() if cfg.eval_every else None
+    lock = out = None
+    if cfg.out:
+        if jax.process_index() == 0:  # one lock per run; every process writes its shards
+            lock = DirectoryLock(cfg.out)
+            if served():
+                served().cleanups.append(lock.release)
+        out = Checkpoints(cfg.out, keep=cfg.keep)
+    setup_s = time.perf_counter() - started
+    return Run(cfg, layout, plan, step_fn, state, step, out, setup_s, data, eval_fn,
+               skipped=meta.get("skipped_updates", 0), log=log, lock=lock)
+
+
+def check_fit(plan) -> None:
+    """Refuse a step that the plan says will not fit the devices' memory (emulated CPU
+    devices share the host's), rather than run into an out-of-memory error."""
+    from spmd.hardware import host_memory_bytes
+    from spmd.report import human_bytes
+
+    devices = plan.layout.mesh.local_devices
+    usable, of = plan.usable, plan.hardware.name if plan.hardware else ""
+    if usable is None and devices[0].platform == "cpu":
+        usable, of = host_memory_bytes() / len(devices), f"this host's memory, shared by {len(devices)} CPU devices"
+    if usable is not None and plan.peak > usable:
+        raise UserError(f"the step needs {human_bytes(plan.peak)} per device at its peak, more than the "
+                        f"{human_bytes(usable)} of {of}; use more devices, a smaller --batch or --seq, "
+                        "--grad-accum or --remat full (or --ignore-fit to try anyway)")
+
+
+def _resume_source(cfg, program) -> tuple[Path | None, int, dict]:
+    """Where to resume from (`--resume`, else `--out` if it holds checkpoints, else
+    nowhere), checked against this run. -> (run directory, step, its meta)"""
+    from spmd import checkpoint
+    from spmd.checkpoint import check_compatible, finalized_steps, locate, read_meta
+    check_resumable = getattr(checkpoint, "check_resumable", lambda *a: None)  # TEMP until helper lands
+
+    source_dir, step = None, None
+    if cfg.resume:
+        source_dir, step = locate(cfg.resume)
+    elif cfg.out:
+        out = Path(cfg.out)
+        foreign = _foreign_files(out, cfg.metrics_file)
+        if foreign:
+            raise UserError(f"--out {out} holds files that are not spmd checkpoints ({foreign[0]}); "
+                            "use a new or empty directory")
+        if finalized_steps(out):
+            source_dir = out
+    if source_dir is None:
+        return None, 0, {}
+    if step is None:
+        steps = finalized_steps(source_dir)
+        if not steps:
+            raise UserError(f"no spmd checkpoint in {source_dir}")
+        step = steps[-1]
+    meta = read_meta(source_dir, step)
+    where = source_dir / str(step)
+    check_compatible(meta, cfg, program.abstract_state["params"], where)
+    check_resumable(meta, cfg, where)
     if step > cfg.steps:
         raise UserError(f"the checkpoint is at step {step}, beyond --steps {cfg.steps}")
-    step_fn = program.compile_step()
-    eval_fn = program.compile_eval() if cfg.eval_every else None
-    out = Checkpoints(cfg.out, keep=cfg.keep) if cfg.out else None
-    setup_s = time.perf_counter() - started
-    # What each device holds and what crosses the wire, read from the compiled step.
-    plan = make_plan(cfg, layout, compiled=step_fn, program=program,
-                     hardware=default_hardware(cfg, list(layout.mesh.devices.flat)))
-    return Run(cfg, layout, plan, step_fn, state, step, out, setup_s, data, eval_fn,
-               skipped=meta.get("skipped_updates", 0), log=log)
+    return source_dir, step, meta
 
 
-def _resume_source(cfg) -> tuple[Path | None, int | None]:
-    """Where to resume from: `--resume`, else `--out` if it holds checkpoints, else nowhere."""
-    from spmd.checkpoint import finalized_steps, is_empty_or_run_dir, locate
-
-    if cfg.resume:
-        return locate(cfg.resume)
-    if cfg.out:
-        out = Path(cfg.out)
-        if not is_empty_or_run_dir(out):
-            raise UserError(f"--out {out} holds files that are not spmd checkpoints; use a new or empty directory")
-        if finalized_steps(out):
-            return out, None
-    return None, None
+def _foreign_files(out: Path, metrics_file: str | None) -> list[str]:
+    """What in `--out` is not this run's: anything but checkpoints (whole, or Orbax's
+    temporaries), the run's lock and its own metrics file."""
+    if not out.is_dir():
+        return []
+    own = {LOCK_NAME} | ({Path(metrics_file).name} if metrics_file and
+                         Path(metrics_file).resolve().parent == out.resolve() else set())
+    return sorted(p.name for p in out.iterdir() if not (
+        p.name in own or p.is_dir() and (p.name.isdigit() or ".orbax-checkpoint-tmp" in p.name)))
 
 
 if __name__ == "__main__":

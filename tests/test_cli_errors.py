@@ -16,7 +16,7 @@ CASES = {
     "heads not divisible by tp": (["--mesh", "tp=3"], "does not divide by tp=3"),
     "batch not divisible by batch axes": (["--mesh", "dp=2,fsdp=2", "--batch", "6"], "does not divide by the batch axes"),
     "unknown model": (["--model", "gpt-17"], "unknown model 'gpt-17'"),
-    "negative steps": (["--steps", "-1"], "--steps must not be negative"),
+    "negative steps": (["--steps", "-1"], "--steps must be at least 0, got -1"),
     "missing config file": (["--config", "no/such/file.yaml"], "config file not found"),
     "malformed yaml": (["--config", "{bad}"], "is not valid YAML"),
     "unknown option in yaml": (["--config", "{unknown}"], "unknown option 'warp'"),

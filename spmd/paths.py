@@ -1,0 +1,111 @@
+"""Where commands write: checked before anything runs, never over an input, one run at a time.
+
+Each check creates nothing that stays: writability is tried with a probe file that is
+removed at once, in the directory itself or, when it does not exist yet, in the nearest
+ancestor that does (which is where it would be created).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+
+from spmd.errors import UserError
+
+LOCK_NAME = ".spmd-lock"
+
+
+def _probe(directory: Path, flag: str, path: str) -> None:
+    try:
+        fd, name = tempfile.mkstemp(prefix=".spmd-probe-", dir=directory)
+        os.close(fd)
+        os.unlink(name)
+    except OSError as exc:
+        raise UserError(f"{flag} {path} cannot be written: {exc.strerror} (in {directory})") from None
+
+
+def _existing_ancestor(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def check_writable_dir(path: str, flag: str) -> None:
+    """`path` is a directory we can write into, or one we can create."""
+    p = Path(path).absolute()
+    if p.exists() and not p.is_dir():
+        raise UserError(f"{flag} {path} is a file, not a directory")
+    existing = _existing_ancestor(p)
+    if not existing.is_dir():
+        raise UserError(f"{flag} {path} cannot be created: {existing} is a file")
+    _probe(existing, flag, path)
+
+
+def check_writable_file(path: str, flag: str) -> None:
+    """`path` names a file we can create or append to, in a directory that exists."""
+    p = Path(path).absolute()
+    if p.is_dir():
+        raise UserError(f"{flag} {path} is a directory, not a file")
+    if not p.parent.is_dir():
+        raise UserError(f"{flag} {path}: the directory {p.parent} does not exist")
+    _probe(p.parent, flag, path)
+    if p.exists() and not os.access(p, os.W_OK):
+        raise UserError(f"{flag} {path} cannot be written: permission denied")
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    return path == folder or folder in path.parents
+
+
+def check_outputs_apart(outputs: Mapping[str, str | None], inputs: Mapping[str, str | None],
+                        allowed: Mapping[tuple[str, str], bool] = {}) -> None:
+    """No output may be, or sit inside, an input: `--metrics-file` equal to `--data`
+    would overwrite the training data. `allowed` names (output flag, input flag) pairs
+    that may coincide (a run writing on into the directory it resumes)."""
+    for out_flag, out in outputs.items():
+        if not out:
+            continue
+        out_path = Path(out).resolve()
+        for in_flag, inp in inputs.items():
+            if inp and not allowed.get((out_flag, in_flag)) and _inside(out_path, Path(inp).resolve()):
+                raise UserError(f"{out_flag} {out} would write over the input {in_flag} {inp}; choose another path")
+
+
+class DirectoryLock:
+    """An exclusive lock on a run directory, held until the process ends.
+
+    `flock` dies with its process, so a lock left by a killed run is never stale: the
+    next run takes it. The file records who holds it, for the refusal's message.
+    """
+
+    def __init__(self, directory: str | Path, flag: str = "--out"):
+        self.directory = Path(directory)
+        self.created = not self.directory.exists()
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self._fd = os.open(self.directory / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise UserError(f"{flag} {directory} cannot be written: {exc.strerror}") from None
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self._fd, 200, 0).decode(errors="replace").strip() or "another process"
+            os.close(self._fd)
+            raise UserError(f"{flag} {directory} is in use by another run ({holder}); "
+                            "wait for it to end or choose another directory") from None
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+
+    def release(self) -> None:
+        """Unlock; a directory this run created and left with nothing in it is removed."""
+        if self._fd < 0:
+            return
+        if self.created and [p.name for p in self.directory.iterdir()] == [LOCK_NAME]:
+            (self.directory / LOCK_NAME).unlink()
+            self.directory.rmdir()
+        os.close(self._fd)
+        self._fd = -1

@@ -1,0 +1,59 @@
+"""Runs many command-line cases fast: imported once, then one fork per case.
+
+Reads a JSON list of cases ({"module": "spmd.train", "argv": [...], "cwd": DIR}) on stdin
+and writes one JSON result per case ({"code", "stdout", "stderr"}). Each case runs its
+module's `main(argv)` in a child forked before JAX starts a backend (importing JAX starts
+no thread), in its own working directory, with its own stdout and stderr files: what a
+user running the command there would see, at a few milliseconds a case.
+"""
+
+import importlib
+import json
+import os
+import sys
+import tempfile
+
+MODULES = ("spmd.train", "spmd.plan", "spmd.export", "spmd.launch", "spmd.corpus")
+# What the commands import on their way (the models, Orbax, the layout): loaded once here.
+PRELOAD = ("models", "spmd.layout", "spmd.checkpoint", "spmd.loop", "spmd.step", "spmd.data")
+
+
+def run(module, argv: list[str], cwd: str) -> dict:
+    out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
+    pid = os.fork()
+    if pid == 0:  # the child: the command, as its own process
+        try:
+            os.chdir(cwd)
+            os.dup2(out.fileno(), 1)
+            os.dup2(err.fileno(), 2)
+            code = module.main(argv)
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+        except BaseException:  # noqa: BLE001 - a traceback is what the test looks for
+            import traceback
+
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code or 0)
+    _, status = os.waitpid(pid, 0)
+    code = os.waitstatus_to_exitcode(status)
+    texts = []
+    for f in (out, err):
+        f.seek(0)
+        texts.append(f.read().decode(errors="replace"))
+        f.close()
+    return {"code": code, "stdout": texts[0], "stderr": texts[1]}
+
+
+def main() -> None:
+    modules = {name: importlib.import_module(name) for name in MODULES}
+    for name in PRELOAD:
+        importlib.import_module(name)
+    cases = json.load(sys.stdin)
+    json.dump([run(modules[c["module"]], c["argv"], c["cwd"]) for c in cases], sys.stdout)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,182 @@
+"""Every option of every command, given a bad value: one `error:` line naming the option,
+exit code 2, no traceback, and nothing written (the working directory and the inputs are
+the same after as before).
+
+The table is made from the commands' own parsers, so an option added later is covered
+without a new line here: for each, a value out of its range, of the wrong type, not
+finite, and empty. Hand-written cases add the values that only make sense for one option
+(a mesh in other digits, an output over an input, a config file's wrong types).
+"""
+
+import argparse
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from spmd.config import TrainConfig, finite, integer, nonempty, train_parser
+from spmd.plan import plan_flags
+
+pytestmark = pytest.mark.xdist_group("cli")
+
+DRIVER = Path(__file__).with_name("cli_driver.py")
+BOUNDS = {f.name: f.metadata["bounds"] for f in dataclasses.fields(TrainConfig)}
+
+
+def _out_of_range(dest: str, kind) -> list[str]:
+    """Values just outside the option's bounds."""
+    b = BOUNDS.get(dest)
+    if b is None:
+        return []
+    step = 1 if kind is integer else 0.5
+    values = [b.at_least - step if b.at_least is not None else b.above,
+              b.at_most + step if b.at_most is not None else b.below]
+    return [str(int(v) if kind is integer else v) for v in values if v is not None]
+
+
+def generated(parser: argparse.ArgumentParser) -> dict[str, tuple[list[str], str]]:
+    """name -> (argv, a fragment the error line must hold), for each option of `parser`."""
+    cases = {}
+    for action in parser._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        flag = action.option_strings[0]
+        if action.nargs == 0:  # a switch: it takes no value
+            cases[f"{flag}=yes"] = ([f"{flag}=yes"], flag)
+            cases[f"{flag}= (empty)"] = ([f"{flag}="], flag)
+            continue
+        values = {"empty": ""}
+        if action.choices:
+            values["not a choice"] = "nope"
+        elif action.type is integer:
+            values |= {"wrong type": "1.5", "not finite": "inf", "other digits": "\u0663"}
+        elif action.type is finite:
+            values |= {"wrong type": "abc", "not finite": "nan", "infinite": "-inf"}
+        else:
+            assert action.type is nonempty, f"{flag}: every option's type is checked"
+        for i, v in enumerate(_out_of_range(action.dest, action.type)):
+            values[f"out of range {i}"] = v
+        for what, value in values.items():
+            cases[f"{flag} {what}"] = ([flag, value], flag)
+    return cases
+
+
+# Values that are wrong for one option only. {files} are made by the fixture.
+TRAIN = {
+    "mesh in other digits": (["--mesh", "dp=\u0663"], "must be an integer"),
+    "mesh size with underscores": (["--mesh", "dp=1_0"], "must be an integer"),
+    "mesh far larger than the batch": (["--mesh", "dp=1000000"], "does not divide by the batch axes"),
+    "more devices than can be emulated": (["--mesh", "dp=8192", "--batch", "8192"], "at most 4096"),
+    "dcn that does not divide": (["--dcn", "dp=4"], "--dcn dp=4 does not divide"),
+    "out is a file": (["--out", "{file}"], "is a file"),
+    "out under a file": (["--out", "{file}/run"], "cannot be created"),
+    "metrics file is a directory": (["--metrics-file", "{folder}"], "is a directory"),
+    "metrics file in a missing directory": (["--metrics-file", "no/such/m.jsonl"], "does not exist"),
+    "metrics file over the data": (["--data", "{corpus}", "--metrics-file", "{corpus}"], "would write over the input --data"),
+    "out inside the data folder": (["--data", "{folder}", "--out", "{folder}/run"], "would write over the input --data"),
+    "metrics file over the config": (["--config", "{good_yaml}", "--metrics-file", "{good_yaml}"],
+                                     "would write over the input --config"),
+    "resume from nowhere": (["--resume", "no/such/run"], "does not exist"),
+    "unknown model": (["--model", "gpt-17"], "unknown model"),
+    "unknown hardware": (["--hardware", "tpu-v9"], "unknown hardware"),
+    "tokenizer without data": (["--tokenizer", "{file}"], "--tokenizer applies to --data"),
+    "coordinator port 0": (["--coordinator", "h:0", "--num-processes", "2", "--process-id", "0"], "a port from 1"),
+    "coordinator port too high": (["--coordinator", "h:70000", "--num-processes", "2", "--process-id", "0"],
+                                  "a port from 1"),
+    "process id out of range": (["--coordinator", "h:1", "--num-processes", "2", "--process-id", "2"],
+                                "not one of 2 processes"),
+    "second config": (["--config", "{good_yaml}", "--config", "{good_yaml}"], "--config is given twice"),
+    "empty config after =": (["--config="], "--config needs a file name"),
+    "config is a directory": (["--config", "{folder}"], "is a directory"),
+    "config is binary": (["--config", "{binary}"], "is not UTF-8"),
+    "config: boolean as text": (["--config", "{bool_as_text}"], "scale_lr must be true or false"),
+    "config: null where a value is needed": (["--config", "{null_steps}"], "steps must be given a value"),
+    "config: list for a number": (["--config", "{list_steps}"], "steps must be a single value"),
+    "config: NaN learning rate": (["--config", "{nan_lr}"], "is not a finite number"),
+    "config: number for a switch": (["--config", "{number_switch}"], "megatron_sp must be true or false"),
+    "config: mesh size true": (["--config", "{bool_mesh}"], "a mapping of axis: size"),
+    "beta outside [0, 1)": (["--b2", "1"], "--b2 must be at least 0 and below 1"),
+}
+PLAN = {
+    "devices 0": (["--devices", "0"], "--devices must be positive"),
+    "devices beyond emulation": (["--mesh", "dp=-1", "--devices", "100000"], "at most 4096"),
+    "auto beyond emulation": (["--auto", "--devices", "100000", "--hardware", "h100"], "at most 4096"),
+    "config is binary": (["--config", "{binary}"], "is not UTF-8"),
+}
+
+
+def _files(tmp: Path) -> dict[str, str]:
+    files = {
+        "file": ("file.txt", "some text\n"), "corpus": ("corpus.txt", "some text " * 100),
+        "good_yaml": ("good.yaml", "steps: 3\n"), "bool_as_text": ("t.yaml", 'scale_lr: "false"\n'),
+        "null_steps": ("n.yaml", "steps: null\n"), "list_steps": ("l.yaml", "steps: [1, 2]\n"),
+        "nan_lr": ("nan.yaml", "lr: .nan\n"), "number_switch": ("s.yaml", "megatron_sp: 1\n"),
+        "bool_mesh": ("m.yaml", "mesh: {dp: true}\n"),
+    }
+    for name, text in files.values():
+        (tmp / name).write_text(text)
+    (tmp / "binary.yaml").write_bytes(bytes(range(256)))
+    (tmp / "folder").mkdir()
+    return {f"{{{key}}}": str(tmp / name) for key, (name, _) in files.items()} | {
+        "{binary}": str(tmp / "binary.yaml"), "{folder}": str(tmp / "folder")}
+
+
+def _snapshot(root: Path) -> dict[str, int]:
+    return {str(p.relative_to(root)): p.stat().st_size for p in sorted(root.rglob("*"))}
+
+
+def _plan_parser() -> argparse.ArgumentParser:
+    parser = train_parser()
+    plan_flags(parser)
+    return parser
+
+
+def all_cases() -> dict[str, tuple[str, list[str], str]]:
+    cases = {}
+    for module, hand, parser in (("spmd.train", TRAIN, train_parser()), ("spmd.plan", PLAN, _plan_parser())):
+        for name, (argv, fragment) in {**generated(parser), **hand}.items():
+            cases[f"{module.split('.')[1]}: {name}"] = (module, argv, fragment)
+    return cases
+
+
+CASES = all_cases()
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    inputs = tmp_path_factory.mktemp("inputs")
+    files = _files(inputs)
+    before = _snapshot(inputs)
+    work = tmp_path_factory.mktemp("work")
+    batch = []
+    for i, (module, argv, _) in enumerate(CASES.values()):
+        cwd = work / str(i)
+        cwd.mkdir()
+        batch.append({"module": module, "cwd": str(cwd), "argv": [
+            arg.format(**{k.strip("{}"): v for k, v in files.items()}) if "{" in arg else arg for arg in argv]})
+    done = subprocess.run([sys.executable, str(DRIVER)], input=json.dumps(batch), capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert _snapshot(inputs) == before  # no input was touched
+    return {name: (r, work / str(i)) for i, (name, r) in enumerate(zip(CASES, json.loads(done.stdout)))}
+
+
+def test_every_option_is_covered():
+    flags = {a.option_strings[0] for a in _plan_parser()._actions if a.option_strings and a.dest != "help"}
+    named = {argv[0].split("=")[0] for _, argv, _ in CASES.values()}
+    assert flags <= named, flags - named
+    assert len(CASES) > 250  # four kinds of bad value for most of 60 options
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_value_gives_one_error_line(results, case):
+    result, cwd = results[case]
+    assert result["code"] == 2, result
+    assert result["stdout"] == ""
+    lines = result["stderr"].splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result["stderr"]
+    assert CASES[case][2] in lines[0]
+    assert not any(cwd.iterdir()), list(cwd.iterdir())  # nothing written
