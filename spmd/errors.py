@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
 import tempfile
+import threading
 
 
 class UserError(Exception):
@@ -52,3 +54,18 @@ def one_line_errors(hold_stderr: bool = True):
             held.seek(0)
             os.write(2, held.read())
             held.close()
+
+
+def quiet_library_threads() -> None:
+    """Orbax and TensorStore report a failed write from their own threads, with tracebacks
+    (absl's log, and Python's unraisable-exception hook called from C): a full disk printed 649 lines.
+    A command reports the failure itself, in one line, so theirs are not printed. The
+    main thread's own uncaught exceptions still are."""
+    logging.getLogger("absl").setLevel(logging.CRITICAL)
+    main_hook = sys.unraisablehook
+
+    def hook(unraisable):
+        if threading.current_thread() is threading.main_thread():
+            main_hook(unraisable)
+
+    sys.unraisablehook = hook

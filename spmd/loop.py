@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -101,11 +102,13 @@ class Run:
         try:
             yield
         except Exception as exc:  # noqa: BLE001 - Orbax raises what the file system raised
-            done = [s for s in finalized_steps(self.checkpoints.directory) if s < step]
+            complete = finalized_steps(self.checkpoints.directory)
+            failed = min((s for s in (self.last_saved, step) if s is not None and s not in complete), default=step)
+            done = [s for s in complete if s < failed]
             last = (f"the last complete checkpoint is {self.checkpoints.directory / str(max(done))}" if done
                     else "no checkpoint was completed")
-            raise OutputFailed(f"saving the checkpoint of step {step} in {self.checkpoints.directory} failed: "
-                               f"{first_line(exc)}; {last}") from None
+            raise OutputFailed(f"saving the checkpoint of step {failed} in {self.checkpoints.directory} failed "
+                               f"({why_io_failed(exc)}); {last}") from None
 
     def loop(self) -> Result:
         cfg, layout = self.cfg, self.layout
@@ -295,12 +298,21 @@ def append_records(path, records: list[dict]) -> None:
         f.write("".join(json.dumps(record) + "\n" for record in records))
 
 
+def why_io_failed(exc: BaseException) -> str:
+    """The reason of a failed write, short: an OSError's own words, else the end of the
+    first line (TensorStore's errors put the file system's words last)."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    text = first_line(exc)
+    return re.sub(r"\s*\[os_error_code=.*$", "", text.rsplit(": ", 1)[-1]) if len(text) > 160 else text
+
+
 @contextlib.contextmanager
 def _writing_metrics(path: str):
     try:
         yield
     except OSError as exc:
-        raise OutputFailed(f"cannot write --metrics-file {path}: {exc.strerror or first_line(exc)}") from None
+        raise OutputFailed(f"cannot write --metrics-file {path}: {why_io_failed(exc)}") from None
 
 
 class StopVote:

@@ -76,32 +76,51 @@ def check_outputs_apart(outputs: Mapping[str, str | None], inputs: Mapping[str, 
 
 
 class DirectoryLock:
-    """An exclusive lock on a run directory, held until the process ends.
+    """An exclusive lock on a run directory (`flock` on the directory itself), held until
+    the process ends.
 
     `flock` dies with its process, so a lock left by a killed run is never stale: the
-    next run takes it. The file records who holds it, for the refusal's message.
+    next run takes it. Taking it writes nothing, so a run takes it before it reads the
+    directory and can still fail on bad input without a trace; once the run is ready,
+    `hold` makes the directory if needed and records who holds it, for the message of
+    a run that is refused.
     """
 
     def __init__(self, directory: str | Path, flag: str = "--out"):
-        self.directory = Path(directory)
-        self.created = not self.directory.exists()
+        self.directory, self.flag = Path(directory), flag
+        self.created = False
+        self._fd = -1
+
+    def take(self) -> None:
+        """Lock the directory if it exists (a missing one is no other run's yet)."""
+        if self._fd >= 0 or not self.directory.is_dir():
+            return
+        fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            self._fd = os.open(self.directory / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as exc:
-            raise UserError(f"{flag} {directory} cannot be written: {exc.strerror}") from None
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(self._fd, 200, 0).decode(errors="replace").strip() or "another process"
-            os.close(self._fd)
-            raise UserError(f"{flag} {directory} is in use by another run ({holder}); "
+            os.close(fd)
+            try:
+                holder = (self.directory / LOCK_NAME).read_text().strip()
+            except OSError:
+                holder = "starting"
+            raise UserError(f"{self.flag} {self.directory} is in use by another run ({holder}); "
                             "wait for it to end or choose another directory") from None
-        os.ftruncate(self._fd, 0)
-        os.pwrite(self._fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        self._fd = fd
+
+    def hold(self) -> None:
+        """Make the directory if needed, lock it, and record this process as the holder."""
+        try:
+            if not self.directory.exists():
+                self.directory.mkdir(parents=True)
+                self.created = True
+            self.take()
+            (self.directory / LOCK_NAME).write_text(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        except OSError as exc:
+            raise UserError(f"{self.flag} {self.directory} cannot be written: {exc.strerror}") from None
 
     def release(self) -> None:
-        """Unlock; a directory this run created and left with nothing in it is removed."""
+        """Unlock; a directory this run made and left with nothing in it is removed."""
         if self._fd < 0:
             return
         if self.created and [p.name for p in self.directory.iterdir()] == [LOCK_NAME]:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from spmd.config import TrainConfig, find_config, parse_args
 from spmd.distributed import initialize, processes
-from spmd.errors import OutputFailed, UserError, first_line, one_line_errors
+from spmd.errors import OutputFailed, UserError, first_line, one_line_errors, quiet_library_threads
 from spmd.mesh import emulate_cpu_devices, parse_mesh
 from spmd.paths import LOCK_NAME, DirectoryLock, check_outputs_apart, check_writable_dir, check_writable_file
 from spmd.signals import serve as serve_signals
@@ -30,6 +30,7 @@ EXIT_OUTPUT_FAILED = 5
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     serve_signals()  # first: every thread started from here on leaves SIGINT/SIGTERM to it
+    quiet_library_threads()
     with one_line_errors():
         cfg = parse_args(argv)
         check_outputs(cfg, find_config(argv))
@@ -113,6 +114,11 @@ def prepare(cfg: TrainConfig, layout, log=print):
     program = build_program(cfg, layout)
     started = time.perf_counter()
     data = make_source(cfg, layout.skeleton.model_cfg.vocab)
+    # One run per directory: taken before --out is read, so that a second run is refused
+    # before it looks at checkpoints the first is writing. One lock per run: process 0's.
+    lock = DirectoryLock(cfg.out) if cfg.out and jax.process_index() == 0 else None
+    if lock:
+        lock.take()
     source_dir, step, meta = _resume_source(cfg, program)
     step_fn = program.compile_step()
     # What each device holds and what crosses the wire, read from the compiled step.
@@ -131,12 +137,12 @@ def prepare(cfg: TrainConfig, layout, log=print):
         with jax.set_mesh(layout.mesh):
             state = program.init(jax.random.key(cfg.seed))
     eval_fn = program.compile_eval() if cfg.eval_every else None
-    lock = out = None
+    out = None
+    if lock:
+        lock.hold()
+        if served():
+            served().cleanups.append(lock.release)
     if cfg.out:
-        if jax.process_index() == 0:  # one lock per run; every process writes its shards
-            lock = DirectoryLock(cfg.out)
-            if served():
-                served().cleanups.append(lock.release)
         out = Checkpoints(cfg.out, keep=cfg.keep)
     setup_s = time.perf_counter() - started
     return Run(cfg, layout, plan, step_fn, state, step, out, setup_s, data, eval_fn,
