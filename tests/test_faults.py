@@ -77,6 +77,22 @@ def test_a_full_disk_during_a_save_ends_in_one_line_and_the_last_checkpoint_resu
     assert finalized_steps(tmp_path / "again") == [20, 30, 40]
 
 
+def test_a_metrics_file_on_a_full_disk_ends_in_one_line_and_leaves_no_empty_out(tmp_path):
+    # One free page (4 KiB) for the metrics file: about 15 steps' records, then the disk is full.
+    train = " ".join(TRAIN)
+    done = _in_namespace(f"""
+        mkdir disk
+        mount -t tmpfs -o size=64k tmpfs disk
+        dd if=/dev/zero of=disk/filler bs=4k count=15 2>/dev/null
+        {train} --steps 200 --metrics-file disk/m.jsonl --out run >out.txt 2>err.txt && echo "exit 0" || echo "exit $?"
+        """, tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "exit 5"
+    line = _one_error_line((tmp_path / "err.txt").read_text())
+    assert line == "error: cannot write --metrics-file disk/m.jsonl: No space left on device"
+    assert not (tmp_path / "run").exists()  # made by this run, never saved into: removed
+
+
 def test_two_processes_stop_after_the_same_step_when_one_is_told_to(tmp_path):
     port = free_port()
     cmd = [*TRAIN, "--steps", "100000", "--out", str(tmp_path / "run"), "--step-timeout", "60"]
