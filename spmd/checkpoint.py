@@ -2,12 +2,15 @@
 
 A checkpoint is a directory `<run>/<step>/` with three items: `params`, `opt_state` (each
 array saved as its shards, by the processes that hold them) and `meta` (JSON: the step,
-the run's config, the model's shapes). With step-indexed data the step is all the data
-source needs. Orbax writes each checkpoint under a temporary name and renames it when
-complete, so a crash or `kill -9` mid-save leaves the previous checkpoint as the latest.
+the run's config, the model's shapes, one checksum per array). With step-indexed data the
+step is all the data source needs. Orbax writes each checkpoint under a temporary name and
+renames it when complete, so a crash or `kill -9` mid-save leaves the previous checkpoint
+as the latest.
 
 Restoring always goes through the target's abstract state: arrays are read straight into
-the shardings of the current mesh, whatever mesh wrote them.
+the shardings of the current mesh, whatever mesh wrote them, then checked against their
+checksums (spmd.checksum: the same on every mesh). A checkpoint that cannot be read or
+does not match is refused, naming the previous complete checkpoint to resume from.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from flax import traverse_util
 
+from spmd.checksum import checksums
+from spmd.config import flag_of
 from spmd.errors import UserError
 from spmd.layout import is_stacked, restack
 
@@ -71,7 +76,9 @@ class Checkpoints:
         return self._manager.latest_step()
 
     def save(self, step: int, state: dict, meta: dict) -> None:
-        """Start saving; returns once the arrays are copied off the devices (safe to donate)."""
+        """Start saving; returns once the arrays are copied off the devices (safe to donate).
+        The arrays' checksums go into `meta`, computed first (the next step donates them)."""
+        meta = {**meta, "checksums": checksums({name: state[name] for name in ("params", "opt_state")})}
         self._manager.save(step, args=ocp.args.Composite(
             params=ocp.args.StandardSave(state["params"]),
             opt_state=ocp.args.StandardSave(state["opt_state"]),
@@ -81,22 +88,27 @@ class Checkpoints:
     def wait(self) -> None:
         self._manager.wait_until_finished()
 
+    def delete(self, step: int) -> None:
+        self._manager.delete(step)
+
     def meta(self, step: int) -> dict:
         return read_meta(self.directory, step)
 
     def restore(self, step: int, abstract_state: dict, items=("params", "opt_state"), repeats: int = 1) -> dict:
         """Read `items` of checkpoint `step` into the shardings of `abstract_state`, whose
         stacked layers are stored for `repeats` (spmd.layout.restack). A checkpoint whose
-        layers are stored otherwise is read as it was saved, then restacked once."""
-        saved = stacked_repeats(self.meta(step).get("config", {}))
+        layers are stored otherwise is read as it was saved, checked, then restacked once."""
+        meta = self.meta(step)
+        saved = stacked_repeats(meta.get("config", {}))
         targets = {name: abstract_state[name] for name in items}
         as_saved = targets if saved == repeats else _as_saved(targets, repeats, saved)
         args = {name: ocp.args.StandardRestore(as_saved[name]) for name in items}
         try:
             restored = self._manager.restore(step, args=ocp.args.Composite(**args))
         except Exception as exc:  # noqa: BLE001 - any unreadable file is the user's bad input
-            raise _unreadable(self.directory / str(step), exc) from None
+            raise _unreadable(self.directory, step, exc) from None
         state = {name: restored[name] for name in items}
+        _verify(self.directory, step, state, meta.get("checksums"))
         if saved != repeats:
             def convert(tree):
                 tree = restack(tree, -1) if saved > 1 else tree
@@ -119,20 +131,59 @@ def finalized_steps(run_dir: Path) -> list[int]:
 
 def read_meta(run_dir: Path, step: int) -> dict:
     """The JSON `meta` item, read without Orbax (so before JAX starts its backend)."""
-    path = Path(run_dir) / str(step) / "meta" / "metadata"
     try:
-        meta = json.loads(path.read_text())
+        meta = _load_meta(run_dir, step)
     except (OSError, ValueError) as exc:
-        raise _unreadable(path.parent.parent, exc) from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise UserError(f"{path.parent.parent} is not an spmd checkpoint")
+        raise _unreadable(Path(run_dir), step, exc) from None
+    if not _is_ours(meta):
+        raise UserError(f"{Path(run_dir) / str(step)} is not an spmd checkpoint")
     return meta
 
 
-def _unreadable(where: Path, exc: Exception) -> UserError:
+def _load_meta(run_dir: Path, step: int):
+    return json.loads((Path(run_dir) / str(step) / "meta" / "metadata").read_text())
+
+
+def _is_ours(meta) -> bool:
+    return isinstance(meta, dict) and meta.get("format") == FORMAT
+
+
+def _unreadable(run_dir: Path, step: int, exc: BaseException) -> UserError:
+    # The first exception of the chain says what failed (Orbax's wrapper prints a TensorStore spec).
+    seen = {id(exc)}
+    while (inner := exc.__cause__ or exc.__context__) is not None and id(inner) not in seen:
+        exc = inner
+        seen.add(id(exc))
     text = str(exc).strip().splitlines()
-    why = f"{type(exc).__name__}: {text[0][:200]}" if text else type(exc).__name__
-    return UserError(f"checkpoint {where} is unreadable ({why})")
+    why = f"{type(exc).__name__}: {text[0][:300]}" if text else type(exc).__name__
+    return UserError(f"checkpoint {run_dir / str(step)} is unreadable ({why}); {_previous_complete(run_dir, step)}")
+
+
+def _verify(run_dir: Path, step: int, state: dict, saved: dict | None) -> None:
+    """The restored items (as they were saved) against the checksums saved with them;
+    checkpoints written before checksums were kept are read unchecked."""
+    if not saved:
+        return
+    got = checksums(state)
+    bad = [f"{name}/{key}" for name in state for key, value in saved.get(name, {}).items()
+           if got[name].get(key) != value]
+    if bad:
+        what = f"{bad[0]} does not match its checksum" if len(bad) == 1 else \
+            f"{bad[0]} and {len(bad) - 1} more arrays do not match their checksums"
+        raise UserError(f"checkpoint {run_dir / str(step)} is damaged: {what}; {_previous_complete(run_dir, step)}")
+
+
+def _previous_complete(run_dir: Path, step: int) -> str:
+    """Where to resume instead of a bad checkpoint: the newest finalized one before it
+    whose meta reads (its arrays are checked when it is restored)."""
+    for earlier in reversed([s for s in finalized_steps(run_dir) if s < step]):
+        try:
+            if _is_ours(_load_meta(run_dir, earlier)):
+                where = run_dir / str(earlier)
+                return f"the previous complete checkpoint is {where} (--resume {where})"
+        except (OSError, ValueError):
+            continue
+    return "there is no earlier checkpoint"
 
 
 def locate(path: str | Path) -> tuple[Path, int | None]:
@@ -178,13 +229,33 @@ def check_compatible(meta: dict, cfg, params_shapes, where: Path) -> None:
                         f"this run's {cfg.model!r} (first difference: {differ[0]})")
 
 
-def is_empty_or_run_dir(path: Path) -> bool:
-    """Whether `--out` may be written: missing, empty, or holding checkpoints of ours."""
-    if not path.exists():
-        return True
-    if not path.is_dir():
-        return False
-    return all(p.is_dir() and (p.name.isdigit() or ".orbax-checkpoint-tmp" in p.name) for p in path.iterdir())
+# What a resumed run must share with the run that wrote its checkpoint: the data order
+# (batch, seq, seed) and the learning-rate schedule (steps, lr, warmup, ...). The layout,
+# dtype, accumulation, ZeRO stage, remat, logging and saving may change.
+RESUME_FIXED = ("steps", "batch", "seq", "seed", "lr", "warmup", "min_lr_ratio", "scale_lr", "ref_batch")
+
+
+def check_resumable(meta: dict, cfg, where: Path) -> None:
+    """Refuse to resume a run whose data order or schedule this run changes, unless
+    `cfg.resume_with_changes` (--resume-with-changes)."""
+    if cfg.resume_with_changes:
+        return
+    old, new = meta.get("config", {}), dataclasses.asdict(cfg)
+    changed = [name for name in RESUME_FIXED if name in old and old[name] != new[name]]
+    if "ref_batch" in changed and not (old.get("scale_lr") or new["scale_lr"]):
+        changed.remove("ref_batch")  # only --scale-lr reads it
+    if changed:
+        raise UserError(f"checkpoint {where} was written by a run with {_flags(old, changed)}; this run has "
+                        f"{_flags(new, changed)}; pass --resume-with-changes to continue with the new values")
+
+
+def _flags(config: dict, names: list[str]) -> str:
+    def flag(name):
+        value = config[name]
+        if isinstance(value, bool):
+            return flag_of(name) if value else flag_of(f"no_{name}")
+        return f"{flag_of(name)} {value}"
+    return " ".join(map(flag, names))
 
 
 def export_params(directory: str | Path, params, meta: dict) -> None:

@@ -86,11 +86,13 @@ class Run:
         self.stop_vote = StopVote(layout.mesh) if jax.process_count() > 1 else None
 
     def save(self, step: int) -> None:
-        if self.checkpoints is None or self.last_saved == step or step in self.checkpoints.steps():
+        if self.checkpoints is None or self.last_saved == step or step == self.start_step:
             return
         meta = make_meta(self.cfg, step, self.state["params"])
         meta["skipped_updates"] = self.skipped
         with self._writing_checkpoint(step):
+            if step in self.checkpoints.steps():  # a later checkpoint of a run this one resumed before
+                self.checkpoints.delete(step)
             self.checkpoints.save(step, self.state, meta)
         self.last_saved = step
 

@@ -105,7 +105,7 @@ def prepare(cfg: TrainConfig, layout, log=print):
     """
     import jax
 
-    from spmd.checkpoint import Checkpoints
+    from spmd.checkpoint import Checkpoints, finalized_steps
     from spmd.data import make_source
     from spmd.loop import Run
     from spmd.plan import default_hardware, make_plan
@@ -133,6 +133,10 @@ def prepare(cfg: TrainConfig, layout, log=print):
         finally:
             source.close()
         log(f"resumed from {source_dir / str(step)} (written on mesh {meta['config']['mesh']})")
+        later = [s for s in finalized_steps(source_dir) if s > step]
+        if later and cfg.out and Path(cfg.out).resolve() == source_dir.resolve():
+            log(f"the later checkpoints of {source_dir} ({', '.join(map(str, later))}) are replaced as this run "
+                "reaches their steps")
     else:
         with jax.set_mesh(layout.mesh):
             state = program.init(jax.random.key(cfg.seed))
@@ -168,9 +172,7 @@ def check_fit(plan) -> None:
 def _resume_source(cfg, program) -> tuple[Path | None, int, dict]:
     """Where to resume from (`--resume`, else `--out` if it holds checkpoints, else
     nowhere), checked against this run. -> (run directory, step, its meta)"""
-    from spmd import checkpoint
-    from spmd.checkpoint import check_compatible, finalized_steps, locate, read_meta
-    check_resumable = getattr(checkpoint, "check_resumable", lambda *a: None)  # TEMP until helper lands
+    from spmd.checkpoint import check_compatible, check_resumable, finalized_steps, locate, read_meta
 
     source_dir, step = None, None
     if cfg.resume:
