@@ -23,7 +23,7 @@ from spmd.distributed import Watchdog
 from spmd.hardware import peak_tflops, train_flops_per_token
 from spmd.errors import OutputFailed, first_line
 from spmd.report import describe_run, emit
-from spmd.signals import served
+from spmd.signals import StopSignals
 
 
 # The host may run this many steps ahead of the devices. Enough to keep them busy while
@@ -37,36 +37,6 @@ class Result:
     records: list[dict]
     state: dict
     ok: bool  # False when stopped by a non-finite loss
-
-
-class StopSignals:
-    """SIGTERM or SIGINT asks the loop to stop after the current step (and save); a second
-    SIGINT aborts at once. A command-line run's signals come from its signal thread
-    (spmd.signals); a library caller's through Python's handlers, while the loop runs."""
-
-    def __init__(self):
-        self.requested: str | None = None
-        self._previous = {}
-
-    def __enter__(self):
-        if served() is not None:
-            served().handler = self._handle  # until the process ends: a signal then waits for the last save
-            return self
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self._previous[sig] = signal.signal(sig, lambda signum, frame: self._handle(signum))
-        return self
-
-    def __exit__(self, *exc):
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-    def _handle(self, signum):
-        name = signal.Signals(signum).name
-        if self.requested and signum == signal.SIGINT:
-            print(f"{name} again: aborting now", file=sys.stderr, flush=True)
-            os._exit(130)
-        self.requested = name
-        print(f"{name}: finishing this step, saving, then exiting (SIGINT again aborts)", file=sys.stderr, flush=True)
 
 
 class Run:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 from collections.abc import Callable
 
@@ -52,6 +53,9 @@ def serve(stopped: str = "stopped during start-up, before the first step; nothin
     first thing in a command's main, before threads exist: they inherit the blocked mask)."""
     global _served
     if _served is None:
+        threads = f"/proc/{os.getpid()}/task"
+        if os.path.isdir(threads) and len(os.listdir(threads)) > 1:  # e.g. OpenBLAS's, started by importing numpy
+            raise RuntimeError("spmd.signals.serve() must run before any thread starts")
         _served = Interrupts(stopped)
         signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
         threading.Thread(target=_served._serve, name="spmd-signals", daemon=True).start()
@@ -62,3 +66,33 @@ def served() -> Interrupts | None:
     """The process's `Interrupts` when a command serves its signals, else None (a
     notebook or a test calling the library keeps Python's own handling)."""
     return _served
+
+
+class StopSignals:
+    """SIGTERM or SIGINT asks the loop to stop after the current step (and save); a second
+    SIGINT aborts at once. A command-line run's signals come from its signal thread
+    (spmd.signals); a library caller's through Python's handlers, while the loop runs."""
+
+    def __init__(self):
+        self.requested: str | None = None
+        self._previous = {}
+
+    def __enter__(self):
+        if served() is not None:
+            served().handler = self._handle  # until the process ends: a signal then waits for the last save
+            return self
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, lambda signum, frame: self._handle(signum))
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum):
+        name = signal.Signals(signum).name
+        if self.requested and signum == signal.SIGINT:
+            print(f"{name} again: aborting now", file=sys.stderr, flush=True)
+            os._exit(130)
+        self.requested = name
+        print(f"{name}: finishing this step, saving, then exiting (SIGINT again aborts)", file=sys.stderr, flush=True)

@@ -73,9 +73,11 @@ def check_outputs(cfg: TrainConfig, config_file: str | None = None) -> None:
 
     if cfg.out:
         check_writable_dir(cfg.out, "--out")
-    in_out = bool(cfg.out and cfg.metrics_file) and Path(cfg.metrics_file).absolute().parent == Path(cfg.out).absolute()
-    if cfg.metrics_file and not (in_out and not Path(cfg.out).exists()):  # else made with --out
-        check_writable_file(cfg.metrics_file, "--metrics-file")
+    if cfg.metrics_file:
+        made_with_out = cfg.out and not Path(cfg.out).exists() and \
+            Path(cfg.metrics_file).absolute().parent == Path(cfg.out).absolute()
+        if not made_with_out:  # else its directory is --out's, checked above
+            check_writable_file(cfg.metrics_file, "--metrics-file")
     resumed_run = str(locate(cfg.resume)[0]) if cfg.resume else None
     writes_on = bool(cfg.out and resumed_run) and Path(cfg.out).resolve() == Path(resumed_run).resolve()
     check_outputs_apart(

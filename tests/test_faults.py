@@ -14,7 +14,6 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 from spmd.checkpoint import finalized_steps
 from spmd.launch import free_port, process_env
