@@ -11,22 +11,27 @@ Token files (`.npy`, or raw `.bin` with `--token-dtype`) are memory-mapped: noth
 the rows a process needs is read. Text sources are tokenized once, in memory, by every
 process; for corpora of many gigabytes, tokenize once into a `.npy` file
 (`python -m spmd.corpus`).
+
+JSONL and Parquet texts must be strings: a record or row whose text is a number, a list
+or null is refused, naming the file and the line or row (nothing is converted).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
 import sys
-import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 
-from spmd.config import TOKEN_DTYPES, OneLineErrorParser
-from spmd.errors import UserError, one_line_errors
+from spmd.config import TOKEN_DTYPES, OneLineErrorParser, nonempty
+from spmd.errors import EXIT_OUTPUT_FAILED, UserError, one_line_errors
+from spmd.paths import (check_outputs_apart, check_writable_dir, check_writable_file, remove_stale_temporaries,
+                         temporary_name)
 
 TEXT_SUFFIXES = (".txt", ".text", ".md")
 SUFFIXES = {**dict.fromkeys(TEXT_SUFFIXES, "text"), ".jsonl": "jsonl", ".parquet": "parquet",
@@ -84,6 +89,8 @@ def load_tokenizer(path: str | None):
     if path is None:
         return ByteTokenizer()
     file = Path(path)
+    if file.is_dir():
+        raise UserError(f"--tokenizer {path} is a directory, not a tokenizer file")
     if not file.is_file():
         raise UserError(f"--tokenizer {path}: no such file")
     if file.suffix == ".json":
@@ -135,6 +142,12 @@ def _read_text(file: Path) -> str:
         return file.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
         raise UserError(f"--data {file}: not UTF-8 text (byte {exc.start})") from None
+    except OSError as exc:
+        raise UserError(f"--data {file} cannot be read: {exc.strerror or exc}") from None
+
+
+_JSON_TYPES = {type(None): "null", bool: "a boolean", int: "a number", float: "a number", list: "an array",
+               dict: "an object"}
 
 
 def _jsonl_texts(file: Path, field: str) -> Iterator[str]:
@@ -145,24 +158,37 @@ def _jsonl_texts(file: Path, field: str) -> Iterator[str]:
             record = json.loads(line)
         except json.JSONDecodeError:
             raise UserError(f"--data {file}, line {number}: not valid JSON") from None
-        if not isinstance(record, dict) or not isinstance(record.get(field), str):
+        if not isinstance(record, dict) or field not in record:
             raise UserError(f"--data {file}, line {number}: no text field {field!r} (--text-field)")
-        yield record[field]
+        text = record[field]
+        if not isinstance(text, str):
+            raise UserError(f"--data {file}, line {number}: the text field {field!r} is "
+                            f"{_JSON_TYPES.get(type(text), type(text).__name__)}, not a string")
+        yield text
 
 
 def _parquet_texts(file: Path, field: str) -> Iterator[str]:
     _optional("pyarrow", "Parquet files")
+    import pyarrow as pa
+    import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
     try:
         table = pq.read_table(file)
     except Exception as exc:  # pyarrow's own error types
         raise UserError(f"--data {file}: not a readable Parquet file ({exc})") from None
-    if field not in table.column_names:
-        raise UserError(f"--data {file}: no column {field!r} (--text-field); it has {', '.join(table.column_names)}")
-    for text in table.column(field).to_pylist():
-        if text is not None:
-            yield str(text)
+    found = table.column_names.count(field)
+    if found != 1:
+        raise UserError(f"--data {file}: {'no' if not found else f'{found} columns named'} {field!r} (--text-field); "
+                        f"it has {', '.join(table.column_names)}")
+    column = table.column(field)
+    kind = column.type.value_type if pa.types.is_dictionary(column.type) else column.type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)):
+        raise UserError(f"--data {file}: column {field!r} holds {column.type}, not strings (--text-field)")
+    if column.null_count:
+        row = pc.index(column.is_null(), True).as_py()
+        raise UserError(f"--data {file}: column {field!r} is null in row {row}, not a string")
+    yield from column.to_pylist()
 
 
 def token_stream(path: str, tokenizer=None, text_field: str = "text", token_dtype: str = "uint16",
@@ -290,27 +316,76 @@ class TokenSource:
         return rows.astype(np.int32)
 
 
+def corpus_parser() -> OneLineErrorParser:
+    parser = OneLineErrorParser(prog="python -m spmd.corpus", description=main.__doc__.splitlines()[0])
+    parser.add_argument("--data", type=nonempty, required=True, help="text file or folder (.txt, .jsonl, .parquet)")
+    parser.add_argument("--tokenizer", type=nonempty,
+                        help="SentencePiece .model or Hugging Face tokenizer.json (default: bytes)")
+    parser.add_argument("--text-field", type=nonempty, default="text", help="JSONL/Parquet field holding the text")
+    parser.add_argument("--out", type=nonempty, required=True,
+                        help="the .npy file to write (its directory is made if needed)")
+    return parser
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m spmd.corpus --data DIR --out tokens.npy`: tokenize once, train from the file."""
-    parser = OneLineErrorParser(prog="python -m spmd.corpus", description=main.__doc__)
-    parser.add_argument("--data", required=True, help="text file or folder (.txt, .jsonl, .parquet)")
-    parser.add_argument("--tokenizer", help="SentencePiece .model or Hugging Face tokenizer.json (default: bytes)")
-    parser.add_argument("--text-field", default="text", help="JSONL/Parquet field holding the text")
-    parser.add_argument("--out", required=True, help="the .npy file to write")
+    parser = corpus_parser()
     with one_line_errors():
         args = parser.parse_args(argv)
         if not args.out.endswith(".npy"):
             raise UserError("--out must name a .npy file")
+        # Before reading anything: tokenizing a large corpus to fail at the end is no use.
+        check_out(args.out)
+        check_outputs_apart({"--out": args.out}, {"--data": args.data, "--tokenizer": args.tokenizer})
         if data_files(args.data)[0] == "tokens":
             raise UserError(f"--data {args.data} holds token files already")
         tokens = token_stream(args.data, load_tokenizer(args.tokenizer), args.text_field)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=out.parent, suffix=".npy", delete=False) as tmp:  # whole or nothing
-        np.save(tmp, tokens)
-    os.replace(tmp.name, out)
-    print(f"wrote {tokens.size:,} {tokens.dtype} tokens to {out}")
+    try:
+        write_tokens(Path(args.out), tokens)
+    except OSError as exc:
+        print(f"error: cannot write --out {args.out}: {exc.strerror or exc}; nothing was written",
+              file=sys.stderr, flush=True)
+        return EXIT_OUTPUT_FAILED
+    print(f"wrote {tokens.size:,} {tokens.dtype} tokens to {args.out}")
     return 0
+
+
+def check_out(out: str) -> None:
+    """`--out` names a file that can be written, in a directory that exists or can be made."""
+    parent = Path(out).absolute().parent
+    if parent.is_dir() or Path(out).absolute().is_dir():
+        check_writable_file(out, "--out")
+    else:  # made when the tokens are written
+        check_writable_dir(str(parent), f"--out {out}: the directory")
+
+
+def write_tokens(out: Path, tokens: np.ndarray) -> None:
+    """Whole or nothing: written to a hidden temporary beside `out` (skipped as data),
+    synced, then renamed. A failure removes the temporary and the directories made for
+    it; a temporary left by a killed run is removed by the next run to the same `out`."""
+    out = Path(os.path.abspath(out))
+    made = [p for p in (out.parent, *out.parent.parents) if not p.exists()]
+    remove_stale_temporaries(out, hidden=True)
+    tmp = temporary_name(out, hidden=True)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "xb") as f:
+            # np.save's own write (ndarray.tofile) loses the reason of a failure (a full disk
+            # reads "N requested and M written"): the bytes go through the file, in 16 MiB pieces.
+            fmt = np.lib.format
+            fmt.write_array_header_1_0(f, fmt.header_data_from_array_1_0(tokens))
+            data = memoryview(np.ascontiguousarray(tokens)).cast("B")
+            for start in range(0, len(data), 1 << 24):
+                f.write(data[start:start + (1 << 24)])
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        for directory in made:  # innermost first
+            with contextlib.suppress(OSError):
+                directory.rmdir()
+        raise
 
 
 if __name__ == "__main__":

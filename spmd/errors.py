@@ -25,27 +25,21 @@ def first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-@contextlib.contextmanager
-def one_line_errors(hold_stderr: bool = True):
-    """Run a CLI's checks and set-up; a UserError becomes one `error: ...` line and exit 2.
+EXIT_OUTPUT_FAILED = 5  # the input was fine; writing an output failed (disk full, permission lost)
 
-    Meanwhile stderr is held back for every thread (unless `hold_stderr` is False): a
-    failed checkpoint read leaves Orbax's I/O threads printing tracebacks, which must not
-    surround the one line. When the block ends otherwise (ready, or crashed), stderr
-    comes back with what was held. A step that may end in a native abort (joining other
-    processes) is run without the hold, so that its message is not lost with the process.
-    """
+
+@contextlib.contextmanager
+def held_stderr(hold: bool = True):
+    """Hold back stderr for every thread (fd 2 goes to a temporary file); yields a
+    descriptor of the real stderr, for a command's own one line. When the block ends, the
+    held text is written out. A command that exits inside the block drops it."""
     sys.stderr.flush()
     stderr = os.dup(2)
-    held = tempfile.TemporaryFile() if hold_stderr else None
+    held = tempfile.TemporaryFile() if hold else None
     if held:
         os.dup2(held.fileno(), 2)
     try:
-        yield
-    except UserError as exc:
-        sys.stdout.flush()
-        os.write(stderr, f"error: {exc}\n".encode())
-        os._exit(2)  # nothing has been written; exit before those threads are done
+        yield stderr
     finally:
         sys.stderr.flush()
         os.dup2(stderr, 2)
@@ -56,16 +50,44 @@ def one_line_errors(hold_stderr: bool = True):
             held.close()
 
 
-def quiet_library_threads() -> None:
+@contextlib.contextmanager
+def one_line_errors(hold_stderr: bool = True):
+    """Run a CLI's checks and set-up; a UserError becomes one `error: ...` line and exit 2.
+
+    Meanwhile stderr is held back (unless `hold_stderr` is False): a failed checkpoint
+    read leaves Orbax's I/O threads printing tracebacks, which must not surround the one
+    line. When the block ends otherwise (ready, or crashed), stderr comes back with what
+    was held. A step that may end in a native abort (joining other processes) is run
+    without the hold, so that its message is not lost with the process.
+    """
+    with held_stderr(hold_stderr) as stderr:
+        try:
+            yield
+        except UserError as exc:
+            sys.stdout.flush()
+            os.write(stderr, f"error: {exc}\n".encode())
+            os._exit(2)  # nothing has been written; exit before those threads are done
+
+
+def quiet_library_threads():
     """Orbax and TensorStore report a failed write from their own threads, with tracebacks
-    (absl's log, and Python's unraisable-exception hook called from C): a full disk printed 649 lines.
-    A command reports the failure itself, in one line, so theirs are not printed. The
-    main thread's own uncaught exceptions still are."""
-    logging.getLogger("absl").setLevel(logging.CRITICAL)
-    main_hook = sys.unraisablehook
+    (absl's log, and Python's hooks called from their threads): a full disk printed 649
+    lines. A command reports the failure itself, in one line, so theirs are not printed;
+    the main thread's own uncaught exceptions still are. Returns a function that puts
+    the hooks back (for a command's main called from Python)."""
+    absl = logging.getLogger("absl")
+    saved = absl.level, sys.unraisablehook, threading.excepthook
 
-    def hook(unraisable):
-        if threading.current_thread() is threading.main_thread():
-            main_hook(unraisable)
+    def main_thread_only(hook):
+        def quiet(*args):
+            if threading.current_thread() is threading.main_thread():
+                hook(*args)
+        return quiet
 
-    sys.unraisablehook = hook
+    absl.setLevel(logging.CRITICAL)
+    sys.unraisablehook, threading.excepthook = main_thread_only(saved[1]), main_thread_only(saved[2])
+
+    def restore():
+        absl.setLevel(saved[0])
+        sys.unraisablehook, threading.excepthook = saved[1:]
+    return restore

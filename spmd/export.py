@@ -6,45 +6,104 @@ fine-tuning elsewhere.
 The parameters are read straight into the layout of `--mesh` (default: the mesh that
 wrote them) and saved as one Orbax PyTree, `OUT/params`, beside `OUT/model.json` (model
 name, step, parameter shapes). Reading them back needs no optimizer state.
+
+`--out` is checked before anything is read: a new directory, or an empty one, that can
+be written and is not inside the checkpoint's run. The export is written beside it under
+a temporary name (`OUT.tmp-<pid>@<host>`) and renamed to `OUT` when complete, so `OUT`
+is whole or absent: a failed write (disk full) removes the temporary and says so in one
+line, and a temporary left by a killed export is removed by the next export to `OUT`.
 """
 
 from __future__ import annotations
 
-import argparse
+import contextlib
 import dataclasses
+import errno
+import os
+import shutil
 import sys
 from pathlib import Path
 
-from spmd.errors import UserError, one_line_errors
+from spmd.config import OneLineErrorParser, integer, nonempty
+from spmd.errors import EXIT_OUTPUT_FAILED, UserError, held_stderr, one_line_errors, quiet_library_threads
+from spmd.paths import check_outputs_apart, check_writable_dir, remove_stale_temporaries, temporary_name
+
+
+def export_parser() -> OneLineErrorParser:
+    parser = OneLineErrorParser(prog="python -m spmd.export", description=__doc__.splitlines()[0])
+    parser.add_argument("--checkpoint", type=nonempty, required=True,
+                        help="run directory (latest step) or one step's directory")
+    parser.add_argument("--step", type=integer, help="which step of a run directory (default: the latest)")
+    parser.add_argument("--out", type=nonempty, required=True, help="new or empty directory to write")
+    parser.add_argument("--mesh", type=nonempty,
+                        help="mesh to restore onto (default: the one that wrote the checkpoint)")
+    parser.add_argument("--cpu-devices", type=integer, help="emulated CPU devices (default: what the mesh needs)")
+    return parser
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m spmd.export", description=__doc__.splitlines()[0])
-    parser.add_argument("--checkpoint", required=True, help="run directory (latest step) or one step's directory")
-    parser.add_argument("--step", type=int, help="which step of a run directory (default: the latest)")
-    parser.add_argument("--out", required=True, help="new or empty directory to write")
-    parser.add_argument("--mesh", help="mesh to restore onto (default: the one that wrote the checkpoint)")
-    parser.add_argument("--cpu-devices", type=int, help="emulated CPU devices (default: what the mesh needs)")
-    args = parser.parse_args(argv)
-    with one_line_errors():
-        export(args)
+    parser = export_parser()
+    restore = quiet_library_threads()
+    try:
+        with one_line_errors():
+            args = parser.parse_args(argv)
+            out, run_dir, step = check(args)
+            params, meta, model, step = read(args, run_dir, step)
+        write(out, args.out, params, meta)
+    finally:
+        restore()
+    print(f"exported the parameters of {run_dir / str(step)} ({model}) to {out}")
     return 0
 
 
-def export(args) -> Path:
-    from spmd.checkpoint import Checkpoints, check_compatible, export_params, finalized_steps, locate, read_meta
+def check(args) -> tuple[Path, Path, int | None]:
+    """Everything that can be checked before reading the checkpoint: the flags' ranges,
+    that the checkpoint exists, and that `--out` can be written and is no input."""
+    from spmd.checkpoint import locate
+
+    if args.step is not None and args.step < 0:
+        raise UserError(f"--step must be at least 0, got {args.step}")
+    if args.cpu_devices is not None and args.cpu_devices < 1:
+        raise UserError(f"--cpu-devices must be positive, got {args.cpu_devices}")
+    checkpoint = Path(args.checkpoint)
+    if not checkpoint.exists():
+        raise UserError(f"--checkpoint {args.checkpoint} does not exist")
+    if not checkpoint.is_dir():
+        raise UserError(f"--checkpoint {args.checkpoint} is a file, not a run's or a step's directory")
+    run_dir, step = locate(checkpoint)
+    if step is not None and args.step is not None and args.step != step:
+        raise UserError(f"--step {args.step} disagrees with --checkpoint {args.checkpoint}, the checkpoint of step "
+                        f"{step}; give the run's directory with --step, or the step's directory alone")
+
+    out = Path(args.out).resolve()
+    check_outputs_apart({"--out": args.out}, {"--checkpoint": str(run_dir)})
+    check_writable_dir(args.out, "--out")
+    if out.exists() and any(out.iterdir()):
+        raise UserError(f"--out {args.out} is not empty; give a new or empty directory")
+    if out.exists():  # the export is written beside it, then renamed over it
+        try:
+            check_writable_dir(str(out.parent), "--out")
+        except UserError:
+            raise UserError(f"--out {args.out}: its directory {out.parent} cannot be written (the export is "
+                            "written there under a temporary name, then renamed)") from None
+    return out, run_dir, step
+
+
+def read(args, run_dir: Path, step: int | None):
+    """The parameters of checkpoint `step` (default: the latest), on `--mesh`; with the
+    checkpoint's meta, the model's name and the step."""
+    from spmd.checkpoint import Checkpoints, check_compatible, finalized_steps, read_meta
     from spmd.config import TrainConfig, validate
     from spmd.mesh import emulate_cpu_devices, parse_mesh
 
-    run_dir, step = locate(args.checkpoint)
     step = args.step if step is None else step
-    out = Path(args.out)
-    if out.exists() and any(out.iterdir()):
-        raise UserError(f"--out {out} is not empty")
     steps = finalized_steps(run_dir)
-    step = (steps[-1] if steps else None) if step is None else step
-    if step is None or step not in steps:
-        raise UserError(f"no spmd checkpoint {'' if step is None else f'at step {step} '}in {run_dir}")
+    if not steps:
+        raise UserError(f"--checkpoint {args.checkpoint}: no spmd checkpoint in {run_dir}")
+    step = steps[-1] if step is None else step
+    if step not in steps:
+        raise UserError(f"--step {step}: no checkpoint of that step in {run_dir}; it has step(s) "
+                        f"{', '.join(map(str, steps))}")
     meta = read_meta(run_dir, step)
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     cfg = TrainConfig(**{k: v for k, v in meta.get("config", {}).items() if k in fields})
@@ -63,9 +122,37 @@ def export(args) -> Path:
         params = source.restore(step, abstract, items=("params",))["params"]
     finally:
         source.close()
-    export_params(out, params, meta)
-    print(f"exported the parameters of {run_dir / str(step)} ({cfg.model}) to {out.absolute()}")
-    return out
+    return params, meta, cfg.model, step
+
+
+def write(out: Path, flag_value: str, params, meta: dict) -> None:
+    """Write the export to a temporary beside `out`, then rename it to `out`. A failure
+    (disk full, permission lost) removes what was written, prints one line and exits:
+    Orbax's threads may still hold the failed write, and waiting for them can hang."""
+    from spmd.checkpoint import export_params
+    from spmd.loop import why_io_failed
+
+    made = [p for p in (out.parent, *out.parent.parents) if not p.exists()]  # to remove if we fail
+    tmp = temporary_name(out)
+    with held_stderr() as stderr:
+        try:
+            remove_stale_temporaries(out)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            export_params(tmp, params, meta)
+            os.replace(tmp, out)  # over an empty directory too
+        except BaseException as exc:  # noqa: BLE001 - whatever the file system or Orbax raised
+            shutil.rmtree(tmp, ignore_errors=True)
+            for directory in made:
+                with contextlib.suppress(OSError):
+                    directory.rmdir()
+            if isinstance(exc, KeyboardInterrupt):
+                why, code = "interrupted", 130
+            elif isinstance(exc, OSError) and exc.errno in (errno.ENOTEMPTY, errno.EEXIST):  # filled meanwhile
+                why, code = f"--out {flag_value} is no longer empty", EXIT_OUTPUT_FAILED
+            else:
+                why, code = f"writing --out {flag_value} failed ({why_io_failed(exc)})", EXIT_OUTPUT_FAILED
+            os.write(stderr, f"error: {why}; nothing was written\n".encode())
+            os._exit(code)
 
 
 if __name__ == "__main__":

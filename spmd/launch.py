@@ -8,6 +8,8 @@ This is how to try a multi-host run on one machine, and what the tests use.
 When one process fails, the others get `--grace` seconds to stop by themselves (they
 notice within `--step-timeout` or the heartbeat timeout), then they are terminated.
 The exit code is the first failure's, else 0. SIGINT and SIGTERM are passed on.
+A process that cannot be started (no such command, no more processes allowed) stops the
+ones already started: one `error:` line, exit code 2.
 """
 
 from __future__ import annotations
@@ -20,8 +22,16 @@ import sys
 import time
 from collections.abc import Sequence
 
-from spmd.config import OneLineErrorParser
+from spmd.config import OneLineErrorParser, finite, integer
 from spmd.errors import UserError, one_line_errors
+
+# A fixed bound, the same on every machine: every process is a whole JAX runtime (a few
+# hundred MB and its own threads), so no single machine runs a thousand of them usefully,
+# while a typo (--nproc 100000) would fork until the process table is full and take the
+# machine's other work down with it. Real multi-host runs start one process per host
+# with spmd.train's own flags, not through this launcher.
+MAX_PROCESSES = 1024
+STOP_WAIT_S = 5.0  # after SIGTERM, before SIGKILL, when the launch itself fails
 
 
 def free_port() -> int:
@@ -36,30 +46,86 @@ def process_env(index: int, count: int, port: int, base: dict | None = None) -> 
     return env
 
 
+def launch_parser() -> OneLineErrorParser:
+    parser = OneLineErrorParser(prog="python -m spmd.launch", description=__doc__.splitlines()[0])
+    parser.add_argument("--nproc", type=integer, required=True, help=f"processes to start (1 to {MAX_PROCESSES})")
+    parser.add_argument("--port", type=integer, help="coordinator port on 127.0.0.1 (default: a free one)")
+    parser.add_argument("--grace", type=finite, default=60.0,
+                        help="seconds the others get to stop by themselves after one fails (default: 60)")
+    return parser
+
+
+def parse(argv: list[str]):
+    """The launcher's flags and the command after `--`; UserError on anything wrong."""
+    if "--" not in argv:
+        raise UserError("usage: python -m spmd.launch --nproc N -- COMMAND ... (the command after --)")
+    split = argv.index("--")
+    parser = launch_parser()
+    args = parser.parse_args(argv[:split])
+    command = argv[split + 1:]
+    if args.nproc < 1 or not command:
+        raise UserError("--nproc must be at least 1, and a command must follow --")
+    if args.nproc > MAX_PROCESSES:
+        raise UserError(f"--nproc {args.nproc:,} is more than the {MAX_PROCESSES} processes one machine can run "
+                        "(one JAX runtime each)")
+    if args.port is not None and not 1 <= args.port <= 65535:
+        raise UserError(f"--port must be a port from 1 to 65535, got {args.port}")
+    if args.grace < 0:
+        raise UserError(f"--grace must be at least 0 seconds, got {args.grace:g}")
+    return args, command
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     with one_line_errors():
-        if "--" not in argv:
-            raise UserError("usage: python -m spmd.launch --nproc N -- COMMAND ... (the command after --)")
-        split = argv.index("--")
-        parser = OneLineErrorParser(prog="python -m spmd.launch", description=__doc__.splitlines()[0])
-        parser.add_argument("--nproc", type=int, required=True, help="processes to start")
-        parser.add_argument("--port", type=int, help="coordinator port on 127.0.0.1 (default: a free one)")
-        parser.add_argument("--grace", type=float, default=60.0,
-                            help="seconds the others get to stop by themselves after one fails (default: 60)")
-        args = parser.parse_args(argv[:split])
-        command = argv[split + 1:]
-        if args.nproc < 1 or not command:
-            raise UserError("--nproc must be at least 1, and a command must follow --")
+        args, command = parse(argv)
     port = args.port or free_port()
-    # Their own process group: a Ctrl-C at the terminal reaches the launcher alone, which
-    # passes it on once (twice would be the trainer's "abort now").
-    procs = [subprocess.Popen(command, env=process_env(i, args.nproc, port), process_group=0)
-             for i in range(args.nproc)]
-    forward = lambda signum, frame: [p.send_signal(signum) for p in procs if p.poll() is None]  # noqa: E731
+    procs: list[subprocess.Popen] = []
+    signalled: list[int] = []
+
+    def forward(signum, frame):
+        signalled.append(signum)
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    # Installed first: a Ctrl-C while the processes start reaches those started, and no more start.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, forward)
+    for index in range(args.nproc):
+        if signalled:
+            break
+        try:
+            # Their own process group: a Ctrl-C at the terminal reaches the launcher alone,
+            # which passes it on once (twice would be the trainer's "abort now").
+            procs.append(subprocess.Popen(command, env=process_env(index, args.nproc, port), process_group=0))
+        except OSError as exc:
+            stop(procs)
+            print(f"error: {_why_not_started(exc, command, index, args.nproc, len(procs))}", file=sys.stderr,
+                  flush=True)
+            return 2
+    if not procs:  # a signal came before the first process started
+        print(f"error: {_signal_name(signalled[0])} before any process started", file=sys.stderr, flush=True)
+        return 128 + signalled[0]
     return wait(procs, args.grace)
+
+
+def _why_not_started(exc: OSError, command: list[str], index: int, count: int, started: int) -> str:
+    if isinstance(exc, FileNotFoundError):
+        why = f"command not found: {command[0]}"
+    elif isinstance(exc, PermissionError):
+        why = f"cannot run {command[0]}: permission denied"
+    else:
+        why = f"cannot start process {index} of {count}: {exc.strerror or exc}"
+    return why + (f"; stopped the {started} already started" if started else "")
+
+
+def stop(procs: list[subprocess.Popen], timeout: float = STOP_WAIT_S) -> None:
+    """Terminate every process still running; kill those still there after `timeout`."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    _reap(procs, timeout)
 
 
 def wait(procs: list[subprocess.Popen], grace: float) -> int:
@@ -71,10 +137,7 @@ def wait(procs: list[subprocess.Popen], grace: float) -> int:
             if failed is None and p.returncode not in (None, 0):
                 failed, deadline = (i, p.returncode), time.monotonic() + grace
         if deadline is not None and time.monotonic() > deadline:
-            for p in procs:
-                if p.poll() is None:
-                    p.terminate()
-            _reap(procs)
+            stop(procs, timeout=10.0)
             break
         time.sleep(0.2)
     if failed is None:
@@ -82,15 +145,24 @@ def wait(procs: list[subprocess.Popen], grace: float) -> int:
     if failed is None:
         return 0
     index, code = failed
-    why = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+    why = f"killed by {_signal_name(-code)}" if code < 0 else f"exit code {code}"
     print(f"error: process {index} of {len(procs)} failed ({why})", file=sys.stderr, flush=True)
     return code if code > 0 else 128 - code
 
 
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:  # a real-time signal has no name
+        return f"signal {number}"
+
+
 def _reap(procs: list[subprocess.Popen], timeout: float = 10.0) -> None:
+    """Wait up to `timeout` seconds in all (not each) for the processes; kill the rest."""
+    deadline = time.monotonic() + timeout
     for p in procs:
         try:
-            p.wait(timeout)
+            p.wait(max(deadline - time.monotonic(), 0.0))
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()

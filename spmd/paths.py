@@ -7,8 +7,11 @@ ancestor that does (which is where it would be created).
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
+import re
+import shutil
 import socket
 import tempfile
 from collections.abc import Mapping
@@ -73,6 +76,43 @@ def check_outputs_apart(outputs: Mapping[str, str | None], inputs: Mapping[str, 
         for in_flag, inp in inputs.items():
             if inp and not allowed.get((out_flag, in_flag)) and _inside(out_path, Path(inp).resolve()):
                 raise UserError(f"{out_flag} {out} would write over the input {in_flag} {inp}; choose another path")
+
+
+def temporary_name(out: Path, hidden: bool = False) -> Path:
+    """Where this process writes `out` before renaming it to `out`: beside it, named for
+    the process and the host (a shared file system may hold other hosts' exports)."""
+    return out.with_name(f"{'.' if hidden else ''}{out.name}.tmp-{os.getpid()}@{socket.gethostname()}")
+
+
+def remove_stale_temporaries(out: Path, hidden: bool = False) -> list[Path]:
+    """Remove the temporaries of `out` left by killed processes of this host; those of
+    live processes, or of other hosts, are left alone. Returns what was removed."""
+    pattern = re.compile(rf"{'[.]' if hidden else ''}{re.escape(out.name)}\.tmp-([0-9]+)@(.+)")
+    host, removed = socket.gethostname(), []
+    with contextlib.suppress(OSError):
+        for path in out.parent.iterdir():
+            found = pattern.fullmatch(path.name)
+            if found and found[2] == host and not _alive(int(found[1])):
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    path.unlink(missing_ok=True)
+                removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    except OverflowError:  # no process has such a pid
+        return False
+    return True
 
 
 class DirectoryLock:

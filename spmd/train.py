@@ -16,7 +16,7 @@ from pathlib import Path
 
 from spmd.config import TrainConfig, find_config, parse_args
 from spmd.distributed import initialize, processes
-from spmd.errors import OutputFailed, UserError, first_line, one_line_errors, quiet_library_threads
+from spmd.errors import EXIT_OUTPUT_FAILED, OutputFailed, UserError, first_line, one_line_errors, quiet_library_threads
 from spmd.mesh import emulate_cpu_devices, parse_mesh
 from spmd.paths import LOCK_NAME, DirectoryLock, check_outputs_apart, check_writable_dir, check_writable_file
 from spmd.signals import serve as serve_signals
@@ -24,7 +24,6 @@ from spmd.signals import served
 
 EXIT_NON_FINITE = 1
 EXIT_PEER_FAILED = 4
-EXIT_OUTPUT_FAILED = 5
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,4 +1,4 @@
-"""Every option of every command, given a bad value: one `error:` line naming the option,
+"""Every option of every command (train, plan, export, corpus, launch), given a bad value: one `error:` line naming the option,
 exit code 2, no traceback, and nothing written (the working directory and the inputs are
 the same after as before).
 
@@ -17,13 +17,19 @@ from pathlib import Path
 
 import pytest
 
-from spmd.config import TrainConfig, finite, integer, nonempty, train_parser
+from spmd.config import Bounds, TrainConfig, finite, integer, nonempty, train_parser
+from spmd.corpus import corpus_parser
+from spmd.export import export_parser
+from spmd.launch import MAX_PROCESSES, launch_parser
 from spmd.plan import plan_flags
 
 pytestmark = pytest.mark.xdist_group("cli")
 
 DRIVER = Path(__file__).with_name("cli_driver.py")
-BOUNDS = {f.name: f.metadata["bounds"] for f in dataclasses.fields(TrainConfig)}
+BOUNDS = {f.name: f.metadata["bounds"] for f in dataclasses.fields(TrainConfig)} | {
+    # The other commands' own numbers.
+    "devices": Bounds(at_least=1), "step": Bounds(at_least=0), "nproc": Bounds(at_least=1, at_most=MAX_PROCESSES),
+    "port": Bounds(at_least=1, at_most=65535), "grace": Bounds(at_least=0)}
 
 
 def _out_of_range(dest: str, kind) -> list[str]:
@@ -37,16 +43,24 @@ def _out_of_range(dest: str, kind) -> list[str]:
     return [str(int(v) if kind is integer else v) for v in values if v is not None]
 
 
-def generated(parser: argparse.ArgumentParser) -> dict[str, tuple[list[str], str]]:
-    """name -> (argv, a fragment the error line must hold), for each option of `parser`."""
+def generated(parser: argparse.ArgumentParser, required: list[str] = (), tail: list[str] = ()
+              ) -> dict[str, tuple[list[str], str]]:
+    """name -> (argv, a fragment the error line must hold), for each option of `parser`;
+    `required` are good values of the command's required options (replaced when one of
+    them is the option tried), `tail` what must end the command line."""
+    def argv(flag, *value):
+        given = dict(zip(required[::2], required[1::2]))
+        given.pop(flag, None)
+        return [*(x for pair in given.items() for x in pair), flag, *value, *tail]
+
     cases = {}
     for action in parser._actions:
         if not action.option_strings or action.dest == "help":
             continue
         flag = action.option_strings[0]
         if action.nargs == 0:  # a switch: it takes no value
-            cases[f"{flag}=yes"] = ([f"{flag}=yes"], flag)
-            cases[f"{flag}= (empty)"] = ([f"{flag}="], flag)
+            cases[f"{flag}=yes"] = (argv(f"{flag}=yes"), flag)
+            cases[f"{flag}= (empty)"] = (argv(f"{flag}="), flag)
             continue
         values = {"empty": ""}
         if action.choices:
@@ -60,7 +74,7 @@ def generated(parser: argparse.ArgumentParser) -> dict[str, tuple[list[str], str
         for i, v in enumerate(_out_of_range(action.dest, action.type)):
             values[f"out of range {i}"] = v
         for what, value in values.items():
-            cases[f"{flag} {what}"] = ([flag, value], flag)
+            cases[f"{flag} {what}"] = (argv(flag, value), flag)
     return cases
 
 
@@ -134,10 +148,20 @@ def _plan_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# The other commands' required options, with good values (the cases replace one at a time).
+COMMANDS = {
+    "spmd.train": (train_parser(), TRAIN, [], []),
+    "spmd.plan": (_plan_parser(), PLAN, [], []),
+    "spmd.export": (export_parser(), {}, ["--checkpoint", "{folder}", "--out", "exported"], []),
+    "spmd.corpus": (corpus_parser(), {}, ["--data", "{corpus}", "--out", "tokens.npy"], []),
+    "spmd.launch": (launch_parser(), {}, ["--nproc", "2"], ["--", "true"]),
+}
+
+
 def all_cases() -> dict[str, tuple[str, list[str], str]]:
     cases = {}
-    for module, hand, parser in (("spmd.train", TRAIN, train_parser()), ("spmd.plan", PLAN, _plan_parser())):
-        for name, (argv, fragment) in {**generated(parser), **hand}.items():
+    for module, (parser, hand, required, tail) in COMMANDS.items():
+        for name, (argv, fragment) in {**generated(parser, required, tail), **hand}.items():
             cases[f"{module.split('.')[1]}: {name}"] = (module, argv, fragment)
     return cases
 
@@ -164,11 +188,13 @@ def results(tmp_path_factory):
     return {name: (r, work / str(i)) for i, (name, r) in enumerate(zip(CASES, json.loads(done.stdout)))}
 
 
-def test_every_option_is_covered():
-    flags = {a.option_strings[0] for a in _plan_parser()._actions if a.option_strings and a.dest != "help"}
-    named = {argv[0].split("=")[0] for _, argv, _ in CASES.values()}
-    assert flags <= named, flags - named
-    assert len(CASES) > 250  # four kinds of bad value for most of 60 options
+def test_every_option_of_every_command_is_covered():
+    for module, (parser, _, _, _) in COMMANDS.items():
+        flags = {a.option_strings[0] for a in parser._actions if a.option_strings and a.dest != "help"}
+        named = {arg.split("=")[0] for m, argv, fragment in CASES.values() if m == module for arg in argv
+                 if arg.split("=")[0] == fragment}
+        assert flags <= named, (module, flags - named)
+    assert len(CASES) > 450  # two to six bad values for each option of the five commands, and the hand-written ones
 
 
 @pytest.mark.parametrize("case", CASES)
