@@ -247,22 +247,27 @@ def recent_loss(records: list[dict], n: int) -> float:
 
 def start_metrics(path: str, start_step: int) -> None:
     """A fresh run starts a fresh file; a resumed one keeps the records of the steps before
-    its checkpoint (those after it are trained again, and would be there twice)."""
-    kept = []
-    if start_step and os.path.exists(path):
-        with open(path, errors="replace") as f:
-            for line in f:
-                try:
-                    if json.loads(line)["step"] < start_step:
-                        kept.append(line if line.endswith("\n") else line + "\n")
-                except (ValueError, KeyError, TypeError):
-                    pass  # not a record of ours, or cut short by a kill
+    its checkpoint (those after it are trained again, and would be there twice), rewritten
+    whole or not at all. A file that is no regular file (/dev/null) is only opened."""
     with _writing_metrics(path):
-        mode = os.stat(path).st_mode & 0o777 if os.path.exists(path) else 0o644
+        if not (start_step and os.path.isfile(path)):
+            open(path, "w").close()
+            return
+        with open(path, errors="replace") as f:
+            kept = [line if line.endswith("\n") else line + "\n" for line in f if _is_record_before(line, start_step)]
         with tempfile.NamedTemporaryFile("w", dir=os.path.dirname(os.path.abspath(path)), delete=False) as tmp:
             tmp.writelines(kept)
-        os.chmod(tmp.name, mode)
+        os.chmod(tmp.name, os.stat(path).st_mode & 0o777)
         os.replace(tmp.name, path)
+
+
+def _is_record_before(line: str, before: int) -> bool:
+    """Whether `line` is a record of a step before `before` (not a record of ours, or one
+    cut short by a kill, is dropped)."""
+    try:
+        return json.loads(line)["step"] < before
+    except (ValueError, KeyError, TypeError):
+        return False
 
 
 def append_records(path, records: list[dict]) -> None:
