@@ -93,7 +93,7 @@ class TrainConfig:
     aux_loss_weight: float = _field(0.01, "MoE models: weight of the load-balancing loss", at_least=0)
     z_loss_weight: float = _field(0.001, "MoE models: weight of the router z-loss", at_least=0)
     log_every: int = _field(10, "print a log line every N steps (metrics are fetched from devices only then)", at_least=1)
-    metrics_file: str | None = _field(None, "write one JSON object per step to this .jsonl file (appended on resume)")
+    metrics_file: str | None = _field(None, "write one JSON object per step to this .jsonl file (a resumed run keeps the records before its checkpoint)")
     out: str | None = _field(None, "directory for checkpoints; a run resumes from its latest checkpoint there")
     save_every: int = _field(0, "save a checkpoint every N steps (0: only at the end); needs --out", at_least=0)
     keep: int = _field(3, "checkpoints to keep in --out", at_least=1)
@@ -155,7 +155,7 @@ def finite(text: str) -> float:
         value = float(text)
     except ValueError:
         value = math.nan
-    if not math.isfinite(value) or not text.strip():
+    if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
     return value
 
