@@ -71,12 +71,12 @@ def one_line_errors(hold_stderr: bool = True):
 
 def quiet_library_threads():
     """Orbax and TensorStore report a failed write from their own threads, with tracebacks
-    (absl's log, and Python's hooks called from their threads): a full disk printed 649
+    (absl's and asyncio's logs, Python's hooks called from their threads): a full disk printed 649
     lines. A command reports the failure itself, in one line, so theirs are not printed;
     the main thread's own uncaught exceptions still are. Returns a function that puts
     the hooks back (for a command's main called from Python)."""
-    absl = logging.getLogger("absl")
-    saved = absl.level, sys.unraisablehook, threading.excepthook
+    loggers = [logging.getLogger(name) for name in ("absl", "asyncio")]  # asyncio: "Task exception was never retrieved"
+    saved = [log.level for log in loggers], sys.unraisablehook, threading.excepthook
 
     def main_thread_only(hook):
         def quiet(*args):
@@ -84,10 +84,12 @@ def quiet_library_threads():
                 hook(*args)
         return quiet
 
-    absl.setLevel(logging.CRITICAL)
+    for log in loggers:
+        log.setLevel(logging.CRITICAL)
     sys.unraisablehook, threading.excepthook = main_thread_only(saved[1]), main_thread_only(saved[2])
 
     def restore():
-        absl.setLevel(saved[0])
+        for log, level in zip(loggers, saved[0]):
+            log.setLevel(level)
         sys.unraisablehook, threading.excepthook = saved[1:]
     return restore
