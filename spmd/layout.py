@@ -238,8 +238,10 @@ def check_batch(cfg, shape: Mapping[str, int]) -> None:
         raise UserError(f"{what} does not divide by the batch axes ({batch_axes} = {shards} shards)")
     sp = shape["sp"]
     if sp > 1 and cfg.grad_accum > 1:
-        # The per-shard vmap of accumulation around sp's shard_map fails MLIR verification
-        # in jax 0.10.2.
+        # The per-shard vmap of accumulation puts the batch axes (spmd_axis_name) into sp's
+        # shard_map specs, which JAX refuses ("vmap spmd_axis_name cannot appear in
+        # shard_map in_specs"): still so on jax 0.12. A map that leaves the batch axes to
+        # vmap would work (the composition issue), at the cost of an sp reduction per microbatch.
         raise UserError("--grad-accum with sp > 1 is not supported yet; use a smaller --batch or more devices")
     if sp > 1 and cfg.seq % (2 * sp):
         raise UserError(f"--seq {cfg.seq} does not divide into 2 x sp = {2 * sp} chunks "
@@ -251,12 +253,13 @@ def check_batch(cfg, shape: Mapping[str, int]) -> None:
         if sp > 1:
             raise UserError(f"model {cfg.model}: MoE layers with sp > 1 are not supported yet; use ep, dp, fsdp and tp")
         if shape["ep"] > 1 and cfg.grad_accum > 1:
-            # The per-shard vmap of accumulation cannot hold ep's all-to-all (a shard_map
-            # over the batch axes), as with sp.
+            # Without the refusal it runs and matches one device (jax 0.10.2 and 0.12), but
+            # inside the per-shard vmap the experts' map is not used: each shard gathers every
+            # expert, and expert parallelism is lost.
             raise UserError("--grad-accum with ep > 1 is not supported yet; use a smaller --batch or more devices")
         if cfg.moe_dispatch == "dropless" and cfg.grad_accum > 1:
-            # jax 0.10.2 batches a ragged dot (the grouped matmul) only when the weights are
-            # batched too, and differentiates no custom batching rule.
+            # JAX batches a ragged dot (the grouped matmul) only when the weights are batched
+            # too ("ragged_dot vmap over any dim but 0 - NYI"), on 0.10.2 and 0.12 alike.
             raise UserError(f"--grad-accum with --moe-dispatch dropless is not supported yet; use --moe-dispatch "
                             f"capacity (--capacity-factor {moe.experts / moe.top_k:g} "
                             "or more never drops)")
