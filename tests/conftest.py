@@ -116,15 +116,6 @@ def train_run(mesh: str, devices: int, **overrides) -> Run:
     return _run(mesh, devices, tuple(sorted(changed.items())))
 
 
-def pytest_report_header(config):
-    """Which end of the supported range this run tests (.ci/run runs both)."""
-    import platform
-    from importlib.metadata import version
-
-    return f"python {platform.python_version()}, " + ", ".join(
-        f"{name} {version(name)}" for name in ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint"))
-
-
 @pytest.fixture(scope="session")
 def reference() -> Run:
     return train_run("", 1)
