@@ -176,16 +176,13 @@ def _resume_source(cfg, program) -> tuple[Path | None, int, dict]:
     from spmd.checkpoint import check_compatible, check_resumable, finalized_steps, locate, read_meta
 
     source_dir, step = None, None
+    if cfg.out and (foreign := _foreign_files(Path(cfg.out), cfg.metrics_file)):
+        raise UserError(f"--out {cfg.out} holds files that are not spmd checkpoints ({foreign[0]}); "
+                        "use a new or empty directory")
     if cfg.resume:
         source_dir, step = locate(cfg.resume)
-    elif cfg.out:
-        out = Path(cfg.out)
-        foreign = _foreign_files(out, cfg.metrics_file)
-        if foreign:
-            raise UserError(f"--out {out} holds files that are not spmd checkpoints ({foreign[0]}); "
-                            "use a new or empty directory")
-        if finalized_steps(out):
-            source_dir = out
+    elif cfg.out and finalized_steps(Path(cfg.out)):
+        source_dir = Path(cfg.out)
     if source_dir is None:
         return None, 0, {}
     if step is None:
