@@ -22,6 +22,7 @@ from spmd.corpus import corpus_parser
 from spmd.export import export_parser
 from spmd.launch import MAX_PROCESSES, launch_parser
 from spmd.plan import plan_flags
+from helpers import snapshot
 
 pytestmark = pytest.mark.xdist_group("cli")
 
@@ -138,10 +139,6 @@ def _files(tmp: Path) -> dict[str, str]:
         "{binary}": str(tmp / "binary.yaml"), "{folder}": str(tmp / "folder")}
 
 
-def _snapshot(root: Path) -> dict[str, int]:
-    return {str(p.relative_to(root)): p.stat().st_size for p in sorted(root.rglob("*"))}
-
-
 def _plan_parser() -> argparse.ArgumentParser:
     parser = train_parser()
     plan_flags(parser)
@@ -173,7 +170,7 @@ CASES = all_cases()
 def results(tmp_path_factory):
     inputs = tmp_path_factory.mktemp("inputs")
     files = _files(inputs)
-    before = _snapshot(inputs)
+    before = snapshot(inputs)
     work = tmp_path_factory.mktemp("work")
     batch = []
     for i, (module, argv, _) in enumerate(CASES.values()):
@@ -184,7 +181,7 @@ def results(tmp_path_factory):
     done = subprocess.run([sys.executable, str(DRIVER)], input=json.dumps(batch), capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr
-    assert _snapshot(inputs) == before  # no input was touched
+    assert snapshot(inputs) == before  # no input was touched
     return {name: (r, work / str(i)) for i, (name, r) in enumerate(zip(CASES, json.loads(done.stdout)))}
 
 

@@ -34,6 +34,7 @@ from spmd.config import TrainConfig, validate
 from spmd.errors import UserError
 from spmd.layout import make_layout
 from spmd.step import build_program
+from helpers import one_error_line, snapshot
 
 pytestmark = pytest.mark.xdist_group("integrity")  # the tests share one saved run
 
@@ -66,15 +67,9 @@ def copy(saved, tmp_path):
     return Path(shutil.copytree(saved[0], tmp_path / "run"))
 
 
-def _snapshot(path: Path) -> dict:
-    return {p: (p.stat().st_size, p.stat().st_mtime_ns) for p in path.rglob("*")}
-
-
-def _one_error_line(done: subprocess.CompletedProcess) -> str:
+def _refused(done: subprocess.CompletedProcess) -> str:
     assert done.returncode == 2, (done.stdout, done.stderr)
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), done.stderr
-    return lines[0]
+    return one_error_line(done.stderr)
 
 
 def _flip_a_bit(item: Path, array: str, index: tuple, bit: int) -> None:
@@ -163,11 +158,11 @@ def test_every_array_has_its_checksum_and_another_mesh_verifies_them(saved):
 def test_a_changed_value_is_refused_naming_the_previous_checkpoint(saved, copy, tmp_path):
     _, losses = saved
     _flip_a_bit(copy / "4" / "params", "blocks.mlp.down", (1, 100, 33), bit=0)  # one ulp of one weight
-    before = _snapshot(copy)
-    line = _one_error_line(_train("--out", str(copy)))  # resumes the latest by itself
+    before = snapshot(copy)
+    line = _refused(_train("--out", str(copy)))  # resumes the latest by itself
     assert line == (f"error: checkpoint {copy / '4'} is damaged: params/blocks/mlp/down does not match its "
                     f"checksum; the previous complete checkpoint is {copy / '2'} (--resume {copy / '2'})")
-    assert _snapshot(copy) == before  # nothing written
+    assert snapshot(copy) == before  # nothing written
     # The one it names resumes and finishes, with the run's own numbers (same mesh: bit-identical),
     # writing on into the same directory: the damaged step 4 is replaced by a sound one.
     done = _train("--resume", str(copy / "2"), "--out", str(copy), "--metrics-file", str(tmp_path / "resumed.jsonl"))
@@ -180,12 +175,12 @@ def test_a_changed_value_is_refused_naming_the_previous_checkpoint(saved, copy, 
 def test_an_unreadable_checkpoint_is_refused_naming_the_previous_checkpoint(copy):
     for chunk in (copy / "4" / "opt_state" / "ocdbt.process_0" / "d").iterdir():
         chunk.write_bytes(chunk.read_bytes()[: chunk.stat().st_size // 2])
-    before = _snapshot(copy)
-    line = _one_error_line(_train("--out", str(copy)))
+    before = snapshot(copy)
+    line = _refused(_train("--out", str(copy)))
     assert line.startswith(f"error: checkpoint {copy / '4'} is unreadable (")
     assert f"{copy / '4' / 'opt_state'}" in line  # the reason names the item that does not read
     assert line.endswith(f"); the previous complete checkpoint is {copy / '2'} (--resume {copy / '2'})")
-    assert _snapshot(copy) == before
+    assert snapshot(copy) == before
 
 
 def test_restores_check_what_they_read_and_name_only_checkpoints_that_read(copy):
@@ -214,7 +209,7 @@ def test_restores_check_what_they_read_and_name_only_checkpoints_that_read(copy)
 
 def test_a_changed_run_is_refused_unless_asked_for(saved, tmp_path):
     run, _ = saved
-    line = _one_error_line(_train("--resume", str(run / "2"), "--steps", "6"))
+    line = _refused(_train("--resume", str(run / "2"), "--steps", "6"))
     assert line == (f"error: checkpoint {run / '2'} was written by a run with --steps 4; this run has --steps 6; "
                     "pass --resume-with-changes to continue with the new values")
     done = _train("--resume", str(run / "2"), "--steps", "6", "--resume-with-changes",

@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -17,21 +16,10 @@ import numpy as np
 
 from spmd.checkpoint import finalized_steps
 from spmd.launch import free_port, process_env
+from helpers import in_namespace, one_error_line
 
 FAST = ["--batch", "8", "--seq", "32", "--log-every", "1"]
 TRAIN = [sys.executable, "-m", "spmd.train", *FAST]
-
-
-def _one_error_line(stderr: str) -> str:
-    lines = stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), stderr
-    return lines[0]
-
-
-def _in_namespace(script: str, tmp_path: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run `script` (sh) as root of a private user and mount namespace, in `tmp_path`."""
-    return subprocess.run(["unshare", "-rm", "sh", "-ec", script], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=timeout)
 
 
 def test_an_out_that_cannot_be_written_is_refused_before_anything_runs(tmp_path):
@@ -40,7 +28,7 @@ def test_an_out_that_cannot_be_written_is_refused_before_anything_runs(tmp_path)
     os.chown(tmp_path / "theirs", 12345, 12345)  # a user the namespace does not map: no write for us
     os.chmod(tmp_path / "theirs", 0o755)
     train = " ".join(TRAIN)
-    done = _in_namespace(f"""
+    done = in_namespace(f"""
         mount --bind ro ro && mount -o remount,bind,ro ro
         for out in ro/run theirs/run ro; do
             {train} --out $out >/dev/null 2>err.txt && echo "exit 0" || echo "exit $?"
@@ -57,14 +45,14 @@ def test_an_out_that_cannot_be_written_is_refused_before_anything_runs(tmp_path)
 def test_a_full_disk_during_a_save_ends_in_one_line_and_the_last_checkpoint_resumes(tmp_path):
     # A checkpoint of the tiny model takes 1.6 MB: the tmpfs holds the one of step 10, not the next.
     train = " ".join(TRAIN)
-    done = _in_namespace(f"""
+    done = in_namespace(f"""
         mkdir disk kept
         mount -t tmpfs -o size=2500k tmpfs disk
         {train} --steps 40 --save-every 10 --keep 5 --out disk/run >out.txt 2>err.txt && echo "exit 0" || echo "exit $?"
         cp -r disk/run kept/""", tmp_path)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "exit 5"
-    line = _one_error_line((tmp_path / "err.txt").read_text())
+    line = one_error_line((tmp_path / "err.txt").read_text())
     assert re.fullmatch(r"error: saving the checkpoint of step 20 in \S+/disk/run failed \(No space left on device\); "
                         r"the last complete checkpoint is \S+/disk/run/10", line), line
     kept = tmp_path / "kept" / "run"
@@ -79,7 +67,7 @@ def test_a_full_disk_during_a_save_ends_in_one_line_and_the_last_checkpoint_resu
 def test_a_metrics_file_on_a_full_disk_ends_in_one_line_and_leaves_no_empty_out(tmp_path):
     # One free page (4 KiB) for the metrics file: about 15 steps' records, then the disk is full.
     train = " ".join(TRAIN)
-    done = _in_namespace(f"""
+    done = in_namespace(f"""
         mkdir disk
         mount -t tmpfs -o size=64k tmpfs disk
         dd if=/dev/zero of=disk/filler bs=4k count=15 2>/dev/null
@@ -87,7 +75,7 @@ def test_a_metrics_file_on_a_full_disk_ends_in_one_line_and_leaves_no_empty_out(
         """, tmp_path)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "exit 5"
-    line = _one_error_line((tmp_path / "err.txt").read_text())
+    line = one_error_line((tmp_path / "err.txt").read_text())
     assert line == "error: cannot write --metrics-file disk/m.jsonl: No space left on device"
     assert not (tmp_path / "run").exists()  # made by this run, never saved into: removed
 
@@ -123,7 +111,7 @@ def test_a_second_run_on_the_same_out_is_refused_and_a_killed_runs_lock_is_not(t
                 break
         second = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         assert second.returncode == 2
-        line = _one_error_line(second.stderr)
+        line = one_error_line(second.stderr)
         assert f"--out {run} is in use by another run (pid {first.pid} on " in line
         first.kill()  # kill -9 mid-run: its lock goes with it
         first.wait()
@@ -180,7 +168,7 @@ def test_a_step_that_does_not_fit_is_refused_before_anything_is_allocated(tmp_pa
     done = subprocess.run([*TRAIN, "--seq", "100000", "--out", str(tmp_path / "run")], capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 2
-    line = _one_error_line(done.stderr)
+    line = one_error_line(done.stderr)
     assert re.search(r"the step needs [\d.]+ TiB per device at its peak, more than the [\d.]+ GiB of this host's "
                      r"memory, shared by 8 CPU devices; .*--ignore-fit", line), line
     assert not (tmp_path / "run").exists()

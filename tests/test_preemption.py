@@ -8,11 +8,11 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from spmd.checkpoint import finalized_steps
+from helpers import snapshot
 
 FAST = ["--batch", "8", "--seq", "32", "--log-every", "1"]
 
@@ -97,10 +97,6 @@ def good_run(tmp_path_factory):
     return run
 
 
-def _snapshot(path: Path) -> dict:
-    return {p: (p.stat().st_size, p.stat().st_mtime_ns) for p in path.rglob("*")}
-
-
 def test_bad_checkpoints_give_one_error_line_and_change_nothing(good_run, tmp_path):
     truncated = tmp_path / "truncated"
     shutil.copytree(good_run, truncated)
@@ -116,11 +112,11 @@ def test_bad_checkpoints_give_one_error_line_and_change_nothing(good_run, tmp_pa
         "foreign --out": (["--out", str(foreign)], "not spmd checkpoints"),
         "missing --resume": (["--resume", str(tmp_path / "nowhere")], "does not exist"),
     }
-    before = {p: _snapshot(p) for p in (good_run, truncated, foreign)}
+    before = {p: snapshot(p) for p in (good_run, truncated, foreign)}
     procs = {name: _start("--steps", "2", *args) for name, (args, _) in cases.items()}  # good_run's
     for name, proc in procs.items():
         out, err = proc.communicate(timeout=300)
         assert proc.returncode == 2, (name, out, err)
         lines = err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: ") and cases[name][1] in lines[0], (name, err)
-    assert {p: _snapshot(p) for p in before} == before  # nothing overwritten
+    assert {p: snapshot(p) for p in before} == before  # nothing overwritten

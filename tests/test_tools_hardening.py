@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import in_namespace, one_error_line, snapshot
 
 pytestmark = pytest.mark.xdist_group("tools")
 
@@ -113,21 +114,6 @@ CASES = {
 # Cases that need the namespace's read-only and unmapped directories.
 
 
-def _one_error_line(stderr: str) -> str:
-    lines = stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), stderr
-    return lines[0]
-
-
-def _snapshot(root: Path) -> dict[str, int]:
-    return {str(p.relative_to(root)): p.stat().st_size for p in sorted(root.rglob("*"))}
-
-
-def _in_namespace(script: str, cwd: Path, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run(["unshare", "-rm", "sh", "-ec", script], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, **kw)
-
-
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory) -> Path:
     """A two-step checkpoint of the tiny model (step 2), for every export test."""
@@ -172,7 +158,7 @@ def results(tmp_path_factory, run_dir):
     per case) inside the namespace; the inputs (the checkpoint too) must be untouched."""
     inputs = tmp_path_factory.mktemp("inputs")
     files = _inputs(inputs, run_dir)
-    before = _snapshot(inputs), _snapshot(run_dir)
+    before = snapshot(inputs), snapshot(run_dir)
     work = tmp_path_factory.mktemp("work")
     names = list(CASES)
     batch = []
@@ -185,7 +171,7 @@ def results(tmp_path_factory, run_dir):
                f"mount -t tmpfs -o size=64k tmpfs {ro}/inner; exec {sys.executable} {DRIVER}"]
     done = subprocess.run(command, input=json.dumps(batch), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    after = _snapshot(inputs), _snapshot(run_dir)
+    after = snapshot(inputs), snapshot(run_dir)
     cases = {name: (result, work / str(i)) for i, (name, result) in enumerate(zip(names, json.loads(done.stdout)))}
     return cases, before, after
 
@@ -200,7 +186,7 @@ def test_bad_input_gives_one_error_line_exit_2_and_writes_nothing(results, case)
     result, cwd = results[0][case]
     assert result["code"] == 2, result
     assert result["stdout"] == ""
-    line = _one_error_line(result["stderr"])
+    line = one_error_line(result["stderr"])
     assert CASES[case][2] in line, line
     assert not any(cwd.iterdir()), list(cwd.iterdir())  # the working directory is as it was: empty
 
@@ -227,7 +213,7 @@ def test_launch_that_cannot_start_every_process_stops_those_it_started(tmp_path)
         cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2, done.stderr
     assert done.stdout == ""
-    line = _one_error_line(done.stderr)
+    line = one_error_line(done.stderr)
     found = re.fullmatch(r"error: cannot start process (\d+) of 10: Resource temporarily unavailable; "
                          r"stopped the (\d+) already started", line)
     assert found and found[1] == found[2] and int(found[1]) >= 1, line
@@ -237,7 +223,7 @@ def test_launch_that_cannot_start_every_process_stops_those_it_started(tmp_path)
 def test_corpus_on_a_full_disk_leaves_no_temporary_and_says_one_line(tmp_path):
     rng = np.random.default_rng(0)
     (tmp_path / "big.txt").write_bytes(rng.choice(list(b"abcdefgh "), 400_000).astype(np.uint8).tobytes())
-    done = _in_namespace(f"""
+    done = in_namespace(f"""
         mkdir disk
         mount -t tmpfs -o size=300k tmpfs disk
         {sys.executable} -m spmd.corpus --data big.txt --out disk/new/t.npy >out.txt 2>err.txt && echo "exit 0" \
@@ -245,14 +231,14 @@ def test_corpus_on_a_full_disk_leaves_no_temporary_and_says_one_line(tmp_path):
         ls -A disk""", tmp_path)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "exit 5"  # the disk's contents follow the exit code: nothing, not even new/
-    assert _one_error_line((tmp_path / "err.txt").read_text()) == \
+    assert one_error_line((tmp_path / "err.txt").read_text()) == \
         "error: cannot write --out disk/new/t.npy: No space left on device; nothing was written"
     assert (tmp_path / "out.txt").read_text() == ""
 
 
 def test_export_on_a_full_disk_removes_what_it_wrote_and_says_one_line(tmp_path, run_dir):
     # The tiny model's parameters take 0.5 MB; the directories the export made go too.
-    done = _in_namespace(f"""
+    done = in_namespace(f"""
         mkdir disk
         mount -t tmpfs -o size=300k tmpfs disk
         {sys.executable} -m spmd.export --checkpoint {run_dir} --out disk/new/e >out.txt 2>err.txt && echo "exit 0" \
@@ -260,7 +246,7 @@ def test_export_on_a_full_disk_removes_what_it_wrote_and_says_one_line(tmp_path,
         ls -A disk""", tmp_path)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "exit 5"
-    assert _one_error_line((tmp_path / "err.txt").read_text()) == \
+    assert one_error_line((tmp_path / "err.txt").read_text()) == \
         "error: writing --out disk/new/e failed (No space left on device); nothing was written"
     assert (tmp_path / "out.txt").read_text() == ""
 
