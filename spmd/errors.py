@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import sys
 import tempfile
 import threading
@@ -23,6 +24,15 @@ def first_line(exc: BaseException) -> str:
     """An exception's first line (XLA's runtime errors run to many), or its type's name."""
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+def why_io_failed(exc: BaseException) -> str:
+    """The reason of a failed write, short: an OSError's own words, else the end of the
+    first line (TensorStore's errors put the file system's words last)."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    text = first_line(exc)
+    return re.sub(r"\s*\[os_error_code=.*$", "", text.rsplit(": ", 1)[-1]) if len(text) > 160 else text
 
 
 EXIT_OUTPUT_FAILED = 5  # the input was fine; writing an output failed (disk full, permission lost)

@@ -25,7 +25,8 @@ import sys
 from pathlib import Path
 
 from spmd.config import OneLineErrorParser, integer, nonempty
-from spmd.errors import EXIT_OUTPUT_FAILED, UserError, held_stderr, one_line_errors, quiet_library_threads
+from spmd.errors import (EXIT_OUTPUT_FAILED, UserError, held_stderr, one_line_errors, quiet_library_threads,
+                         why_io_failed)
 from spmd.paths import check_outputs_apart, check_writable_dir, remove_stale_temporaries, temporary_name
 
 
@@ -130,7 +131,6 @@ def write(out: Path, flag_value: str, params, meta: dict) -> None:
     (disk full, permission lost) removes what was written, prints one line and exits:
     Orbax's threads may still hold the failed write, and waiting for them can hang."""
     from spmd.checkpoint import export_params
-    from spmd.loop import why_io_failed
 
     made = [p for p in (out.parent, *out.parent.parents) if not p.exists()]  # to remove if we fail
     tmp = temporary_name(out)

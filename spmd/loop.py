@@ -6,7 +6,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import re
 import signal
 import sys
 import tempfile
@@ -21,7 +20,7 @@ from spmd.checkpoint import finalized_steps, make_meta
 from spmd.data import Prefetcher, global_batch
 from spmd.distributed import Watchdog
 from spmd.hardware import peak_tflops, train_flops_per_token
-from spmd.errors import OutputFailed, first_line
+from spmd.errors import OutputFailed, why_io_failed
 from spmd.report import describe_run, emit
 from spmd.signals import StopSignals
 
@@ -273,15 +272,6 @@ def _is_record_before(line: str, before: int) -> bool:
 def append_records(path, records: list[dict]) -> None:
     with _writing_metrics(path), open(path, "a") as f:
         f.write("".join(json.dumps(record) + "\n" for record in records))
-
-
-def why_io_failed(exc: BaseException) -> str:
-    """The reason of a failed write, short: an OSError's own words, else the end of the
-    first line (TensorStore's errors put the file system's words last)."""
-    if isinstance(exc, OSError) and exc.strerror:
-        return exc.strerror
-    text = first_line(exc)
-    return re.sub(r"\s*\[os_error_code=.*$", "", text.rsplit(": ", 1)[-1]) if len(text) > 160 else text
 
 
 @contextlib.contextmanager
