@@ -1,7 +1,19 @@
 """Models written for one device, and their named presets."""
 
-from models.llama import Llama, LlamaConfig
+from models.llama import Llama, LlamaConfig, RopeScaling
 from models.moe import MoEConfig, Routing
+
+# Each family: its config class -> its module class. A model class tells the trainer what
+# it needs beyond the call (see Llama: STACKED, LOOKUP_TABLE, decays, head_params).
+FAMILIES: dict[type, type] = {LlamaConfig: Llama}
+
+
+def model_class(cfg) -> type:
+    return FAMILIES[type(cfg)]
+
+
+# The published configs' rope_scaling (Llama 3.2 slows the long waves by 32, not 8).
+LLAMA31_ROPE_SCALING = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position=8192)
 
 PRESETS: dict[str, LlamaConfig] = {
     # For tests and the CPU demo: every dimension divides 2, 4 and 8.
@@ -10,7 +22,11 @@ PRESETS: dict[str, LlamaConfig] = {
     "small": LlamaConfig(vocab=256, embed=256, layers=4, heads=8, kv_heads=4, head_dim=32, mlp=768),
     "llama3.2-1b": LlamaConfig(
         vocab=128256, embed=2048, layers=16, heads=32, kv_heads=8, head_dim=64, mlp=8192,
-        rope_theta=500_000.0, tie_embeddings=True,
+        rope_theta=500_000.0, rope_scaling=LLAMA31_ROPE_SCALING.with_factor(32.0), tie_embeddings=True,
+    ),
+    "llama3.2-3b": LlamaConfig(
+        vocab=128256, embed=3072, layers=28, heads=24, kv_heads=8, head_dim=128, mlp=8192,
+        rope_theta=500_000.0, rope_scaling=LLAMA31_ROPE_SCALING.with_factor(32.0), tie_embeddings=True,
     ),
     "llama2-7b": LlamaConfig(
         vocab=32000, embed=4096, layers=32, heads=32, kv_heads=32, head_dim=128, mlp=11008,
@@ -22,6 +38,14 @@ PRESETS: dict[str, LlamaConfig] = {
     "llama3-70b": LlamaConfig(
         vocab=128256, embed=8192, layers=80, heads=64, kv_heads=8, head_dim=128, mlp=28672,
         rope_theta=500_000.0,
+    ),
+    "llama3.1-8b": LlamaConfig(
+        vocab=128256, embed=4096, layers=32, heads=32, kv_heads=8, head_dim=128, mlp=14336,
+        rope_theta=500_000.0, rope_scaling=LLAMA31_ROPE_SCALING,
+    ),
+    "llama3.1-70b": LlamaConfig(
+        vocab=128256, embed=8192, layers=80, heads=64, kv_heads=8, head_dim=128, mlp=28672,
+        rope_theta=500_000.0, rope_scaling=LLAMA31_ROPE_SCALING,
     ),
     # Mixture of experts. For tests: 8 experts, top-2, a shared expert, MoE in every
     # second layer (one dense block, then one MoE block).
@@ -43,4 +67,4 @@ PRESETS: dict[str, LlamaConfig] = {
     ),
 }
 
-__all__ = ["Llama", "LlamaConfig", "MoEConfig", "PRESETS", "Routing"]
+__all__ = ["FAMILIES", "Llama", "LlamaConfig", "MoEConfig", "PRESETS", "RopeScaling", "Routing", "model_class"]

@@ -14,6 +14,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from models.annotate import ACTIVATION, constrain, weight
@@ -34,6 +35,21 @@ REMAT_POLICIES = {
 
 
 @dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1's stretch of the rotary frequencies for long contexts: wavelengths longer
+    than original_max_position / low_freq_factor are slowed by `factor`, those shorter
+    than original_max_position / high_freq_factor kept, those between blended smoothly."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position: int
+
+    def with_factor(self, factor: float) -> RopeScaling:
+        return dataclasses.replace(self, factor=factor)
+
+
+@dataclasses.dataclass(frozen=True)
 class LlamaConfig:
     vocab: int
     embed: int
@@ -43,9 +59,27 @@ class LlamaConfig:
     head_dim: int
     mlp: int
     rope_theta: float = 10_000.0
+    rope_scaling: RopeScaling | None = None
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     moe: MoEConfig | None = None  # MoE feed-forward in every moe.every-th layer
+
+    @property
+    def rope_frequencies(self) -> np.ndarray:
+        """Angle per position of each rotated pair (head_dim / 2,), float32."""
+        # As transformers computes them, in float32, so that long positions agree too.
+        exponent = np.arange(0, self.head_dim, 2).astype(np.float32) / np.float32(self.head_dim)
+        freqs = np.float32(1.0) / np.float32(self.rope_theta) ** exponent
+        r = self.rope_scaling
+        if r is None:
+            return freqs
+        wavelength = 2 * np.pi / freqs
+        slowed = freqs / r.factor
+        blend = (r.original_max_position / wavelength - r.low_freq_factor) / (r.high_freq_factor - r.low_freq_factor)
+        blended = (1 - blend) * slowed + blend * freqs
+        long_waves = wavelength > r.original_max_position / r.low_freq_factor
+        short_waves = wavelength < r.original_max_position / r.high_freq_factor
+        return np.where(long_waves, slowed, np.where(short_waves, freqs, blended)).astype(np.float32)
 
     @property
     def moe_layers(self) -> int:
@@ -85,10 +119,8 @@ class RMSNorm(nnx.Module):
         return (normed * weight(self.scale, jnp.float32)).astype(x.dtype)
 
 
-def rotary(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """Rotate pairs (i, i + d/2) of the last dimension by position-dependent angles."""
-    half = x.shape[-1] // 2
-    freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+def rotary(x: jax.Array, positions: jax.Array, freqs: np.ndarray) -> jax.Array:
+    """Rotate pairs (i, i + d/2) of the last dimension by position x frequency."""
     angles = positions[:, None].astype(jnp.float32) * freqs  # (seq, half)
     cos = jnp.cos(angles)[None, :, None, :]
     sin = jnp.sin(angles)[None, :, None, :]
@@ -114,8 +146,8 @@ class Attention(nnx.Module):
         b, s = x.shape[:2]
         groups = cfg.heads // cfg.kv_heads
         q = qkv[:, :, :, :groups].reshape(b, s, cfg.heads, cfg.head_dim)
-        q = constrain(rotary(q, positions, cfg.rope_theta), "batch", "seq", "heads", "head_dim")
-        k = constrain(rotary(qkv[:, :, :, groups], positions, cfg.rope_theta), "batch", "seq", "kv_heads", "head_dim")
+        q = constrain(rotary(q, positions, cfg.rope_frequencies), "batch", "seq", "heads", "head_dim")
+        k = constrain(rotary(qkv[:, :, :, groups], positions, cfg.rope_frequencies), "batch", "seq", "kv_heads", "head_dim")
         v = constrain(qkv[:, :, :, groups + 1], "batch", "seq", "kv_heads", "head_dim")
 
         # Query head h reads key/value head h // groups: split heads as (kv_heads, groups).
@@ -181,12 +213,28 @@ class MoEGroup(nnx.Module):
 class Llama(nnx.Module):
     """Decoder-only transformer: tokens (batch, seq) -> float32 logits (batch, seq, vocab)."""
 
+    # What a trainer needs to know of the parameters, so that it never names them itself.
+    STACKED = "blocks"  # stacked along a leading "layers" axis: scanned, split into pipeline stages
+    LOOKUP_TABLE = "embedding"  # read by row lookups (in float32: a lookup has no FLOPs to save)
+
+    @staticmethod
+    def decays(path: tuple[str, ...]) -> bool:
+        """Whether weight decay applies to the parameter at `path`: matrices yes, norm scales no."""
+        return path[-1] != "scale"
+
+    @staticmethod
+    def head_params(cfg: LlamaConfig) -> tuple[str, ...]:
+        """The top-level parameters that `logits` reads (a tied model's head is its table)."""
+        return ("final_norm", "embedding" if cfg.tie_embeddings else "head")
+
     def __init__(self, cfg: LlamaConfig, *, dtype=jnp.float32, remat: str = "none",
                  routing: Routing = Routing(), rngs: nnx.Rngs):
         if remat not in REMAT_POLICIES:
             raise ValueError(f"remat must be one of {sorted(REMAT_POLICIES)}, got {remat!r}")
         self.cfg, self.dtype, self.remat = cfg, dtype, remat
-        self.embedding = _param(rngs, (cfg.vocab, cfg.embed), ("vocab", "embed"), 1.0)
+        # A tied table is also the output head, so it starts at the head's scale.
+        self.embedding = _param(rngs, (cfg.vocab, cfg.embed), ("vocab", "embed"),
+                                cfg.embed**-0.5 if cfg.tie_embeddings else 1.0)
 
         # Stacked along a leading "layers" axis: blocks, or groups of blocks in an MoE model.
         @nnx.split_rngs(splits=cfg.moe_layers or cfg.layers)
@@ -238,7 +286,7 @@ class Llama(nnx.Module):
         cfg, dt = self.cfg, self.dtype
         x = constrain(self.final_norm(x), "batch", "seq", "embed")
         if cfg.tie_embeddings:
-            head = weight(self.embedding, dt).T * cfg.embed**-0.5
+            head = weight(self.embedding, dt).T
         else:
             head = weight(self.head, dt)
         logits = jnp.einsum("bse,ev->bsv", x, head).astype(jnp.float32)

@@ -28,7 +28,7 @@ from flax import traverse_util
 from spmd.checksum import checksums
 from spmd.config import flag_of
 from spmd.errors import UserError
-from spmd.layout import is_stacked, restack
+from spmd.layout import STACKED_KEYS, is_stacked, restack
 
 FORMAT = 1
 ITEMS = ("params", "opt_state", "meta")
@@ -49,7 +49,7 @@ def _model_shapes(shapes: dict[str, list[int]], repeats: int) -> dict[str, list[
     """Parameter shapes as the model has them, whatever the pipeline's storage."""
     if repeats == 1:
         return shapes
-    return {k: [v[0] * v[1], *v[2:]] if k.startswith("blocks/") else v for k, v in shapes.items()}
+    return {k: [v[0] * v[1], *v[2:]] if k.split("/")[0] in STACKED_KEYS else v for k, v in shapes.items()}
 
 
 def make_meta(cfg, step: int, params) -> dict:

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx, traverse_util
 
-from models import PRESETS, Llama, LlamaConfig, Routing
+from models import FAMILIES, PRESETS, LlamaConfig, Routing, model_class
 from spmd.config import model_config
 from spmd.errors import UserError
 from spmd.mesh import BATCH_AXES, build_mesh, emulated_device_count, format_mesh, parse_mesh, resolve_mesh
@@ -57,7 +57,7 @@ def model_skeleton(model: str | LlamaConfig, dtype: str = "float32", remat: str 
                    routing: Routing = Routing()) -> ModelSkeleton:
     """`model`: a preset's name or a model config. The graph holds dtype, remat and routing."""
     model_cfg = PRESETS[model] if isinstance(model, str) else model
-    abstract = nnx.eval_shape(lambda: Llama(model_cfg, dtype=DTYPES[dtype], remat=remat, routing=routing,
+    abstract = nnx.eval_shape(lambda: model_class(model_cfg)(model_cfg, dtype=DTYPES[dtype], remat=remat, routing=routing,
                                             rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     shapes, names = {}, {}
@@ -166,9 +166,12 @@ def restacked(skeleton: ModelSkeleton, repeats: int) -> ModelSkeleton:
                                names=jax.tree.map(names, skeleton.names, is_leaf=is_names))
 
 
+STACKED_KEYS = frozenset(family.STACKED for family in FAMILIES.values())
+
+
 def is_stacked(path) -> bool:
     """Whether a leaf of params (or optimizer state, which mirrors them) is a stacked layer's."""
-    return any(getattr(k, "key", None) == "blocks" for k in path)
+    return any(getattr(k, "key", None) in STACKED_KEYS for k in path)
 
 
 def restack(tree, repeats: int):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import jax
 import optax
 
+from models import model_class
+
 
 def learning_rate(cfg) -> float:
     """Peak learning rate; with `scale_lr`, the linear scaling rule (Goyal et al., 2017)."""
@@ -25,13 +27,14 @@ def schedule(cfg) -> optax.Schedule:
     )
 
 
-def _decay_mask(params):
-    # Weight decay on weight matrices only; norm scales (named "scale") stay undecayed.
-    return jax.tree_util.tree_map_with_path(lambda path, _: getattr(path[-1], "key", None) != "scale", params)
+def make_optimizer(cfg, model_cfg) -> optax.GradientTransformation:
+    decays = model_class(model_cfg).decays  # the model says which parameters weight decay applies to
 
+    def decay_mask(params):
+        return jax.tree_util.tree_map_with_path(
+            lambda path, _: decays(tuple(str(getattr(k, "key", k)) for k in path)), params)
 
-def make_optimizer(cfg) -> optax.GradientTransformation:
     return optax.chain(
         optax.clip_by_global_norm(cfg.clip),
-        optax.adamw(schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=1e-8, weight_decay=cfg.weight_decay, mask=_decay_mask),
+        optax.adamw(schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=1e-8, weight_decay=cfg.weight_decay, mask=decay_mask),
     )

@@ -22,7 +22,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from models import Llama
+from models import model_class
 from models.llama import REMAT_POLICIES
 from models.annotate import storage
 from models.attention import attention_implementation
@@ -64,16 +64,16 @@ def _objective(logits, targets, moe_stats: dict, aux_weights: tuple[float, float
     return loss + aux_weights[0] * metrics["aux_loss"] + aux_weights[1] * metrics["z_loss"], metrics
 
 
-def _stage_parts(graphdef, params, rows: jax.Array, in_stage):
+def _stage_parts(graphdef, params, rows: jax.Array, in_stage, stacked: str):
     """What a pipelined step is made of: the model less its stages' weights (a model of
     their shapes holds their place; `model_of(outer)`), the non-stacked parameters, the
     inputs and targets, and `stage(chunk, x)`, which runs a chunk of stacked layers on
     one microbatch under the rules inside the stages."""
     inputs, targets, positions = rows[:, :-1], rows[:, 1:], jnp.arange(rows.shape[1] - 1)
-    outer = {name: value for name, value in params.items() if name != "blocks"}
-    no_blocks = jax.tree.map(lambda w: jax.ShapeDtypeStruct(w.shape, w.dtype), params["blocks"])
-    model_of = lambda outer: nnx.merge(graphdef, {**outer, "blocks": no_blocks})  # noqa: E731
-    blocks_graph = nnx.split(model_of(outer).blocks)[0]
+    outer = {name: value for name, value in params.items() if name != stacked}
+    no_blocks = jax.tree.map(lambda w: jax.ShapeDtypeStruct(w.shape, w.dtype), params[stacked])
+    model_of = lambda outer: nnx.merge(graphdef, {**outer, stacked: no_blocks})  # noqa: E731
+    blocks_graph = nnx.split(getattr(model_of(outer), stacked))[0]
 
     def stage(chunk, x):
         with in_stage():
@@ -87,10 +87,11 @@ def _pipelined_loss(graphdef, params, rows: jax.Array, layout: Layout, in_stage)
     (spmd.pipeline); the embedding, head and loss run outside, on rows split over the
     data axes and pp."""
     schedule, shards = layout.schedule, layout.batch_shards
-    model_of, outer, inputs, targets, stage = _stage_parts(graphdef, params, rows, in_stage)
+    stacked = model_class(layout.skeleton.model_cfg).STACKED
+    model_of, outer, inputs, targets, stage = _stage_parts(graphdef, params, rows, in_stage, stacked)
     model = model_of(outer)
     x = to_microbatches(model.embed(inputs), shards, schedule)
-    out = pipeline(layout.mesh, schedule, stage, params["blocks"], x, REMAT_POLICIES[model.remat])
+    out = pipeline(layout.mesh, schedule, stage, params[stacked], x, REMAT_POLICIES[model.remat])
     logits = model.logits(from_microbatches(out, shards, schedule))
     return _objective(logits, targets, {}, (0.0, 0.0))
 
@@ -99,21 +100,21 @@ def _one_f_one_b_grads(graphdef, params, rows: jax.Array, layout: Layout, in_sta
     """Metrics and gradients of `_pipelined_loss` under the 1F1B schedule, which computes
     the stages' gradients itself (spmd.pipeline.one_f_one_b); autodiff does the rest."""
     schedule, shards = layout.schedule, layout.batch_shards
-    model_of, outer, inputs, targets, stage = _stage_parts(graphdef, params, rows, in_stage)
-    # The head's parameters: the final norm, and the output projection (or the tied table).
-    head_names = ("final_norm", "embedding" if layout.skeleton.model_cfg.tie_embeddings else "head")
+    family = model_class(layout.skeleton.model_cfg)
+    model_of, outer, inputs, targets, stage = _stage_parts(graphdef, params, rows, in_stage, family.STACKED)
+    head_names = family.head_params(layout.skeleton.model_cfg)
 
     def head(head_params, y, targets):
         with in_stage():
             return _objective(model_of({**outer, **head_params}).logits(y), targets, {}, (0.0, 0.0))[0]
 
     x, embed_vjp = jax.vjp(lambda outer: to_microbatches(model_of(outer).embed(inputs), shards, schedule), outer)
-    loss, d_blocks, d_head, dx = one_f_one_b(layout.mesh, schedule, stage, head, params["blocks"],
+    loss, d_blocks, d_head, dx = one_f_one_b(layout.mesh, schedule, stage, head, params[family.STACKED],
                                              {name: outer[name] for name in head_names}, x,
                                              to_microbatches(targets, shards, schedule))
     (grads,) = embed_vjp(dx)
     grads = grads | {name: jax.tree.map(jnp.add, grads[name], d_head[name]) for name in head_names}
-    return {"loss": loss}, grads | {"blocks": d_blocks}
+    return {"loss": loss}, grads | {family.STACKED: d_blocks}
 
 
 def _split_locally(rows: jax.Array, shards: int, k: int) -> jax.Array:
@@ -163,14 +164,14 @@ def init_compiler_options(layout: Layout) -> dict:
 
 def build_program(cfg, layout: Layout) -> Program:
     graphdef = layout.skeleton.graphdef
-    tx = make_optimizer(cfg)
+    tx = make_optimizer(cfg, layout.skeleton.model_cfg)
     lr_at = schedule(cfg)
     rules = layout.rules
     param_sh = layout.shardings(rules.params)
     grad_sh = layout.shardings(rules.grads)
 
     def init(key):
-        model = Llama(layout.skeleton.model_cfg, dtype=DTYPES[cfg.dtype], remat=cfg.remat, routing=routing(cfg),
+        model = model_class(layout.skeleton.model_cfg)(layout.skeleton.model_cfg, dtype=DTYPES[cfg.dtype], remat=cfg.remat, routing=routing(cfg),
                       rngs=nnx.Rngs(params=key))
         params = layout.stored(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
         return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}

@@ -50,6 +50,7 @@ from collections.abc import Mapping
 import jax.numpy as jnp
 from flax import traverse_util
 
+from models import model_class
 from spmd import pipeline
 from spmd.layout import DTYPES, Layout, is_names, routing
 from spmd.mesh import AXES, BATCH_AXES
@@ -73,14 +74,11 @@ class Param:
     stacked: bool  # one slice per layer, used inside the layer scan
 
 
-LOOKUP_TABLE = "embedding"  # models.llama reads its rows in float32 (a lookup has no FLOPs to save)
-
-
 def uses(p: Param, model_cfg, compute_bytes: int) -> tuple[int, ...]:
     """Bytes per element of each use of a parameter, as models.llama computes with it:
     vectors (norm scales) and the lookup table in float32, matrices in the compute dtype,
     and a tied embedding also as the output head."""
-    if p.path == LOOKUP_TABLE:
+    if p.path == model_class(model_cfg).LOOKUP_TABLE:  # its rows are read in float32
         return (p.itemsize, compute_bytes) if model_cfg.tie_embeddings else (p.itemsize,)
     return (p.itemsize,) if _is_vector(p) else (compute_bytes,)
 
@@ -239,7 +237,7 @@ def _tensor_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
     head_tokens = tokens * (layout.shape["pp"] if _head_in_stages(layout) else 1)
     head_input = head_tokens * model.embed * compute_bytes
     per_layer = stage_overhead(layout)  # the layers' activations, in pipeline stages, bubble ticks included
-    lookup = tokens * model.embed * 4  # float32 rows (see LOOKUP_TABLE)
+    lookup = tokens * model.embed * 4  # float32 rows (the model's LOOKUP_TABLE)
     vocab_split = "tp" in axes_of(layout.rules.activations["vocab"])
     out = []
 
