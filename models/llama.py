@@ -64,6 +64,12 @@ class LlamaConfig:
     tie_embeddings: bool = False
     moe: MoEConfig | None = None  # MoE feed-forward in every moe.every-th layer
 
+    @classmethod
+    def from_dict(cls, d: dict) -> LlamaConfig:
+        """The config of `dataclasses.asdict(config)` (as a run saves it)."""
+        nested = {"rope_scaling": RopeScaling, "moe": MoEConfig}
+        return cls(**{k: nested[k](**v) if k in nested and v is not None else v for k, v in d.items()})
+
     @property
     def rope_frequencies(self) -> np.ndarray:
         """Angle per position of each rotated pair (head_dim / 2,), float32."""

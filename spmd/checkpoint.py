@@ -53,7 +53,7 @@ def _model_shapes(shapes: dict[str, list[int]], repeats: int) -> dict[str, list[
 
 
 def make_meta(cfg, step: int, params) -> dict:
-    return {"format": FORMAT, "step": step, "model": cfg.model, "config": dataclasses.asdict(cfg),
+    return {"format": FORMAT, "step": step, "model": cfg.model_name, "config": dataclasses.asdict(cfg),
             "param_shapes": _shapes_of(params)}
 
 
@@ -138,6 +138,18 @@ def read_meta(run_dir: Path, step: int) -> dict:
     if not _is_ours(meta):
         raise UserError(f"{Path(run_dir) / str(step)} is not an spmd checkpoint")
     return meta
+
+
+def model_of_checkpoint(resume: str) -> tuple[str | None, dict | None]:
+    """The model (preset name, or saved architecture) of the checkpoint `--resume` names."""
+    run_dir, step = locate(resume)
+    if step is None:
+        steps = finalized_steps(run_dir)
+        if not steps:
+            raise UserError(f"no spmd checkpoint in {run_dir}")
+        step = steps[-1]
+    config = read_meta(run_dir, step).get("config", {})
+    return config.get("model"), config.get("architecture")
 
 
 def _load_meta(run_dir: Path, step: int):
@@ -226,7 +238,7 @@ def check_compatible(meta: dict, cfg, params_shapes, where: Path) -> None:
         differ = sorted(set(want) ^ set(meta.get("param_shapes", {}))) or [
             k for k in want if meta["param_shapes"].get(k) != want[k]]
         raise UserError(f"checkpoint {where} holds model {have!r} whose parameters differ from "
-                        f"this run's {cfg.model!r} (first difference: {differ[0]})")
+                        f"this run's {cfg.model_name!r} (first difference: {differ[0]})")
 
 
 # What a resumed run must share with the run that wrote its checkpoint: the data order

@@ -62,7 +62,8 @@ def flag_of(name: str) -> str:
 class TrainConfig:
     mesh: str = _field("dp=2,fsdp=2,tp=2", "mesh axis sizes, e.g. dp=4,tp=8 (axes pp,dp,fsdp,ep,sp,tp; unnamed = 1; -1 = the remaining devices)")
     cpu_devices: int | None = _field(None, "number of emulated CPU devices (default: what the mesh needs)", at_least=1)
-    model: str = _field("tiny", "model preset (see models.PRESETS)")
+    model: str | None = _field(None, "model preset (see models.PRESETS; default: tiny, or the model of --init-from, or that of the checkpoint --resume names)")
+    init_from: str | None = _field(None, "start from the weights of a Hugging Face model directory (config.json and safetensors: Llama, Mixtral); the model is the directory's, and its tokenizer.json tokenizes --data")
     steps: int = _field(300, "optimizer steps to run", at_least=0)
     batch: int = _field(32, "global batch size, in sequences", at_least=1)
     seq: int = _field(64, "sequence length, in tokens", at_least=1)
@@ -116,6 +117,15 @@ class TrainConfig:
     join_timeout: int = _field(300, "several processes: seconds to wait for all of them to join the run before giving up", at_least=1)
     ignore_fit: bool = _field(False, "train even when the plan says the step does not fit the devices' memory")
     heartbeat_timeout: int = _field(100, "several processes: seconds without a heartbeat before the others give up on a process", at_least=1)
+    # Not a flag: the model config when it is no preset (--init-from's config.json, or a
+    # resumed checkpoint's); saved with the run, so the run can be resumed and exported.
+    architecture: object = dataclasses.field(default=None, metadata={"cli": False, "bounds": Bounds()})
+
+    @property
+    def model_name(self) -> str:
+        if self.model:
+            return self.model
+        return f"{self.init_from} (Hugging Face)" if self.init_from else "tiny" if self.architecture is None else "imported"
 
     @property
     def microbatch(self) -> int:
@@ -126,7 +136,7 @@ def train_parser(prog: str = "python -m spmd.train",
                  description: str = "Train a model on a named device mesh.") -> argparse.ArgumentParser:
     parser = OneLineErrorParser(prog=prog, description=description)
     parser.add_argument("--config", metavar="FILE.yaml", type=nonempty, help="YAML file of these options (flags override it)")
-    for f in dataclasses.fields(TrainConfig):
+    for f in cli_fields():
         kwargs = {k: v for k, v in f.metadata.items() if k not in ("help", "bounds")}
         help_text = f"{f.metadata['help']} (default: {f.default})"
         if f.type == "bool":
@@ -135,6 +145,10 @@ def train_parser(prog: str = "python -m spmd.train",
         kind = {"int": integer, "float": finite, "int | None": integer}.get(f.type, nonempty)
         parser.add_argument(flag_of(f.name), type=kind, default=f.default, help=help_text, **kwargs)
     return parser
+
+
+def cli_fields() -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(TrainConfig) if f.metadata.get("cli", True)]
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -193,7 +207,7 @@ def _yaml_to_argv(path: str) -> list[str]:
         return []
     if not isinstance(data, Mapping):
         raise UserError(f"config file {path} must hold a mapping of option: value")
-    names = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    names = {f.name: f for f in cli_fields()}
     argv: list[str] = []
     for key, value in data.items():
         name = str(key).replace("-", "_")
@@ -239,7 +253,7 @@ def parse_with_extras(argv: Sequence[str] | None = None, prog: str = "python -m 
     config_path = find_config(argv)
     file_argv = _yaml_to_argv(config_path) if config_path else []
     ns = parser.parse_args(file_argv + argv)
-    values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(TrainConfig)}
+    values = {f.name: getattr(ns, f.name) for f in cli_fields()}
     return validate(TrainConfig(**values)), ns
 
 
@@ -260,7 +274,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     """Checks that need no devices and no model; the mesh-dependent ones live in spmd.layout."""
     from models import PRESETS
 
-    if cfg.model not in PRESETS:
+    cfg = _resolve_model(cfg)
+    if cfg.model is not None and cfg.model not in PRESETS:
         raise UserError(f"unknown model {cfg.model!r}; choose one of {', '.join(PRESETS)}")
     for f in dataclasses.fields(cfg):
         value, bounds = getattr(cfg, f.name), f.metadata["bounds"]
@@ -272,7 +287,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         from spmd.mesh import parse_mesh
 
         parse_mesh(cfg.dcn)
-    _validate_moe(cfg, PRESETS[cfg.model])
+    _validate_moe(cfg, model_config(cfg))
     _validate_pipeline(cfg)
     if cfg.save_every and not cfg.out:
         raise UserError("--save-every needs --out DIR")
@@ -288,14 +303,14 @@ def validate(cfg: TrainConfig) -> TrainConfig:
 def _validate_moe(cfg: TrainConfig, model_cfg) -> None:
     if model_cfg.moe is None:
         if cfg.experts is not None or cfg.top_k is not None:
-            raise UserError(f"--experts and --top-k apply to MoE models; {cfg.model} is dense")
+            raise UserError(f"--experts and --top-k apply to MoE models; {cfg.model_name} is dense")
         return
     experts = cfg.experts if cfg.experts is not None else model_cfg.moe.experts
     top_k = cfg.top_k if cfg.top_k is not None else model_cfg.moe.top_k
     if top_k > experts:
         raise UserError(f"--top-k {top_k} is more than the {experts} experts")
     if cfg.layers is not None and cfg.layers % model_cfg.moe.every:
-        raise UserError(f"--layers {cfg.layers}: {cfg.model} has MoE in every {model_cfg.moe.every}th layer; "
+        raise UserError(f"--layers {cfg.layers}: {cfg.model_name} has MoE in every {model_cfg.moe.every}th layer; "
                         f"give a multiple of {model_cfg.moe.every}")
 
 
@@ -306,11 +321,50 @@ def _validate_pipeline(cfg: TrainConfig) -> None:
         raise UserError(f"--pp-repeats applies to --pp-schedule circular, not {cfg.pp_schedule}")
 
 
+def _resolve_model(cfg: TrainConfig) -> TrainConfig:
+    """Where the model comes from: a preset (--model), a Hugging Face directory's
+    config.json (--init-from), the checkpoint of --resume, or the default preset."""
+    from models import LlamaConfig
+    from spmd.hf import read_config
+
+    from_dict = LlamaConfig.from_dict
+
+    if cfg.init_from:
+        if cfg.model:
+            raise UserError("--model and --init-from: the model is the one in --init-from's config.json; give one")
+        if cfg.resume:
+            raise UserError("--init-from and --resume: a run starts from a Hugging Face directory or resumes "
+                            "a checkpoint; give one (a run with --out resumes from --out by itself)")
+        for name in ("layers", "experts", "top_k"):
+            if getattr(cfg, name) is not None:
+                raise UserError(f"{flag_of(name)} and --init-from: the model's shape is --init-from's config.json")
+        read = read_config(cfg.init_from)
+        if isinstance(cfg.architecture, dict) and from_dict(cfg.architecture) != read:
+            raise UserError(f"--init-from {cfg.init_from}: config.json has changed since the run began")
+        tokenizer = cfg.tokenizer
+        if cfg.data and not tokenizer:
+            tokenizer = str(Path(cfg.init_from) / "tokenizer.json") if (Path(cfg.init_from) / "tokenizer.json").is_file() else None
+        return dataclasses.replace(cfg, architecture=read, tokenizer=tokenizer)
+    if isinstance(cfg.architecture, dict):  # a saved run's
+        return dataclasses.replace(cfg, architecture=from_dict(cfg.architecture))
+    if cfg.architecture is None and cfg.model is None:
+        if cfg.resume:
+            from spmd.checkpoint import model_of_checkpoint
+
+            model, architecture = model_of_checkpoint(cfg.resume)
+            return dataclasses.replace(cfg, model=model, architecture=architecture and from_dict(architecture))
+        return dataclasses.replace(cfg, model="tiny")
+    return cfg
+
+
 def model_config(cfg: TrainConfig):
-    """The model preset with the run's overrides (depth, number of experts, top-k)."""
+    """The model: --init-from's, or the preset with the run's overrides (depth, number of
+    experts, top-k)."""
     from models import PRESETS
 
-    model_cfg = PRESETS[cfg.model]
+    if cfg.architecture is not None:
+        return cfg.architecture
+    model_cfg = PRESETS[cfg.model or "tiny"]
     if cfg.layers is not None:
         model_cfg = dataclasses.replace(model_cfg, layers=cfg.layers)
     if model_cfg.moe is None:

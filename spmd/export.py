@@ -123,7 +123,7 @@ def read(args, run_dir: Path, step: int | None):
         params = source.restore(step, abstract, items=("params",))["params"]
     finally:
         source.close()
-    return params, meta, cfg.model, step
+    return params, meta, cfg.model_name, step
 
 
 def write(out: Path, flag_value: str, params, meta: dict) -> None:

@@ -196,7 +196,7 @@ def check_pipeline(cfg, shape: Mapping[str, int], model_cfg: LlamaConfig, for_tr
         return None
     schedule = Schedule.of(cfg, p)
     if model_cfg.layers % (p * schedule.repeats):
-        raise UserError(f"model {cfg.model}: {model_cfg.layers} layers do not divide into pp x repeats = "
+        raise UserError(f"model {cfg.model_name}: {model_cfg.layers} layers do not divide into pp x repeats = "
                         f"{p} x {schedule.repeats} pipeline chunks")
     m = schedule.microbatches
     if m % p:
@@ -205,7 +205,7 @@ def check_pipeline(cfg, shape: Mapping[str, int], model_cfg: LlamaConfig, for_tr
     if shape["sp"] > 1 or shape["ep"] > 1:
         raise UserError("pipeline stages with sp or ep are not supported yet; combine pp with dp, fsdp and tp")
     if model_cfg.moe:
-        raise UserError(f"model {cfg.model}: pipeline stages with MoE layers are not supported yet; use ep, dp, fsdp and tp")
+        raise UserError(f"model {cfg.model_name}: pipeline stages with MoE layers are not supported yet; use ep, dp, fsdp and tp")
     if for_training:
         shards = math.prod(shape[a] for a in BATCH_AXES)
         if cfg.microbatch % (m * shards):
@@ -228,7 +228,7 @@ def check_divisible(cfg, shape: Mapping[str, int], rules: Rules, skeleton: Model
                 if size % ways:
                     split = "x".join(f"{a}={shape[a]}" for a in axes)
                     raise UserError(
-                        f"model {cfg.model}: {name}={size} does not divide by {split} "
+                        f"model {cfg.model_name}: {name}={size} does not divide by {split} "
                         f"(parameter {'.'.join(map(str, path))}, --zero {cfg.zero})"
                     )
 
@@ -254,7 +254,7 @@ def check_batch(cfg, shape: Mapping[str, int]) -> None:
     moe = model_config(cfg).moe
     if moe is not None:
         if sp > 1:
-            raise UserError(f"model {cfg.model}: MoE layers with sp > 1 are not supported yet; use ep, dp, fsdp and tp")
+            raise UserError(f"model {cfg.model_name}: MoE layers with sp > 1 are not supported yet; use ep, dp, fsdp and tp")
         if shape["ep"] > 1 and cfg.grad_accum > 1:
             # Without the refusal it runs and matches one device (jax 0.10.2 and 0.12), but
             # inside the per-shard vmap the experts' map is not used: each shard gathers every

@@ -103,7 +103,7 @@ class Plan:
     def as_json(self) -> dict:
         cfg = self.cfg
         return {
-            "model": cfg.model, "mesh": self.layout.describe(), "devices": self.devices,
+            "model": cfg.model_name, "mesh": self.layout.describe(), "devices": self.devices,
             "batch": cfg.batch, "seq": cfg.seq, "dtype": cfg.dtype, "zero": cfg.zero, "remat": cfg.remat,
             "grad_accum": cfg.grad_accum, "planned_on": self.planned_on,
             "hardware": self.hardware.name if self.hardware else None,
@@ -250,7 +250,7 @@ def auto(cfg, devices, hardware, planned_on: str) -> tuple[list[Plan], str]:
                 f"or batch, {too_big} do not fit in theory, {compiled} of the fastest others compiled, "
                 f"{len(confirmed)} fit")
     if not confirmed:
-        raise UserError(f"model {cfg.model} does not fit on {len(devices)} x {hardware.name} in any layout "
+        raise UserError(f"model {cfg.model_name} does not fit on {len(devices)} x {hardware.name} in any layout "
                         f"(dp/fsdp/tp, ZeRO 0-1, every remat) at batch {cfg.batch} x {cfg.seq}; "
                         "use more devices, a smaller batch or --grad-accum")
     return sorted(confirmed, key=lambda p: p.prediction.step_s), searched

@@ -27,7 +27,7 @@ def describe_run(cfg, layout, plan, data: str, compile_s: float) -> list[str]:
     return [
         f"mesh: {layout.describe()} over {devices.size} x {kind} "
         f"(axes {', '.join(f'{a}={n}' for a, n in layout.shape.items())})",
-        f"model: {cfg.model}, {skel.num_params:,} parameters, compute {cfg.dtype}, remat {cfg.remat}",
+        f"model: {cfg.model_name}, {skel.num_params:,} parameters, compute {cfg.dtype}, remat {cfg.remat}",
         f"batch: {cfg.batch} x {cfg.seq} tokens, grad-accum {cfg.grad_accum}, zero {cfg.zero}",
         f"data: {data}",
         *plan_summary(plan),
@@ -53,7 +53,7 @@ def _ratio(r) -> str:
 
 def plan_table(plan) -> list[str]:
     cfg = plan.cfg
-    lines = [f"plan: {cfg.model} on {plan.layout.describe()} ({plan.devices} devices; compiled for "
+    lines = [f"plan: {cfg.model_name} on {plan.layout.describe()} ({plan.devices} devices; compiled for "
              f"{plan.planned_on}), batch {cfg.batch} x {cfg.seq}, {cfg.dtype}, zero {cfg.zero}, "
              f"remat {cfg.remat}, grad-accum {cfg.grad_accum}", "",
              f"{'memory per device':28}{'theory':>12}{'XLA':>12}"]
@@ -115,7 +115,7 @@ def _seconds(s: float) -> str:
 
 def auto_table(plans) -> list[str]:
     first = plans[0]
-    lines = [f"fastest layouts that fit: {first.cfg.model} on {first.devices} x {first.hardware.name}, "
+    lines = [f"fastest layouts that fit: {first.cfg.model_name} on {first.devices} x {first.hardware.name}, "
              f"batch {first.cfg.batch} x {first.cfg.seq}, {first.cfg.dtype}"]
     for i, plan in enumerate(plans, 1):
         p = plan.prediction

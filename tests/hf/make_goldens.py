@@ -1,0 +1,98 @@
+"""Make the Hugging Face golden models the tests load (run by hand; needs torch and
+transformers, which the tests do not):
+
+    pip install torch transformers && python tests/hf/make_goldens.py
+
+Each golden is a small random model saved by transformers in float32, with the tokens
+(tokens.npy) and the logits transformers computes for them (logits.npy). A model is
+small enough to commit (tens of kB) and has every feature the loader reads: GQA, a
+sharded checkpoint with its index, tied embeddings with Llama 3.1 rope scaling (set so
+that all three frequency bands occur within the sequence), a Mixtral MoE.
+
+    python tests/hf/make_goldens.py --check DIR GOLDEN
+
+loads an exported directory DIR with transformers and prints its largest logit
+difference from GOLDEN's reference logits (for a closing note; no test needs torch).
+"""
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
+
+HERE = Path(__file__).parent
+SHAPE = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=8, intermediate_size=64, max_position_embeddings=256)
+GOLDENS = {
+    # Saved in shards (max 20 kB each) with model.safetensors.index.json, and a BPE tokenizer.
+    "llama-gqa": (LlamaForCausalLM, LlamaConfig(**SHAPE, rope_theta=10000.0, tie_word_embeddings=False), "20kB"),
+    # original_max_position_embeddings 64: with head_dim 16, wavelengths 6.3 (kept), 32
+    # (blended) and 166 and up (slowed) all occur.
+    "llama-tied-rope": (LlamaForCausalLM, LlamaConfig(
+        **(SHAPE | dict(head_dim=16)), rope_theta=500000.0,
+        tie_word_embeddings=True, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+        None),
+    "mixtral": (MixtralForCausalLM, MixtralConfig(**(SHAPE | dict(intermediate_size=32)), num_local_experts=4,
+                                                  num_experts_per_tok=2, rope_theta=1000000.0), None),
+}
+BATCH, SEQ = 2, 64
+TEXT = ("the quick brown fox jumps over the lazy dog. a stitch in time saves nine. "
+        "all that glitters is not gold. the early bird catches the worm. ") * 20
+
+
+def make(name: str) -> None:
+    cls, config, shard = GOLDENS[name]
+    torch.manual_seed(sum(map(ord, name)))
+    model = cls(config).float().eval()
+    with torch.no_grad():  # larger weights than the 0.02 default, so that layers matter to the logits
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, p.shape[-1] ** -0.5)
+            else:
+                p.uniform_(0.5, 1.5)
+    out = HERE / name
+    shutil.rmtree(out, ignore_errors=True)
+    model.save_pretrained(out, safe_serialization=True, **({"max_shard_size": shard} if shard else {}))
+    tokens = np.random.default_rng(0).integers(0, config.vocab_size, (BATCH, SEQ)).astype(np.int32)
+    with torch.no_grad():
+        logits = model(torch.from_numpy(tokens).long()).logits.float().numpy()
+    np.save(out / "tokens.npy", tokens)
+    np.save(out / "logits.npy", logits)
+    if name == "llama-gqa":
+        make_tokenizer(out, config.vocab_size - 8)
+    print(f"{out}: {sorted(p.name for p in out.iterdir())}")
+
+
+def make_tokenizer(out: Path, size: int) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator([TEXT], trainers.BpeTrainer(vocab_size=size, special_tokens=["<unk>", "</s>"],
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()[:60]))
+    tok.save(str(out / "tokenizer.json"))
+
+
+def check(directory: str, golden: str) -> float:
+    model = AutoModelForCausalLM.from_pretrained(directory, torch_dtype=torch.float32).eval()
+    tokens = np.load(HERE / golden / "tokens.npy")
+    with torch.no_grad():
+        logits = model(torch.from_numpy(tokens).long()).logits.float().numpy()
+    diff = float(np.max(np.abs(logits - np.load(HERE / golden / "logits.npy"))))
+    print(f"{directory}: transformers loads it; max |logits - {golden}'s reference| = {diff:.2e}")
+    return diff
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--check", nargs=2, metavar=("DIR", "GOLDEN"))
+    args = parser.parse_args()
+    if args.check:
+        sys.exit(0 if check(*args.check) < 1e-4 else 1)
+    for name in GOLDENS:
+        make(name)
