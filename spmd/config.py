@@ -325,7 +325,7 @@ def _resolve_model(cfg: TrainConfig) -> TrainConfig:
     """Where the model comes from: a preset (--model), a Hugging Face directory's
     config.json (--init-from), the checkpoint of --resume, or the default preset."""
     from models import LlamaConfig
-    from spmd.hf import read_config
+    from spmd.hf import Directory
 
     from_dict = LlamaConfig.from_dict
 
@@ -338,7 +338,7 @@ def _resolve_model(cfg: TrainConfig) -> TrainConfig:
         for name in ("layers", "experts", "top_k"):
             if getattr(cfg, name) is not None:
                 raise UserError(f"{flag_of(name)} and --init-from: the model's shape is --init-from's config.json")
-        read = read_config(cfg.init_from)
+        read = Directory(cfg.init_from).cfg  # every file checked, before anything is allocated
         if isinstance(cfg.architecture, dict) and from_dict(cfg.architecture) != read:
             raise UserError(f"--init-from {cfg.init_from}: config.json has changed since the run began")
         tokenizer = cfg.tokenizer

@@ -2,10 +2,13 @@
 fine-tuning elsewhere.
 
     python -m spmd.export --checkpoint runs/a [--step N] --out exported/ [--mesh fsdp=8]
+    python -m spmd.export --checkpoint runs/a --format hf [--dtype bfloat16] --out hf/
 
 The parameters are read straight into the layout of `--mesh` (default: the mesh that
-wrote them) and saved as one Orbax PyTree, `OUT/params`, beside `OUT/model.json` (model
-name, step, parameter shapes). Reading them back needs no optimizer state.
+wrote them). The default format is one Orbax PyTree, `OUT/params`, beside `OUT/model.json`
+(model name, step, parameter shapes); reading them back needs no optimizer state. `--format
+hf` writes a Hugging Face directory (spmd.hf: config.json, safetensors files with their
+index, and the tokenizer files of the run), gathering one layer of one parameter at a time.
 
 `--out` is checked before anything is read: a new directory, or an empty one, that can
 be written and is not inside the checkpoint's run. The export is written beside it under
@@ -16,10 +19,12 @@ line, and a temporary left by a killed export is removed by the next export to `
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import errno
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -39,7 +44,33 @@ def export_parser() -> OneLineErrorParser:
     parser.add_argument("--mesh", type=nonempty,
                         help="mesh to restore onto (default: the one that wrote the checkpoint)")
     parser.add_argument("--cpu-devices", type=integer, help="emulated CPU devices (default: what the mesh needs)")
+    parser.add_argument("--format", choices=FORMATS, default="orbax",
+                        help="orbax: an Orbax PyTree of the parameters; hf: a Hugging Face directory (default: orbax)")
+    parser.add_argument("--dtype", choices=tuple(HF_DTYPES), default="float32",
+                        help="--format hf: the tensors' dtype (default: float32, the master weights exactly)")
+    parser.add_argument("--max-shard-size", type=byte_size, default=DEFAULT_SHARD,
+                        help="--format hf: the most bytes per safetensors file, e.g. 500MB, 5GB, 2GiB (default: 5GB)")
     return parser
+
+
+DEFAULT_SHARD = "5GB"
+UNITS = {"": 1, "B": 1, "kB": 10**3, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+
+
+def byte_size(text: str) -> str:
+    match = re.fullmatch(r"([0-9]+)\s*([A-Za-z]*)", text)
+    if not match or match[2] not in UNITS or int(match[1]) == 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 500MB, 5GB or 2GiB")
+    return text
+
+
+def bytes_of(size: str) -> int:
+    match = re.fullmatch(r"([0-9]+)\s*([A-Za-z]*)", size)
+    return int(match[1]) * UNITS[match[2]]
+
+
+FORMATS = ("orbax", "hf")
+HF_DTYPES = {"float32": "float32", "bfloat16": "bfloat16"}
 
 
 def main(argv=None) -> int:
@@ -49,12 +80,54 @@ def main(argv=None) -> int:
         with one_line_errors():
             args = parser.parse_args(argv)
             out, run_dir, step = check(args)
-            params, meta, model, step = read(args, run_dir, step)
-        write(out, args.out, params, meta)
+            params, meta, cfg, step = read(args, run_dir, step)
+            if args.format == "hf":
+                model_cfg, tokenizer_files = hf_parts(cfg, meta)
+        if args.format == "hf":
+            write(out, args.out, lambda tmp: write_hf_export(tmp, params, model_cfg, args, tokenizer_files))
+        else:
+            from spmd.checkpoint import export_params
+
+            write(out, args.out, lambda tmp: export_params(tmp, params, meta))
     finally:
         restore()
-    print(f"exported the parameters of {run_dir / str(step)} ({model}) to {out}")
+    what = "a Hugging Face directory" if args.format == "hf" else "the parameters"
+    print(f"exported {what} of {run_dir / str(step)} ({cfg.model_name}) to {out}")
     return 0
+
+
+def hf_parts(cfg, meta: dict):
+    """The model config of a checkpoint's run, checked to have a Hugging Face layout, and
+    the tokenizer files to copy beside it: those of the run's tokenizer.json (its
+    directory's tokenizer_config.json and special_tokens_map.json with it), else those
+    of the directory the run started from."""
+    from models.llama_hf import supported
+    from spmd.config import model_config
+
+    model_cfg = model_config(cfg)
+    why_not = supported(model_cfg)
+    if why_not:
+        raise UserError(f"--format hf: model {cfg.model_name} has no Hugging Face layout ({why_not})")
+    config = meta.get("config", {})
+    files = {}
+    init_from, tokenizer = config.get("init_from"), config.get("tokenizer")
+    if init_from and (Path(init_from) / "generation_config.json").is_file():
+        files["generation_config.json"] = Path(init_from) / "generation_config.json"
+    source = Path(tokenizer).parent if tokenizer and tokenizer.endswith(".json") else \
+        Path(init_from) if init_from and not tokenizer else None
+    if tokenizer and tokenizer.endswith(".json"):
+        files["tokenizer.json"] = Path(tokenizer)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if source and name not in files and (source / name).is_file():
+            files[name] = source / name
+    return model_cfg, files
+
+
+def write_hf_export(tmp: Path, params, model_cfg, args, tokenizer_files: dict) -> None:
+    from spmd.hf import write_hf
+
+    tmp.mkdir()
+    write_hf(tmp, params, model_cfg, HF_DTYPES[args.dtype], bytes_of(args.max_shard_size), tokenizer_files)
 
 
 def check(args) -> tuple[Path, Path, int | None]:
@@ -66,6 +139,8 @@ def check(args) -> tuple[Path, Path, int | None]:
         raise UserError(f"--step must be at least 0, got {args.step}")
     if args.cpu_devices is not None and args.cpu_devices < 1:
         raise UserError(f"--cpu-devices must be positive, got {args.cpu_devices}")
+    if args.format != "hf" and (args.dtype != "float32" or args.max_shard_size != DEFAULT_SHARD):
+        raise UserError("--dtype and --max-shard-size apply to --format hf")
     checkpoint = Path(args.checkpoint)
     if not checkpoint.exists():
         raise UserError(f"--checkpoint {args.checkpoint} does not exist")
@@ -92,9 +167,9 @@ def check(args) -> tuple[Path, Path, int | None]:
 
 def read(args, run_dir: Path, step: int | None):
     """The parameters of checkpoint `step` (default: the latest), on `--mesh`; with the
-    checkpoint's meta, the model's name and the step."""
+    checkpoint's meta, its run's config and the step."""
     from spmd.checkpoint import Checkpoints, check_compatible, finalized_steps, read_meta
-    from spmd.config import TrainConfig, validate
+    from spmd.config import validate
     from spmd.mesh import emulate_cpu_devices, parse_mesh
 
     step = args.step if step is None else step
@@ -106,8 +181,7 @@ def read(args, run_dir: Path, step: int | None):
         raise UserError(f"--step {step}: no checkpoint of that step in {run_dir}; it has step(s) "
                         f"{', '.join(map(str, steps))}")
     meta = read_meta(run_dir, step)
-    fields = {f.name for f in dataclasses.fields(TrainConfig)}
-    cfg = TrainConfig(**{k: v for k, v in meta.get("config", {}).items() if k in fields})
+    cfg = run_config(meta)
     # Exported as the model has them: stacked layers in order, whatever pipeline wrote them.
     cfg = validate(dataclasses.replace(cfg, mesh=args.mesh or cfg.mesh, pp_schedule="gpipe", pp_repeats=1,
                                        microbatches=None))
@@ -123,22 +197,30 @@ def read(args, run_dir: Path, step: int | None):
         params = source.restore(step, abstract, items=("params",))["params"]
     finally:
         source.close()
-    return params, meta, cfg.model_name, step
+    return params, meta, cfg, step
 
 
-def write(out: Path, flag_value: str, params, meta: dict) -> None:
-    """Write the export to a temporary beside `out`, then rename it to `out`. A failure
+def run_config(meta: dict):
+    """The config of the run that wrote a checkpoint. Its model is the one saved with it,
+    with no need of the directory it started from (`--init-from`)."""
+    from spmd.config import TrainConfig
+
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    config = {k: v for k, v in meta.get("config", {}).items() if k in fields}
+    return TrainConfig(**config | {"init_from": None, "resume": None, "data": None, "tokenizer": None})
+
+
+def write(out: Path, flag_value: str, produce) -> None:
+    """Write the export (`produce(directory)`) to a temporary beside `out`, then rename it to `out`. A failure
     (disk full, permission lost) removes what was written, prints one line and exits:
     Orbax's threads may still hold the failed write, and waiting for them can hang."""
-    from spmd.checkpoint import export_params
-
     made = [p for p in (out.parent, *out.parent.parents) if not p.exists()]  # to remove if we fail
     tmp = temporary_name(out)
     with held_stderr() as stderr:
         try:
             remove_stale_temporaries(out)
             out.parent.mkdir(parents=True, exist_ok=True)
-            export_params(tmp, params, meta)
+            produce(tmp)
             os.replace(tmp, out)  # over an empty directory too
         except BaseException as exc:  # noqa: BLE001 - whatever the file system or Orbax raised
             shutil.rmtree(tmp, ignore_errors=True)

@@ -28,7 +28,6 @@ from spmd.safetensors import Damaged, SafeTensors, Writer
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
 
 def _json(path: Path, what: str):
@@ -223,10 +222,10 @@ def from_pretrained(path: str | Path, mesh=None, dtype: str = "float32"):
 
 # ------------------------------------------------------------------ writing
 
-def write_hf(out: Path, params: dict, model_cfg, dtype, shard_bytes: int, tokenizer_from: list[Path]) -> list[str]:
+def write_hf(out: Path, params: dict, model_cfg, dtype, shard_bytes: int, copies: dict[str, Path]) -> list[str]:
     """Write `params` (our layout, on any mesh) as a Hugging Face directory in `out`:
     config.json, safetensors files of at most `shard_bytes` each (one tensor may exceed it)
-    with their index, and the tokenizer files found in `tokenizer_from`. -> files written"""
+    with their index, and `copies` (name in `out` -> file: the tokenizer's). -> files written"""
     from flax import traverse_util
 
     why_not = supported(model_cfg)
@@ -267,11 +266,9 @@ def write_hf(out: Path, params: dict, model_cfg, dtype, shard_bytes: int, tokeni
         total = sum(int(np.prod(shape)) * itemsize for entries in files for _, shape in entries)
         (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
         written.append(INDEX)
-    for source in tokenizer_from:
-        for name in TOKENIZER_FILES:
-            if (source / name).is_file() and not (out / name).exists():
-                shutil.copyfile(source / name, out / name)
-                written.append(name)
+    for name, source in copies.items():
+        shutil.copyfile(source, out / name)
+        written.append(name)
     return written
 
 

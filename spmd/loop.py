@@ -42,12 +42,14 @@ class Run:
     """`log` prints the run's lines (process 0's job); `say` prints this process's own."""
 
     def __init__(self, cfg, layout, plan, step_fn, state, start_step, checkpoints, setup_s, source, eval_fn=None,
-                 skipped=0, log=print, lock=None):
+                 skipped=0, log=print, lock=None, resumed=False):
         self.cfg, self.layout, self.plan, self.step_fn = cfg, layout, plan, step_fn
         self.state, self.start_step, self.checkpoints = state, start_step, checkpoints
         self.setup_s, self.skipped, self.log = setup_s, skipped, log
         self.source, self.eval_fn = source, eval_fn
-        self.last_saved: int | None = None
+        # A resumed run's first step is saved already; a fresh run with --steps 0 saves its
+        # start (e.g. a Hugging Face model, converted).
+        self.last_saved: int | None = start_step if resumed else None
         self.primary = jax.process_index() == 0
         self.watchdog = Watchdog(cfg.step_timeout)
         self.lock = lock  # on the checkpoint directory (spmd.paths.DirectoryLock), released at the end
@@ -55,7 +57,7 @@ class Run:
         self.stop_vote = StopVote(layout.mesh) if jax.process_count() > 1 else None
 
     def save(self, step: int) -> None:
-        if self.checkpoints is None or self.last_saved == step or step == self.start_step:
+        if self.checkpoints is None or self.last_saved == step:
             return
         meta = make_meta(self.cfg, step, self.state["params"])
         meta["skipped_updates"] = self.skipped

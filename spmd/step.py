@@ -142,6 +142,7 @@ class Program:
     tx: optax.GradientTransformation
     abstract_state: dict  # ShapeDtypeStructs carrying their shardings
     init: object  # jitted
+    start: object  # jitted: params (e.g. imported) -> the state at step 0, the optimizer's fresh
     step: object  # jitted
     evaluate: object  # jitted: (params, batch) -> the batch's loss
     batch_struct: jax.ShapeDtypeStruct
@@ -170,10 +171,14 @@ def build_program(cfg, layout: Layout) -> Program:
     param_sh = layout.shardings(rules.params)
     grad_sh = layout.shardings(rules.grads)
 
+    model_cfg = layout.skeleton.model_cfg
+
     def init(key):
-        model = model_class(layout.skeleton.model_cfg)(layout.skeleton.model_cfg, dtype=DTYPES[cfg.dtype], remat=cfg.remat, routing=routing(cfg),
-                      rngs=nnx.Rngs(params=key))
-        params = layout.stored(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+        model = model_class(model_cfg)(model_cfg, dtype=DTYPES[cfg.dtype], remat=cfg.remat, routing=routing(cfg),
+                                       rngs=nnx.Rngs(params=key))
+        return start(layout.stored(nnx.to_pure_dict(nnx.state(model, nnx.Param))))
+
+    def start(params):
         return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
 
     shapes = jax.eval_shape(init, jax.random.key(0))
@@ -294,6 +299,7 @@ def build_program(cfg, layout: Layout) -> Program:
         tx=tx,
         abstract_state=jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, state_sh),
         init=jax.jit(init, out_shardings=state_sh, compiler_options=init_compiler_options(layout)),
+        start=jax.jit(start, in_shardings=(param_sh,), out_shardings=state_sh, donate_argnums=0),
         step=jax.jit(train_step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, layout.replicated),
                      donate_argnums=0),
         evaluate=jax.jit(eval_loss, in_shardings=(param_sh, batch_sh), out_shardings=layout.replicated),

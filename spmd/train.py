@@ -138,6 +138,11 @@ def prepare(cfg: TrainConfig, layout, log=print):
         if later and cfg.out and Path(cfg.out).resolve() == source_dir.resolve():
             log(f"the later checkpoints of {source_dir} ({', '.join(map(str, later))}) are replaced as this run "
                 "reaches their steps")
+    elif cfg.init_from:
+        from spmd.hf import Directory, load_params
+
+        state = program.start(load_params(Directory(cfg.init_from), layout))
+        log(f"started from {cfg.init_from}")
     else:
         with jax.set_mesh(layout.mesh):
             state = program.init(jax.random.key(cfg.seed))
@@ -151,7 +156,7 @@ def prepare(cfg: TrainConfig, layout, log=print):
         out = Checkpoints(cfg.out, keep=cfg.keep)
     setup_s = time.perf_counter() - started
     return Run(cfg, layout, plan, step_fn, state, step, out, setup_s, data, eval_fn,
-               skipped=meta.get("skipped_updates", 0), log=log, lock=lock)
+               skipped=meta.get("skipped_updates", 0), log=log, lock=lock, resumed=source_dir is not None)
 
 
 def check_fit(plan) -> None:
