@@ -1,0 +1,237 @@
+"""Hugging Face checkpoints in and out, held against transformers' own logits.
+
+The golden models in tests/hf/ were written by transformers (tests/hf/make_goldens.py,
+run by hand): small random Llama (GQA, a sharded checkpoint with its index and a BPE
+tokenizer), Llama with tied embeddings and Llama 3.1 rope scaling, and Mixtral (4
+experts, top-2), each with transformers' float32 logits for fixed tokens. No torch and no
+network here.
+"""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+from helpers import one_error_line
+
+from models.llama_hf import config_from_hf, config_to_hf
+from spmd.hf import from_pretrained
+from spmd.safetensors import SafeTensors, Writer
+
+pytestmark = pytest.mark.xdist_group("hf")
+
+GOLDENS = Path(__file__).with_name("hf")
+DRIVER = Path(__file__).with_name("cli_driver.py")
+# Each model on a mesh that splits every kind of its weights: fsdp and tp, and ep for the experts.
+MESHES = {"llama-gqa": "dp=2,fsdp=2,tp=2", "llama-tied-rope": "fsdp=4,tp=2", "mixtral": "fsdp=2,ep=2,tp=2"}
+# The issue's bound. What remains is float32 rounding in another summation order (XLA's
+# against torch's): measured 3e-6 to 5e-6 on these models, on one device and on meshes.
+LOGITS_ATOL = 1e-4
+
+
+def _tensors(directory: Path) -> dict[str, np.ndarray]:
+    return {name: f.read(name) for f in map(SafeTensors, sorted(directory.glob("*.safetensors"))) for name in f.names()}
+
+
+@pytest.mark.parametrize("mesh", ["one device", "mesh"])
+@pytest.mark.parametrize("name", MESHES)
+def test_logits_equal_transformers(name, mesh):
+    model = from_pretrained(GOLDENS / name, mesh=MESHES[name] if mesh == "mesh" else None)
+    leaves = jax.tree.leaves(nnx_state(model))
+    assert {len(leaf.sharding.device_set) for leaf in leaves} == ({1} if mesh == "one device" else {8})
+    logits = np.asarray(model(np.load(GOLDENS / name / "tokens.npy")))
+    want = np.load(GOLDENS / name / "logits.npy")
+    assert logits.dtype == np.float32 and logits.shape == want.shape
+    np.testing.assert_allclose(logits, want, rtol=0, atol=LOGITS_ATOL)
+
+
+def nnx_state(model):
+    from flax import nnx
+
+    return nnx.state(model, nnx.Param)
+
+
+def test_the_tied_golden_needs_rope_scaling():
+    """Without Llama 3.1's rope scaling the tied golden agrees only at the first positions
+    (where every angle is small), so the golden tests the scaling."""
+    import dataclasses
+
+    from flax import nnx
+
+    from spmd.layout import model_skeleton
+
+    folder = GOLDENS / "llama-tied-rope"
+    model = from_pretrained(folder)
+    plain = nnx.merge(model_skeleton(dataclasses.replace(model.cfg, rope_scaling=None)).graphdef, nnx_state(model))
+    drift = np.abs(np.asarray(plain(np.load(folder / "tokens.npy"))) - np.load(folder / "logits.npy")).max(axis=(0, 2))
+    assert drift[0] < LOGITS_ATOL < drift[32:].min(), drift
+
+
+def test_config_json_in_both_forms_and_back():
+    published = json.loads((GOLDENS / "llama-tied-rope" / "config.json").read_text())
+    rope = published.pop("rope_parameters")
+    published |= {"rope_theta": rope.pop("rope_theta"), "rope_scaling": rope}  # as Llama 3.1's hub config
+    new_form = json.loads((GOLDENS / "llama-tied-rope" / "config.json").read_text())
+    assert config_from_hf(published) == config_from_hf(new_form)
+    assert config_from_hf(published).rope_scaling.original_max_position == 64
+    for name in MESHES:
+        cfg = config_from_hf(json.loads((GOLDENS / name / "config.json").read_text()))
+        assert config_from_hf(config_to_hf(cfg)) == cfg
+
+
+def _run(*argv, cwd=None) -> subprocess.CompletedProcess:
+    done = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=300, cwd=cwd)
+    assert done.returncode == 0, done.stderr
+    return done
+
+
+@pytest.mark.parametrize("name", MESHES)
+def test_import_then_export_gives_the_same_tensors(name, tmp_path):
+    """HF -> spmd checkpoint (--steps 0 saves the start) -> export --format hf: every tensor
+    bit for bit, in shards with their index; the export reads back to the same logits."""
+    run, out = tmp_path / "run", tmp_path / "hf"
+    _run("-m", "spmd.train", "--init-from", str(GOLDENS / name), "--mesh", MESHES[name], "--steps", "0",
+         "--batch", "8", "--seq", "16", "--out", str(run))
+    _run("-m", "spmd.export", "--checkpoint", str(run), "--format", "hf", "--max-shard-size", "40kB",
+         "--out", str(out))
+    golden, exported = _tensors(GOLDENS / name), _tensors(out)
+    assert sorted(exported) == sorted(golden)
+    for key, want in golden.items():
+        assert exported[key].dtype == np.float32
+        assert np.array_equal(exported[key].view(np.uint32), want.view(np.uint32)), key
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(golden) and len(set(index["weight_map"].values())) > 1
+    assert config_from_hf(json.loads((out / "config.json").read_text())) == \
+        config_from_hf(json.loads((GOLDENS / name / "config.json").read_text()))
+    assert (out / "tokenizer.json").exists() == (GOLDENS / name / "tokenizer.json").exists()
+    logits = np.asarray(from_pretrained(out)(np.load(GOLDENS / name / "tokens.npy")))
+    np.testing.assert_allclose(logits, np.load(GOLDENS / name / "logits.npy"), rtol=0, atol=LOGITS_ATOL)
+    if name == "mixtral":  # bfloat16: each tensor rounded once, nothing else changed
+        _run("-m", "spmd.export", "--checkpoint", str(run), "--format", "hf", "--dtype", "bfloat16",
+             "--out", str(tmp_path / "bf16"))
+        for key, value in _tensors(tmp_path / "bf16").items():
+            assert value.dtype == ml_dtypes.bfloat16
+            assert np.array_equal(value, golden[key].astype(ml_dtypes.bfloat16)), key
+
+
+def test_train_from_import_resumes_and_exports(tmp_path):
+    """5 steps from the imported model on dp=2,fsdp=2,tp=2, tokenizing text with the
+    directory's tokenizer.json; a run preempted after step 2 resumes (the same command)
+    and repeats steps 3-5 exactly; the result exports and loads."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog.\n" * 200)
+    run = tmp_path / "run"
+    command = ["-m", "spmd.train", "--init-from", str(GOLDENS / "llama-gqa"), "--data", str(corpus), "--mesh",
+               "dp=2,fsdp=2,tp=2", "--steps", "5", "--save-every", "2", "--batch", "8", "--seq", "16",
+               "--log-every", "1", "--out", str(run), "--metrics-file", str(tmp_path / "metrics.jsonl")]
+    first = _run(*command)
+    assert "llama-gqa/tokenizer.json" in first.stdout
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 5 and losses[-1] < losses[0]
+    for step in ("4", "5"):  # preempted after the checkpoint of step 2
+        shutil.rmtree(run / step)
+    again = _run(*command)
+    assert f"resumed from {run / '2'}" in again.stdout
+    resumed = [json.loads(line)["loss"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    # The same program on the same mesh from the same state and rows: the same numbers.
+    assert resumed == losses
+    _run("-m", "spmd.export", "--checkpoint", str(run), "--format", "hf", "--out", str(tmp_path / "hf"))
+    trained = _tensors(tmp_path / "hf")
+    golden = _tensors(GOLDENS / "llama-gqa")
+    assert not np.array_equal(trained["model.norm.weight"], golden["model.norm.weight"])  # it did train
+    logits = np.asarray(from_pretrained(tmp_path / "hf")(np.load(GOLDENS / "llama-gqa" / "tokens.npy")))
+    assert np.isfinite(logits).all()
+    assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == (GOLDENS / "llama-gqa" / "tokenizer.json").read_bytes()
+
+
+# ------------------------------------------------------------------ bad input
+
+def _damaged(root: Path) -> dict[str, str]:
+    """Copies of the goldens, each broken in one way."""
+    made = {}
+
+    def copy(name: str, golden: str, edit=None) -> Path:
+        target = root / name
+        shutil.copytree(GOLDENS / golden, target)
+        if edit:
+            config = json.loads((target / "config.json").read_text())
+            edit(config)
+            (target / "config.json").write_text(json.dumps(config))
+        made[name] = str(target)
+        return target
+
+    (copy("no_config", "llama-tied-rope") / "config.json").unlink()
+    copy("gpt2", "llama-tied-rope", lambda c: c.update(architectures=["GPT2LMHeadModel"]))
+    copy("biased", "llama-tied-rope", lambda c: c.update(attention_bias=True))
+    copy("gelu", "llama-tied-rope", lambda c: c.update(hidden_act="gelu"))
+    copy("yarn", "llama-tied-rope", lambda c: c["rope_parameters"].update(rope_type="yarn"))
+    copy("windowed", "mixtral", lambda c: c.update(sliding_window=4096))
+    copy("quantized", "llama-tied-rope", lambda c: c.update(quantization_config={"quant_method": "gptq"}))
+    (copy("missing_shard", "llama-gqa") / "model-00003-of-00007.safetensors").unlink()
+    truncated = copy("truncated", "llama-tied-rope") / "model.safetensors"
+    truncated.write_bytes(truncated.read_bytes()[:-100])
+    wrong = copy("wrong_shape", "llama-tied-rope") / "model.safetensors"
+    tensors = _tensors(wrong.parent)
+    tensors["model.norm.weight"] = tensors["model.norm.weight"][:16]
+    writer = Writer(wrong, [(k, v.shape) for k, v in tensors.items()], np.float32)
+    for k, v in tensors.items():
+        writer.write(k, v)
+    writer.close()
+    big = copy("big_tokenizer", "llama-gqa")
+    from tokenizers import Tokenizer, models
+
+    Tokenizer(models.WordLevel({"</s>": 0} | {f"w{i}": i for i in range(1, 300)}, unk_token="</s>")).save(str(big / "tokenizer.json"))
+    (root / "corpus.txt").write_text("some text\n" * 50)
+    made["corpus"] = str(root / "corpus.txt")
+    made["golden"] = str(GOLDENS / "llama-gqa")
+    return made
+
+
+TRAIN = ["--steps", "1", "--batch", "8", "--seq", "16"]
+CASES = {
+    "no config.json": (["--init-from", "{no_config}"], "has no config.json"),
+    "no directory": (["--init-from", "no/such/dir"], "--init-from no/such/dir does not exist"),
+    "unsupported architecture": (["--init-from", "{gpt2}"], "architectures: ['GPT2LMHeadModel'] is not one of"),
+    "bias": (["--init-from", "{biased}"], "config.json attention_bias: only False is supported"),
+    "activation": (["--init-from", "{gelu}"], "config.json hidden_act: only 'silu' is supported"),
+    "rope type": (["--init-from", "{yarn}"], "rope_parameters.rope_type: 'yarn' is not supported"),
+    "sliding window": (["--init-from", "{windowed}"], "config.json sliding_window: only None is supported"),
+    "unknown field": (["--init-from", "{quantized}"], "config.json quantization_config: is not a field"),
+    "missing shard": (["--init-from", "{missing_shard}"], "shard model-00003-of-00007.safetensors is missing"),
+    "truncated": (["--init-from", "{truncated}"], "is truncated"),
+    "wrong shape": (["--init-from", "{wrong_shape}"],
+                    "tensor model.norm.weight has shape [16]; config.json makes it [32]"),
+    "with --resume": (["--init-from", "{golden}", "--resume", "{golden}"], "--init-from and --resume"),
+    "with --model": (["--init-from", "{golden}", "--model", "tiny"], "--model and --init-from"),
+    "with --layers": (["--init-from", "{golden}", "--layers", "4"], "--layers and --init-from"),
+    "tokenizer over the vocabulary": (["--init-from", "{big_tokenizer}", "--data", "{corpus}"],
+                                      "has 300 tokens, more than the model's vocabulary of 128"),
+}
+
+
+@pytest.fixture(scope="module")
+def bad_results(tmp_path_factory):
+    files = _damaged(tmp_path_factory.mktemp("damaged"))
+    work = tmp_path_factory.mktemp("work")
+    batch = []
+    for i, (argv, _) in enumerate(CASES.values()):
+        (work / str(i)).mkdir()
+        batch.append({"module": "spmd.train", "cwd": str(work / str(i)),
+                      "argv": [a.format(**files) for a in argv] + TRAIN})
+    done = subprocess.run([sys.executable, str(DRIVER)], input=json.dumps(batch), capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    return {name: (result, work / str(i)) for i, (name, result) in enumerate(zip(CASES, json.loads(done.stdout)))}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_directory_gives_one_error_line_and_exit_2(bad_results, case):
+    result, cwd = bad_results[case]
+    assert result["code"] == 2, result
+    assert CASES[case][1] in one_error_line(result["stderr"])
+    assert not any(cwd.iterdir())
