@@ -1,15 +1,32 @@
 """Models written for one device, and their named presets."""
 
+from types import ModuleType
+
+from models import llama_hf
 from models.llama import Llama, LlamaConfig, RopeScaling
 from models.moe import MoEConfig, Routing
 
 # Each family: its config class -> its module class. A model class tells the trainer what
 # it needs beyond the call (see Llama: STACKED, LOOKUP_TABLE, decays, head_params).
 FAMILIES: dict[type, type] = {LlamaConfig: Llama}
+# Each family's Hugging Face layout (see models.llama_hf): ARCHITECTURES it reads,
+# config_from_hf, config_to_hf, supported (why a config has no such layout) and tensors.
+HF_LAYOUTS: dict[type, ModuleType] = {LlamaConfig: llama_hf}
 
 
 def model_class(cfg) -> type:
     return FAMILIES[type(cfg)]
+
+
+def hf_layout(cfg=None, architectures: list | None = None) -> ModuleType:
+    """The Hugging Face layout of a config of ours, or of config.json's `architectures`."""
+    if cfg is not None:
+        return HF_LAYOUTS[type(cfg)]
+    for layout in HF_LAYOUTS.values():
+        if architectures and architectures[0] in layout.ARCHITECTURES:
+            return layout
+    known = ", ".join(a for layout in HF_LAYOUTS.values() for a in layout.ARCHITECTURES)
+    raise llama_hf.UnsupportedConfig("architectures", f"{architectures!r} is not one of {known}")
 
 
 # The published configs' rope_scaling (Llama 3.2 slows the long waves by 32, not 8).
@@ -67,4 +84,5 @@ PRESETS: dict[str, LlamaConfig] = {
     ),
 }
 
-__all__ = ["FAMILIES", "Llama", "LlamaConfig", "MoEConfig", "PRESETS", "RopeScaling", "Routing", "model_class"]
+__all__ = ["FAMILIES", "Llama", "LlamaConfig", "MoEConfig", "PRESETS", "RopeScaling", "Routing", "hf_layout",
+           "model_class"]

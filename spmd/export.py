@@ -101,11 +101,11 @@ def hf_parts(cfg, meta: dict):
     the tokenizer files to copy beside it: those of the run's tokenizer.json (its
     directory's tokenizer_config.json and special_tokens_map.json with it), else those
     of the directory the run started from."""
-    from models.llama_hf import supported
+    from models import hf_layout
     from spmd.config import model_config
 
     model_cfg = model_config(cfg)
-    why_not = supported(model_cfg)
+    why_not = hf_layout(model_cfg).supported(model_cfg)
     if why_not:
         raise UserError(f"--format hf: model {cfg.model_name} has no Hugging Face layout ({why_not})")
     config = meta.get("config", {})

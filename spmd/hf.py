@@ -22,7 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from models.llama_hf import Tensor, UnsupportedConfig, config_from_hf, config_to_hf, supported, tensors
+from models import hf_layout
+from models.llama_hf import Tensor, UnsupportedConfig
 from spmd.errors import UserError
 from spmd.safetensors import Damaged, SafeTensors, Writer
 
@@ -55,7 +56,8 @@ def read_config(directory: str, what: str = "--init-from"):
     if not isinstance(hf, dict):
         raise UserError(f"{what}: config.json must hold a mapping")
     try:
-        return config_from_hf(hf)
+        architectures = hf.get("architectures")
+        return hf_layout(architectures=architectures if isinstance(architectures, list) else None).config_from_hf(hf)
     except UnsupportedConfig as exc:
         raise UserError(f"{what}: config.json {exc}") from None
 
@@ -68,7 +70,7 @@ class Directory:
         self.path = Path(directory)
         self.what = f"{what} {directory}"
         self.cfg = read_config(str(directory), what)
-        self.tensors = tensors(self.cfg)
+        self.tensors = hf_layout(self.cfg).tensors(self.cfg)
         self.files: dict[str, SafeTensors] = {}
         self.where = self._locate()
         self._check_shapes()
@@ -228,12 +230,13 @@ def write_hf(out: Path, params: dict, model_cfg, dtype, shard_bytes: int, copies
     with their index, and `copies` (name in `out` -> file: the tokenizer's). -> files written"""
     from flax import traverse_util
 
-    why_not = supported(model_cfg)
+    layout = hf_layout(model_cfg)
+    why_not = layout.supported(model_cfg)
     if why_not:
         raise UserError(f"this model has no Hugging Face layout: {why_not}")
     flat = traverse_util.flatten_dict(params)
     itemsize = np.dtype(dtype).itemsize
-    order = [(t, i) for t in tensors(model_cfg) for i in range(model_cfg.layers if t.stacked else 1)]
+    order = [(t, i) for t in layout.tensors(model_cfg) for i in range(model_cfg.layers if t.stacked else 1)]
     files: list[list[tuple[str, tuple[int, ...]]]] = [[]]
     size = 0
     for t, i in order:
@@ -258,7 +261,7 @@ def write_hf(out: Path, params: dict, model_cfg, dtype, shard_bytes: int, copies
             writer.write(name, array)
             left -= 1
     writer.close()
-    (out / "config.json").write_text(json.dumps(config_to_hf(model_cfg) | {"torch_dtype": np.dtype(dtype).name},
+    (out / "config.json").write_text(json.dumps(layout.config_to_hf(model_cfg) | {"torch_dtype": np.dtype(dtype).name},
                                                 indent=2) + "\n")
     written = [*names, "config.json"]
     if len(files) > 1:

@@ -19,7 +19,7 @@ import pytest
 
 from spmd.config import Bounds, TrainConfig, finite, integer, nonempty, train_parser
 from spmd.corpus import corpus_parser
-from spmd.export import export_parser
+from spmd.export import byte_size, export_parser
 from spmd.launch import MAX_PROCESSES, launch_parser
 from spmd.plan import plan_flags
 from helpers import snapshot
@@ -70,6 +70,8 @@ def generated(parser: argparse.ArgumentParser, required: list[str] = (), tail: l
             values |= {"wrong type": "1.5", "not finite": "inf", "other digits": "\u0663"}
         elif action.type is finite:
             values |= {"wrong type": "abc", "not finite": "nan", "infinite": "-inf"}
+        elif action.type is byte_size:
+            values |= {"wrong type": "5 parsecs", "zero": "0GB", "negative": "-5GB"}
         else:
             assert action.type is nonempty, f"{flag}: every option's type is checked"
         for i, v in enumerate(_out_of_range(action.dest, action.type)):
