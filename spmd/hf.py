@@ -275,6 +275,19 @@ def write_hf(out: Path, params: dict, model_cfg, dtype, shard_bytes: int, copies
     return written
 
 
+def save_pretrained(out: str | Path, params: dict, model_cfg, dtype: str = "float32",
+                    max_shard_bytes: int = 5 * 10**9, tokenizer_from: str | Path | None = None) -> list[str]:
+    """`export --format hf` from Python: trained `params` (a run's, on any mesh) as a new
+    Hugging Face directory `out`, with the tokenizer files of `tokenizer_from` (a model
+    directory). -> the files written"""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=False)
+    names = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+    copies = {name: Path(tokenizer_from) / name for name in names
+              if tokenizer_from and (Path(tokenizer_from) / name).is_file()}
+    return write_hf(out, params, model_cfg, dtype, max_shard_bytes, copies)
+
+
 def _gathered(array, layer: int | None) -> np.ndarray:
     """Layer `layer` of a stacked parameter (layers, ...), or an unstacked one, whole on
     this host, float32."""
