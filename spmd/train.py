@@ -81,7 +81,8 @@ def check_outputs(cfg: TrainConfig, config_file: str | None = None) -> None:
     writes_on = bool(cfg.out and resumed_run) and Path(cfg.out).resolve() == Path(resumed_run).resolve()
     check_outputs_apart(
         {"--out": cfg.out, "--metrics-file": cfg.metrics_file},
-        {"--data": cfg.data, "--tokenizer": cfg.tokenizer, "--config": config_file, "--resume": resumed_run},
+        {"--data": cfg.data, "--tokenizer": cfg.tokenizer, "--config": config_file, "--resume": resumed_run,
+         "--init-from": cfg.init_from},
         # A run may write on into the directory it resumes (the metrics file with it).
         allowed={("--out", "--resume"): writes_on, ("--metrics-file", "--resume"): writes_on},
     )

@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 from helpers import one_error_line
 
-from models.llama_hf import config_from_hf, config_to_hf
+from models import PRESETS
+from models.llama_hf import config_from_hf, config_to_hf, supported
 from spmd.hf import from_pretrained
 from spmd.safetensors import SafeTensors, Writer
 
@@ -82,6 +83,10 @@ def test_config_json_in_both_forms_and_back():
     for name in MESHES:
         cfg = config_from_hf(json.loads((GOLDENS / name / "config.json").read_text()))
         assert config_from_hf(config_to_hf(cfg)) == cfg
+    for name, cfg in PRESETS.items():  # which presets export to Hugging Face: all but our own MoE shapes
+        assert (supported(cfg) is None) == (name not in ("moe-tiny", "deepseek-moe-16b-like")), name
+        if supported(cfg) is None:
+            assert config_from_hf(config_to_hf(cfg)) == cfg
 
 
 def _run(*argv, cwd=None) -> subprocess.CompletedProcess:
@@ -189,6 +194,7 @@ def _damaged(root: Path) -> dict[str, str]:
     (root / "corpus.txt").write_text("some text\n" * 50)
     made["corpus"] = str(root / "corpus.txt")
     made["golden"] = str(GOLDENS / "llama-gqa")
+    copy("golden_copy", "llama-gqa")
     return made
 
 
@@ -209,6 +215,8 @@ CASES = {
     "with --resume": (["--init-from", "{golden}", "--resume", "{golden}"], "--init-from and --resume"),
     "with --model": (["--init-from", "{golden}", "--model", "tiny"], "--model and --init-from"),
     "with --layers": (["--init-from", "{golden}", "--layers", "4"], "--layers and --init-from"),
+    "out inside it": (["--init-from", "{golden_copy}", "--out", "{golden_copy}/run"],
+                      "would write over the input --init-from"),
     "tokenizer over the vocabulary": (["--init-from", "{big_tokenizer}", "--data", "{corpus}"],
                                       "has 300 tokens, more than the model's vocabulary of 128"),
 }
