@@ -125,7 +125,9 @@ class TrainConfig:
     def model_name(self) -> str:
         if self.model:
             return self.model
-        return f"{self.init_from} (Hugging Face)" if self.init_from else "tiny" if self.architecture is None else "imported"
+        if self.init_from:
+            return f"{self.init_from} (Hugging Face)"
+        return "imported" if self.architecture is not None else "tiny"
 
     @property
     def microbatch(self) -> int:
@@ -341,9 +343,9 @@ def _resolve_model(cfg: TrainConfig) -> TrainConfig:
         read = Directory(cfg.init_from).cfg  # every file checked, before anything is allocated
         if isinstance(cfg.architecture, dict) and from_dict(cfg.architecture) != read:
             raise UserError(f"--init-from {cfg.init_from}: config.json has changed since the run began")
-        tokenizer = cfg.tokenizer
-        if cfg.data and not tokenizer:
-            tokenizer = str(Path(cfg.init_from) / "tokenizer.json") if (Path(cfg.init_from) / "tokenizer.json").is_file() else None
+        tokenizer, its_own = cfg.tokenizer, Path(cfg.init_from) / "tokenizer.json"
+        if cfg.data and not tokenizer and its_own.is_file():  # text data: the checkpoint's tokenizer
+            tokenizer = str(its_own)
         return dataclasses.replace(cfg, architecture=read, tokenizer=tokenizer)
     if isinstance(cfg.architecture, dict):  # a saved run's
         return dataclasses.replace(cfg, architecture=from_dict(cfg.architecture))

@@ -5,8 +5,9 @@ Loading places each parameter straight into its sharding, one layer at a time: a
 published tensors are read (only their bytes, with plain reads: nothing stays mapped),
 converted to our layout, and each device gets its slice. The host holds at most one
 layer's tensors of one parameter in both layouts, plus the slices on their way to the
-devices: about three times the largest published tensor (the embedding table, for Llama),
-never the model. Writing gathers one layer of one parameter at a time to this process.
+devices: two to three times the largest published tensor (the embedding table, for
+Llama), never the model (benchmarks/hf_load.py). Writing gathers one layer of one
+parameter at a time to this process.
 
     from spmd.hf import from_pretrained
     model = from_pretrained("Llama-3.2-1B", mesh="fsdp=4,tp=2")
@@ -149,8 +150,7 @@ def load_params(directory: Directory, layout) -> dict:
         if not t.stacked:
             placed[t.ours] = _place(directory.layer(t, 0), sharding)
             continue
-        # (layers, ...), or (repeats, layers / repeats, ...) for a circular pipeline.
-        lead = len(shape) - len(t.to_ours([np.zeros(s, np.float32) for s in t.shapes]).shape)
+        lead = 2 if layout.repeats > 1 else 1  # (layers, ...), or a circular pipeline's (repeats, layers / repeats, ...)
         per_layer = jax.sharding.NamedSharding(sharding.mesh, jax.P(*_padded(sharding.spec, len(shape))[lead:]))
         stacked = _zeros(shape, sharding)
         for i in range(directory.cfg.layers):
