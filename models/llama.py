@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 
 from models.annotate import ACTIVATION, constrain, weight
-from models.attention import attend
+from models.attention import attend, cached_attention
 from models.moe import MoE, MoEConfig, Routing
 
 # Activation checkpointing of each block. Every policy keeps only what it lists, so a
@@ -104,6 +104,20 @@ class LlamaConfig:
         return self.vocab * self.embed + blocks + self.embed + head
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Decoding:
+    """Where new tokens go in a key/value cache: the same slots for every row, from `slot`
+    on; `valid` (batch, cache length) marks the slots that hold a row's tokens (a row's
+    left padding does not)."""
+
+    slot: jax.Array  # int32 scalar
+    valid: jax.Array  # bool (batch, cache length)
+
+    def slots(self, n: int) -> jax.Array:
+        return self.slot + jnp.arange(n)
+
+
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...], std: float) -> nnx.Param:
     value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
     # Sharding is applied by whoever builds the model (jit out_shardings), not here.
@@ -126,10 +140,12 @@ class RMSNorm(nnx.Module):
 
 
 def rotary(x: jax.Array, positions: jax.Array, freqs: np.ndarray) -> jax.Array:
-    """Rotate pairs (i, i + d/2) of the last dimension by position x frequency."""
-    angles = positions[:, None].astype(jnp.float32) * freqs  # (seq, half)
-    cos = jnp.cos(angles)[None, :, None, :]
-    sin = jnp.sin(angles)[None, :, None, :]
+    """Rotate pairs (i, i + d/2) of the last dimension by position x frequency. `positions`:
+    (seq,) for every row, or (batch, seq)."""
+    angles = positions[..., None].astype(jnp.float32) * freqs  # (seq, half) or (batch, seq, half)
+    angles = angles if angles.ndim == 3 else angles[None]
+    cos = jnp.cos(angles)[:, :, None, :]
+    sin = jnp.sin(angles)[:, :, None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x.dtype)
@@ -147,20 +163,39 @@ class Attention(nnx.Module):
         self.cfg, self.dtype = cfg, dtype
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        cfg, dt = self.cfg, self.dtype
-        qkv = jnp.einsum("bse,ekgd->bskgd", x, weight(self.wqkv, dt))
+        q, k, v = self._project(x, positions)
+        return self._output(attend(q, k, v, positions))
+
+    def decode(self, x: jax.Array, positions: jax.Array, kv: tuple[jax.Array, jax.Array],
+               at: Decoding) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        """Attention of new tokens (`positions` (batch, seq)) to themselves and to what the
+        key/value cache `kv` holds; their keys and values are written to it at `at`."""
+        q, k, v = self._project(x, positions)
+        k_cache, v_cache = (jax.lax.dynamic_update_slice_in_dim(c, new.astype(c.dtype), at.slot, axis=1)
+                            for c, new in zip(kv, (k, v)))
+        names = ("batch", None, "kv_heads", "head_dim")
+        k_cache, v_cache = constrain(k_cache, *names), constrain(v_cache, *names)
+        out = cached_attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), at.slots(x.shape[1]), at.valid)
+        return self._output(out), (k_cache, v_cache)
+
+    def _project(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Queries (batch, seq, kv_heads, groups, head_dim), keys and values (batch, seq,
+        kv_heads, head_dim), rotated by their positions."""
+        cfg = self.cfg
+        qkv = jnp.einsum("bse,ekgd->bskgd", x, weight(self.wqkv, self.dtype))
         b, s = x.shape[:2]
         groups = cfg.heads // cfg.kv_heads
         q = qkv[:, :, :, :groups].reshape(b, s, cfg.heads, cfg.head_dim)
         q = constrain(rotary(q, positions, cfg.rope_frequencies), "batch", "seq", "heads", "head_dim")
         k = constrain(rotary(qkv[:, :, :, groups], positions, cfg.rope_frequencies), "batch", "seq", "kv_heads", "head_dim")
         v = constrain(qkv[:, :, :, groups + 1], "batch", "seq", "kv_heads", "head_dim")
-
         # Query head h reads key/value head h // groups: split heads as (kv_heads, groups).
-        q = q.reshape(b, s, cfg.kv_heads, groups, cfg.head_dim)
-        out = attend(q, k, v, positions).reshape(b, s, cfg.heads, cfg.head_dim)
-        out = constrain(out, "batch", "seq", "heads", "head_dim")
-        return jnp.einsum("bshd,hde->bse", out, weight(self.wo, dt))
+        return q.reshape(b, s, cfg.kv_heads, groups, cfg.head_dim), k, v
+
+    def _output(self, out: jax.Array) -> jax.Array:
+        b, s = out.shape[:2]
+        out = constrain(out.reshape(b, s, self.cfg.heads, self.cfg.head_dim), "batch", "seq", "heads", "head_dim")
+        return jnp.einsum("bshd,hde->bse", out, weight(self.wo, self.dtype))
 
 
 class SwiGLU(nnx.Module):
@@ -201,6 +236,14 @@ class Block(nnx.Module):
             y, stats = self.mlp(normed), {}
         return constrain(x + y, "batch", "residual_seq", "embed"), stats
 
+    def decode(self, x: jax.Array, positions: jax.Array, kv, at: Decoding):
+        """As a call, for new tokens against a key/value cache (see Attention.decode)."""
+        y, kv = self.attn.decode(constrain(self.attn_norm(x), "batch", "seq", "embed"), positions, kv, at)
+        x = x + y
+        normed = constrain(self.mlp_norm(x), "batch", "seq", "embed")
+        y = self.mlp(normed, at.slots(x.shape[1]))[0] if isinstance(self.mlp, MoE) else self.mlp(normed)
+        return constrain(x + y, "batch", "seq", "embed"), kv
+
 
 class MoEGroup(nnx.Module):
     """moe.every layers: every-1 dense blocks, then one MoE block (the unit that is stacked
@@ -214,6 +257,10 @@ class MoEGroup(nnx.Module):
         for block in self.dense:
             x, _ = block(x, positions)
         return self.moe(x, positions)
+
+    @property
+    def blocks(self) -> list[Block]:
+        return [*self.dense, self.moe]
 
 
 class Llama(nnx.Module):
@@ -286,6 +333,33 @@ class Llama(nnx.Module):
             return run_block(block, x)
 
         return over_layers(x, blocks)
+
+    # Decoding with a key/value cache: a prompt's tokens at once (prefill), then one token
+    # at a time, each attending to the cache instead of recomputing the past.
+
+    def cache_shape(self, batch: int, length: int) -> tuple[tuple[int, ...], tuple[str | None, ...]]:
+        """Shape and logical names of the key (or value) cache: one per block, stacked as
+        the blocks are (scan steps, blocks per step), then (batch, length, kv_heads, head_dim).
+        Grouped-query attention keeps it at kv_heads."""
+        cfg = self.cfg
+        per_step = cfg.moe.every if cfg.moe else 1
+        shape = (cfg.layers // per_step, per_step, batch, length, cfg.kv_heads, cfg.head_dim)
+        return shape, ("layers", None, "batch", None, "kv_heads", "head_dim")
+
+    def decode(self, tokens: jax.Array, positions: jax.Array, cache: dict, at: Decoding) -> tuple[jax.Array, dict]:
+        """Logits of `tokens` (batch, seq) at `positions` (batch, seq), which the cache
+        ({"k", "v"}, see `cache_shape`) takes at slots `at`; -> (logits, the new cache)."""
+
+        @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0), transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def over_layers(x: jax.Array, unit: Block | MoEGroup, unit_cache: dict) -> tuple[jax.Array, dict]:
+            written = []
+            for j, block in enumerate(unit.blocks if isinstance(unit, MoEGroup) else [unit]):
+                x, kv = block.decode(x, positions, (unit_cache["k"][j], unit_cache["v"][j]), at)
+                written.append(kv)
+            return x, {"k": jnp.stack([k for k, _ in written]), "v": jnp.stack([v for _, v in written])}
+
+        x, cache = over_layers(self.embed(tokens), self.blocks, cache)
+        return self.logits(x), cache
 
     def logits(self, x: jax.Array) -> jax.Array:
         """float32 logits (batch, seq, vocab) of the last layer's output."""

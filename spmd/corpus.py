@@ -51,6 +51,17 @@ class ByteTokenizer:
     def encode(self, texts: Sequence[str]) -> list[np.ndarray]:
         return [np.frombuffer(t.encode().replace(b"\0", b""), np.uint8) for t in texts]
 
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of token ids; an id that is no byte, or bytes that are no UTF-8, become U+FFFD."""
+        parts, run = [], bytearray()
+        for i in ids:
+            if 0 <= i < 256:
+                run.append(i)
+                continue
+            parts.append(run.decode(errors="replace") + "\ufffd")
+            run = bytearray()
+        return "".join(parts) + run.decode(errors="replace")
+
 
 class SentencePieceTokenizer:
     def __init__(self, path: Path):
@@ -65,6 +76,9 @@ class SentencePieceTokenizer:
 
     def encode(self, texts: Sequence[str]) -> list[np.ndarray]:
         return [np.asarray(ids, np.int64) for ids in self._sp.encode(list(texts))]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return _decode_known(ids, self.vocab_size, lambda known: self._sp.decode(known))
 
 
 class HuggingFaceTokenizer:
@@ -83,6 +97,22 @@ class HuggingFaceTokenizer:
 
     def encode(self, texts: Sequence[str]) -> list[np.ndarray]:
         return [np.asarray(e.ids, np.int64) for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return _decode_known(ids, self.vocab_size, lambda known: self._tok.decode(known, skip_special_tokens=False))
+
+
+def _decode_known(ids: Sequence[int], vocab_size: int, decode) -> str:
+    """`decode` of the runs of ids the tokenizer has; each other id (a model's vocabulary
+    may be larger than its tokenizer's) becomes U+FFFD."""
+    parts, run = [], []
+    for i in map(int, ids):
+        if 0 <= i < vocab_size:
+            run.append(i)
+            continue
+        parts.append((decode(run) if run else "") + "\ufffd")
+        run = []
+    return "".join(parts) + (decode(run) if run else "")
 
 
 def load_tokenizer(path: str | None):

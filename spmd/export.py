@@ -79,8 +79,9 @@ def main(argv=None) -> int:
     try:
         with one_line_errors():
             args = parser.parse_args(argv)
-            out, run_dir, step = check(args)
-            params, meta, cfg, step = read(args, run_dir, step)
+            out, cfg, checkpoint = check(args)
+            params, cfg = read(args, cfg, checkpoint)
+            meta = checkpoint.meta
             if args.format == "hf":
                 model_cfg, tokenizer_files = hf_parts(cfg, meta)
         if args.format == "hf":
@@ -92,7 +93,7 @@ def main(argv=None) -> int:
     finally:
         restore()
     what = "a Hugging Face directory" if args.format == "hf" else "the parameters"
-    print(f"exported {what} of {run_dir / str(step)} ({cfg.model_name}) to {out}")
+    print(f"exported {what} of {checkpoint.where} ({cfg.model_name}) to {out}")
     return 0
 
 
@@ -130,10 +131,11 @@ def write_hf_export(tmp: Path, params, model_cfg, args, tokenizer_files: dict) -
     write_hf(tmp, params, model_cfg, HF_DTYPES[args.dtype], bytes_of(args.max_shard_size), tokenizer_files)
 
 
-def check(args) -> tuple[Path, Path, int | None]:
+def check(args):
     """Everything that can be checked before reading the checkpoint: the flags' ranges,
-    that the checkpoint exists, and that `--out` can be written and is no input."""
-    from spmd.checkpoint import locate
+    the checkpoint (its step and its run's config), and that `--out` can be written and
+    is no input. -> (out, the run's config, the checkpoint)"""
+    from spmd.weights import checkpoint_config
 
     if args.step is not None and args.step < 0:
         raise UserError(f"--step must be at least 0, got {args.step}")
@@ -141,18 +143,10 @@ def check(args) -> tuple[Path, Path, int | None]:
         raise UserError(f"--cpu-devices must be positive, got {args.cpu_devices}")
     if args.format != "hf" and (args.dtype != "float32" or args.max_shard_size != DEFAULT_SHARD):
         raise UserError("--dtype and --max-shard-size apply to --format hf")
-    checkpoint = Path(args.checkpoint)
-    if not checkpoint.exists():
-        raise UserError(f"--checkpoint {args.checkpoint} does not exist")
-    if not checkpoint.is_dir():
-        raise UserError(f"--checkpoint {args.checkpoint} is a file, not a run's or a step's directory")
-    run_dir, step = locate(checkpoint)
-    if step is not None and args.step is not None and args.step != step:
-        raise UserError(f"--step {args.step} disagrees with --checkpoint {args.checkpoint}, the checkpoint of step "
-                        f"{step}; give the run's directory with --step, or the step's directory alone")
+    cfg, checkpoint = checkpoint_config(args.checkpoint, args.step)
 
     out = Path(args.out).resolve()
-    check_outputs_apart({"--out": args.out}, {"--checkpoint": str(run_dir)})
+    check_outputs_apart({"--out": args.out}, {"--checkpoint": str(checkpoint.run_dir)})
     check_writable_dir(args.out, "--out")
     if out.exists() and any(out.iterdir()):
         raise UserError(f"--out {args.out} is not empty; give a new or empty directory")
@@ -162,52 +156,22 @@ def check(args) -> tuple[Path, Path, int | None]:
         except UserError:
             raise UserError(f"--out {args.out}: its directory {out.parent} cannot be written (the export is "
                             "written there under a temporary name, then renamed)") from None
-    return out, run_dir, step
+    return out, cfg, checkpoint
 
 
-def read(args, run_dir: Path, step: int | None):
-    """The parameters of checkpoint `step` (default: the latest), on `--mesh`; with the
-    checkpoint's meta, its run's config and the step."""
-    from spmd.checkpoint import Checkpoints, check_compatible, finalized_steps, read_meta
+def read(args, cfg, checkpoint):
+    """The checkpoint's parameters on `--mesh` (default: the mesh that wrote them), with
+    the run's config for that mesh."""
     from spmd.config import validate
     from spmd.mesh import emulate_cpu_devices, parse_mesh
+    from spmd.weights import restore_params
 
-    step = args.step if step is None else step
-    steps = finalized_steps(run_dir)
-    if not steps:
-        raise UserError(f"--checkpoint {args.checkpoint}: no spmd checkpoint in {run_dir}")
-    step = steps[-1] if step is None else step
-    if step not in steps:
-        raise UserError(f"--step {step}: no checkpoint of that step in {run_dir}; it has step(s) "
-                        f"{', '.join(map(str, steps))}")
-    meta = read_meta(run_dir, step)
-    cfg = run_config(meta)
-    # Exported as the model has them: stacked layers in order, whatever pipeline wrote them.
-    cfg = validate(dataclasses.replace(cfg, mesh=args.mesh or cfg.mesh, pp_schedule="gpipe", pp_repeats=1,
-                                       microbatches=None))
+    cfg = validate(dataclasses.replace(cfg, mesh=args.mesh or cfg.mesh))
     emulate_cpu_devices(parse_mesh(cfg.mesh), args.cpu_devices)  # before Orbax starts JAX
 
     from spmd.layout import make_layout
-    from spmd.step import build_program
 
-    abstract = build_program(cfg, make_layout(cfg, for_training=False)).abstract_state
-    check_compatible(meta, cfg, abstract["params"], run_dir / str(step))
-    source = Checkpoints(run_dir)
-    try:
-        params = source.restore(step, abstract, items=("params",))["params"]
-    finally:
-        source.close()
-    return params, meta, cfg, step
-
-
-def run_config(meta: dict):
-    """The config of the run that wrote a checkpoint. Its model is the one saved with it,
-    with no need of the directory it started from (`--init-from`)."""
-    from spmd.config import TrainConfig
-
-    fields = {f.name for f in dataclasses.fields(TrainConfig)}
-    config = {k: v for k, v in meta.get("config", {}).items() if k in fields}
-    return TrainConfig(**config | {"init_from": None, "resume": None, "data": None, "tokenizer": None})
+    return restore_params(checkpoint, cfg, make_layout(cfg, for_training=False)), cfg
 
 
 def write(out: Path, flag_value: str, produce) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 
 import jax
@@ -157,6 +158,26 @@ class Program:
             return self.evaluate.lower(self.abstract_state["params"], self.batch_struct).compile()
 
 
+def model_context(layout: Layout, attention: str = "ring", local_axes: tuple[str, ...] = (),
+                  data_axes: tuple[str, ...] | None = None) -> contextlib.ExitStack:
+    """What the model runs under on `layout`: the rules its annotations read
+    (models.annotate), and the parallel implementations swapped in for attention across sp
+    (`attention`: ring or all-gather) and experts across the batch shards. `local_axes`:
+    axes the values are local to (a vmap over batch shards, a map manual over them);
+    `data_axes`: what splits the batch (default: the layout's)."""
+    rules = layout.rules
+    stack = contextlib.ExitStack()
+    stack.enter_context(nnx.logical_axis_rules(rules.activation_rules(local_axes, data_axes or layout.data_axes)))
+    stack.enter_context(storage(rules.storage(local_axes)))
+    if layout.shape["sp"] > 1:
+        stack.enter_context(attention_implementation(make_attention(layout.mesh, attention)))
+    # Experts: each batch shard routes its own tokens (all-to-all over ep when ep > 1);
+    # inside one batch shard, its experts are all at hand.
+    if layout.skeleton.model_cfg.moe is not None and layout.batch_shards > 1 and not local_axes:
+        stack.enter_context(expert_implementation(make_experts(layout.mesh)))
+    return stack
+
+
 def init_compiler_options(layout: Layout) -> dict:
     """The initializer runs once: on the CPU, LLVM optimizing its random draws took 7 of
     its 8 seconds (tiny model), so it is compiled unoptimized there."""
@@ -190,21 +211,8 @@ def build_program(cfg, layout: Layout) -> Program:
 
     sequence_parallel = layout.shape["sp"] > 1
     order = zigzag_order(cfg.seq, layout.shape["sp"]) if sequence_parallel else None
-    # Experts: each batch shard routes its own tokens (all-to-all over ep when ep > 1).
-    expert_parallel = layout.skeleton.model_cfg.moe is not None and layout.batch_shards > 1
     aux_weights = (cfg.aux_loss_weight, cfg.z_loss_weight)
-
-    def annotated(local_axes: tuple[str, ...] = (), data_axes: tuple[str, ...] = layout.data_axes):
-        """The rules that the model's annotations read (models.annotate). `local_axes`:
-        axes the values are local to (a vmap over batch shards, a map manual over them)."""
-        stack = contextlib.ExitStack()
-        stack.enter_context(nnx.logical_axis_rules(rules.activation_rules(local_axes, data_axes)))
-        stack.enter_context(storage(rules.storage(local_axes)))
-        if sequence_parallel:
-            stack.enter_context(attention_implementation(make_attention(layout.mesh, cfg.attention)))
-        if expert_parallel and not local_axes:  # inside one batch shard, its experts are all at hand
-            stack.enter_context(expert_implementation(make_experts(layout.mesh)))
-        return stack
+    annotated = functools.partial(model_context, layout, cfg.attention)
 
     if layout.schedule:
         # Inside a stage the map is manual over pp and dp (spmd.pipeline): neither splits `batch` there.

@@ -41,6 +41,7 @@ GOLDENS = {
                                                   num_experts_per_tok=2, rope_theta=1000000.0), None),
 }
 BATCH, SEQ = 2, 64
+PROMPTS, GENERATED = (1, 7, 20), 24
 TEXT = ("the quick brown fox jumps over the lazy dog. a stitch in time saves nine. "
         "all that glitters is not gold. the early bird catches the worm. ") * 20
 
@@ -63,16 +64,26 @@ def make(name: str) -> None:
         logits = model(torch.from_numpy(tokens).long()).logits.float().numpy()
     np.save(out / "tokens.npy", tokens)
     np.save(out / "logits.npy", logits)
+    # Greedy continuations of prompts of three lengths: GENERATED tokens each (no end-of-text
+    # token, which would stop early or, with min_new_tokens, be suppressed).
+    model.generation_config.eos_token_id = None
+    for length in PROMPTS:
+        with torch.no_grad():
+            ids = model.generate(torch.from_numpy(tokens[:, :length]).long(), do_sample=False,
+                                 max_new_tokens=GENERATED, pad_token_id=0)
+        assert ids.shape[1] == length + GENERATED
+        np.save(out / f"greedy-{length}.npy", ids[:, length:].numpy().astype(np.int32))
     if name == "llama-gqa":
         make_tokenizer(out, config.vocab_size - 8)
     print(f"{out}: {sorted(p.name for p in out.iterdir())}")
 
 
 def make_tokenizer(out: Path, size: int) -> None:
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
     tok.train_from_iterator([TEXT], trainers.BpeTrainer(vocab_size=size, special_tokens=["<unk>", "</s>"],
                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()[:60]))
     tok.save(str(out / "tokenizer.json"))

@@ -1,0 +1,98 @@
+"""One way to stand a model's parameters up on a mesh, shared by export, generate and eval:
+from a run's checkpoint (read straight into the layout's shardings, no optimizer state) or
+from a Hugging Face directory (spmd.hf).
+
+    cfg, checkpoint = checkpoint_config("runs/a", step=None)   # before JAX starts
+    layout = make_layout(dataclasses.replace(cfg, mesh=...), for_training=False)
+    params = restore_params(checkpoint, cfg, layout)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from spmd.errors import UserError
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    run_dir: Path
+    step: int
+    meta: dict
+
+    @property
+    def where(self) -> Path:
+        return self.run_dir / str(self.step)
+
+
+def checkpoint_config(path: str, step: int | None = None, flag: str = "--checkpoint"):
+    """The config of the run whose checkpoint `path` names (a run directory: its latest
+    step, or `step`; or one step's directory), with the checkpoint found. Its model is
+    the one saved with it, with no need of the directory it started from; the layers are
+    read in the model's order, whatever pipeline wrote them. -> (config, Checkpoint)"""
+    from spmd.checkpoint import finalized_steps, locate, read_meta
+    from spmd.config import validate
+
+    where = Path(path)
+    if not where.exists():
+        raise UserError(f"{flag} {path} does not exist")
+    if not where.is_dir():
+        raise UserError(f"{flag} {path} is a file, not a run's or a step's directory")
+    run_dir, named = locate(where)
+    if named is not None and step is not None and step != named:
+        raise UserError(f"--step {step} disagrees with {flag} {path}, the checkpoint of step {named}; give the "
+                        "run's directory with --step, or the step's directory alone")
+    step = named if step is None else step
+    steps = finalized_steps(run_dir)
+    if not steps:
+        raise UserError(f"{flag} {path}: no spmd checkpoint in {run_dir}")
+    step = steps[-1] if step is None else step
+    if step not in steps:
+        raise UserError(f"--step {step}: no checkpoint of that step in {run_dir}; it has step(s) "
+                        f"{', '.join(map(str, steps))}")
+    meta = read_meta(run_dir, step)
+    cfg = dataclasses.replace(run_config(meta), pp_schedule="gpipe", pp_repeats=1, microbatches=None)
+    return validate(cfg), Checkpoint(run_dir, step, meta)
+
+
+def run_config(meta: dict):
+    """The config of the run that wrote a checkpoint, without its inputs (data, the
+    directory it started from, the checkpoint it resumed)."""
+    from spmd.config import TrainConfig
+
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    config = {k: v for k, v in meta.get("config", {}).items() if k in fields}
+    return TrainConfig(**config | {"init_from": None, "resume": None, "data": None, "tokenizer": None})
+
+
+def abstract_params(layout) -> dict:
+    """The parameters' shapes and dtypes, carrying their shardings in `layout`."""
+    import jax
+
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                        layout.skeleton.shapes, layout.shardings(layout.rules.params))
+
+
+def restore_params(checkpoint: Checkpoint, cfg, layout) -> dict:
+    """The checkpoint's parameters, read straight into `layout`'s shardings (checked against
+    their checksums)."""
+    from spmd.checkpoint import Checkpoints, check_compatible
+
+    abstract = abstract_params(layout)
+    check_compatible(checkpoint.meta, cfg, abstract, checkpoint.where)
+    source = Checkpoints(checkpoint.run_dir)
+    try:
+        return source.restore(checkpoint.step, {"params": abstract}, items=("params",))["params"]
+    finally:
+        source.close()
+
+
+def load_params(cfg, layout, checkpoint: Checkpoint | None) -> dict:
+    """The parameters of `checkpoint`, or of `cfg.init_from` (a Hugging Face directory)."""
+    if checkpoint is not None:
+        return restore_params(checkpoint, cfg, layout)
+    from spmd.hf import Directory
+    from spmd.hf import load_params as load_hf
+
+    return load_hf(Directory(cfg.init_from), layout)
