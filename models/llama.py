@@ -337,11 +337,11 @@ class Llama(nnx.Module):
     # Decoding with a key/value cache: a prompt's tokens at once (prefill), then one token
     # at a time, each attending to the cache instead of recomputing the past.
 
-    def cache_shape(self, batch: int, length: int) -> tuple[tuple[int, ...], tuple[str | None, ...]]:
+    @staticmethod
+    def cache_shape(cfg: LlamaConfig, batch: int, length: int) -> tuple[tuple[int, ...], tuple[str | None, ...]]:
         """Shape and logical names of the key (or value) cache: one per block, stacked as
         the blocks are (scan steps, blocks per step), then (batch, length, kv_heads, head_dim).
         Grouped-query attention keeps it at kv_heads."""
-        cfg = self.cfg
         per_step = cfg.moe.every if cfg.moe else 1
         shape = (cfg.layers // per_step, per_step, batch, length, cfg.kv_heads, cfg.head_dim)
         return shape, ("layers", None, "batch", None, "kv_heads", "head_dim")
