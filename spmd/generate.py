@@ -1,0 +1,263 @@
+"""`python -m spmd.generate`: sample from a run's checkpoint or a Hugging Face model on a mesh.
+
+    python -m spmd.generate --checkpoint runs/a --prompt "Once upon a time" --max-new-tokens 64
+    python -m spmd.generate --init-from Llama-3.2-1B --mesh tp=2 --prompts prompts.jsonl \\
+        --temperature 0.7 --top-p 0.9 --output completions.jsonl
+
+Prompts are tokenized with the run's tokenizer (a Hugging Face directory's tokenizer.json;
+UTF-8 bytes for a run without one), batched `--batch-size` at a time, padded to a few
+bucket lengths, prefilled into a key/value cache and continued in one compiled loop
+(spmd.decode). A completion ends at the tokenizer's end-of-text token or at the first
+`--stop` text; an id that is no text under the tokenizer prints as U+FFFD.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from spmd.config import OneLineErrorParser, finite, integer, nonempty
+from spmd.errors import UserError, one_line_errors, quiet_library_threads
+
+
+def generate_parser() -> OneLineErrorParser:
+    parser = OneLineErrorParser(prog="python -m spmd.generate", description=__doc__.splitlines()[0])
+    add_model_source(parser)
+    parser.add_argument("--prompt", action="append", type=str, default=[], help="a prompt (repeat for several)")
+    parser.add_argument("--prompts", type=nonempty, help="a .jsonl file of {\"prompt\": TEXT} records")
+    parser.add_argument("--max-new-tokens", type=integer, default=64, help="tokens to generate per prompt (64)")
+    parser.add_argument("--temperature", type=finite, default=0.0, help="0: greedy (default); else sample")
+    parser.add_argument("--top-k", type=integer, default=0, help="sample from the k most likely tokens (0: all)")
+    parser.add_argument("--top-p", type=finite, default=1.0, help="sample from the smallest set of tokens whose "
+                        "probability reaches p (1: all)")
+    parser.add_argument("--seed", type=integer, default=0, help="seed of the draws (the same text on any mesh)")
+    parser.add_argument("--stop", action="append", type=nonempty, default=[], help="end a completion at this text")
+    parser.add_argument("--batch-size", type=integer, default=8, help="prompts decoded together (8)")
+    parser.add_argument("--output", type=nonempty, help="write one JSON record per prompt to this .jsonl file")
+    return parser
+
+
+def add_model_source(parser: OneLineErrorParser) -> None:
+    """The flags that stand a model up on a mesh (shared with spmd.eval)."""
+    parser.add_argument("--checkpoint", type=nonempty, help="a run directory (latest step) or one step's directory")
+    parser.add_argument("--step", type=integer, help="which step of a run directory (default: the latest)")
+    parser.add_argument("--init-from", type=nonempty, help="a Hugging Face model directory instead of a checkpoint")
+    parser.add_argument("--mesh", type=nonempty, default="dp=1",
+                        help="mesh axis sizes: tp splits the heads, dp/fsdp/ep the batch (default: one device)")
+    parser.add_argument("--cpu-devices", type=integer, help="emulated CPU devices (default: what the mesh needs)")
+
+
+def model_source(args):
+    """The run's config, its checkpoint (None: --init-from) and its tokenizer file (None:
+    bytes), checked before JAX starts."""
+    from spmd.config import TrainConfig, validate
+    from spmd.weights import checkpoint_config
+
+    if bool(args.checkpoint) == bool(args.init_from):
+        raise UserError("give one of --checkpoint RUN and --init-from DIR")
+    if args.step is not None and not args.checkpoint:
+        raise UserError("--step applies to --checkpoint")
+    if args.step is not None and args.step < 0:
+        raise UserError(f"--step must be at least 0, got {args.step}")
+    if args.cpu_devices is not None and args.cpu_devices < 1:
+        raise UserError(f"--cpu-devices must be positive, got {args.cpu_devices}")
+    if args.checkpoint:
+        cfg, checkpoint = checkpoint_config(args.checkpoint, args.step)
+        tokenizer = checkpoint.meta.get("config", {}).get("tokenizer")
+    else:
+        cfg, checkpoint = validate(TrainConfig(init_from=args.init_from)), None
+        tokenizer = str(Path(args.init_from) / "tokenizer.json")
+        tokenizer = tokenizer if Path(tokenizer).is_file() else None
+    if tokenizer and not Path(tokenizer).is_file():
+        raise UserError(f"the run's tokenizer {tokenizer} is gone; the prompts cannot be tokenized")
+    return cfg, checkpoint, tokenizer
+
+
+def on_mesh(cfg, args, **overrides):
+    """The run's config on `--mesh`, with `overrides` (checked)."""
+    from spmd.config import validate
+
+    return validate(dataclasses.replace(cfg, mesh=args.mesh, cpu_devices=args.cpu_devices, **overrides))
+
+
+def trained_context(cfg, checkpoint) -> int:
+    """The longest sequence the model was trained on: the run's --seq, or config.json's
+    max_position_embeddings."""
+    if checkpoint is not None:
+        return int(checkpoint.meta["config"]["seq"])
+    hf = json.loads((Path(cfg.init_from) / "config.json").read_text())
+    return int(hf.get("max_position_embeddings") or 2048)
+
+
+def read_prompts(args) -> list[str]:
+    prompts = list(args.prompt)
+    if args.prompts:
+        path = Path(args.prompts)
+        if not path.is_file():
+            raise UserError(f"--prompts {args.prompts}: no such file")
+        for n, line in enumerate(path.read_text(encoding="utf-8", errors="strict").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                raise UserError(f"--prompts {args.prompts}, line {n}: not JSON") from None
+            if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+                raise UserError(f"--prompts {args.prompts}, line {n}: needs a \"prompt\" string")
+            prompts.append(record["prompt"])
+        if not prompts:
+            raise UserError(f"--prompts {args.prompts} holds no prompt")
+    if not prompts:
+        raise UserError("no prompt: give --prompt TEXT or --prompts FILE.jsonl")
+    return prompts
+
+
+def check(args) -> None:
+    if args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    if args.temperature < 0:
+        raise UserError(f"--temperature must be at least 0, got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        raise UserError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.top_k < 0:
+        raise UserError(f"--top-k must be at least 0, got {args.top_k}")
+    if args.batch_size < 1:
+        raise UserError(f"--batch-size must be at least 1, got {args.batch_size}")
+    if args.seed < 0:
+        raise UserError(f"--seed must be at least 0, got {args.seed}")
+
+
+def main(argv=None) -> int:
+    parser = generate_parser()
+    restore = quiet_library_threads()
+    try:
+        with one_line_errors():
+            args = parser.parse_args(argv)
+            check(args)
+            prompts = read_prompts(args)
+            if args.output:
+                from spmd.paths import check_writable_file
+
+                check_writable_file(args.output, "--output")
+            cfg, checkpoint, tokenizer_path = model_source(args)
+            cfg = on_mesh(cfg, args, moe_dispatch="dropless")
+            from spmd.corpus import load_tokenizer
+
+            tokenizer = load_tokenizer(tokenizer_path)
+            encoded = [np.asarray(ids, np.int32) for ids in tokenizer.encode(prompts)]
+            if any(len(ids) == 0 for ids in encoded):
+                raise UserError("a prompt is empty (no tokens)")
+            context = trained_context(cfg, checkpoint)
+            longest = max(len(ids) for ids in encoded)
+            if longest + args.max_new_tokens > context:
+                raise UserError(f"--max-new-tokens {args.max_new_tokens}: with the longest prompt ({longest} tokens) "
+                                f"that is beyond the model's trained context of {context} tokens")
+            run = Generation(cfg, checkpoint, args)
+        results = run.complete(encoded, tokenizer, prompts)
+    finally:
+        restore()
+    for i, (prompt, r) in enumerate(zip(prompts, results)):
+        print(f"--- {i + 1}: {len(r['prompt_tokens'])} + {len(r['completion_tokens'])} tokens\n{prompt}{r['completion']}")
+    for line in run.report:
+        print(line)
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as f:
+            for prompt, r in zip(prompts, results):
+                f.write(json.dumps({"prompt": prompt} | r, ensure_ascii=False) + "\n")
+    return 0
+
+
+class Generation:
+    """The model on its mesh, and the decoders compiled for each shape."""
+
+    def __init__(self, cfg, checkpoint, args):
+        from spmd.decode import Sampling
+        from spmd.mesh import emulate_cpu_devices, parse_mesh
+
+        emulate_cpu_devices(parse_mesh(cfg.mesh), cfg.cpu_devices)
+        from spmd.layout import make_layout
+        from spmd.weights import load_params
+
+        self.layout = make_layout(cfg, for_training=False)
+        if self.layout.shape["pp"] > 1 or self.layout.shape["sp"] > 1:
+            raise UserError("generation runs on dp, fsdp, ep and tp; give a mesh without pp and sp")
+        # A completion ends at the end-of-text token, unless the model never saw text (the
+        # built-in synthetic data, whose token 0 is a token like any other).
+        self.ends_at_eos = checkpoint is None or checkpoint.meta.get("config", {}).get("data") is not None
+        self.args, self.decoders, self.report = args, {}, []
+        self.sampling = Sampling(args.temperature, args.top_k, args.top_p)
+        shards = self.layout.batch_shards
+        self.batch = -(-args.batch_size // shards) * shards  # whole rows for every batch shard
+        started = time.perf_counter()
+        self.params = load_params(cfg, self.layout, checkpoint)
+        self.report.append(f"model {cfg.model_name} on {self.layout.describe()}, placed in "
+                           f"{time.perf_counter() - started:.1f} s")
+
+    def decoder(self, prompt_len: int):
+        from spmd.decode import Decoder
+
+        if prompt_len not in self.decoders:
+            decoder = Decoder(self.layout, self.batch, prompt_len, self.args.max_new_tokens, self.sampling)
+            decoder.compile()
+            self.decoders[prompt_len] = decoder
+        return self.decoders[prompt_len]
+
+    def complete(self, encoded: list[np.ndarray], tokenizer, prompts: list[str]) -> list[dict]:
+        import jax
+
+        from spmd.decode import bucket, left_padded
+
+        key = jax.random.key(self.args.seed)
+        order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))  # similar lengths share a bucket
+        results: dict[int, dict] = {}
+        timing = {"prefill_s": 0.0, "decode_s": 0.0, "prompt_tokens": 0, "new_tokens": 0, "first": []}
+        for start in range(0, len(order), self.args.batch_size):
+            chosen = order[start:start + self.args.batch_size]
+            length = bucket(max(len(encoded[i]) for i in chosen))
+            decoder = self.decoder(length)
+            tokens, pads = left_padded([encoded[i] for i in chosen], self.batch, length)
+            rows = np.full(self.batch, -1, np.int32)
+            rows[:len(chosen)] = chosen
+            began = time.perf_counter()
+            cache, first = decoder.prefill(self.params, tokens, pads, rows, key)
+            first.block_until_ready()
+            prefilled = time.perf_counter()
+            new = np.asarray(decoder.generate(self.params, cache, first, pads, rows, key))
+            done = time.perf_counter()
+            timing["prefill_s"] += prefilled - began
+            timing["decode_s"] += done - prefilled
+            timing["first"].append(prefilled - began)
+            timing["prompt_tokens"] += sum(len(encoded[i]) for i in chosen)
+            timing["new_tokens"] += len(chosen) * (self.args.max_new_tokens - 1)
+            for row, i in enumerate(chosen):
+                results[i] = self._completion(encoded[i], new[row], tokenizer)
+        decoder = next(iter(self.decoders.values()))
+        self.report += [
+            f"prefill: {timing['prompt_tokens'] / timing['prefill_s']:,.0f} prompt tokens/s; time to the first token "
+            f"{1000 * np.mean(timing['first']):.1f} ms per batch",
+            f"decode: {timing['new_tokens'] / max(timing['decode_s'], 1e-9):,.0f} tokens/s "
+            f"({len(prompts)} prompts, batches of {self.batch})",
+            f"key/value cache: {decoder.cache_bytes_per_device() / 2**20:.2f} MiB per device for "
+            f"{self.batch} x {decoder.length} tokens (the longest bucket's: "
+            f"{max(d.cache_bytes_per_device() for d in self.decoders.values()) / 2**20:.2f} MiB)",
+        ]
+        return [results[i] for i in range(len(encoded))]
+
+    def _completion(self, prompt: np.ndarray, new: np.ndarray, tokenizer) -> dict:
+        ids = [int(t) for t in new]
+        if self.ends_at_eos and tokenizer.eos in ids:
+            ids = ids[:ids.index(tokenizer.eos)]
+        text = tokenizer.decode(ids)
+        for stop in self.args.stop:
+            if stop in text:
+                text = text[:text.index(stop)]
+        return {"completion": text, "prompt_tokens": [int(t) for t in prompt], "completion_tokens": ids}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
