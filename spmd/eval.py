@@ -49,7 +49,7 @@ def main(argv=None) -> int:
             loss, tokens, batches = evaluate(cfg, checkpoint, args.batches)
     finally:
         restore()
-    print(f"{cfg.data}: loss {loss:.4f} nats/token, perplexity {math.exp(loss):.2f} "
+    print(f"{cfg.data}: loss {loss:.4f} nats/token, perplexity {math.exp(loss):.4f} "
           f"({batches} batches of {cfg.batch} x {cfg.seq}: {tokens:,} tokens; model {cfg.model_name})")
     return 0
 

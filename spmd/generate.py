@@ -25,12 +25,16 @@ from spmd.config import OneLineErrorParser, finite, integer, nonempty
 from spmd.errors import UserError, one_line_errors, quiet_library_threads
 
 
+DEFAULT_NEW_TOKENS = 64
+
+
 def generate_parser() -> OneLineErrorParser:
     parser = OneLineErrorParser(prog="python -m spmd.generate", description=__doc__.splitlines()[0])
     add_model_source(parser)
     parser.add_argument("--prompt", action="append", type=str, default=[], help="a prompt (repeat for several)")
     parser.add_argument("--prompts", type=nonempty, help="a .jsonl file of {\"prompt\": TEXT} records")
-    parser.add_argument("--max-new-tokens", type=integer, default=64, help="tokens to generate per prompt (64)")
+    parser.add_argument("--max-new-tokens", type=integer,
+                        help="tokens to generate per prompt (default: 64, or fewer to stay in the trained context)")
     parser.add_argument("--temperature", type=finite, default=0.0, help="0: greedy (default); else sample")
     parser.add_argument("--top-k", type=integer, default=0, help="sample from the k most likely tokens (0: all)")
     parser.add_argument("--top-p", type=finite, default=1.0, help="sample from the smallest set of tokens whose "
@@ -118,7 +122,7 @@ def read_prompts(args) -> list[str]:
 
 
 def check(args) -> None:
-    if args.max_new_tokens < 1:
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     if args.temperature < 0:
         raise UserError(f"--temperature must be at least 0, got {args.temperature}")
@@ -154,6 +158,8 @@ def main(argv=None) -> int:
                 raise UserError("a prompt is empty (no tokens)")
             context = trained_context(cfg, checkpoint)
             longest = max(len(ids) for ids in encoded)
+            if args.max_new_tokens is None:
+                args.max_new_tokens = max(1, min(DEFAULT_NEW_TOKENS, context - longest))
             if longest + args.max_new_tokens > context:
                 raise UserError(f"--max-new-tokens {args.max_new_tokens}: with the longest prompt ({longest} tokens) "
                                 f"that is beyond the model's trained context of {context} tokens")

@@ -13,7 +13,7 @@ import os
 import sys
 import tempfile
 
-MODULES = ("spmd.train", "spmd.plan", "spmd.export", "spmd.launch", "spmd.corpus")
+MODULES = ("spmd.train", "spmd.plan", "spmd.export", "spmd.launch", "spmd.corpus", "spmd.generate", "spmd.eval")
 # What the commands import on their way (the models, Orbax, the layout): loaded once here.
 PRELOAD = ("models", "spmd.layout", "spmd.checkpoint", "spmd.loop", "spmd.step", "spmd.data")
 
