@@ -27,13 +27,13 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.
 
 
 def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_slots: jax.Array, valid: jax.Array) -> jax.Array:
-    """Queries at cache slots `q_slots` (s,) against a whole key/value cache (batch, t,
-    kv_heads, head_dim): a query sees the slots up to its own that `valid` (batch, t) marks."""
-    scores = jnp.einsum("bskgd,btkd->bkgst", q, k).astype(jnp.float32) / math.sqrt(q.shape[-1])
-    visible = (jnp.arange(k.shape[1])[None, :] <= q_slots[:, None])[None] & valid[:, None, :]  # (b, s, t)
+    """Queries at cache slots `q_slots` (s,) against a whole key/value cache (batch, kv_heads,
+    t, head_dim): a query sees the slots up to its own that `valid` (batch, t) marks."""
+    scores = jnp.einsum("bskgd,bktd->bkgst", q, k).astype(jnp.float32) / math.sqrt(q.shape[-1])
+    visible = (jnp.arange(k.shape[2])[None, :] <= q_slots[:, None])[None] & valid[:, None, :]  # (b, s, t)
     scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return jnp.einsum("bkgst,btkd->bskgd", probs, v)
+    return jnp.einsum("bkgst,bktd->bskgd", probs, v)
 
 
 def _one_device(q, k, v, positions):

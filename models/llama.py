@@ -166,17 +166,20 @@ class Attention(nnx.Module):
         q, k, v = self._project(x, positions)
         return self._output(attend(q, k, v, positions))
 
-    def decode(self, x: jax.Array, positions: jax.Array, kv: tuple[jax.Array, jax.Array],
-               at: Decoding) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    def decode(self, x: jax.Array, positions: jax.Array, cache: dict, block: tuple[jax.Array, int],
+               at: Decoding) -> tuple[jax.Array, dict]:
         """Attention of new tokens (`positions` (batch, seq)) to themselves and to what the
-        key/value cache `kv` holds; their keys and values are written to it at `at`."""
+        key/value cache holds for `block` (its index in `cache`'s two leading dimensions);
+        their keys and values are written into the cache, in place, at `at`."""
         q, k, v = self._project(x, positions)
-        k_cache, v_cache = (jax.lax.dynamic_update_slice_in_dim(c, new.astype(c.dtype), at.slot, axis=1)
-                            for c, new in zip(kv, (k, v)))
-        names = ("batch", None, "kv_heads", "head_dim")
-        k_cache, v_cache = constrain(k_cache, *names), constrain(v_cache, *names)
-        out = cached_attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), at.slots(x.shape[1]), at.valid)
-        return self._output(out), (k_cache, v_cache)
+        cache = dict(cache)
+        for name, new in (("k", k), ("v", v)):
+            start = (*block, 0, 0, at.slot, 0)
+            new = new.swapaxes(1, 2)[None, None].astype(cache[name].dtype)  # (1, 1, batch, kv_heads, seq, head_dim)
+            cache[name] = jax.lax.dynamic_update_slice(cache[name], new, start)
+        names = ("batch", "kv_heads", None, "head_dim")
+        k_all, v_all = (constrain(cache[name][block], *names).astype(q.dtype) for name in ("k", "v"))
+        return self._output(cached_attention(q, k_all, v_all, at.slots(x.shape[1]), at.valid)), cache
 
     def _project(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Queries (batch, seq, kv_heads, groups, head_dim), keys and values (batch, seq,
@@ -236,13 +239,13 @@ class Block(nnx.Module):
             y, stats = self.mlp(normed), {}
         return constrain(x + y, "batch", "residual_seq", "embed"), stats
 
-    def decode(self, x: jax.Array, positions: jax.Array, kv, at: Decoding):
+    def decode(self, x: jax.Array, positions: jax.Array, cache: dict, block: tuple[jax.Array, int], at: Decoding):
         """As a call, for new tokens against a key/value cache (see Attention.decode)."""
-        y, kv = self.attn.decode(constrain(self.attn_norm(x), "batch", "seq", "embed"), positions, kv, at)
+        y, cache = self.attn.decode(constrain(self.attn_norm(x), "batch", "seq", "embed"), positions, cache, block, at)
         x = x + y
         normed = constrain(self.mlp_norm(x), "batch", "seq", "embed")
         y = self.mlp(normed, at.slots(x.shape[1]))[0] if isinstance(self.mlp, MoE) else self.mlp(normed)
-        return constrain(x + y, "batch", "seq", "embed"), kv
+        return constrain(x + y, "batch", "seq", "embed"), cache
 
 
 class MoEGroup(nnx.Module):
@@ -340,25 +343,28 @@ class Llama(nnx.Module):
     @staticmethod
     def cache_shape(cfg: LlamaConfig, batch: int, length: int) -> tuple[tuple[int, ...], tuple[str | None, ...]]:
         """Shape and logical names of the key (or value) cache: one per block, stacked as
-        the blocks are (scan steps, blocks per step), then (batch, length, kv_heads, head_dim).
-        Grouped-query attention keeps it at kv_heads."""
+        the blocks are (scan steps, blocks per step), then (batch, kv_heads, length, head_dim):
+        the layout attention reads, so that no token copies it. Grouped-query attention
+        keeps it at kv_heads."""
         per_step = cfg.moe.every if cfg.moe else 1
-        shape = (cfg.layers // per_step, per_step, batch, length, cfg.kv_heads, cfg.head_dim)
-        return shape, ("layers", None, "batch", None, "kv_heads", "head_dim")
+        shape = (cfg.layers // per_step, per_step, batch, cfg.kv_heads, length, cfg.head_dim)
+        return shape, ("layers", None, "batch", "kv_heads", None, "head_dim")
 
     def decode(self, tokens: jax.Array, positions: jax.Array, cache: dict, at: Decoding) -> tuple[jax.Array, dict]:
         """Logits of `tokens` (batch, seq) at `positions` (batch, seq), which the cache
         ({"k", "v"}, see `cache_shape`) takes at slots `at`; -> (logits, the new cache)."""
 
-        @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0), transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def over_layers(x: jax.Array, unit: Block | MoEGroup, unit_cache: dict) -> tuple[jax.Array, dict]:
-            written = []
+        # The cache is carried through the layers whole and written in place (a slice of it
+        # per layer would be copied out and back at every token).
+        @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=nnx.Carry, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def over_layers(carry: tuple[jax.Array, dict], unit: Block | MoEGroup, i: jax.Array):
+            x, cache = carry
             for j, block in enumerate(unit.blocks if isinstance(unit, MoEGroup) else [unit]):
-                x, kv = block.decode(x, positions, (unit_cache["k"][j], unit_cache["v"][j]), at)
-                written.append(kv)
-            return x, {"k": jnp.stack([k for k, _ in written]), "v": jnp.stack([v for _, v in written])}
+                x, cache = block.decode(x, positions, cache, (i, j), at)
+            return x, cache
 
-        x, cache = over_layers(self.embed(tokens), self.blocks, cache)
+        steps = cache["k"].shape[0]
+        x, cache = over_layers((self.embed(tokens), cache), self.blocks, jnp.arange(steps))
         return self.logits(x), cache
 
     def logits(self, x: jax.Array) -> jax.Array:

@@ -1,0 +1,103 @@
+"""Decoding speed with the key/value cache (spmd.decode), in one run:
+
+1. decode tokens/s with the cache / tokens/s recomputing the whole sequence for each new
+   token (the same model, batch and lengths, both one compiled scan over the new tokens);
+2. decode time per token with 512 tokens of context / with 64, with the cache (a new token
+   costs its own matmuls plus reading the cache) and recomputing (the whole context's
+   matmuls again, and attention quadratic in it).
+
+    python benchmarks/decode.py [--model small --mesh dp=1 --batch 8 --new 64]
+
+Times are medians of alternating rounds (this machine's timings drift between minutes).
+"""
+
+import argparse
+import statistics
+import time
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="small")
+    parser.add_argument("--mesh", default="dp=1")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--new", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    from spmd.mesh import emulate_cpu_devices, parse_mesh
+
+    emulate_cpu_devices(parse_mesh(args.mesh), None)
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from models import PRESETS, Llama
+    from spmd.config import TrainConfig, validate
+    from spmd.decode import Decoder, Sampling, left_padded
+    from spmd.layout import make_layout
+
+    layout = make_layout(validate(TrainConfig(model=args.model, mesh=args.mesh)), for_training=False)
+    params = nnx.to_pure_dict(nnx.state(Llama(PRESETS[args.model], rngs=nnx.Rngs(0)), nnx.Param))
+    params = jax.device_put(params, layout.shardings(layout.rules.params))
+    vocab = PRESETS[args.model].vocab
+    rng = np.random.default_rng(0)
+
+    def cached(context: int):
+        decoder = Decoder(layout, args.batch, context, args.new, Sampling())
+        decoder.compile()
+        tokens, pads = left_padded([rng.integers(0, vocab, context) for _ in range(args.batch)], args.batch, context)
+        rows, key = np.arange(args.batch, dtype=np.int32), jax.random.key(0)
+
+        def run() -> float:
+            cache, first = decoder.prefill(params, tokens, pads, rows, key)
+            jax.block_until_ready(first)
+            start = time.perf_counter()
+            jax.block_until_ready(decoder.generate(params, cache, first, pads, rows, key))
+            return time.perf_counter() - start
+        return run
+
+    def recomputed(context: int):
+        """The same greedy tokens with no cache: each step runs the whole (padded) sequence."""
+        graph = layout.skeleton.graphdef
+        width = context + args.new
+
+        @jax.jit
+        def generate(params, rows):
+            def step(rows, t):
+                logits = nnx.merge(graph, params)(rows)
+                token = jnp.argmax(logits[:, context + t - 1], axis=-1).astype(jnp.int32)
+                return rows.at[:, context + t].set(token), token
+            return jax.lax.scan(step, rows, jnp.arange(args.new))[1]
+
+        rows = np.zeros((args.batch, width), np.int32)
+        rows[:, :context] = rng.integers(0, vocab, (args.batch, context))
+        with jax.set_mesh(layout.mesh):
+            jax.block_until_ready(generate(params, rows))
+
+        def run() -> float:
+            start = time.perf_counter()
+            with jax.set_mesh(layout.mesh):
+                jax.block_until_ready(generate(params, rows))
+            return time.perf_counter() - start
+        return run
+
+    runs = {"cache, 64": cached(64), "recompute, 64": recomputed(64), "cache, 512": cached(512),
+            "recompute, 512": recomputed(512)}
+    times = {name: [] for name in runs}
+    for _ in range(args.rounds):
+        for name, run in runs.items():
+            times[name].append(run())
+    median = {name: statistics.median(t) for name, t in times.items()}
+    tokens = args.batch * args.new
+    for name, seconds in median.items():
+        print(f"{name:>14} tokens of context: {tokens / seconds:10,.0f} new tokens/s ({1000 * seconds / args.new:.2f} "
+              f"ms per step of {args.batch})")
+    print(f"with the cache / recomputing: {median['recompute, 64'] / median['cache, 64']:.1f}x the tokens/s "
+          f"({args.model}, 64 tokens of prompt, {args.new} new)")
+    print(f"time per new token, 512 / 64 tokens of context: {median['cache, 512'] / median['cache, 64']:.2f} with "
+          f"the cache, {median['recompute, 512'] / median['recompute, 64']:.2f} recomputing")
+
+
+if __name__ == "__main__":
+    main()
