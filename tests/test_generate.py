@@ -59,9 +59,9 @@ def tiny():
     return params, [rng.integers(0, 256, n).astype(np.int32) for n in PROMPT_LENGTHS]
 
 
-def _recomputed(params, prompts, new: int) -> np.ndarray:
+def _recomputed(params, prompts, new: int, model: str = "tiny") -> np.ndarray:
     """Greedy tokens by running the whole sequence again for each new token (no cache)."""
-    graph = _layout("dp=1").skeleton.graphdef
+    graph = _layout("dp=1", model=model).skeleton.graphdef
     width = max(map(len, prompts)) + new
     forward = jax.jit(lambda p, t: nnx.merge(graph, p)(t))
     rows = np.zeros((len(prompts), width), np.int32)  # right-padded: causal, so the padding is never seen
@@ -84,6 +84,18 @@ def test_greedy_with_the_cache_equals_recomputation_on_every_mesh(tiny):
     for mesh in MESHES:
         got = _decode(_layout(mesh), params, prompts, NEW)
         np.testing.assert_array_equal(got, want, err_msg=mesh)
+
+
+def test_greedy_with_the_cache_equals_recomputation_with_experts(tiny):
+    """An MoE model whose scanned unit is a dense block then an MoE block (moe-tiny), with
+    a shared expert; on one device and with its experts over ep."""
+    prompts = tiny[1]
+    params = nnx.to_pure_dict(nnx.state(Llama(PRESETS["moe-tiny"], rngs=nnx.Rngs(params=jax.random.key(4))),
+                                        nnx.Param))
+    want = _recomputed(params, prompts, NEW, "moe-tiny")
+    for mesh in ("dp=1", "ep=2,tp=2"):
+        np.testing.assert_array_equal(_decode(_layout(mesh, model="moe-tiny"), params, prompts, NEW), want,
+                                      err_msg=mesh)
 
 
 @pytest.mark.parametrize("name,mesh", [("llama-gqa", "dp=1"), ("llama-tied-rope", "fsdp=2,tp=2"),
