@@ -13,8 +13,6 @@ another), and the shards are summed once after it: the `no_sync` of DDP, for fre
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import functools
 import math
 
 import jax
@@ -135,29 +133,6 @@ def _step_metrics(metrics: dict) -> dict:
     return metrics
 
 
-@dataclasses.dataclass
-class Program:
-    """The compiled pieces of one run: `init(key) -> state`, `step(state, batch) -> (state, metrics)`."""
-
-    layout: Layout
-    tx: optax.GradientTransformation
-    abstract_state: dict  # ShapeDtypeStructs carrying their shardings
-    init: object  # jitted
-    start: object  # jitted: params (e.g. imported) -> the state at step 0, the optimizer's fresh
-    step: object  # jitted
-    evaluate: object  # jitted: (params, batch) -> the batch's loss
-    batch_struct: jax.ShapeDtypeStruct
-
-    def compile_step(self):
-        """AOT-compile the step for the abstract state and batch (nothing is allocated)."""
-        with jax.set_mesh(self.layout.mesh):
-            return self.step.lower(self.abstract_state, self.batch_struct).compile()
-
-    def compile_eval(self):
-        with jax.set_mesh(self.layout.mesh):
-            return self.evaluate.lower(self.abstract_state["params"], self.batch_struct).compile()
-
-
 def model_context(layout: Layout, attention: str = "ring", local_axes: tuple[str, ...] = (),
                   data_axes: tuple[str, ...] | None = None) -> contextlib.ExitStack:
     """What the model runs under on `layout`: the rules its annotations read
@@ -184,60 +159,118 @@ def init_compiler_options(layout: Layout) -> dict:
     return {"xla_backend_optimization_level": 0} if layout.mesh.devices.flat[0].platform == "cpu" else {}
 
 
-def build_program(cfg, layout: Layout) -> Program:
-    graphdef = layout.skeleton.graphdef
-    tx = make_optimizer(cfg, layout.skeleton.model_cfg)
-    lr_at = schedule(cfg)
-    rules = layout.rules
-    param_sh = layout.shardings(rules.params)
-    grad_sh = layout.shardings(rules.grads)
+class Program:
+    """The compiled pieces of one training run on one layout (the decoding program,
+    spmd.decode.Decoder, has the same shape): built from the config and the layout, the
+    jitted entry points `init(key) -> state`, `start(params) -> state`, `step(state, batch)
+    -> (state, metrics)` and `evaluate(params, batch) -> loss`, and their AOT compilation."""
 
-    model_cfg = layout.skeleton.model_cfg
+    def __init__(self, cfg, layout: Layout):
+        self.cfg, self.layout = cfg, layout
+        self.graphdef = layout.skeleton.graphdef
+        self.tx = make_optimizer(cfg, layout.skeleton.model_cfg)
+        self.lr_at = schedule(cfg)
+        param_sh = layout.shardings(layout.rules.params)
+        self.grad_sh = layout.shardings(layout.rules.grads)
+        shapes = jax.eval_shape(self._init, jax.random.key(0))
+        state_sh = {
+            "step": layout.replicated,
+            "params": param_sh,
+            "opt_state": layout.opt_state_shardings(self.tx, shapes["opt_state"]),
+        }
+        self.abstract_state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                                           shapes, state_sh)
+        self.order = zigzag_order(cfg.seq, layout.shape["sp"]) if layout.shape["sp"] > 1 else None
+        batch_sh = layout.batch_sharding
+        self.batch_struct = jax.ShapeDtypeStruct((cfg.batch, cfg.seq + 1), jnp.int32, sharding=batch_sh)
+        self.init = jax.jit(self._init, out_shardings=state_sh, compiler_options=init_compiler_options(layout))
+        self.start = jax.jit(self._start, in_shardings=(param_sh,), out_shardings=state_sh, donate_argnums=0)
+        self.step = jax.jit(self._train_step, in_shardings=(state_sh, batch_sh),
+                            out_shardings=(state_sh, layout.replicated), donate_argnums=0)
+        self.evaluate = jax.jit(self._eval_loss, in_shardings=(param_sh, batch_sh), out_shardings=layout.replicated)
 
-    def init(key):
+    def compile_step(self):
+        """AOT-compile the step for the abstract state and batch (nothing is allocated)."""
+        with jax.set_mesh(self.layout.mesh):
+            return self.step.lower(self.abstract_state, self.batch_struct).compile()
+
+    def compile_eval(self):
+        with jax.set_mesh(self.layout.mesh):
+            return self.evaluate.lower(self.abstract_state["params"], self.batch_struct).compile()
+
+    # ------------------------------------------------------------ the jitted functions
+
+    def _init(self, key):
+        model_cfg, cfg = self.layout.skeleton.model_cfg, self.cfg
         model = model_class(model_cfg)(model_cfg, dtype=DTYPES[cfg.dtype], remat=cfg.remat, routing=routing(cfg),
                                        rngs=nnx.Rngs(params=key))
-        return start(layout.stored(nnx.to_pure_dict(nnx.state(model, nnx.Param))))
+        return self._start(self.layout.stored(nnx.to_pure_dict(nnx.state(model, nnx.Param))))
 
-    def start(params):
-        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
+    def _start(self, params):
+        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": self.tx.init(params)}
 
-    shapes = jax.eval_shape(init, jax.random.key(0))
-    state_sh = {
-        "step": layout.replicated,
-        "params": param_sh,
-        "opt_state": layout.opt_state_shardings(tx, shapes["opt_state"]),
-    }
+    def _train_step(self, state, rows):
+        cfg, params = self.cfg, state["params"]
+        if cfg.grad_accum == 1:
+            metrics, grads = self._loss_and_grads(params, rows)
+        elif self.layout.schedule:
+            metrics, grads = self._pipeline_rounds(params, rows)
+        else:
+            metrics, grads = self._accumulated(params, rows)
+        loss = metrics["loss"]
+        grads = jax.lax.with_sharding_constraint(grads, self.grad_sh)
+        grad_norm = optax.tree.norm(grads)
+        updates, opt_state = self.tx.update(grads, state["opt_state"], params)
+        # A non-finite loss, gradient or update (a NaN learning rate, a moment gone bad)
+        # never reaches the state: that update is dropped.
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(optax.tree.norm(updates))
+        keep_if_finite = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
+        new_state = {
+            "step": state["step"] + 1,
+            "params": keep_if_finite(optax.apply_updates(params, updates), params),
+            "opt_state": keep_if_finite(opt_state, state["opt_state"]),
+        }
+        metrics = _step_metrics(metrics) | {"grad_norm": grad_norm, "lr": self.lr_at(state["step"]), "skipped": ~finite}
+        return new_state, metrics
 
-    sequence_parallel = layout.shape["sp"] > 1
-    order = zigzag_order(cfg.seq, layout.shape["sp"]) if sequence_parallel else None
-    aux_weights = (cfg.aux_loss_weight, cfg.z_loss_weight)
-    annotated = functools.partial(model_context, layout, cfg.attention)
+    def _eval_loss(self, params, rows):  # the same loss, without its gradients (1F1B's: as GPipe)
+        with self._annotated():
+            return self._loss(params, rows)[1]["loss"]
 
-    if layout.schedule:
+    # ------------------------------------------------------------ their parts
+
+    def _annotated(self, local_axes: tuple[str, ...] = (), data_axes: tuple[str, ...] | None = None):
+        return model_context(self.layout, self.cfg.attention, local_axes, data_axes)
+
+    def _in_stage(self):
         # Inside a stage the map is manual over pp and dp (spmd.pipeline): neither splits `batch` there.
-        in_stage = lambda: annotated(MANUAL_AXES, BATCH_AXES)  # noqa: E731
-        loss_of = lambda p, rows: _pipelined_loss(graphdef, p, rows, layout, in_stage)  # noqa: E731
-    else:
-        loss_of = lambda p, rows: _loss(graphdef, p, rows, order, aux_weights)  # noqa: E731
+        return self._annotated(MANUAL_AXES, BATCH_AXES)
 
-    def loss_and_grads(params, rows):
-        if layout.schedule and layout.schedule.name == "1f1b":
-            with annotated():
-                return _one_f_one_b_grads(graphdef, params, rows, layout, in_stage)
-        with annotated():
-            (_, metrics), grads = jax.value_and_grad(loss_of, has_aux=True)(params, rows)
+    def _loss(self, params, rows):
+        if self.layout.schedule:
+            return _pipelined_loss(self.graphdef, params, rows, self.layout, self._in_stage)
+        return _loss(self.graphdef, params, rows, self.order, (self.cfg.aux_loss_weight, self.cfg.z_loss_weight))
+
+    def _loss_and_grads(self, params, rows):
+        schedule = self.layout.schedule
+        with self._annotated():
+            if schedule and schedule.name == "1f1b":
+                return _one_f_one_b_grads(self.graphdef, params, rows, self.layout, self._in_stage)
+            (_, metrics), grads = jax.value_and_grad(self._loss, has_aux=True)(params, rows)
             return metrics, grads
 
-    def accumulated(params, rows):
-        k, shards = cfg.grad_accum, layout.batch_shards
+    def _accumulated(self, params, rows):
+        """Gradient accumulation: each batch shard sums its own microbatches' gradients
+        (a vmap over shards), and the shards are summed once after the scan."""
+        layout = self.layout
+        k, shards = self.cfg.grad_accum, layout.batch_shards
         micro = _split_locally(rows, shards, k)
         micro = jax.lax.with_sharding_constraint(micro, jax.P(None, BATCH_AXES))
         per_shard_spec = layout.per_shard_specs()
 
         def shard_grads(p, shard_rows):
-            with annotated(local_axes=BATCH_AXES):
-                (_, metrics), grads = jax.value_and_grad(loss_of, has_aux=True)(p, shard_rows)
+            with self._annotated(local_axes=BATCH_AXES):
+                (_, metrics), grads = jax.value_and_grad(self._loss, has_aux=True)(p, shard_rows)
                 return metrics, grads
 
         per_shard = jax.vmap(shard_grads, in_axes=(None, 0), spmd_axis_name=BATCH_AXES)
@@ -259,57 +292,21 @@ def build_program(cfg, layout: Layout) -> Program:
         return (jax.tree.map(lambda m: jnp.sum(m, axis=0) * scale, metrics),
                 jax.tree.map(lambda g: jnp.sum(g, axis=0) * scale, grads))
 
-    def pipeline_rounds(params, rows):
+    def _pipeline_rounds(self, params, rows):
         """Accumulation with pipeline stages: one full pipeline pass per round (each
         reduces its gradients over dp as it ends), summed in a scan."""
-        k, shards = cfg.grad_accum, math.prod(layout.shape[a] for a in layout.data_axes)
+        layout = self.layout
+        k, shards = self.cfg.grad_accum, math.prod(layout.shape[a] for a in layout.data_axes)
         rounds = _split_locally(rows, shards, k).reshape(k, rows.shape[0] // k, rows.shape[1])
         rounds = jax.lax.with_sharding_constraint(rounds, jax.P(None, layout.data_axes))
 
         def body(total, round_rows):
-            return jax.tree.map(jnp.add, total, loss_and_grads(params, round_rows)), None
+            return jax.tree.map(jnp.add, total, self._loss_and_grads(params, round_rows)), None
 
-        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(loss_and_grads, params, rounds[0]))
-        total, _ = jax.lax.scan(body, zeros, rounds)
+        shapes = jax.eval_shape(self._loss_and_grads, params, rounds[0])
+        total, _ = jax.lax.scan(body, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), rounds)
         return jax.tree.map(lambda x: x / k, total)
 
-    def eval_loss(params, rows):  # the same loss, without its gradients (1F1B's: as GPipe)
-        with annotated():
-            return loss_of(params, rows)[1]["loss"]
 
-    def train_step(state, rows):
-        params = state["params"]
-        if cfg.grad_accum == 1:
-            metrics, grads = loss_and_grads(params, rows)
-        elif layout.schedule:
-            metrics, grads = pipeline_rounds(params, rows)
-        else:
-            metrics, grads = accumulated(params, rows)
-        loss = metrics["loss"]
-        grads = jax.lax.with_sharding_constraint(grads, grad_sh)
-        grad_norm = optax.tree.norm(grads)
-        updates, opt_state = tx.update(grads, state["opt_state"], params)
-        # A non-finite loss, gradient or update (a NaN learning rate, a moment gone bad)
-        # never reaches the state: that update is dropped.
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(optax.tree.norm(updates))
-        keep_if_finite = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
-        new_state = {
-            "step": state["step"] + 1,
-            "params": keep_if_finite(optax.apply_updates(params, updates), params),
-            "opt_state": keep_if_finite(opt_state, state["opt_state"]),
-        }
-        metrics = _step_metrics(metrics) | {"grad_norm": grad_norm, "lr": lr_at(state["step"]), "skipped": ~finite}
-        return new_state, metrics
-
-    batch_sh = layout.batch_sharding
-    return Program(
-        layout=layout,
-        tx=tx,
-        abstract_state=jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, state_sh),
-        init=jax.jit(init, out_shardings=state_sh, compiler_options=init_compiler_options(layout)),
-        start=jax.jit(start, in_shardings=(param_sh,), out_shardings=state_sh, donate_argnums=0),
-        step=jax.jit(train_step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, layout.replicated),
-                     donate_argnums=0),
-        evaluate=jax.jit(eval_loss, in_shardings=(param_sh, batch_sh), out_shardings=layout.replicated),
-        batch_struct=jax.ShapeDtypeStruct((cfg.batch, cfg.seq + 1), jnp.int32, sharding=batch_sh),
-    )
+def build_program(cfg, layout: Layout) -> Program:
+    return Program(cfg, layout)
