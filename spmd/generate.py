@@ -104,7 +104,11 @@ def read_prompts(args) -> list[str]:
         path = Path(args.prompts)
         if not path.is_file():
             raise UserError(f"--prompts {args.prompts}: no such file")
-        for n, line in enumerate(path.read_text(encoding="utf-8", errors="strict").splitlines(), 1):
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except UnicodeDecodeError:
+            raise UserError(f"--prompts {args.prompts} is not UTF-8 text") from None
+        for n, line in enumerate(lines, 1):
             if not line.strip():
                 continue
             try:
@@ -172,9 +176,23 @@ def main(argv=None) -> int:
     for line in run.report:
         print(line)
     if args.output:
-        with open(args.output, "w", encoding="utf-8") as f:
-            for prompt, r in zip(prompts, results):
-                f.write(json.dumps({"prompt": prompt} | r, ensure_ascii=False) + "\n")
+        return write_output(args.output, [{"prompt": prompt} | r for prompt, r in zip(prompts, results)])
+    return 0
+
+
+def write_output(path: str, records: list[dict]) -> int:
+    """All records or nothing: written under a temporary name, then renamed."""
+    from spmd.errors import EXIT_OUTPUT_FAILED, why_io_failed
+    from spmd.paths import temporary_name
+
+    tmp = temporary_name(Path(path))
+    try:
+        tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+        tmp.replace(path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        print(f"error: writing --output {path} failed ({why_io_failed(exc)}); nothing was written", file=sys.stderr)
+        return EXIT_OUTPUT_FAILED
     return 0
 
 
@@ -244,7 +262,7 @@ class Generation:
                 results[i] = self._completion(encoded[i], new[row], tokenizer)
         decoder = next(iter(self.decoders.values()))
         self.report += [
-            f"prefill: {timing['prompt_tokens'] / timing['prefill_s']:,.0f} prompt tokens/s; time to the first token "
+            f"prefill: {timing['prompt_tokens'] / max(timing['prefill_s'], 1e-9):,.0f} prompt tokens/s; time to the first token "
             f"{1000 * np.mean(timing['first']):.1f} ms per batch",
             f"decode: {timing['new_tokens'] / max(timing['decode_s'], 1e-9):,.0f} tokens/s "
             f"({len(prompts)} prompts, batches of {self.batch})",
