@@ -73,6 +73,7 @@ class Decoder:
     prompt_len: int
     new_tokens: int
     sampling: Sampling
+    cache_dtype: str = "float32"  # the run's compute dtype: keys and values are computed in it
 
     def __post_init__(self):
         layout, model_cfg = self.layout, self.layout.skeleton.model_cfg
@@ -91,8 +92,8 @@ class Decoder:
                                 out_shardings=layout.named(jax.P(BATCH_AXES, None)))
 
     def cache_bytes_per_device(self) -> int:
-        """Keys and values of one device's share of the cache (float32)."""
-        return 2 * math.prod(self.cache_sharding.shard_shape(self.cache_shape)) * 4
+        """Keys and values of one device's share of the cache."""
+        return 2 * math.prod(self.cache_sharding.shard_shape(self.cache_shape)) * jnp.dtype(self.cache_dtype).itemsize
 
     def _model(self, params):
         return nnx.merge(self.layout.skeleton.graphdef, params)
@@ -107,7 +108,7 @@ class Decoder:
     def _prefill(self, params, tokens: jax.Array, pads: jax.Array, rows: jax.Array, key: jax.Array):
         """The prompts (batch, prompt_len), left-padded by `pads` -> (cache, first new token)."""
         with model_context(self.layout, data_axes=BATCH_AXES):
-            cache = {name: jax.lax.with_sharding_constraint(jnp.zeros(self.cache_shape, jnp.float32), self.cache_sharding)
+            cache = {name: jax.lax.with_sharding_constraint(jnp.zeros(self.cache_shape, self.cache_dtype), self.cache_sharding)
                      for name in ("k", "v")}
             positions = jnp.arange(self.prompt_len)[None, :] - pads[:, None]
             logits, cache = self._model(params).decode(tokens, positions, cache, Decoding(jnp.int32(0), self._valid(pads)))
@@ -136,7 +137,7 @@ class Decoder:
         ids = jax.ShapeDtypeStruct((self.batch,), jnp.int32)
         key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
         tokens = jax.ShapeDtypeStruct((self.batch, self.prompt_len), jnp.int32)
-        cache = {name: jax.ShapeDtypeStruct(self.cache_shape, jnp.float32, sharding=self.cache_sharding)
+        cache = {name: jax.ShapeDtypeStruct(self.cache_shape, self.cache_dtype, sharding=self.cache_sharding)
                  for name in ("k", "v")}
         with jax.set_mesh(self.layout.mesh):
             self.prefill = self.prefill.lower(params, tokens, ids, ids, key).compile()

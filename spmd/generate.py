@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from spmd.config import OneLineErrorParser, finite, integer, nonempty
+from spmd.config import DTYPES, OneLineErrorParser, finite, integer, nonempty
 from spmd.errors import UserError, one_line_errors, quiet_library_threads
 
 
@@ -43,6 +43,7 @@ def generate_parser() -> OneLineErrorParser:
     parser.add_argument("--stop", action="append", type=nonempty, default=[], help="end a completion at this text")
     parser.add_argument("--batch-size", type=integer, default=8, help="prompts decoded together (8)")
     parser.add_argument("--output", type=nonempty, help="write one JSON record per prompt to this .jsonl file")
+    parser.add_argument("--dtype", choices=DTYPES, help="compute dtype, and the key/value cache's (default: the run's)")
     return parser
 
 
@@ -153,7 +154,7 @@ def main(argv=None) -> int:
 
                 check_writable_file(args.output, "--output")
             cfg, checkpoint, tokenizer_path = model_source(args)
-            cfg = on_mesh(cfg, args, moe_dispatch="dropless")
+            cfg = on_mesh(cfg, args, moe_dispatch="dropless", dtype=args.dtype or cfg.dtype)
             from spmd.corpus import load_tokenizer
 
             tokenizer = load_tokenizer(tokenizer_path)
@@ -213,7 +214,7 @@ class Generation:
         # A completion ends at the end-of-text token, unless the model never saw text (the
         # built-in synthetic data, whose token 0 is a token like any other).
         self.ends_at_eos = checkpoint is None or checkpoint.meta.get("config", {}).get("data") is not None
-        self.args, self.decoders, self.report = args, {}, []
+        self.args, self.decoders, self.report, self.dtype = args, {}, [], cfg.dtype
         self.sampling = Sampling(args.temperature, args.top_k, args.top_p)
         shards = self.layout.batch_shards
         self.batch = -(-args.batch_size // shards) * shards  # whole rows for every batch shard
@@ -226,7 +227,8 @@ class Generation:
         from spmd.decode import Decoder
 
         if prompt_len not in self.decoders:
-            decoder = Decoder(self.layout, self.batch, prompt_len, self.args.max_new_tokens, self.sampling)
+            decoder = Decoder(self.layout, self.batch, prompt_len, self.args.max_new_tokens, self.sampling,
+                              self.dtype)
             decoder.compile()
             self.decoders[prompt_len] = decoder
         return self.decoders[prompt_len]
