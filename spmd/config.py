@@ -327,7 +327,7 @@ def _resolve_model(cfg: TrainConfig) -> TrainConfig:
     """Where the model comes from: a preset (--model), a Hugging Face directory's
     config.json (--init-from), the checkpoint of --resume, or the default preset."""
     from models import LlamaConfig
-    from spmd.hf import Directory
+    from spmd.hf import Directory, tokenizer_of
 
     from_dict = LlamaConfig.from_dict
 
@@ -343,9 +343,7 @@ def _resolve_model(cfg: TrainConfig) -> TrainConfig:
         read = Directory(cfg.init_from).cfg  # every file checked, before anything is allocated
         if isinstance(cfg.architecture, dict) and from_dict(cfg.architecture) != read:
             raise UserError(f"--init-from {cfg.init_from}: config.json has changed since the run began")
-        tokenizer, its_own = cfg.tokenizer, Path(cfg.init_from) / "tokenizer.json"
-        if cfg.data and not tokenizer and its_own.is_file():  # text data: the checkpoint's tokenizer
-            tokenizer = str(its_own)
+        tokenizer = cfg.tokenizer or (tokenizer_of(cfg.init_from) if cfg.data else None)  # the checkpoint's
         return dataclasses.replace(cfg, architecture=read, tokenizer=tokenizer)
     if isinstance(cfg.architecture, dict):  # a saved run's
         return dataclasses.replace(cfg, architecture=from_dict(cfg.architecture))

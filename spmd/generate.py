@@ -75,9 +75,10 @@ def model_source(args):
         cfg, checkpoint = checkpoint_config(args.checkpoint, args.step)
         tokenizer = checkpoint.meta.get("config", {}).get("tokenizer")
     else:
+        from spmd.hf import tokenizer_of
+
         cfg, checkpoint = validate(TrainConfig(init_from=args.init_from)), None
-        tokenizer = str(Path(args.init_from) / "tokenizer.json")
-        tokenizer = tokenizer if Path(tokenizer).is_file() else None
+        tokenizer = tokenizer_of(args.init_from)
     if tokenizer and not Path(tokenizer).is_file():
         raise UserError(f"the run's tokenizer {tokenizer} is gone; the prompts cannot be tokenized")
     return cfg, checkpoint, tokenizer

@@ -28,6 +28,7 @@ from models.llama_hf import Tensor, UnsupportedConfig
 from spmd.errors import UserError
 from spmd.safetensors import Damaged, SafeTensors, Writer
 
+FLOATS = ("F64", "F32", "F16", "BF16")
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
@@ -118,6 +119,8 @@ class Directory:
                     file = self.files[self.where[name]]
                     if name not in file:
                         raise UserError(f"{self.what}: tensor {name} is not in {file.path.name}")
+                    if file.dtype(name) not in FLOATS:
+                        raise UserError(f"{self.what}: tensor {name} holds {file.dtype(name)}, not floating point")
                     if file.shape(name) != shape:
                         raise UserError(f"{self.what}: tensor {name} has shape {list(file.shape(name))}; "
                                         f"config.json makes it {list(shape)}")
@@ -130,9 +133,12 @@ class Directory:
             raise UserError(f"{self.what}: {exc}") from None
         return t.to_ours(parts)
 
-    def tokenizer(self) -> str | None:
-        path = self.path / "tokenizer.json"
-        return str(path) if path.is_file() else None
+
+
+def tokenizer_of(directory: str | Path) -> str | None:
+    """A Hugging Face directory's tokenizer.json, if it has one."""
+    path = Path(directory) / "tokenizer.json"
+    return str(path) if path.is_file() else None
 
 
 # ------------------------------------------------------------------ loading

@@ -42,6 +42,10 @@ class SafeTensors:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.entries[name]["shape"])
 
+    def dtype(self, name: str) -> str:
+        """The tensor's dtype as the file names it (F32, BF16, ...)."""
+        return self.entries[name]["dtype"]
+
     def read(self, name: str) -> np.ndarray:
         """The tensor's bytes, read from the file into a new array (nothing stays mapped)."""
         entry = self.entries[name]
