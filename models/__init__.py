@@ -7,7 +7,8 @@ from models.llama import Llama, LlamaConfig, RopeScaling
 from models.moe import MoEConfig, Routing
 
 # Each family: its config class -> its module class. A model class tells the trainer what
-# it needs beyond the call (see Llama: STACKED, LOOKUP_TABLE, decays, head_params).
+# it needs beyond the call (see Llama: STACKED, LOOKUP_TABLE, decays, head_params), and
+# decodes with a key/value cache (cache_shape, decode).
 FAMILIES: dict[type, type] = {LlamaConfig: Llama}
 # Each family's Hugging Face layout (see models.llama_hf): ARCHITECTURES it reads,
 # config_from_hf, config_to_hf, supported (why a config has no such layout) and tensors.
