@@ -329,8 +329,6 @@ def _resolve_model(cfg: TrainConfig) -> TrainConfig:
     from models import LlamaConfig
     from spmd.hf import Directory, tokenizer_of
 
-    from_dict = LlamaConfig.from_dict
-
     if cfg.init_from:
         if cfg.model:
             raise UserError("--model and --init-from: the model is the one in --init-from's config.json; give one")
@@ -341,18 +339,16 @@ def _resolve_model(cfg: TrainConfig) -> TrainConfig:
             if getattr(cfg, name) is not None:
                 raise UserError(f"{flag_of(name)} and --init-from: the model's shape is --init-from's config.json")
         read = Directory(cfg.init_from).cfg  # every file checked, before anything is allocated
-        if isinstance(cfg.architecture, dict) and from_dict(cfg.architecture) != read:
-            raise UserError(f"--init-from {cfg.init_from}: config.json has changed since the run began")
         tokenizer = cfg.tokenizer or (tokenizer_of(cfg.init_from) if cfg.data else None)  # the checkpoint's
         return dataclasses.replace(cfg, architecture=read, tokenizer=tokenizer)
     if isinstance(cfg.architecture, dict):  # a saved run's
-        return dataclasses.replace(cfg, architecture=from_dict(cfg.architecture))
+        return dataclasses.replace(cfg, architecture=LlamaConfig.from_dict(cfg.architecture))
     if cfg.architecture is None and cfg.model is None:
         if cfg.resume:
             from spmd.checkpoint import model_of_checkpoint
 
             model, architecture = model_of_checkpoint(cfg.resume)
-            return dataclasses.replace(cfg, model=model, architecture=architecture and from_dict(architecture))
+            return dataclasses.replace(cfg, model=model, architecture=architecture and LlamaConfig.from_dict(architecture))
         return dataclasses.replace(cfg, model="tiny")
     return cfg
 

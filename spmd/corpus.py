@@ -162,37 +162,40 @@ def documents(kind: str, files: Sequence[Path], text_field: str) -> Iterator[str
         if kind == "text":
             yield _read_text(file)
         elif kind == "jsonl":
-            yield from _jsonl_texts(file, text_field)
+            yield from jsonl_texts(file, text_field)
         else:
             yield from _parquet_texts(file, text_field)
 
 
-def _read_text(file: Path) -> str:
+def _read_text(file: Path, flag: str = "--data") -> str:
     try:
         return file.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
-        raise UserError(f"--data {file}: not UTF-8 text (byte {exc.start})") from None
+        raise UserError(f"{flag} {file}: not UTF-8 text (byte {exc.start})") from None
     except OSError as exc:
-        raise UserError(f"--data {file} cannot be read: {exc.strerror or exc}") from None
+        raise UserError(f"{flag} {file} cannot be read: {exc.strerror or exc}") from None
 
 
 _JSON_TYPES = {type(None): "null", bool: "a boolean", int: "a number", float: "a number", list: "an array",
                dict: "an object"}
 
 
-def _jsonl_texts(file: Path, field: str) -> Iterator[str]:
-    for number, line in enumerate(_read_text(file).splitlines(), 1):
+def jsonl_texts(file: Path, field: str, flag: str = "--data", field_flag: str | None = "--text-field") -> Iterator[str]:
+    """The string `field` of each record of a JSONL file; anything else is refused naming
+    the line (`flag`: the option that named the file; `field_flag`: the one that names the field)."""
+    hint = f" ({field_flag})" if field_flag else ""
+    for number, line in enumerate(_read_text(file, flag).splitlines(), 1):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
-            raise UserError(f"--data {file}, line {number}: not valid JSON") from None
+            raise UserError(f"{flag} {file}, line {number}: not valid JSON") from None
         if not isinstance(record, dict) or field not in record:
-            raise UserError(f"--data {file}, line {number}: no text field {field!r} (--text-field)")
+            raise UserError(f"{flag} {file}, line {number}: no text field {field!r}{hint}")
         text = record[field]
         if not isinstance(text, str):
-            raise UserError(f"--data {file}, line {number}: the text field {field!r} is "
+            raise UserError(f"{flag} {file}, line {number}: the text field {field!r} is "
                             f"{_JSON_TYPES.get(type(text), type(text).__name__)}, not a string")
         yield text
 

@@ -103,6 +103,7 @@ def hf_parts(cfg, meta: dict):
     directory's tokenizer_config.json and special_tokens_map.json with it), else those
     of the directory the run started from."""
     from models import hf_layout
+    from spmd.hf import GENERATION_CONFIG, TOKENIZER_FILES
     from spmd.config import model_config
 
     model_cfg = model_config(cfg)
@@ -112,13 +113,13 @@ def hf_parts(cfg, meta: dict):
     config = meta.get("config", {})
     files = {}
     init_from, tokenizer = config.get("init_from"), config.get("tokenizer")
-    if init_from and (Path(init_from) / "generation_config.json").is_file():
-        files["generation_config.json"] = Path(init_from) / "generation_config.json"
+    if init_from and (Path(init_from) / GENERATION_CONFIG).is_file():
+        files[GENERATION_CONFIG] = Path(init_from) / GENERATION_CONFIG
     source = Path(tokenizer).parent if tokenizer and tokenizer.endswith(".json") else \
         Path(init_from) if init_from and not tokenizer else None
     if tokenizer and tokenizer.endswith(".json"):
         files["tokenizer.json"] = Path(tokenizer)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+    for name in TOKENIZER_FILES:
         if source and name not in files and (source / name).is_file():
             files[name] = source / name
     return model_cfg, files
@@ -135,12 +136,9 @@ def check(args):
     """Everything that can be checked before reading the checkpoint: the flags' ranges,
     the checkpoint (its step and its run's config), and that `--out` can be written and
     is no input. -> (out, the run's config, the checkpoint)"""
-    from spmd.weights import checkpoint_config
+    from spmd.weights import check_source_flags, checkpoint_config
 
-    if args.step is not None and args.step < 0:
-        raise UserError(f"--step must be at least 0, got {args.step}")
-    if args.cpu_devices is not None and args.cpu_devices < 1:
-        raise UserError(f"--cpu-devices must be positive, got {args.cpu_devices}")
+    check_source_flags(args.step, args.cpu_devices)
     if args.format != "hf" and (args.dtype != "float32" or args.max_shard_size != DEFAULT_SHARD):
         raise UserError("--dtype and --max-shard-size apply to --format hf")
     cfg, checkpoint = checkpoint_config(args.checkpoint, args.step)

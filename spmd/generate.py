@@ -61,16 +61,13 @@ def model_source(args):
     """The run's config, its checkpoint (None: --init-from) and its tokenizer file (None:
     bytes), checked before JAX starts."""
     from spmd.config import TrainConfig, validate
-    from spmd.weights import checkpoint_config
+    from spmd.weights import check_source_flags, checkpoint_config
 
     if bool(args.checkpoint) == bool(args.init_from):
         raise UserError("give one of --checkpoint RUN and --init-from DIR")
     if args.step is not None and not args.checkpoint:
         raise UserError("--step applies to --checkpoint")
-    if args.step is not None and args.step < 0:
-        raise UserError(f"--step must be at least 0, got {args.step}")
-    if args.cpu_devices is not None and args.cpu_devices < 1:
-        raise UserError(f"--cpu-devices must be positive, got {args.cpu_devices}")
+    check_source_flags(args.step, args.cpu_devices)
     if args.checkpoint:
         cfg, checkpoint = checkpoint_config(args.checkpoint, args.step)
         tokenizer = checkpoint.meta.get("config", {}).get("tokenizer")
@@ -103,23 +100,12 @@ def trained_context(cfg, checkpoint) -> int:
 def read_prompts(args) -> list[str]:
     prompts = list(args.prompt)
     if args.prompts:
+        from spmd.corpus import jsonl_texts
+
         path = Path(args.prompts)
         if not path.is_file():
             raise UserError(f"--prompts {args.prompts}: no such file")
-        try:
-            lines = path.read_text(encoding="utf-8").splitlines()
-        except UnicodeDecodeError:
-            raise UserError(f"--prompts {args.prompts} is not UTF-8 text") from None
-        for n, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                raise UserError(f"--prompts {args.prompts}, line {n}: not JSON") from None
-            if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
-                raise UserError(f"--prompts {args.prompts}, line {n}: needs a \"prompt\" string")
-            prompts.append(record["prompt"])
+        prompts += jsonl_texts(path, "prompt", "--prompts", field_flag=None)
         if not prompts:
             raise UserError(f"--prompts {args.prompts} holds no prompt")
     if not prompts:

@@ -30,6 +30,8 @@ from spmd.safetensors import Damaged, SafeTensors, Writer
 
 FLOATS = ("F64", "F32", "F16", "BF16")
 INDEX = "model.safetensors.index.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")  # copied with a model
+GENERATION_CONFIG = "generation_config.json"
 SINGLE = "model.safetensors"
 
 
@@ -288,8 +290,7 @@ def save_pretrained(out: str | Path, params: dict, model_cfg, dtype: str = "floa
     directory). -> the files written"""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=False)
-    names = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
-    copies = {name: Path(tokenizer_from) / name for name in names
+    copies = {name: Path(tokenizer_from) / name for name in (*TOKENIZER_FILES, GENERATION_CONFIG)
               if tokenizer_from and (Path(tokenizer_from) / name).is_file()}
     return write_hf(out, params, model_cfg, dtype, max_shard_bytes, copies)
 

@@ -26,6 +26,14 @@ class Checkpoint:
         return self.run_dir / str(self.step)
 
 
+def check_source_flags(step: int | None, cpu_devices: int | None) -> None:
+    """The ranges of --step and --cpu-devices, which every command reading a checkpoint takes."""
+    if step is not None and step < 0:
+        raise UserError(f"--step must be at least 0, got {step}")
+    if cpu_devices is not None and cpu_devices < 1:
+        raise UserError(f"--cpu-devices must be positive, got {cpu_devices}")
+
+
 def checkpoint_config(path: str, step: int | None = None, flag: str = "--checkpoint"):
     """The config of the run whose checkpoint `path` names (a run directory: its latest
     step, or `step`; or one step's directory), with the checkpoint found. Its model is
