@@ -11,7 +11,7 @@ Two ways to reach the experts:
   does not fit is dropped (its gate counts as zero) and counted. Expert inputs are fixed
   (experts, C) buffers, so the compute has a static shape.
 - dropless: every choice is computed. Choices are sorted by expert and run as one grouped
-  matmul (`jax.lax.ragged_dot`).
+  matmul (`jax.lax.ragged_dot`, made batchable by vmap in models.ragged).
 
 Capacity is per sequence, so what is dropped does not depend on how the batch is split.
 The load-balancing loss is also per sequence (DeepSeek-V3's sequence-wise form): for each
@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.annotate import constrain, weight
+from models.ragged import MATMUL, ragged_dot
 from models.swap import Swappable
 
 SCORING = ("softmax", "sigmoid")
@@ -173,11 +174,9 @@ def grouped_experts(tokens: jax.Array, expert: jax.Array, gate_up: jax.Array, do
     n = gate_up.shape[0]
     order = jnp.argsort(expert, stable=True)
     sizes = jnp.bincount(expert, length=n + 1)[:n].astype(jnp.int32)  # padding sorts last, outside every group
-    dims = jax.lax.RaggedDotDimensionNumbers(
-        dot_dimension_numbers=(([1], [1]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
-    both = jax.lax.ragged_dot_general(tokens[order], gate_up, sizes, dims)  # (t, 2, m)
+    both = ragged_dot(MATMUL, tokens[order], gate_up, sizes)  # (t, 2, m)
     hidden = jax.nn.silu(both[:, 0]) * both[:, 1]
-    out = jax.lax.ragged_dot(hidden, down, sizes)
+    out = ragged_dot(MATMUL, hidden, down, sizes)
     return jnp.zeros_like(out).at[order].set(out)
 
 

@@ -30,7 +30,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from models.annotate import ACTIVATION
 from models.attention import causal_attention
-from spmd.mesh import BATCH_AXES
+from spmd.mesh import BATCH_AXES, inside_map, still_automatic
 
 AXIS = "sp"
 _HIDDEN = -1e30  # score of a masked key: finite, so a row with no visible key stays finite
@@ -42,18 +42,20 @@ def zigzag_order(seq: int, n: int) -> np.ndarray:
     return np.concatenate([np.concatenate([chunks[i], chunks[2 * n - 1 - i]]) for i in range(n)])
 
 
-def make_attention(mesh: jax.sharding.Mesh, mode: str):
-    """attention(q, k, v, positions) for sequences laid out by `zigzag_order` over sp."""
+def make_attention(mesh: jax.sharding.Mesh, mode: str, batch_axes: tuple[str, ...] = BATCH_AXES):
+    """attention(q, k, v, positions) for sequences laid out by `zigzag_order` over sp.
+    `batch_axes`: the axes that split the rows here; those a surrounding vmap over batch
+    shards has taken (gradient accumulation) are left out, and vmap adds them back."""
     n = mesh.shape[AXIS]
     body = functools.partial(_ring if mode == "ring" else _gathered, n=n)
     # Manual over sp and the batch axes (each device's own rows), automatic over tp (heads).
     # (Manual over sp alone, XLA gathered the whole batch for the all-gather variant.)
-    split = jax.P(BATCH_AXES, AXIS)
+    split = jax.P(batch_axes or None, AXIS)
 
     def attention(q, k, v, positions):
         del positions  # each rank knows its own: they follow from the layout
-        return jax.shard_map(body, mesh=mesh, in_specs=(split, split, split), out_specs=split,
-                             axis_names=frozenset({AXIS, *BATCH_AXES}), check_vma=False)(q, k, v)
+        return jax.shard_map(body, mesh=inside_map(mesh), in_specs=(split, split, split), out_specs=split,
+                             axis_names=still_automatic({AXIS, *BATCH_AXES}), check_vma=False)(q, k, v)
 
     return attention
 

@@ -30,28 +30,29 @@ from jax.ad_checkpoint import checkpoint_name
 
 from models.annotate import ACTIVATION
 from models.moe import Choice, from_buffers, grouped_experts, single_device_experts, swiglu_experts, to_buffers
-from spmd.mesh import BATCH_AXES
+from spmd.mesh import BATCH_AXES, inside_map, still_automatic
 
 AXIS = "ep"
 
 
-def make_experts(mesh: jax.sharding.Mesh):
-    """experts_ffn(x, choice, gate_up, down, capacity) for tokens split over the batch axes."""
+def make_experts(mesh: jax.sharding.Mesh, batch_axes: tuple[str, ...] = BATCH_AXES):
+    """experts_ffn(x, choice, gate_up, down, capacity) for tokens split over `batch_axes`
+    (those a surrounding vmap over batch shards has taken are left out: vmap adds them)."""
     ep = mesh.shape[AXIS]
     # The experts are replicated over the other batch axes. They enter the map as one copy
     # per shard (a broadcast, split over those axes), so their gradients are summed outside
     # it by XLA like any other weight's: a replicated input's gradient summed inside a
     # partly manual map crashed XLA:CPU's bf16 all-reduce promotion.
-    replicas = tuple(a for a in BATCH_AXES if a != AXIS)
+    replicas = tuple(a for a in batch_axes if a != AXIS)
     copies = math.prod(mesh.shape[a] for a in replicas)
-    batch, experts = jax.P(BATCH_AXES), jax.P(replicas, AXIS)
+    batch, experts = jax.P(batch_axes or None), jax.P(replicas or None, AXIS)
 
     def implementation(x, choice: Choice, gate_up, down, capacity: int | None):
         body = functools.partial(_capacity if capacity is not None else _dropless, ep=ep, capacity=capacity)
         per_copy = lambda w: jnp.broadcast_to(w, (copies, *w.shape))  # noqa: E731
-        return jax.shard_map(lambda x, e, s, g, gu, d: body(x, e, s, g, gu[0], d[0]), mesh=mesh,
+        return jax.shard_map(lambda x, e, s, g, gu, d: body(x, e, s, g, gu[0], d[0]), mesh=inside_map(mesh),
                              in_specs=(batch, batch, batch, batch, experts, experts), out_specs=batch,
-                             axis_names=frozenset(BATCH_AXES)
+                             axis_names=still_automatic(BATCH_AXES), check_vma=False
                              )(x, choice.expert, choice.slot, choice.gate, per_copy(gate_up), per_copy(down))
 
     return implementation

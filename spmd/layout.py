@@ -99,11 +99,19 @@ class Layout:
     def batch_shards(self) -> int:
         return math.prod(self.shape[a] for a in BATCH_AXES)
 
-    def per_shard_specs(self) -> dict:
-        """Specs of per-batch-shard gradients: a leading axis over the batch axes, the rest as in compute."""
+    @property
+    def accumulation_axes(self) -> tuple[str, ...]:
+        """The batch axes whose gradient reduction gradient accumulation defers to once
+        per step (spmd.step): all of them, but ep where experts are split over it, since
+        tokens must travel to their experts' devices in every microbatch."""
+        split_experts = self.skeleton.model_cfg.moe is not None and self.shape["ep"] > 1
+        return tuple(a for a in BATCH_AXES if not (split_experts and a == "ep"))
+
+    def per_shard_specs(self, axes: tuple[str, ...]) -> dict:
+        """Specs of gradients kept per shard of `axes`: a leading axis split over them,
+        the rest as stored."""
         def spec(names):
-            inner = without_axes(spec_for(names, self.rules.grads), BATCH_AXES)
-            return jax.P(BATCH_AXES, *inner)
+            return jax.P(axes, *without_axes(spec_for(names, self.rules.grads), axes))
         return jax.tree.map(spec, self.skeleton.names, is_leaf=is_names)
 
     def opt_state_shardings(self, tx: optax.GradientTransformation, abstract_opt_state) -> object:
@@ -240,32 +248,14 @@ def check_batch(cfg, shape: Mapping[str, int]) -> None:
         what = f"--batch {cfg.batch}" + (f" / --grad-accum {cfg.grad_accum} = {cfg.microbatch}" if cfg.grad_accum > 1 else "")
         raise UserError(f"{what} does not divide by the batch axes ({batch_axes} = {shards} shards)")
     sp = shape["sp"]
-    if sp > 1 and cfg.grad_accum > 1:
-        # The per-shard vmap of accumulation puts the batch axes (spmd_axis_name) into sp's
-        # shard_map specs, which JAX refuses ("vmap spmd_axis_name cannot appear in
-        # shard_map in_specs"): still so on jax 0.12. A map that leaves the batch axes to
-        # vmap would work (the composition issue), at the cost of an sp reduction per microbatch.
-        raise UserError("--grad-accum with sp > 1 is not supported yet; use a smaller --batch or more devices")
     if sp > 1 and cfg.seq % (2 * sp):
         raise UserError(f"--seq {cfg.seq} does not divide into 2 x sp = {2 * sp} chunks "
                         "(sequence parallelism gives each sp rank two chunks, one early and one late)")
     if cfg.megatron_sp and cfg.seq % (sp * shape["tp"]):
         raise UserError(f"--megatron-sp: --seq {cfg.seq} does not divide by sp x tp = {sp * shape['tp']}")
     moe = model_config(cfg).moe
-    if moe is not None:
-        if sp > 1:
-            raise UserError(f"model {cfg.model_name}: MoE layers with sp > 1 are not supported yet; use ep, dp, fsdp and tp")
-        if shape["ep"] > 1 and cfg.grad_accum > 1:
-            # Without the refusal it runs and matches one device (jax 0.10.2 and 0.12), but
-            # inside the per-shard vmap the experts' map is not used: each shard gathers every
-            # expert, and expert parallelism is lost.
-            raise UserError("--grad-accum with ep > 1 is not supported yet; use a smaller --batch or more devices")
-        if cfg.moe_dispatch == "dropless" and cfg.grad_accum > 1:
-            # JAX batches a ragged dot (the grouped matmul) only when the weights are batched
-            # too ("ragged_dot vmap over any dim but 0 - NYI"), on 0.10.2 and 0.12 alike.
-            raise UserError(f"--grad-accum with --moe-dispatch dropless is not supported yet; use --moe-dispatch "
-                            f"capacity (--capacity-factor {moe.experts / moe.top_k:g} "
-                            "or more never drops)")
+    if moe is not None and sp > 1:
+        raise UserError(f"model {cfg.model_name}: MoE layers with sp > 1 are not supported yet; use ep, dp, fsdp and tp")
 
 
 def bytes_per_device(tree) -> int:

@@ -85,6 +85,24 @@ def resolve_mesh(sizes: Mapping[str, int], num_devices: int) -> dict[str, int]:
     return shape
 
 
+def inside_map(mesh):
+    """The mesh a `jax.shard_map` is written against here: inside another map (a
+    pipeline stage), the context's abstract mesh, which marks the axes already manual;
+    else `mesh`."""
+    import jax
+
+    context = jax.sharding.get_abstract_mesh()
+    return context if not context.empty and context.manual_axes else mesh
+
+
+def still_automatic(axes) -> frozenset:
+    """Of `axes`, those a `jax.shard_map` here may make manual: not those a surrounding
+    map already made manual."""
+    import jax
+
+    return frozenset(axes) - set(jax.sharding.get_abstract_mesh().manual_axes)
+
+
 def format_mesh(shape: Mapping[str, int]) -> str:
     named = [f"{a}={shape[a]}" for a in AXES if shape.get(a, 1) != 1]
     return ",".join(named) or "single device"

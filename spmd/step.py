@@ -144,12 +144,13 @@ def model_context(layout: Layout, attention: str = "ring", local_axes: tuple[str
     stack = contextlib.ExitStack()
     stack.enter_context(nnx.logical_axis_rules(rules.activation_rules(local_axes, data_axes or layout.data_axes)))
     stack.enter_context(storage(rules.storage(local_axes)))
+    batch_axes = tuple(a for a in BATCH_AXES if a not in local_axes)
     if layout.shape["sp"] > 1:
-        stack.enter_context(attention_implementation(make_attention(layout.mesh, attention)))
+        stack.enter_context(attention_implementation(make_attention(layout.mesh, attention, batch_axes)))
     # Experts: each batch shard routes its own tokens (all-to-all over ep when ep > 1);
     # inside one batch shard, its experts are all at hand.
-    if layout.skeleton.model_cfg.moe is not None and layout.batch_shards > 1 and not local_axes:
-        stack.enter_context(expert_implementation(make_experts(layout.mesh)))
+    if layout.skeleton.model_cfg.moe is not None and math.prod(layout.shape[a] for a in batch_axes) > 1:
+        stack.enter_context(expert_implementation(make_experts(layout.mesh, batch_axes)))
     return stack
 
 
@@ -260,20 +261,26 @@ class Program:
             return metrics, grads
 
     def _accumulated(self, params, rows):
-        """Gradient accumulation: each batch shard sums its own microbatches' gradients
-        (a vmap over shards), and the shards are summed once after the scan."""
+        """Gradient accumulation: each shard of the accumulation axes sums its own
+        microbatches' gradients (a vmap over those shards), and the shards are summed
+        once after the scan. Inside the vmap, the other axes (sp, tp, and ep with split
+        experts) work as without accumulation, their reductions in every microbatch."""
         layout = self.layout
-        k, shards = self.cfg.grad_accum, layout.batch_shards
-        micro = _split_locally(rows, shards, k)
-        micro = jax.lax.with_sharding_constraint(micro, jax.P(None, BATCH_AXES))
-        per_shard_spec = layout.per_shard_specs()
+        k, axes = self.cfg.grad_accum, layout.accumulation_axes
+        shards = math.prod(layout.shape[a] for a in axes)
+        # (k, all batch shards, rows, width) -> (k, accumulation shards, the rest's rows, width):
+        # ep is the innermost batch axis, so its shards stay inside one accumulation shard.
+        micro = _split_locally(rows, layout.batch_shards, k).reshape(k, shards, -1, rows.shape[1])
+        inner = tuple(a for a in BATCH_AXES if a not in axes)
+        micro = jax.lax.with_sharding_constraint(micro, jax.P(None, axes, inner or None))
+        per_shard_spec = layout.per_shard_specs(axes)
 
         def shard_grads(p, shard_rows):
-            with self._annotated(local_axes=BATCH_AXES):
+            with self._annotated(local_axes=axes):
                 (_, metrics), grads = jax.value_and_grad(self._loss, has_aux=True)(p, shard_rows)
                 return metrics, grads
 
-        per_shard = jax.vmap(shard_grads, in_axes=(None, 0), spmd_axis_name=BATCH_AXES)
+        per_shard = jax.vmap(shard_grads, in_axes=(None, 0), spmd_axis_name=axes)
         metric_shapes, _ = jax.eval_shape(per_shard, params, micro[0])
 
         def body(carry, mb):
@@ -287,7 +294,7 @@ class Program:
                              params, per_shard_spec)
         no_metrics = jax.tree.map(lambda m: jnp.zeros(m.shape, m.dtype), metric_shapes)
         (metrics, grads), _ = jax.lax.scan(body, (no_metrics, zeros), micro)
-        # The one reduction of the step: sum the shards' gradients.
+        # The one reduction over the accumulation axes: sum the shards' gradients.
         scale = 1.0 / (k * shards)
         return (jax.tree.map(lambda m: jnp.sum(m, axis=0) * scale, metrics),
                 jax.tree.map(lambda g: jnp.sum(g, axis=0) * scale, grads))

@@ -205,8 +205,15 @@ def _gradients(cfg, layout: Layout, p: Param, token_axes: tuple[str, ...], slice
         # manual ones (dp) once, after the ticks are summed.
         manual = tuple(a for a in token_axes if a == pipeline.BATCH_AXIS)
         phases = [(tuple(a for a in token_axes if a not in manual), stage_runs, max(widths)), (manual, 1, p.itemsize)]
+    elif cfg.grad_accum > 1 and not layout.schedule:
+        # Accumulated (spmd.step): over the axes inside the per-shard vmap (sp, and ep with
+        # split experts) in every microbatch, as computed; over the accumulation axes once,
+        # the float32 sums.
+        once = tuple(a for a in token_axes if a in layout.accumulation_axes)
+        phases = [(tuple(a for a in token_axes if a not in once), cfg.grad_accum, max(widths)), (once, 1, p.itemsize)]
     else:
-        # 1f1b sums the head's gradients over microbatches before reducing them.
+        # 1f1b sums the head's gradients over microbatches before reducing them (and
+        # pipeline rounds theirs over rounds).
         summed_first = cfg.grad_accum > 1 or (_head_in_stages(layout) and not p.stacked)
         phases = [(token_axes, 1, p.itemsize if summed_first else max(widths))]
     stored_split = _live(_spec_axes(p.names, layout.rules.grads), layout.shape)

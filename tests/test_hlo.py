@@ -3,9 +3,10 @@
 import math
 
 import jax
+import pytest
 
 from conftest import train_run
-from spmd import hlo
+from spmd import hlo, traffic
 
 
 def _param_bytes(run) -> int:
@@ -28,6 +29,28 @@ def test_grad_accumulation_reduces_gradients_once_per_step():
     assert accumulated.collectives_where(hlo.REDUCTIONS, inside_loops=True) == []
     reduced = sum(c.result_bytes for c in accumulated.collectives_where(hlo.REDUCTIONS, inside_loops=False))
     assert param_bytes <= reduced < param_bytes + 1024
+
+
+@pytest.mark.parametrize("mesh,devices,model,inner", [("dp=2,sp=2", 4, "tiny", {"sp"}),
+                                                      ("dp=2,ep=2", 4, "moe-tiny", {"ep"})])
+def test_grad_accumulation_with_sp_or_split_experts_reduces_over_dp_once_per_step(mesh, devices, model, inner):
+    """sp (and ep, where it splits the experts) work inside the accumulation's per-shard
+    vmap, so their reductions run in every microbatch; dp's still runs once, after it."""
+    run = train_run(mesh, devices, model=model, grad_accum=2)
+    module = hlo.parse(run.hlo)
+    in_loops = {_axes(run, c) for c in module.collectives_where(hlo.REDUCTIONS, inside_loops=True)}
+    assert in_loops == inner
+    once = [c for c in module.collectives_where(hlo.REDUCTIONS, inside_loops=False) if "dp" in _axes(run, c)]
+    # After the scan, one gradient's worth of bytes per device (the experts: this device's
+    # share) is reduced over dp, plus scalars.
+    local = sum(math.prod(s.sharding.shard_shape(s.shape)) * s.dtype.itemsize
+                for s in jax.tree.leaves(run.program.abstract_state["params"]))
+    assert local <= sum(c.result_bytes for c in once) < local + 1024
+
+
+def _axes(run, collective) -> str:
+    groups = traffic.device_groups(collective.attributes, run.layout.mesh.devices.size)
+    return traffic.axes_of_groups(groups, {a: n for a, n in run.layout.shape.items() if n > 1})
 
 
 def test_pure_data_parallel_never_gathers_parameters():

@@ -20,7 +20,10 @@ NO_DROPS = {"moe_dispatch": "capacity", "capacity_factor": 4.0}
 LAYOUTS = [(mesh, devices, mode) for mode in ({}, NO_DROPS)
            for mesh, devices in (("ep=2", 2), ("ep=4", 4), ("ep=8", 8), ("ep=2,fsdp=2,tp=2", 8))]
 # Accumulation: capacity and the balance loss are per sequence, so microbatches compose.
-LAYOUTS.append(("dp=2,fsdp=2", 4, NO_DROPS | {"grad_accum": 2}))
+# With ep the experts' all-to-all runs inside the per-shard vmap over dp and fsdp; dropless
+# runs its grouped matmul there too (models.ragged).
+ACCUMULATED = [("dp=2,fsdp=2", 4, NO_DROPS), ("dp=2", 2, {}), ("ep=2", 2, {}), ("ep=2", 2, NO_DROPS)]
+LAYOUTS += [(mesh, devices, mode | {"grad_accum": 2}) for mesh, devices, mode in ACCUMULATED]
 
 
 @pytest.fixture(scope="module")
@@ -45,14 +48,16 @@ def test_expert_parallel_layout_matches_one_device(moe_reference, mesh, devices,
 @pytest.mark.parametrize("mesh,devices,mode", [
     ("ep=2", 2, {}), ("ep=2", 2, NO_DROPS), ("ep=2,fsdp=2,tp=2", 8, NO_DROPS),
     ("ep=2,fsdp=2,tp=2", 8, {"dtype": "bfloat16"}),  # compiles (bf16 gradients of replicated experts once crashed XLA:CPU)
-], ids=["ep2-dropless", "ep2-capacity", "ep2-fsdp2-tp2-capacity", "ep2-fsdp2-tp2-dropless-bf16"])
+    ("ep=2", 2, {"grad_accum": 2}), ("ep=2", 2, NO_DROPS | {"grad_accum": 2}),
+], ids=["ep2-dropless", "ep2-capacity", "ep2-fsdp2-tp2-capacity", "ep2-fsdp2-tp2-dropless-bf16", "ep2-dropless-accum",
+        "ep2-capacity-accum"])
 def test_tokens_move_by_all_to_all_and_expert_weights_are_never_gathered_over_ep(mesh, devices, mode):
     run = train_run(mesh, devices, model="moe-tiny", **mode)  # compiled once, shared with the parity test
     rows = {(r.op, r.axes): r for r in make_plan(run.cfg, run.layout, compiled=run.compiled).rows}
     to_all = rows[("all-to-all", "ep")]
-    # There and back forward, the gradients of both backward; dropless also sends the
-    # expert index of each row.
-    assert to_all.count == (4 if "moe_dispatch" in mode else 5)
+    # There and back forward, the gradients of both backward, in every microbatch; dropless
+    # also sends the expert index of each row.
+    assert to_all.count == (4 if "moe_dispatch" in mode else 5) * mode.get("grad_accum", 1)
     assert to_all.measured == pytest.approx(to_all.theory, rel=0.05)
     # No all-gather involves ep: each device keeps its own experts and no device ever
     # holds another's (fsdp still gathers the embed split of weights, as for dense ones).

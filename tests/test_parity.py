@@ -22,6 +22,9 @@ LAYOUTS = [
     ("dp=2,fsdp=2,tp=2", 8, {"grad_accum": 4}),
     ("dp=2,fsdp=4", 8, {"grad_accum": 4}),
     ("ep=2,sp=2,tp=2", 8, {}),
+    # Accumulation with sp: the per-shard vmap over the batch axes, ring attention inside.
+    ("sp=2", 2, {"grad_accum": 2}),
+    ("dp=2,sp=2", 4, {"grad_accum": 2}),
     # Sequence parallelism (zig-zag layout), both attention modes.
     *[(mesh, devices, {"attention": mode})
       for mode in ("ring", "all-gather")

@@ -64,6 +64,7 @@ def test_theory_equals_hand_computed_values():
     ("tp=4", 4, {}),
     ("dp=2,fsdp=4", 8, {}),
     ("dp=2,fsdp=2,tp=2", 8, {"grad_accum": 4}),
+    ("dp=2,sp=2", 4, {"grad_accum": 2}),
 ])
 def test_compiled_collectives_and_state_match_theory(mesh, devices, overrides):
     run = train_run(mesh, devices, **overrides)  # compiled once, shared with the parity tests
