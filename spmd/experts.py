@@ -30,6 +30,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from models.annotate import ACTIVATION
 from models.moe import Choice, from_buffers, grouped_experts, single_device_experts, swiglu_experts, to_buffers
+from spmd.context import AXIS as SEQUENCE_AXIS
 from spmd.mesh import BATCH_AXES, inside_map, still_automatic
 
 AXIS = "ep"
@@ -37,22 +38,23 @@ AXIS = "ep"
 
 def make_experts(mesh: jax.sharding.Mesh, batch_axes: tuple[str, ...] = BATCH_AXES):
     """experts_ffn(x, choice, gate_up, down, capacity) for tokens split over `batch_axes`
-    (those a surrounding vmap over batch shards has taken are left out: vmap adds them)."""
+    (those a surrounding vmap over batch shards has taken are left out: vmap adds them)
+    and along the sequence over sp."""
     ep = mesh.shape[AXIS]
-    # The experts are replicated over the other batch axes. They enter the map as one copy
+    # The experts are replicated over the other token axes. They enter the map as one copy
     # per shard (a broadcast, split over those axes), so their gradients are summed outside
     # it by XLA like any other weight's: a replicated input's gradient summed inside a
     # partly manual map crashed XLA:CPU's bf16 all-reduce promotion.
-    replicas = tuple(a for a in batch_axes if a != AXIS)
+    replicas = tuple(a for a in batch_axes if a != AXIS) + (SEQUENCE_AXIS,)
     copies = math.prod(mesh.shape[a] for a in replicas)
-    batch, experts = jax.P(batch_axes or None), jax.P(replicas or None, AXIS)
+    tokens, experts = jax.P(batch_axes or None, SEQUENCE_AXIS), jax.P(replicas, AXIS)
 
     def implementation(x, choice: Choice, gate_up, down, capacity: int | None):
         body = functools.partial(_capacity if capacity is not None else _dropless, ep=ep, capacity=capacity)
         per_copy = lambda w: jnp.broadcast_to(w, (copies, *w.shape))  # noqa: E731
         return jax.shard_map(lambda x, e, s, g, gu, d: body(x, e, s, g, gu[0], d[0]), mesh=inside_map(mesh),
-                             in_specs=(batch, batch, batch, batch, experts, experts), out_specs=batch,
-                             axis_names=still_automatic(BATCH_AXES), check_vma=False
+                             in_specs=(tokens, tokens, tokens, tokens, experts, experts), out_specs=tokens,
+                             axis_names=still_automatic((*BATCH_AXES, SEQUENCE_AXIS)), check_vma=False
                              )(x, choice.expert, choice.slot, choice.gate, per_copy(gate_up), per_copy(down))
 
     return implementation
@@ -65,7 +67,22 @@ def _exchange(x: jax.Array, axis: int) -> jax.Array:
     return checkpoint_name(jax.lax.all_to_all(x, AXIS, axis, axis, tiled=True), ACTIVATION)
 
 
+def _in_chunk(expert, slot, capacity: int, experts: int) -> tuple[jax.Array, int]:
+    """Slots in this device's buffers for the kept choices of its chunk of each sequence
+    (slot < capacity: the sequence-wide rank decided what is kept), and the buffers' size:
+    a chunk of c tokens sends an expert at most min(capacity, c) of them. With the whole
+    sequence at hand these are the slots themselves."""
+    b, c, k = expert.shape
+    kept = slot < capacity
+    flat = jnp.where(kept, expert, experts).reshape(b, c * k)  # dropped choices: a dummy expert
+    one_hot = jax.nn.one_hot(flat, experts + 1, dtype=jnp.int32)
+    rank = jnp.sum((jnp.cumsum(one_hot, axis=1) - one_hot) * one_hot, axis=-1).reshape(b, c, k)
+    size = min(capacity, c)
+    return jnp.where(kept, rank, size), size
+
+
 def _capacity(x, expert, slot, gate, gate_up, down, *, ep: int, capacity: int):
+    slot, capacity = _in_chunk(expert, slot, capacity, gate_up.shape[0] * ep)
     choice = Choice(expert, slot, gate)
     if ep == 1:
         return single_device_experts(x, choice, gate_up, down, capacity)

@@ -253,9 +253,6 @@ def check_batch(cfg, shape: Mapping[str, int]) -> None:
                         "(sequence parallelism gives each sp rank two chunks, one early and one late)")
     if cfg.megatron_sp and cfg.seq % (sp * shape["tp"]):
         raise UserError(f"--megatron-sp: --seq {cfg.seq} does not divide by sp x tp = {sp * shape['tp']}")
-    moe = model_config(cfg).moe
-    if moe is not None and sp > 1:
-        raise UserError(f"model {cfg.model_name}: MoE layers with sp > 1 are not supported yet; use ep, dp, fsdp and tp")
 
 
 def bytes_per_device(tree) -> int:

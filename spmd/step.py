@@ -149,7 +149,7 @@ def model_context(layout: Layout, attention: str = "ring", local_axes: tuple[str
         stack.enter_context(attention_implementation(make_attention(layout.mesh, attention, batch_axes)))
     # Experts: each batch shard routes its own tokens (all-to-all over ep when ep > 1);
     # inside one batch shard, its experts are all at hand.
-    if layout.skeleton.model_cfg.moe is not None and math.prod(layout.shape[a] for a in batch_axes) > 1:
+    if layout.skeleton.model_cfg.moe is not None and math.prod(layout.shape[a] for a in (*batch_axes, "sp")) > 1:
         stack.enter_context(expert_implementation(make_experts(layout.mesh, batch_axes)))
     return stack
 

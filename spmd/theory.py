@@ -312,27 +312,37 @@ def _sequence_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected
 def expert_rows(cfg, layout: Layout) -> int:
     """Rows of tokens each device runs through its experts per MoE layer (spmd.experts):
     capacity mode's buffers, or the dropless choices (padded per destination over ep)."""
-    moe, ep = layout.skeleton.model_cfg.moe, layout.shape["ep"]
+    moe, ep, sp = layout.skeleton.model_cfg.moe, layout.shape["ep"], layout.shape["sp"]
     tokens = tokens_per_device(cfg, layout.shape)
     capacity = routing(cfg).capacity(cfg.seq, moe)
-    if capacity is not None:
-        return tokens // cfg.seq * moe.experts * capacity
+    if capacity is not None:  # per sequence; a device's chunk of c tokens fills at most c slots
+        chunk = cfg.seq // sp
+        return tokens // chunk * moe.experts * min(capacity, chunk)
     return tokens * ep * min(moe.top_k, moe.experts // ep)
 
 
 def _expert_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
-    """All-to-all of tokens over ep, per MoE layer (spmd.experts)."""
-    ep, model = layout.shape["ep"], layout.skeleton.model_cfg
-    if ep == 1 or model.moe is None:
+    """All-to-all of tokens over ep, per MoE layer (spmd.experts); in capacity mode with
+    the sequence split over sp, XLA gathers each sequence's choices (and returns their
+    ranks) to rank them in position order, two int32 all-reduces over sp per layer."""
+    ep, sp, model = layout.shape["ep"], layout.shape["sp"], layout.skeleton.model_cfg
+    if model.moe is None:
         return []
+    out = []
+    if sp > 1 and cfg.moe_dispatch == "capacity":
+        choices = tokens_per_device(cfg, layout.shape) * sp * model.moe.top_k * 4
+        out.append(Expected("all-reduce", "sp", model.moe_layers * 2 * 2 * (sp - 1) / sp * choices,
+                            "capacity: each sequence's choices, to rank them"))
+    if ep == 1:
+        return out
     rows, leaves = expert_rows(cfg, layout), (ep - 1) / ep
     dropless = cfg.moe_dispatch == "dropless"
     exchange = rows * model.embed * compute_bytes * leaves
     indices = rows * 4 * leaves if dropless else 0  # each row's expert, forward only
     recomputed = cfg.remat != "none"  # the others run the forward exchanges again
     per_layer = (3 if recomputed else 2) * 2 * exchange + (2 if recomputed else 1) * indices
-    return [Expected("all-to-all", "ep", model.moe_layers * per_layer,
-                     f"experts: routed tokens, {'padded dropless blocks' if dropless else 'capacity buffers'}")]
+    return out + [Expected("all-to-all", "ep", model.moe_layers * per_layer,
+                           f"experts: routed tokens, {'padded dropless blocks' if dropless else 'capacity buffers'}")]
 
 
 def _pipeline(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
