@@ -14,4 +14,4 @@ from spmd.train import train  # noqa: E402
 
 records, state = train(cfg, make_layout(cfg))
 print("first loss", records[0]["loss"], "last loss", records[-1]["loss"])
-print("wqkv is stored as", state["params"]["blocks"]["attn"]["wqkv"].sharding.spec)
+print("wq is stored as", state["params"]["blocks"]["attn"]["wq"].sharding.spec)

@@ -19,6 +19,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 ACTIVATION = "activation"  # checkpoint name of `constrain`'s result, for remat policies
 _STORAGE: contextvars.ContextVar = contextvars.ContextVar("storage", default=None)
+_COPIES: contextvars.ContextVar = contextvars.ContextVar("copies", default={})
 
 
 def constrain(x: jax.Array, *names: str | None) -> jax.Array:
@@ -27,21 +28,70 @@ def constrain(x: jax.Array, *names: str | None) -> jax.Array:
     return checkpoint_name(_lay_out(x, names, dict(flax_spmd.get_logical_axis_rules())), ACTIVATION)
 
 
-def weight(param, dtype) -> jax.Array:
+def weight(param, dtype, lay_out: bool = True) -> jax.Array:
     """A parameter's value as computed with: cast to `dtype` where it is stored (so a bf16
     run gathers bf16), then laid out by its logical names under the activation rules
     (e.g. gathered over the axes it is stored split over). Its gradient is reduced to
     where gradients are stored, inside the backward pass. Not named: remat policies do
     not keep it, so the backward pass fetches it again rather than holding every layer's
-    copy."""
+    copy. `lay_out=False`: as stored, for a part of an `assembled` matrix, which is laid
+    out whole."""
     names = param.get_metadata().get("out_sharding") or ()
     value = param[...]
     storage = _STORAGE.get()
-    activations = dict(flax_spmd.get_logical_axis_rules())
+    activations = dict(flax_spmd.get_logical_axis_rules()) if lay_out else {}
     if len(names) != value.ndim or storage is None or jax.sharding.get_abstract_mesh().empty:
         return _lay_out(value.astype(dtype), names, activations)
     stored = _cast_in_place(value, jnp.dtype(dtype), _spec(names, storage.params), _spec(names, storage.grads))
     return _lay_out(stored, names, activations)
+
+
+def assembled(x: jax.Array, *names: str | None) -> jax.Array:
+    """A matrix put together from weights (e.g. two concatenated), laid out by `names` to
+    compute with; its gradient is laid out as stored gradients of those names are, before
+    it is taken apart again, so that XLA reduces it to its stored split as it would each
+    weight's (rather than reducing the whole)."""
+    storage = _STORAGE.get()
+    activations = dict(flax_spmd.get_logical_axis_rules())
+    if storage is None or jax.sharding.get_abstract_mesh().empty:
+        return _lay_out(x, names, activations)
+    return _assembled(x, _spec(names, activations), _spec(names, storage.grads))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _assembled(x: jax.Array, value_spec: jax.P, grad_spec: jax.P) -> jax.Array:
+    return jax.lax.with_sharding_constraint(x, value_spec)
+
+
+def _assembled_fwd(x, value_spec, grad_spec):
+    return _assembled(x, value_spec, grad_spec), None
+
+
+def _assembled_bwd(value_spec, grad_spec, _, cotangent):
+    # Reduced where computed (in the compute dtype, as a weight's gradient is), then split
+    # as stored: XLA forms one reduce-scatter of it.
+    reduced = jax.lax.with_sharding_constraint(cotangent, value_spec)
+    return (jax.lax.with_sharding_constraint(reduced, grad_spec),)
+
+
+_assembled.defvjp(_assembled_fwd, _assembled_bwd)
+
+
+def copies(name: str) -> int:
+    """How many copies of each entry of the dimension `name` a model computes with (1
+    unless the trainer asks for more, `computed_copies`): a finer split than the
+    dimension has, with the same result (e.g. key/value heads shared by the devices that
+    split the query heads)."""
+    return _COPIES.get().get(name, 1)
+
+
+@contextlib.contextmanager
+def computed_copies(table: Mapping[str, int]):
+    token = _COPIES.set(dict(table))
+    try:
+        yield
+    finally:
+        _COPIES.reset(token)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.annotate import ACTIVATION, constrain, weight
+from models.annotate import ACTIVATION, assembled, constrain, copies, weight
 from models.attention import attend, cached_attention
 from models.moe import MoE, MoEConfig, Routing
 
@@ -154,11 +154,12 @@ def rotary(x: jax.Array, positions: jax.Array, freqs: np.ndarray) -> jax.Array:
 class Attention(nnx.Module):
     def __init__(self, cfg: LlamaConfig, dtype, rngs: nnx.Rngs):
         e, h, k, d = cfg.embed, cfg.heads, cfg.kv_heads, cfg.head_dim
-        # Queries, keys and values in one projection, grouped by key/value head: slot
-        # [kv, j < groups] is query head kv * groups + j, slot `groups` the key and
-        # `groups + 1` the value. One matmul means one gradient for x, and a split over
-        # kv heads keeps each query head with its key and value.
-        self.wqkv = _param(rngs, (e, k, h // k + 2, d), ("embed", "kv_heads", None, "head_dim"), e**-0.5)
+        # Queries; keys and values in one projection ([:, :, 0] keys, [:, :, 1] values).
+        # Query head n reads key/value head n // (heads / kv_heads), so a split of the
+        # heads that is a split of the kv heads too keeps each query with its key and value;
+        # finer splits share a kv head between devices.
+        self.wq = _param(rngs, (e, h, d), ("embed", "heads", "head_dim"), e**-0.5)
+        self.wkv = _param(rngs, (e, k, 2, d), ("embed", "kv_heads", None, "head_dim"), e**-0.5)
         self.wo = _param(rngs, (h, d, e), ("heads", "head_dim", "embed"), (h * d) ** -0.5)
         self.cfg, self.dtype = cfg, dtype
 
@@ -172,8 +173,11 @@ class Attention(nnx.Module):
         key/value cache holds for `block` (its index in `cache`'s two leading dimensions);
         their keys and values are written into the cache, in place, at `at`."""
         q, k, v = self._project(x, positions)
+        b, s, _, _, d = q.shape
+        q = q.reshape(b, s, self.cfg.kv_heads, -1, d)  # the cache holds each kv head once
         cache = dict(cache)
         for name, new in (("k", k), ("v", v)):
+            new = new[:, :, ::copies("kv_heads")]
             start = (*block, 0, 0, at.slot, 0)
             new = new.swapaxes(1, 2)[None, None].astype(cache[name].dtype)  # (1, 1, batch, kv_heads, seq, head_dim)
             cache[name] = jax.lax.dynamic_update_slice(cache[name], new, start)
@@ -182,18 +186,27 @@ class Attention(nnx.Module):
         return self._output(cached_attention(q, k_all, v_all, at.slots(x.shape[1]), at.valid)), cache
 
     def _project(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Queries (batch, seq, kv_heads, groups, head_dim), keys and values (batch, seq,
-        kv_heads, head_dim), rotated by their positions."""
-        cfg = self.cfg
-        qkv = jnp.einsum("bse,ekgd->bskgd", x, weight(self.wqkv, self.dtype))
+        """Queries (batch, seq, kv slots, heads per slot, head_dim), keys and values (batch,
+        seq, kv slots, head_dim), rotated by their positions. A slot is a kv head, or one of
+        its `copies` (models.annotate) when a trainer splits the query heads more finely."""
+        cfg, dt = self.cfg, self.dtype
         b, s = x.shape[:2]
-        groups = cfg.heads // cfg.kv_heads
-        q = qkv[:, :, :, :groups].reshape(b, s, cfg.heads, cfg.head_dim)
+        c = copies("kv_heads")
+        slots, per_slot = cfg.kv_heads * c, cfg.heads // (cfg.kv_heads * c)
+        # One matmul, so that x has one gradient (one reduction when the heads are split):
+        # each slot's queries, key and value side by side, (embed, slots, per_slot + 2, head_dim).
+        # Query head n is in slot n // per_slot and reads kv head n // (heads / kv_heads).
+        wq = weight(self.wq, dt, lay_out=False).reshape(cfg.embed, slots, per_slot, cfg.head_dim)
+        wkv = weight(self.wkv, dt, lay_out=False)
+        wkv = jnp.repeat(wkv, c, axis=1) if c > 1 else wkv
+        # Slots are split like the query heads.
+        wqkv = assembled(jnp.concatenate([wq, wkv], axis=2), "embed", "heads", None, "head_dim")
+        qkv = jnp.einsum("bse,ekgd->bskgd", x, wqkv)
+        q = qkv[:, :, :, :per_slot].reshape(b, s, cfg.heads, cfg.head_dim)
         q = constrain(rotary(q, positions, cfg.rope_frequencies), "batch", "seq", "heads", "head_dim")
-        k = constrain(rotary(qkv[:, :, :, groups], positions, cfg.rope_frequencies), "batch", "seq", "kv_heads", "head_dim")
-        v = constrain(qkv[:, :, :, groups + 1], "batch", "seq", "kv_heads", "head_dim")
-        # Query head h reads key/value head h // groups: split heads as (kv_heads, groups).
-        return q.reshape(b, s, cfg.kv_heads, groups, cfg.head_dim), k, v
+        k = constrain(rotary(qkv[:, :, :, per_slot], positions, cfg.rope_frequencies), "batch", "seq", "kv_heads", "head_dim")
+        v = constrain(qkv[:, :, :, per_slot + 1], "batch", "seq", "kv_heads", "head_dim")
+        return q.reshape(b, s, slots, per_slot, cfg.head_dim), k, v
 
     def _output(self, out: jax.Array) -> jax.Array:
         b, s = out.shape[:2]

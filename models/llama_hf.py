@@ -193,21 +193,10 @@ class Tensor:
 
 def tensors(cfg: LlamaConfig) -> list[Tensor]:
     e, h, k, d, v = cfg.embed, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.vocab
-    g = h // k
     layer = "model.layers.{}."
 
     def at(*names):
         return lambda i: [(layer + n).format(i) for n in names]
-
-    def qkv_to_ours(t):
-        q, key, value = t  # (h d, e), (k d, e), (k d, e)
-        q = q.reshape(k, g, d, e)
-        both = np.concatenate([q, key.reshape(k, 1, d, e), value.reshape(k, 1, d, e)], axis=1)
-        return both.transpose(3, 0, 1, 2)  # (e, k, g + 2, d)
-
-    def qkv_to_hf(w):
-        w = w.transpose(1, 2, 3, 0)  # (k, g + 2, d, e)
-        return [w[:, :g].reshape(h * d, e), w[:, g].reshape(k * d, e), w[:, g + 1].reshape(k * d, e)]
 
     block = ("moe",) if cfg.moe else ()
     found = [
@@ -216,9 +205,12 @@ def tensors(cfg: LlamaConfig) -> list[Tensor]:
         Tensor(("blocks", *block, "attn_norm", "scale"), True, at("input_layernorm.weight"), [(e,)], _one, _listed),
         Tensor(("blocks", *block, "mlp_norm", "scale"), True, at("post_attention_layernorm.weight"), [(e,)],
                _one, _listed),
-        Tensor(("blocks", *block, "attn", "wqkv"), True,
-               at("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
-               [(h * d, e), (k * d, e), (k * d, e)], qkv_to_ours, qkv_to_hf),
+        Tensor(("blocks", *block, "attn", "wq"), True, at("self_attn.q_proj.weight"), [(h * d, e)],
+               lambda t: t[0].T.reshape(e, h, d), lambda w: [w.reshape(e, h * d).T]),
+        # Query head n reads key/value head n // (h / k), as transformers' repeat_kv.
+        Tensor(("blocks", *block, "attn", "wkv"), True, at("self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+               [(k * d, e), (k * d, e)], lambda t: np.stack([t[0].T, t[1].T], axis=1).reshape(e, 2, k, d).swapaxes(1, 2),
+               lambda w: [w[:, :, 0].reshape(e, k * d).T, w[:, :, 1].reshape(e, k * d).T]),
         Tensor(("blocks", *block, "attn", "wo"), True, at("self_attn.o_proj.weight"), [(e, h * d)],
                lambda t: t[0].T.reshape(h, d, e), lambda w: [w.reshape(h * d, e).T]),
     ]

@@ -28,7 +28,7 @@ from models import model_class
 from models.llama import Decoding
 from spmd.layout import Layout
 from spmd.mesh import BATCH_AXES
-from spmd.rules import spec_for
+from spmd.rules import placed, spec_for
 from spmd.step import model_context
 
 
@@ -79,7 +79,7 @@ class Decoder:
         layout, model_cfg = self.layout, self.layout.skeleton.model_cfg
         self.length = self.prompt_len + self.new_tokens
         shape, names = model_class(model_cfg).cache_shape(model_cfg, self.batch, self.length)
-        table = dict(layout.rules.activations) | {"batch": BATCH_AXES}
+        table = placed(layout.rules.activations) | {"batch": BATCH_AXES}
         self.cache_sharding = layout.named(spec_for(names, table))
         self.cache_shape = shape
         rows = layout.named(jax.P(BATCH_AXES))

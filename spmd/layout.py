@@ -100,6 +100,13 @@ class Layout:
         return math.prod(self.shape[a] for a in BATCH_AXES)
 
     @property
+    def kv_copies(self) -> int:
+        """Copies of each key/value head computed with (models.annotate.copies): tp / kv_heads
+        where tp splits the query heads more finely than the kv heads (rules.SHARED_KV_HEADS)."""
+        tp, kv = self.shape["tp"], self.skeleton.model_cfg.kv_heads
+        return 1 if kv % tp == 0 else tp // kv
+
+    @property
     def accumulation_axes(self) -> tuple[str, ...]:
         """The batch axes whose gradient reduction gradient accumulation defers to once
         per step (spmd.step): all of them, but ep where experts are split over it, since
@@ -146,13 +153,25 @@ def make_layout(cfg, devices=None, for_training: bool = True) -> Layout:
 
 def check_layout(cfg, shape: Mapping[str, int], for_training: bool = True):
     """Every check of a mesh shape against the run, without devices. -> (rules, skeleton, schedule)"""
-    rules = make_rules(cfg.zero, cfg.megatron_sp)
     skeleton = skeleton_for(cfg)
+    rules = make_rules(cfg.zero, cfg.megatron_sp, shared_kv_heads(cfg, shape, skeleton.model_cfg))
     schedule = check_pipeline(cfg, shape, skeleton.model_cfg, for_training)
     if schedule and schedule.repeats > 1:
         skeleton = restacked(skeleton, schedule.repeats)
     check_divisible(cfg, shape, rules, skeleton, for_training)
     return rules, skeleton, schedule
+
+
+def shared_kv_heads(cfg, shape: Mapping[str, int], model_cfg: LlamaConfig) -> bool:
+    """Whether tp splits the query heads more finely than the key/value heads (tp a
+    multiple of them), so that devices share a kv head (rules.SHARED_KV_HEADS)."""
+    tp, kv = shape["tp"], model_cfg.kv_heads
+    if kv % tp == 0:
+        return False
+    if tp % kv or model_cfg.heads % tp:
+        raise UserError(f"model {cfg.model_name}: tp={tp} must divide heads={model_cfg.heads} and either divide "
+                        f"kv_heads={kv} or be a multiple of it")
+    return True
 
 
 def check_before_devices(cfg, processes: int = 1, for_training: bool = True) -> None:

@@ -97,12 +97,13 @@ def verdict(plan) -> str:
 
 def roofline_lines(plan) -> list[str]:
     from spmd.roofline import OVERLAPPED_AXES, crosses_nodes
+    from spmd.traffic import mesh_axes
 
     p, hw = plan.prediction, plan.hardware
     parts = []
     for axes, seconds in sorted(p.comm_s.items(), key=lambda kv: -kv[1]):
         link = "inter-node" if crosses_nodes(axes, plan.layout.shape, hw.devices_per_node) else "intra-node"
-        hidden = "overlapped" if set(axes.split("+")) <= OVERLAPPED_AXES else "exposed"
+        hidden = "overlapped" if set(mesh_axes(axes)) <= OVERLAPPED_AXES else "exposed"
         parts.append(f"{axes} {_seconds(seconds)} ({link}, {hidden})")
     return [f"roofline on {hw.description} ({hw.peak_flops(plan.cfg.dtype) / 1e12:g} TFLOP/s {plan.cfg.dtype}): "
             f"compute {_seconds(p.compute_s)}" + (f"; communication {', '.join(parts)}" if parts else ""),

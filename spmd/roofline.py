@@ -22,6 +22,7 @@ from collections.abc import Iterable, Mapping
 from spmd.hardware import Hardware, train_flops_per_token
 from spmd.pipeline import Schedule
 from spmd.mesh import AXES
+from spmd.traffic import mesh_axes
 
 OVERLAPPED_AXES = {"dp", "fsdp", "ep"}
 
@@ -50,7 +51,7 @@ def executed_flops_per_step(cfg, model_cfg) -> tuple[float, float]:
 
 
 def crosses_nodes(axes: str, shape: Mapping[str, int], devices_per_node: int) -> bool:
-    names = [a for a in axes.split("+") if a in shape]
+    names = [a for a in mesh_axes(axes) if a in shape]
     if not names:
         return True
     outermost = min(AXES.index(a) for a in names)
@@ -71,7 +72,7 @@ def predict(cfg, shape: Mapping[str, int], model_cfg, traffic: Iterable[tuple[st
         link = hardware.inter_gbs if crosses_nodes(axes, shape, hardware.devices_per_node) else hardware.intra_gbs
         seconds = nbytes / (link * 1e9)
         comm[axes] = comm.get(axes, 0.0) + seconds
-        if op != "all-to-all" and set(axes.split("+")) <= OVERLAPPED_AXES:
+        if op != "all-to-all" and set(mesh_axes(axes)) <= OVERLAPPED_AXES:
             overlapped += seconds
         else:
             exposed += seconds

@@ -85,18 +85,26 @@ class Rules:
 
 
 def _without(entry: Axes, drop: tuple[str, ...]) -> Axes:
+    if entry is jax.P.UNCONSTRAINED:
+        return entry
     kept = tuple(a for a in axes_of(entry) if a not in drop)
     return kept if len(kept) > 1 else (kept[0] if kept else None)
 
 
 MEGATRON_SP = {"residual_seq": ("sp", "tp")}  # norms and residuals split along the sequence over tp too
+# tp beyond the key/value heads (tp a multiple of them): the kv projection is stored whole
+# on every tp device, and where used XLA computes on each device only the kv heads its
+# query heads read (they follow from the heads' split), as Megatron and vLLM replicate a kv
+# head on the devices that share it; its gradient is summed over those devices.
+SHARED_KV_HEADS = {"kv_heads": (None, jax.P.UNCONSTRAINED)}
 
 
-def make_rules(zero: int, megatron_sp: bool = False) -> Rules:
+def make_rules(zero: int, megatron_sp: bool = False, shared_kv_heads: bool = False) -> Rules:
     if zero not in ZERO_STAGES:
         raise ValueError(f"zero stage must be one of {ZERO_STAGES}")
-    at_rest = {name: entry[0] for name, entry in TABLE.items()}
-    compute = {name: entry[1] for name, entry in TABLE.items()}
+    table = TABLE | (SHARED_KV_HEADS if shared_kv_heads else {})
+    at_rest = {name: entry[0] for name, entry in table.items()}
+    compute = {name: entry[1] for name, entry in table.items()}
     if megatron_sp:
         compute.update(MEGATRON_SP)
 
@@ -111,13 +119,19 @@ def make_rules(zero: int, megatron_sp: bool = False) -> Rules:
     return Rules(params=with_dp(3), grads=with_dp(1), opt_state=with_dp(1), activations=compute)
 
 
+def placed(table: Mapping[str, Axes]) -> dict[str, Axes]:
+    """A compute table for arrays placed between programs (a sharding must be decided):
+    dimensions left to XLA are replicated."""
+    return {name: None if axes is jax.P.UNCONSTRAINED else axes for name, axes in table.items()}
+
+
 def spec_for(names: tuple[str | None, ...], table: Mapping[str, Axes]) -> jax.sharding.PartitionSpec:
     """PartitionSpec of one array from the logical names of its dimensions."""
     return jax.P(*(table.get(n) if n is not None else None for n in names))
 
 
 def axes_of(entry: Axes) -> tuple[str, ...]:
-    if entry is None:
+    if entry is None or entry is jax.P.UNCONSTRAINED:
         return ()
     return (entry,) if isinstance(entry, str) else tuple(entry)
 

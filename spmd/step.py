@@ -23,7 +23,7 @@ from flax import nnx
 
 from models import model_class
 from models.llama import REMAT_POLICIES
-from models.annotate import storage
+from models.annotate import computed_copies, storage
 from models.attention import attention_implementation
 from models.moe import expert_implementation
 from spmd.context import make_attention, zigzag_order
@@ -144,6 +144,7 @@ def model_context(layout: Layout, attention: str = "ring", local_axes: tuple[str
     stack = contextlib.ExitStack()
     stack.enter_context(nnx.logical_axis_rules(rules.activation_rules(local_axes, data_axes or layout.data_axes)))
     stack.enter_context(storage(rules.storage(local_axes)))
+    stack.enter_context(computed_copies({"kv_heads": layout.kv_copies}))
     batch_axes = tuple(a for a in BATCH_AXES if a not in local_axes)
     if layout.shape["sp"] > 1:
         stack.enter_context(attention_implementation(make_attention(layout.mesh, attention, batch_axes)))

@@ -163,7 +163,11 @@ def collectives(cfg, layout: Layout) -> list[Expected]:
         # An axis that splits the parameter as used (ep for experts, pp for stages) does not sum it.
         token_axes = tuple(a for a in (residual_tokens if _is_vector(p) else plain_tokens) if a not in compute)
         at_rest = _spec_axes(p.names, rules.params)
-        slice_numel = p.numel / _ways(compute, shape)  # one device's slice, as used
+        slice_numel = grad_numel = p.numel / _ways(compute, shape)  # one device's slice, as used
+        if layout.kv_copies > 1 and "kv_heads" in p.names:  # a device uses the one kv head it shares
+            slice_numel /= layout.skeleton.model_cfg.kv_heads
+            # ... and reduces that head's gradient, unless microbatches' are summed first (whole).
+            grad_numel = grad_numel if _accumulated(cfg, layout) else slice_numel
         widths = uses(p, model_cfg, compute_bytes)
         gathered = _live(set(at_rest) - set(compute), shape)
         if gathered and layout.schedule and p.stacked and pipeline.BATCH_AXIS in gathered:
@@ -180,7 +184,8 @@ def collectives(cfg, layout: Layout) -> list[Expected]:
             times = (stage_runs + _backward_gathers(cfg, layout, stage_runs)) if p.stacked else 1
             out.append(Expected("all-gather", "+".join(gathered), times * (n - 1) / n * slice_numel * sum(widths),
                                 "weights gathered where used" + (", again in backward" if p.stacked else "")))
-        out += _gradients(cfg, layout, p, token_axes, slice_numel, widths, stage_runs)
+        out += _gradients(cfg, layout, p, token_axes, grad_numel, widths, stage_runs)
+        out += _shared_kv_heads(cfg, layout, p, max(widths), stage_runs)
         regather = _live(set(_spec_axes(p.names, rules.opt_state)) - set(at_rest), shape)
         if regather:
             n = _ways(regather, shape)
@@ -205,7 +210,7 @@ def _gradients(cfg, layout: Layout, p: Param, token_axes: tuple[str, ...], slice
         # manual ones (dp) once, after the ticks are summed.
         manual = tuple(a for a in token_axes if a == pipeline.BATCH_AXIS)
         phases = [(tuple(a for a in token_axes if a not in manual), stage_runs, max(widths)), (manual, 1, p.itemsize)]
-    elif cfg.grad_accum > 1 and not layout.schedule:
+    elif _accumulated(cfg, layout):
         # Accumulated (spmd.step): over the axes inside the per-shard vmap (sp, and ep with
         # split experts) in every microbatch, as computed; over the accumulation axes once,
         # the float32 sums.
@@ -230,6 +235,33 @@ def _gradients(cfg, layout: Layout, p: Param, token_axes: tuple[str, ...], slice
                                 "gradients"))
         numel /= k
     return out
+
+
+def _accumulated(cfg, layout: Layout) -> bool:
+    """Whether gradients are summed per shard over microbatches (spmd.step's vmap)."""
+    return cfg.grad_accum > 1 and not layout.schedule
+
+
+def _shared_kv_heads(cfg, layout: Layout, p: Param, width: int, stage_runs: float) -> list[Expected]:
+    """tp beyond the key/value heads (rules.SHARED_KV_HEADS): in each layer's backward pass
+    the gradient of a kv head's projection (reduced to its stored split over the batch
+    axes first) is summed over the c tp devices that share it (neighbours: tp:inner{c}),
+    then gathered over the kv heads (tp:outer{kv}), as the projection is stored whole on
+    every tp device."""
+    c = layout.kv_copies
+    if c == 1 or "kv_heads" not in p.names:
+        return []
+    kv = layout.skeleton.model_cfg.kv_heads
+    times = stage_runs if p.stacked else 1
+    # The gradient as stored; with accumulation, as each shard keeps it (whole over those axes).
+    split = _spec_axes(p.names, layout.rules.grads)
+    if _accumulated(cfg, layout):
+        split = [a for a in split if a not in layout.accumulation_axes]
+    numel = p.numel / _ways(split, layout.shape)
+    return [Expected("all-reduce", f"tp:inner{c}", times * 2 * (c - 1) / c * numel / kv * width,
+                     "kv heads: gradient summed over the devices sharing one"),
+            Expected("all-gather", f"tp:outer{kv}", times * (kv - 1) / kv * numel * width,
+                     "kv heads: gradients of all heads, for the whole stored projection")]
 
 
 def _tensor_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
@@ -298,7 +330,8 @@ def _sequence_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected
     if n == 1:
         return []
     model, shape = layout.skeleton.model_cfg, layout.shape
-    kv_heads = model.kv_heads / _ways(axes_of(layout.rules.activations["kv_heads"]), shape)
+    kv_heads = model.kv_heads * layout.kv_copies / _ways(("tp",), shape) if layout.kv_copies > 1 else \
+        model.kv_heads / _ways(axes_of(layout.rules.activations["kv_heads"]), shape)
     block = cfg.batch / _ways(BATCH_AXES, shape) * cfg.seq / n * kv_heads * model.head_dim * compute_bytes
     recomputed = cfg.remat != "none"  # "none" keeps the received blocks; the others fetch them again
     if cfg.attention == "ring":
@@ -429,7 +462,8 @@ def activation_bytes(cfg, layout: Layout, compute_bytes: int) -> float:
     float32 logits (logits, their softmax and its gradient) and, in pipeline stages, the
     queue of microbatches entering them."""
     m, t = layout.skeleton.model_cfg, layout.shape["tp"]
-    e, qkv, heads = m.embed, (m.heads + 2 * m.kv_heads) * m.head_dim, m.heads * m.head_dim
+    # Keys and values per kv slot: a kv head, or each copy of one where tp shares it.
+    e, qkv, heads = m.embed, (m.heads + 2 * m.kv_heads * layout.kv_copies) * m.head_dim, m.heads * m.head_dim
     tokens = tokens_per_device(cfg, layout.shape, microbatch=True)
     # Per token and layer, in elements: "none" keeps matmul outputs and annotated
     # activations (block input, both residual sums, the attention and MLP outputs, the

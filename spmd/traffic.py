@@ -94,7 +94,27 @@ def _partitions(shape: tuple[tuple[str, int], ...]) -> dict[frozenset, str]:
         for axes in itertools.combinations(live, r):
             groups = _groups_along(ids, list(axes))
             out[frozenset(frozenset(g) for g in groups)] = "+".join(names[i] for i in axes)
+    # Part of one axis: its devices cut into blocks of f neighbours ("tp:inner2", e.g. the
+    # tp devices that share a key/value head) or every f-th of them ("tp:outer4").
+    for i in live:
+        n = shape[i][1]
+        for f in (f for f in range(2, n) if n % f == 0):
+            split = ids.reshape(*ids.shape[:i], n // f, f, *ids.shape[i + 1:])
+            for axis, size, where in ((i + 1, f, "inner"), (i, n // f, "outer")):
+                groups = _groups_along(split, [axis])
+                out.setdefault(frozenset(frozenset(g) for g in groups), f"{names[i]}:{where}{size}")
     return out
+
+
+def group_size(label: str, mesh_shape: Mapping[str, int]) -> int:
+    """Devices in each group of a collective over `label` ("dp+tp", "tp:inner2")."""
+    return math.prod(int(part.split(":")[1].lstrip("inerout")) if ":" in part else mesh_shape[part]
+                     for part in label.split("+"))
+
+
+def mesh_axes(label: str) -> list[str]:
+    """The mesh axes a label's groups run along (all of an axis, or part of it)."""
+    return [part.split(":")[0] for part in label.split("+")]
 
 
 def axes_of_groups(groups: list[list[int]], mesh_shape: Mapping[str, int], permute: bool = False) -> str:
@@ -303,8 +323,8 @@ def step_traffic(module: hlo.HloModule, mesh_shape: Mapping[str, int]) -> list[T
                 if (c.name, j) in folded:  # counted with the all-reduce it feeds
                     continue
                 on = reduced_over(c.name, j)
-                group = math.prod(mesh_shape[a] for a in on.split("+")) if on != "?" else n
-                split = _split_all_reduce(on, k, mesh_shape) if k > 1 and on != "?" else None
+                group = group_size(on, mesh_shape) if on != "?" else n
+                split = _split_all_reduce(on, k, mesh_shape) if k > 1 and on != "?" and ":" not in on else None
                 if split is None:
                     parts.append(("all-reduce", on, group, size, False))
                     continue

@@ -49,8 +49,8 @@ def test_resume_on_the_same_mesh_is_bit_identical(uninterrupted):
 def test_resume_on_another_mesh_continues_the_run(uninterrupted, mesh, devices, zero):
     out, losses, _ = uninterrupted
     records, state = _train(devices, mesh=mesh, zero=zero, resume=str(out / "4"))
-    # Restored straight into the new layout: e.g. wqkv's embed dimension split as the new mesh says.
-    assert state["params"]["blocks"]["attn"]["wqkv"].sharding.mesh.devices.size == devices
+    # Restored straight into the new layout: e.g. wq's embed dimension split as the new mesh says.
+    assert state["params"]["blocks"]["attn"]["wq"].sharding.mesh.devices.size == devices
     # The same data order, the same state: only float32 sums in another order differ (as in
     # the parity matrix, where 1e-5 relative is the spec).
     np.testing.assert_allclose([r["loss"] for r in records], losses[4:], rtol=1e-5, atol=0)

@@ -13,7 +13,7 @@ CASES = {
     "mesh product is not the device count": (["--mesh", "dp=3", "--cpu-devices", "8"], "needs 3 devices"),
     "unknown axis": (["--mesh", "xp=2"], "unknown mesh axis 'xp'"),
     "non-integer size": (["--mesh", "dp=two"], "must be an integer"),
-    "heads not divisible by tp": (["--mesh", "tp=3"], "does not divide by tp=3"),
+    "heads not divisible by tp": (["--mesh", "tp=3"], "tp=3 must divide heads=8 and either divide kv_heads=4"),
     "batch not divisible by batch axes": (["--mesh", "dp=2,fsdp=2", "--batch", "6"], "does not divide by the batch axes"),
     "unknown model": (["--model", "gpt-17"], "unknown model 'gpt-17'"),
     "negative steps": (["--steps", "-1"], "--steps must be at least 0, got -1"),
@@ -42,7 +42,7 @@ CASES = {
 # spmd.plan takes the same flags; these are its own.
 PLAN_CASES = {
     "plan: unknown hardware": (["--hardware", "abacus"], "unknown hardware 'abacus'"),
-    "plan: mesh that does not divide the model": (["--mesh", "tp=3"], "does not divide by tp=3"),
+    "plan: mesh that does not divide the model": (["--mesh", "tp=3"], "tp=3 must divide heads=8"),
     "plan: too large for every layout": (
         ["--model", "llama3-70b", "--auto", "--devices", "8", "--hardware", "v6e"], "does not fit on 8 x v6e in any layout"),
     "plan: auto without hardware": (["--auto", "--devices", "8"], "--auto needs --hardware"),

@@ -63,6 +63,6 @@ def test_fsdp_gathers_parameters_and_stores_them_sharded():
     run = train_run("fsdp=8", 8)
     module = hlo.parse(run.hlo)
     assert module.collectives_where(("all-gather",))
-    wqkv = run.layout.shardings(run.layout.rules.params)["blocks"]["attn"]["wqkv"]
-    # (layers, embed, kv_heads, groups + 2, head_dim): embed split 8 ways at rest.
-    assert wqkv.shard_shape((2, 64, 4, 4, 8)) == (2, 8, 4, 4, 8)
+    wq = run.layout.shardings(run.layout.rules.params)["blocks"]["attn"]["wq"]
+    # (layers, embed, heads, head_dim): embed split 8 ways at rest.
+    assert wq.shard_shape((2, 64, 8, 8)) == (2, 8, 8, 8)

@@ -26,8 +26,8 @@ KNOWN_PARAMS = {
 def test_real_presets_build_abstractly_with_published_sizes(name):
     skeleton = model_skeleton(name)  # shapes only: nothing is allocated
     assert skeleton.num_params == KNOWN_PARAMS[name] == PRESETS[name].num_params()
-    wqkv = skeleton.names["blocks"]["attn"]["wqkv"]
-    assert wqkv == ("layers", "embed", "kv_heads", None, "head_dim")
+    wkv = skeleton.names["blocks"]["attn"]["wkv"]
+    assert wkv == ("layers", "embed", "kv_heads", None, "head_dim")
 
 
 def _built(cfg, **kwargs) -> Llama:

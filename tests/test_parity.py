@@ -1,5 +1,9 @@
 """Every layout trains to the numbers of one device (float32)."""
 
+import json
+import subprocess
+import sys
+
 import jax
 import numpy as np
 import pytest
@@ -22,6 +26,8 @@ LAYOUTS = [
     ("dp=2,fsdp=2,tp=2", 8, {"grad_accum": 4}),
     ("dp=2,fsdp=4", 8, {"grad_accum": 4}),
     ("ep=2,sp=2,tp=2", 8, {}),
+    # tp beyond the 4 kv heads: each kv head computed on the 2 devices that share it.
+    ("tp=8", 8, {}),
     # Accumulation with sp: the per-shard vmap over the batch axes, ring attention inside.
     ("sp=2", 2, {"grad_accum": 2}),
     ("dp=2,sp=2", 4, {"grad_accum": 2}),
@@ -58,3 +64,19 @@ def test_bfloat16_compute_keeps_float32_master_weights(reference):
     # the loss stays within 1% of float32. This checks the mixed-precision path, not parity.
     np.testing.assert_allclose(run.losses, reference.losses, rtol=1e-2)
     assert not np.array_equal(run.losses, reference.losses)  # it really computed in bf16
+
+
+@pytest.mark.parametrize("mesh", ["dp=2,tp=8", "dp=4,tp=8"])
+def test_tp_beyond_the_kv_heads_trains_like_one_device_from_the_command_line(tmp_path, mesh):
+    """The design card's `--mesh dp=4,tp=8` on the default model (4 kv heads), on 32
+    emulated devices, against one device."""
+    losses = {}
+    for name, args in (("one", []), ("mesh", ["--mesh", mesh])):
+        metrics = tmp_path / f"{name}.jsonl"
+        cmd = [sys.executable, "-m", "spmd.train", *args, "--steps", "3", "--log-every", "1",
+               "--metrics-file", str(metrics)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        losses[name] = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+    assert len(losses["mesh"]) == 3
+    np.testing.assert_allclose(losses["mesh"], losses["one"], rtol=LOSS_RTOL, atol=0)

@@ -1,6 +1,9 @@
 """spmd.plan: theory equals hand-computed values; XLA's compiled step matches theory."""
 
 import dataclasses
+import json
+import subprocess
+import sys
 
 import pytest
 
@@ -65,6 +68,7 @@ def test_theory_equals_hand_computed_values():
     ("dp=2,fsdp=4", 8, {}),
     ("dp=2,fsdp=2,tp=2", 8, {"grad_accum": 4}),
     ("dp=2,sp=2", 4, {"grad_accum": 2}),
+    ("tp=8", 8, {}),  # beyond the 4 kv heads: their gradients summed over the devices sharing one
 ])
 def test_compiled_collectives_and_state_match_theory(mesh, devices, overrides):
     run = train_run(mesh, devices, **overrides)  # compiled once, shared with the parity tests
@@ -123,3 +127,19 @@ def test_auto_finds_a_layout_where_pure_data_parallel_does_not_fit(monkeypatch):
     assert all(p.layout.shape["dp"] < 4 or p.cfg.zero > 0 for p in plans)  # never plain replicas
     steps = [p.prediction.step_s for p in plans]
     assert steps == sorted(steps)
+
+
+def test_llama3_70b_plans_on_tp_16_beyond_its_8_kv_heads():
+    # Two of its 80 layers: the shapes and the sharing of kv heads are the model's.
+    cmd = [sys.executable, "-m", "spmd.plan", "--model", "llama3-70b", "--layers", "2", "--mesh", "fsdp=2,tp=16",
+           "--batch", "4", "--seq", "256", "--dtype", "bfloat16", "--remat", "full", "--json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = {(c["op"], c["axis"]): c for c in json.loads(out.stdout)["collectives"]}
+    # Each kv head is shared by 2 of the 16 tp devices: its gradient is summed over those 2
+    # (neighbours), then the 8 heads' are gathered for the projection stored whole.
+    assert {("all-reduce", "tp:inner2"), ("all-gather", "tp:outer8")} <= set(rows)
+    for row in rows.values():
+        assert not row.get("unexpected"), row
+        if row["theory_bytes_per_device"]:
+            assert row["bytes_per_device"] == pytest.approx(row["theory_bytes_per_device"], rel=0.05), row

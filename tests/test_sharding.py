@@ -44,9 +44,9 @@ def _born_sharded(mesh: str, **overrides) -> dict:
 
 def test_initializer_creates_state_already_sharded():
     state = _born_sharded("dp=2,fsdp=2,tp=2")
-    wqkv = state["params"]["blocks"]["attn"]["wqkv"]  # (layers, embed, kv_heads, groups + 2, head_dim)
-    assert wqkv.sharding.spec == jax.P("pp", "fsdp", "tp", None, None)  # pp has size 1 here
-    assert {s.data.shape for s in wqkv.addressable_shards} == {(2, 32, 2, 4, 8)}
+    wkv = state["params"]["blocks"]["attn"]["wkv"]  # (layers, embed, kv_heads, 2, head_dim)
+    assert wkv.sharding.spec == jax.P("pp", "fsdp", "tp", None, None)  # pp has size 1 here
+    assert {s.data.shape for s in wkv.addressable_shards} == {(2, 32, 2, 2, 8)}
     mu = state["opt_state"][1][0].mu["blocks"]["mlp"]["down"]  # (layers, mlp, embed)
     assert mu.sharding.spec == jax.P("pp", "tp", "fsdp")
 
