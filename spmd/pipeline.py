@@ -112,21 +112,40 @@ def _ring(p: int, shift: int) -> list[tuple[int, int]]:
     return [(s, (s + shift) % p) for s in range(p)]
 
 
-def _copies(x: jax.Array, mesh) -> jax.Array:
+def _copies(x: jax.Array, mesh, rows: jax.P) -> jax.Array:
     """Microbatches (m, ...), split over pp along m -> one copy per stage (p, m, ...),
     split over pp along the copies: an all-gather over pp (stage 0 reads its copy). Done
-    outside the map, where XLA keeps the rows split over the batch axes, and the copies'
-    gradients are summed there too: a reduce-scatter."""
+    outside the map, where XLA keeps the rows laid out as `rows` says (one microbatch's
+    spec: batch axes, and sp on the sequence), and the copies' gradients are summed there
+    too: a reduce-scatter."""
     p = mesh.shape[AXIS]
     return jax.lax.with_sharding_constraint(jnp.broadcast_to(x, (p, *x.shape)),
-                                            jax.NamedSharding(mesh, jax.P(AXIS, None, BATCH_AXES)))
+                                            jax.NamedSharding(mesh, jax.P(AXIS, None, *rows)))
 
 
-def _from_stage_0(per_stage: jax.Array, mesh) -> jax.Array:
+def _from_stage_0(per_stage: jax.Array, mesh, rows: jax.P) -> jax.Array:
     """Each stage's (m, ...) results, zero but on stage 0 -> stage 0's, split over pp along
     m: a reduce-scatter over pp (and its gradient an all-gather)."""
     return jax.lax.with_sharding_constraint(jnp.sum(per_stage, axis=0),
-                                            jax.NamedSharding(mesh, jax.P(AXIS, BATCH_AXES)))
+                                            jax.NamedSharding(mesh, jax.P(AXIS, *rows)))
+
+
+def _statistics(stats: dict, valid, repeat, totals: dict) -> dict:
+    """Add a tick's statistics (a chunk's MoE layers' on one microbatch) to `totals`
+    (one entry per chunk, `repeat` the tick's), if the tick computed a real microbatch."""
+    return jax.tree.map(lambda total, x: total.at[repeat].add(jnp.where(valid, x, 0)), totals, stats)
+
+
+def _stage_statistics(totals: dict, m: int) -> dict:
+    """The stage's statistics: means over its microbatches and dp shards, with a leading
+    stage axis (the map's output is split over pp along it)."""
+    return jax.tree.map(lambda total: jax.lax.pmean(total / m, BATCH_AXIS)[None], totals)
+
+
+def layer_statistics(per_stage: dict) -> dict:
+    """(stages, chunks, layers per chunk, ...) statistics -> (layers, ...), in no particular
+    order: what is read of them (means over layers) does not depend on it."""
+    return jax.tree.map(lambda x: x.reshape(-1, *x.shape[3:]), per_stage)
 
 
 def _only_stage_0(x: jax.Array, stage: jax.Array) -> jax.Array:
@@ -152,11 +171,21 @@ def _run_chunk(stage_fn, policy, chunks, repeat, x):
     return jax.checkpoint(run, policy=policy)(chunks, repeat, x)
 
 
-def pipeline(mesh, schedule: Schedule, stage_fn, blocks, x: jax.Array, policy=None) -> jax.Array:
+def _no_statistics(stage_fn, chunks, x) -> dict:
+    """Zeros shaped like what `stage_fn` reports for one chunk, one entry per chunk."""
+    shapes = jax.eval_shape(stage_fn, jax.tree.map(lambda w: w[0], chunks), x)[1]
+    v = jax.tree.leaves(chunks)[0].shape[0]
+    return jax.tree.map(lambda s: jnp.zeros((v, *s.shape), s.dtype), shapes)
+
+
+def pipeline(mesh, schedule: Schedule, stage_fn, blocks, x: jax.Array, rows: jax.P, policy=None):
     """Run microbatches x (m, mb, ...), split over pp along m, through the stages;
-    differentiable by `jax.grad`. `stage_fn(chunk, x) -> y` runs one chunk of stacked
-    layers (leading axis: the chunk's layers) on one microbatch; `policy`: the model's
-    remat policy. Returns the outputs, laid out like x."""
+    differentiable by `jax.grad`. `stage_fn(chunk, x) -> (y, statistics)` runs one chunk
+    of stacked layers (leading axis: the chunk's layers) on one microbatch and reports
+    per-layer statistics (MoE layers'; a dict of arrays with a leading layer axis, empty
+    for dense layers); `rows`: one microbatch's spec; `policy`: the model's remat policy.
+    Returns the outputs, laid out like x, and the statistics of every layer, each a mean
+    over the microbatches (`layer_statistics`)."""
     p, m, v = schedule.stages, schedule.microbatches, schedule.repeats
 
     def run(blocks, x):
@@ -164,11 +193,12 @@ def pipeline(mesh, schedule: Schedule, stage_fn, blocks, x: jax.Array, policy=No
         chunks = jax.tree.map(lambda w: stage_view(w, v), blocks)
 
         def tick(carry, t):
-            queue, arrived = carry
+            queue, arrived, totals = carry
             i = t - stage  # this stage's iteration: repeat i // m, microbatch i % m
             repeat = jnp.clip(i // m, 0, v - 1)
             inp = jnp.where(stage == 0, queue[t % m], arrived)
-            out = _run_chunk(stage_fn, policy, chunks, repeat, inp)
+            out, stats = _run_chunk(stage_fn, policy, chunks, repeat, inp)
+            totals = _statistics(stats, (i >= 0) & (i < v * m), repeat, totals)
             arrived = jax.lax.ppermute(out, AXIS, _ring(p, 1))
             # Stage 0 files what the last stage finished into its queue (that microbatch's
             # next round, or its final output).
@@ -176,15 +206,16 @@ def pipeline(mesh, schedule: Schedule, stage_fn, blocks, x: jax.Array, policy=No
             filed = (stage == 0) & (last >= 0) & (last < v * m)
             slot = jnp.clip(last, 0, v * m - 1) % m
             queue = queue.at[slot].set(jnp.where(filed, arrived, queue[slot]))
-            return (queue, arrived), None
+            return (queue, arrived, totals), None
 
-        (queue, _), _ = jax.lax.scan(tick, (x, jnp.zeros_like(x[0])), jnp.arange(schedule.ticks))
-        return _only_stage_0(queue, stage)
+        start = (x, jnp.zeros_like(x[0]), _no_statistics(stage_fn, chunks, x[0]))
+        (queue, _, totals), _ = jax.lax.scan(tick, start, jnp.arange(schedule.ticks))
+        return _only_stage_0(queue, stage), _stage_statistics(totals, m)
 
     copies = jax.P(AXIS, None, BATCH_AXIS)
-    out = jax.shard_map(run, mesh=mesh, in_specs=(stacked_spec(v), copies), out_specs=copies,
-                        axis_names=frozenset(MANUAL_AXES), check_vma=False)(blocks, _copies(x, mesh))
-    return _from_stage_0(out, mesh)
+    out, stats = jax.shard_map(run, mesh=mesh, in_specs=(stacked_spec(v), copies), out_specs=(copies, jax.P(AXIS)),
+                               axis_names=frozenset(MANUAL_AXES), check_vma=False)(blocks, _copies(x, mesh, rows))
+    return _from_stage_0(out, mesh, rows), layer_statistics(stats)
 
 
 # ---------------------------------------------------------------------------------- 1f1b
@@ -218,17 +249,22 @@ def _split_vjp(stage_fn, chunk, example: jax.Array):
     return forward, backward, shapes
 
 
-def one_f_one_b(mesh, schedule: Schedule, stage_fn, head_fn, blocks, head, x: jax.Array, targets: jax.Array):
+def one_f_one_b(mesh, schedule: Schedule, stage_fn, head_fn, blocks, head, x: jax.Array, targets: jax.Array,
+                rows: jax.P, statistics_weights=None):
     """Loss and gradients with the 1F1B schedule (no `jax.grad` around it: the backward
     pass is interleaved with the forward here).
 
-    `stage_fn(chunk, x) -> y` runs the stage's layers on one microbatch;
-    `head_fn(head, y, targets) -> loss` is the mean loss of one microbatch's rows from
-    the last stage's output, `head` the parameters it uses (replicated over pp).
-    x: (m, mb, ...) embedded microbatches, split over pp along m; targets (m, mb, ...).
-    Returns (loss, d_blocks, d_head, dx): the mean loss, the gradients of the stacked
-    layers (split over pp) and of `head`, and dx, the gradient of x (laid out like x), from
-    which the embedding's follows."""
+    `stage_fn(chunk, x) -> (y, statistics)` runs the stage's layers on one microbatch
+    (statistics as for `pipeline`); `head_fn(head, y, targets) -> loss` is the mean loss
+    of one microbatch's rows from the last stage's output, `head` the parameters it uses
+    (replicated over pp). `statistics_weights(statistics) -> weights`: how much each
+    statistic adds to what is minimized, per microbatch of the whole batch (e.g. an MoE
+    balance loss's weight over the number of MoE layers); None: nothing.
+    x: (m, mb, ...) embedded microbatches, split over pp along m; targets (m, mb, ...);
+    `rows`: one microbatch's spec.
+    Returns (loss, d_blocks, d_head, dx, statistics): the mean loss, the gradients of the
+    stacked layers (split over pp) and of `head`, dx, the gradient of x (laid out like x),
+    from which the embedding's follows, and the layers' statistics (`layer_statistics`)."""
     p, m = schedule.stages, schedule.microbatches
     slots = schedule.residual_slots
 
@@ -238,6 +274,10 @@ def one_f_one_b(mesh, schedule: Schedule, stage_fn, head_fn, blocks, head, x: ja
         dp = jax.lax.psum(1, BATCH_AXIS)
         seed = 1.0 / (m * dp)  # each dp shard's microbatch loss is a mean over its own rows
         forward, backward, shapes = _split_vjp(stage_fn, blocks, x[0])
+        no_stats = _no_statistics(stage_fn, jax.tree.map(lambda w: w[None], blocks), x[0])
+        stats_weights = jax.tree.map(lambda total: total[0], no_stats)
+        if statistics_weights is not None:
+            stats_weights = jax.tree.map(lambda w: seed * w, statistics_weights(stats_weights))
 
         def head(y, k):
             def on_last(y, k):
@@ -249,12 +289,13 @@ def one_f_one_b(mesh, schedule: Schedule, stage_fn, head_fn, blocks, head, x: ja
             return jax.lax.cond(last, on_last, elsewhere, y, k)
 
         def tick(carry, t, *, forwards: bool, backwards: bool):
-            arrived, returned, ring, d_blocks, d_head, loss, dx = carry
+            arrived, returned, ring, d_blocks, d_head, loss, dx, totals = carry
             if forwards:
                 k = t - stage
                 valid = (k >= 0) & (k < m)
                 inp = jnp.where(stage == 0, x[jnp.clip(k, 0, m - 1)], arrived)
-                y, residuals = forward(blocks, inp)
+                (y, stats), residuals = forward(blocks, inp)
+                totals = _statistics(stats, valid, 0, totals)
                 ring = [buf.at[k % slots].set(r) for buf, r in zip(ring, residuals)]
                 head_loss, head_grads, dy = head(y, jnp.clip(k, 0, m - 1))
                 keep = valid & last
@@ -265,29 +306,30 @@ def one_f_one_b(mesh, schedule: Schedule, stage_fn, head_fn, blocks, head, x: ja
                 k = t - 2 * (p - 1) + stage
                 valid = (k >= 0) & (k < m)
                 cotangent = jnp.where(last, dy, returned) if forwards else returned
-                d_chunk, d_inp = backward(blocks, [buf[k % slots] for buf in ring], cotangent)
+                d_chunk, d_inp = backward(blocks, [buf[k % slots] for buf in ring], (cotangent, stats_weights))
                 d_blocks = jax.tree.map(lambda acc, g: acc + jnp.where(valid, g, 0), d_blocks, d_chunk)
                 slot = jnp.clip(k, 0, m - 1)
                 dx = dx.at[slot].set(jnp.where(valid & (stage == 0), d_inp, dx[slot]))
                 returned = jax.lax.ppermute(d_inp, AXIS, _ring(p, -1))
-            return (arrived, returned, ring, d_blocks, d_head, loss, dx), None
+            return (arrived, returned, ring, d_blocks, d_head, loss, dx, totals), None
 
         zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)  # noqa: E731
         ring = [jnp.zeros((slots, *s.shape), s.dtype) for s in shapes]
         carry = (jnp.zeros_like(x[0]), jnp.zeros_like(x[0]), ring, zeros(blocks), zeros(head_params), jnp.zeros(()),
-                 jnp.zeros_like(x))
+                 jnp.zeros_like(x), no_stats)
         phases = ((0, p - 1, True, False), (p - 1, m, True, True), (m + p - 1, p - 1, False, True))
         for start, length, forwards, backwards in phases:
             body = functools.partial(tick, forwards=forwards, backwards=backwards)
             carry, _ = jax.lax.scan(body, carry, start + jnp.arange(length))
-        _, _, _, d_blocks, d_head, loss, dx = carry
+        _, _, _, d_blocks, d_head, loss, dx, totals = carry
         loss = jax.lax.psum(loss, AXIS) / m
         return (jax.lax.pmean(loss, BATCH_AXIS), jax.lax.psum(d_blocks, BATCH_AXIS),
-                jax.lax.psum(d_head, MANUAL_AXES), _only_stage_0(dx, stage))
+                jax.lax.psum(d_head, MANUAL_AXES), _only_stage_0(dx, stage), _stage_statistics(totals, m))
 
     copies = jax.P(AXIS, None, BATCH_AXIS)
-    loss, d_blocks, d_head, dx = jax.shard_map(
+    loss, d_blocks, d_head, dx, stats = jax.shard_map(
         run, mesh=mesh, in_specs=(stacked_spec(1), jax.P(), copies, jax.P(None, BATCH_AXIS)),
-        out_specs=(jax.P(), jax.P(AXIS), jax.P(), copies), axis_names=frozenset(MANUAL_AXES), check_vma=False,
-    )(blocks, head, _copies(x, mesh), targets)
-    return loss, d_blocks, d_head, _from_stage_0(dx, mesh)
+        out_specs=(jax.P(), jax.P(AXIS), jax.P(), copies, jax.P(AXIS)), axis_names=frozenset(MANUAL_AXES),
+        check_vma=False,
+    )(blocks, head, _copies(x, mesh, rows), targets)
+    return loss, d_blocks, d_head, _from_stage_0(dx, mesh, rows), layer_statistics(stats)

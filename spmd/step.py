@@ -30,6 +30,7 @@ from spmd.context import make_attention, zigzag_order
 from spmd.experts import make_experts
 from spmd.layout import DTYPES, Layout, routing
 from spmd.mesh import BATCH_AXES
+from spmd.rules import spec_for
 from spmd.pipeline import MANUAL_AXES, from_microbatches, one_f_one_b, pipeline, to_microbatches
 from spmd.optim import make_optimizer, schedule
 
@@ -57,18 +58,36 @@ def _objective(logits, targets, moe_stats: dict, aux_weights: tuple[float, float
     loss = jnp.mean(jax.nn.logsumexp(logits, axis=-1) - picked)
     if not moe_stats:
         return loss, {"loss": loss}
-    metrics = {"loss": loss, "aux_loss": jnp.mean(moe_stats["balance_loss"]),
-               "z_loss": jnp.mean(moe_stats["z_loss"]), "dropped": jnp.mean(moe_stats["dropped"]),
-               "expert_load": moe_stats["expert_load"]}
+    metrics = {"loss": loss, **_moe_metrics(moe_stats)}
     return loss + aux_weights[0] * metrics["aux_loss"] + aux_weights[1] * metrics["z_loss"], metrics
 
 
-def _stage_parts(graphdef, params, rows: jax.Array, in_stage, stacked: str):
+def _moe_metrics(moe_stats: dict) -> dict:
+    """The MoE layers' statistics (each with a leading layer axis) as step metrics."""
+    return {"aux_loss": jnp.mean(moe_stats["balance_loss"]), "z_loss": jnp.mean(moe_stats["z_loss"]),
+            "dropped": jnp.mean(moe_stats["dropped"]), "expert_load": moe_stats["expert_load"]}
+
+
+def _aux_weights_per_layer(aux_weights: tuple[float, float], moe_layers: int):
+    """What each MoE layer's statistics add to what is minimized, per unit of the loss
+    (`_objective` takes their means over the model's `moe_layers`)."""
+    scale = {"balance_loss": aux_weights[0], "z_loss": aux_weights[1]}
+
+    def weights(stats: dict) -> dict:
+        return {name: jnp.full_like(x, scale.get(name, 0.0) / moe_layers) for name, x in stats.items()}
+    return weights
+
+
+def _stage_parts(graphdef, params, rows: jax.Array, in_stage, stacked: str, order: np.ndarray | None):
     """What a pipelined step is made of: the model less its stages' weights (a model of
     their shapes holds their place; `model_of(outer)`), the non-stacked parameters, the
-    inputs and targets, and `stage(chunk, x)`, which runs a chunk of stacked layers on
-    one microbatch under the rules inside the stages."""
-    inputs, targets, positions = rows[:, :-1], rows[:, 1:], jnp.arange(rows.shape[1] - 1)
+    inputs and targets (in the order sp lays them out), and `stage(chunk, x)`, which runs
+    a chunk of stacked layers on one microbatch under the rules inside the stages and
+    returns its output and its layers' statistics (MoE layers')."""
+    # Positions as a constant (numpy), which the stages' map may close over.
+    inputs, targets, positions = rows[:, :-1], rows[:, 1:], np.arange(rows.shape[1] - 1)
+    if order is not None:
+        inputs, targets, positions = inputs[:, order], targets[:, order], positions[order]
     outer = {name: value for name, value in params.items() if name != stacked}
     no_blocks = jax.tree.map(lambda w: jax.ShapeDtypeStruct(w.shape, w.dtype), params[stacked])
     model_of = lambda outer: nnx.merge(graphdef, {**outer, stacked: no_blocks})  # noqa: E731
@@ -76,31 +95,38 @@ def _stage_parts(graphdef, params, rows: jax.Array, in_stage, stacked: str):
 
     def stage(chunk, x):
         with in_stage():
-            return model_of(outer).run_layers(nnx.merge(blocks_graph, chunk), x, positions)[0]  # dense: no statistics
+            return model_of(outer).run_layers(nnx.merge(blocks_graph, chunk), x, positions)
 
     return model_of, outer, inputs, targets, stage
 
 
-def _pipelined_loss(graphdef, params, rows: jax.Array, layout: Layout, in_stage) -> tuple[jax.Array, dict]:
-    """`_loss` of a dense model with the stacked layers run as pipeline stages
-    (spmd.pipeline); the embedding, head and loss run outside, on rows split over the
-    data axes and pp."""
+def _row_spec(layout: Layout) -> jax.P:
+    """One microbatch of the residual stream (batch, seq, embed) as the rules lay it out."""
+    return spec_for(("batch", "residual_seq", "embed"), {**layout.rules.activations, "batch": BATCH_AXES})
+
+
+def _pipelined_loss(graphdef, params, rows: jax.Array, layout: Layout, in_stage, order,
+                    aux_weights: tuple[float, float]) -> tuple[jax.Array, dict]:
+    """`_loss` with the stacked layers run as pipeline stages (spmd.pipeline); the
+    embedding, head and loss run outside, on rows split over the data axes and pp."""
     schedule, shards = layout.schedule, layout.batch_shards
     stacked = model_class(layout.skeleton.model_cfg).STACKED
-    model_of, outer, inputs, targets, stage = _stage_parts(graphdef, params, rows, in_stage, stacked)
+    model_of, outer, inputs, targets, stage = _stage_parts(graphdef, params, rows, in_stage, stacked, order)
     model = model_of(outer)
     x = to_microbatches(model.embed(inputs), shards, schedule)
-    out = pipeline(layout.mesh, schedule, stage, params[stacked], x, REMAT_POLICIES[model.remat])
+    out, stats = pipeline(layout.mesh, schedule, stage, params[stacked], x, _row_spec(layout),
+                          REMAT_POLICIES[model.remat])
     logits = model.logits(from_microbatches(out, shards, schedule))
-    return _objective(logits, targets, {}, (0.0, 0.0))
+    return _objective(logits, targets, stats, aux_weights)
 
 
-def _one_f_one_b_grads(graphdef, params, rows: jax.Array, layout: Layout, in_stage) -> tuple[dict, dict]:
+def _one_f_one_b_grads(graphdef, params, rows: jax.Array, layout: Layout, in_stage, order,
+                       aux_weights: tuple[float, float]) -> tuple[dict, dict]:
     """Metrics and gradients of `_pipelined_loss` under the 1F1B schedule, which computes
     the stages' gradients itself (spmd.pipeline.one_f_one_b); autodiff does the rest."""
     schedule, shards = layout.schedule, layout.batch_shards
     family = model_class(layout.skeleton.model_cfg)
-    model_of, outer, inputs, targets, stage = _stage_parts(graphdef, params, rows, in_stage, family.STACKED)
+    model_of, outer, inputs, targets, stage = _stage_parts(graphdef, params, rows, in_stage, family.STACKED, order)
     head_names = family.head_params(layout.skeleton.model_cfg)
 
     def head(head_params, y, targets):
@@ -108,12 +134,13 @@ def _one_f_one_b_grads(graphdef, params, rows: jax.Array, layout: Layout, in_sta
             return _objective(model_of({**outer, **head_params}).logits(y), targets, {}, (0.0, 0.0))[0]
 
     x, embed_vjp = jax.vjp(lambda outer: to_microbatches(model_of(outer).embed(inputs), shards, schedule), outer)
-    loss, d_blocks, d_head, dx = one_f_one_b(layout.mesh, schedule, stage, head, params[family.STACKED],
-                                             {name: outer[name] for name in head_names}, x,
-                                             to_microbatches(targets, shards, schedule))
+    loss, d_blocks, d_head, dx, stats = one_f_one_b(
+        layout.mesh, schedule, stage, head, params[family.STACKED], {name: outer[name] for name in head_names}, x,
+        to_microbatches(targets, shards, schedule), _row_spec(layout),
+        _aux_weights_per_layer(aux_weights, layout.skeleton.model_cfg.moe_layers))
     (grads,) = embed_vjp(dx)
     grads = grads | {name: jax.tree.map(jnp.add, grads[name], d_head[name]) for name in head_names}
-    return {"loss": loss}, grads | {family.STACKED: d_blocks}
+    return {"loss": loss} | (_moe_metrics(stats) if stats else {}), grads | {family.STACKED: d_blocks}
 
 
 def _split_locally(rows: jax.Array, shards: int, k: int) -> jax.Array:
@@ -248,16 +275,22 @@ class Program:
         # Inside a stage the map is manual over pp and dp (spmd.pipeline): neither splits `batch` there.
         return self._annotated(MANUAL_AXES, BATCH_AXES)
 
+    @property
+    def _aux_weights(self) -> tuple[float, float]:
+        return self.cfg.aux_loss_weight, self.cfg.z_loss_weight
+
     def _loss(self, params, rows):
         if self.layout.schedule:
-            return _pipelined_loss(self.graphdef, params, rows, self.layout, self._in_stage)
-        return _loss(self.graphdef, params, rows, self.order, (self.cfg.aux_loss_weight, self.cfg.z_loss_weight))
+            return _pipelined_loss(self.graphdef, params, rows, self.layout, self._in_stage, self.order,
+                                   self._aux_weights)
+        return _loss(self.graphdef, params, rows, self.order, self._aux_weights)
 
     def _loss_and_grads(self, params, rows):
         schedule = self.layout.schedule
         with self._annotated():
             if schedule and schedule.name == "1f1b":
-                return _one_f_one_b_grads(self.graphdef, params, rows, self.layout, self._in_stage)
+                return _one_f_one_b_grads(self.graphdef, params, rows, self.layout, self._in_stage, self.order,
+                                          self._aux_weights)
             (_, metrics), grads = jax.value_and_grad(self._loss, has_aux=True)(params, rows)
             return metrics, grads
 

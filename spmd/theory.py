@@ -334,12 +334,14 @@ def _sequence_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected
         model.kv_heads / _ways(axes_of(layout.rules.activations["kv_heads"]), shape)
     block = cfg.batch / _ways(BATCH_AXES, shape) * cfg.seq / n * kv_heads * model.head_dim * compute_bytes
     recomputed = cfg.remat != "none"  # "none" keeps the received blocks; the others fetch them again
+    # In pipeline stages a device runs 1/pp of the layers, in every tick (bubbles included).
+    layers = model.layers * stage_overhead(layout) / shape["pp"]
     if cfg.attention == "ring":
         hops = 2 * (n - 1) * (3 if recomputed else 2)  # K and V: forward, their gradients back, [forward again]
-        return [Expected("collective-permute", "sp", model.layers * hops * block, "ring attention: K/V blocks")]
+        return [Expected("collective-permute", "sp", layers * hops * block, "ring attention: K/V blocks")]
     gathers = 2 * (2 if recomputed else 1)
-    return [Expected("all-gather", "sp", model.layers * gathers * (n - 1) * block, "attention: K and V gathered"),
-            Expected("reduce-scatter", "sp", model.layers * 2 * (n - 1) * block, "attention: K/V gradients")]
+    return [Expected("all-gather", "sp", layers * gathers * (n - 1) * block, "attention: K and V gathered"),
+            Expected("reduce-scatter", "sp", layers * 2 * (n - 1) * block, "attention: K/V gradients")]
 
 
 def expert_rows(cfg, layout: Layout) -> int:
@@ -363,7 +365,7 @@ def _expert_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
         return []
     out = []
     if sp > 1 and cfg.moe_dispatch == "capacity":
-        choices = tokens_per_device(cfg, layout.shape) * sp * model.moe.top_k * 4
+        choices = tokens_per_device(cfg, layout.shape) * sp * model.moe.top_k * 4 * stage_overhead(layout)
         out.append(Expected("all-reduce", "sp", model.moe_layers * 2 * 2 * (sp - 1) / sp * choices,
                             "capacity: each sequence's choices, to rank them"))
     if ep == 1:
@@ -374,7 +376,8 @@ def _expert_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
     indices = rows * 4 * leaves if dropless else 0  # each row's expert, forward only
     recomputed = cfg.remat != "none"  # the others run the forward exchanges again
     per_layer = (3 if recomputed else 2) * 2 * exchange + (2 if recomputed else 1) * indices
-    return out + [Expected("all-to-all", "ep", model.moe_layers * per_layer,
+    # In pipeline stages every tick runs the stage's layers, bubbles included.
+    return out + [Expected("all-to-all", "ep", model.moe_layers * stage_overhead(layout) * per_layer,
                            f"experts: routed tokens, {'padded dropless blocks' if dropless else 'capacity buffers'}")]
 
 
