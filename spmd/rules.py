@@ -3,8 +3,9 @@
 Each logical name has two entries, following Levanter's split between where a parameter
 *lives* and how values are *computed*:
 
-- `at_rest`: how a parameter dimension is stored. `embed` is split over `fsdp` (ZeRO-3 over
-  that axis); heads, MLP width and vocab over `tp` (Megatron column/row).
+- `at_rest`: how a parameter dimension is stored. `embed` is split over `fsdp` and `sp`
+  (ZeRO-3 over those axes: sp's devices hold different tokens, so they can hold different
+  shards of the weights too); heads, MLP width and vocab over `tp` (Megatron column/row).
 - `compute`: how an activation dimension is laid out. The batch goes over the batch axes,
   the sequence over `sp`, heads / MLP / vocab over `tp`.
 
@@ -37,7 +38,7 @@ TABLE: dict[str, tuple[Axes, Axes]] = {
     "batch": (None, BATCH_AXES),
     "seq": (None, "sp"),
     "residual_seq": (None, "sp"),  # the residual stream's sequence; Megatron-SP adds tp
-    "embed": ("fsdp", None),
+    "embed": (("fsdp", "sp"), None),  # FSDP over the context axis too (as MaxText): sp splits no weight else
     "heads": ("tp", "tp"),
     "kv_heads": ("tp", "tp"),
     "head_dim": (None, None),
@@ -113,7 +114,7 @@ def make_rules(zero: int, megatron_sp: bool = False, shared_kv_heads: bool = Fal
         if zero >= stage:
             # fsdp major, dp minor: each fsdp shard splits further over dp, so the
             # optimizer's shard lies inside the parameter's (no resharding between them).
-            table[ZERO_SHARDED_DIM] = ("fsdp", "dp")
+            table[ZERO_SHARDED_DIM] = (*axes_of(table[ZERO_SHARDED_DIM]), "dp")
         return table
 
     return Rules(params=with_dp(3), grads=with_dp(1), opt_state=with_dp(1), activations=compute)

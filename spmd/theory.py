@@ -126,15 +126,15 @@ def _head_in_stages(layout: Layout) -> bool:
 
 def _backward_gathers(cfg, layout: Layout, stage_runs: float) -> float:
     """How often the backward pass gathers the stacked weights again (once per forward).
-    In GPipe stages under remat "full", XLA hoists that gather out of the backward tick
-    loop (the weights are the same every tick): once. A circular schedule under remat
+    In GPipe stages XLA hoists that gather out of the backward tick loop (the weights are
+    the same every tick), under every remat policy: once. A circular schedule under remat
     "full" runs each tick's forward once more in the backward pass (spmd.pipeline.
     _run_chunk): twice per forward."""
     if layout.schedule is None or layout.schedule.name == "1f1b":
         return stage_runs
     if layout.schedule.repeats > 1:
         return stage_runs * (2 if cfg.remat == "full" else 1)
-    return 1 if cfg.remat == "full" else stage_runs
+    return 1
 
 
 def _compute_table(layout: Layout) -> Mapping:

@@ -26,7 +26,9 @@ def test_the_presets_cover_the_documented_set_ups():
         "a TPU v5p slice": lambda c: c["hardware"] == "v5p",
         "TP=8, PP=4, DP=4": lambda c: c["mesh"] == {"pp": 4, "dp": 4, "tp": 8},
         "expert parallel": lambda c: c["mesh"].get("ep", 1) > 1,
-        "long context": lambda c: c["mesh"].get("sp", 1) > 1 and c["seq"] >= 32768,
+        "long context on one node": lambda c: c["mesh"].get("sp", 1) > 1 and c["seq"] >= 32768 and "dcn" not in c,
+        "DeepSeek-V3's pp x ep x ZeRO-1": lambda c: c["mesh"].get("pp", 1) > 1 and c["mesh"].get("ep", 1) > 1
+        and c.get("zero") == 1,
     }
     missing = [kind for kind, is_it in kinds.items() if not any(map(is_it, meshes.values()))]
     assert not missing
