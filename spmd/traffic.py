@@ -27,6 +27,7 @@ import numpy as np
 
 from spmd import hlo
 from spmd.mesh import AXES
+from spmd.rules import TABLE, ZERO_SHARDED_DIM, axes_of
 
 _ELEMENTS = re.compile(r"\b[a-z]+\d*\[([\d,]*)\]")
 
@@ -212,7 +213,8 @@ def _operand_slice_fractions(module: hlo.HloModule, c: hlo.Collective) -> list[i
     return out
 
 
-STORAGE_AXES = (("fsdp",), ("fsdp", "dp"), ("dp",))  # how gradients are stored split (spmd.rules)
+# How gradients are stored split (spmd.rules: `embed` at rest, then dp under ZeRO), outer first.
+STORAGE_AXES = (*axes_of(TABLE[ZERO_SHARDED_DIM][0]), "dp")
 
 
 def _split_all_reduce(axes: str, k: int, mesh_shape: Mapping[str, int]) -> tuple[str, str] | None:
@@ -221,7 +223,8 @@ def _split_all_reduce(axes: str, k: int, mesh_shape: Mapping[str, int]) -> tuple
     splits it so; for k = n it is a plain reduce-scatter). The scattered axes are the ones
     gradients are stored split over if they fit, else the innermost."""
     names = axes.split("+")
-    candidates = [c for c in STORAGE_AXES if set(c) <= set(names)]
+    candidates = [tuple(a for a in STORAGE_AXES[:i] if a in names) for i in range(1, len(STORAGE_AXES) + 1)]
+    candidates += [("dp",)] if "dp" in names else []
     candidates += [tuple(names[cut:]) for cut in range(len(names))]
     for scatter in candidates:
         if math.prod(mesh_shape[a] for a in scatter) == k:

@@ -37,11 +37,12 @@ def test_mesh_flag_fills_unnamed_axes_and_the_rest():
 
 
 @pytest.mark.parametrize("zero,params,grads,opt", [
-    (0, "fsdp", "fsdp", "fsdp"),
+    # fsdp and sp (whose devices see other tokens, as fsdp's) split the weights' embed.
+    (0, ("fsdp", "sp"), ("fsdp", "sp"), ("fsdp", "sp")),
     # In one fused step ZeRO-1 gradients go straight to the optimizer's shards, as ZeRO-2's.
-    (1, "fsdp", ("fsdp", "dp"), ("fsdp", "dp")),
-    (2, "fsdp", ("fsdp", "dp"), ("fsdp", "dp")),
-    (3, ("fsdp", "dp"), ("fsdp", "dp"), ("fsdp", "dp")),
+    (1, ("fsdp", "sp"), ("fsdp", "sp", "dp"), ("fsdp", "sp", "dp")),
+    (2, ("fsdp", "sp"), ("fsdp", "sp", "dp"), ("fsdp", "sp", "dp")),
+    (3, ("fsdp", "sp", "dp"), ("fsdp", "sp", "dp"), ("fsdp", "sp", "dp")),
 ])
 def test_zero_stage_selects_what_dp_splits(zero, params, grads, opt):
     rules = make_rules(zero)
