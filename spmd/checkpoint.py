@@ -28,7 +28,7 @@ from flax import traverse_util
 from spmd.checksum import checksums
 from spmd.config import flag_of
 from spmd.errors import UserError
-from spmd.layout import STACKED_KEYS, is_stacked, restack
+from spmd.skeleton import STACKED_KEYS, is_stacked, restack
 
 FORMAT = 1
 ITEMS = ("params", "opt_state", "meta")
@@ -41,7 +41,7 @@ def _shapes_of(params) -> dict[str, list[int]]:
 
 def stacked_repeats(config: dict) -> int:
     """How a run's config stores the stacked layers: (layers, ...) or, under a circular
-    pipeline, (repeats, layers / repeats, ...) (spmd.layout.restack)."""
+    pipeline, (repeats, layers / repeats, ...) (spmd.skeleton.restack)."""
     return config.get("pp_repeats", 1) if config.get("pp_schedule") == "circular" else 1
 
 
@@ -96,7 +96,7 @@ class Checkpoints:
 
     def restore(self, step: int, abstract_state: dict, items=("params", "opt_state"), repeats: int = 1) -> dict:
         """Read `items` of checkpoint `step` into the shardings of `abstract_state`, whose
-        stacked layers are stored for `repeats` (spmd.layout.restack). A checkpoint whose
+        stacked layers are stored for `repeats` (spmd.skeleton.restack). A checkpoint whose
         layers are stored otherwise is read as it was saved, checked, then restacked once."""
         meta = self.meta(step)
         saved = stacked_repeats(meta.get("config", {}))

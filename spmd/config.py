@@ -273,7 +273,7 @@ def find_config(argv: Sequence[str]) -> str | None:
 
 
 def validate(cfg: TrainConfig) -> TrainConfig:
-    """Checks that need no devices and no model; the mesh-dependent ones live in spmd.layout."""
+    """Checks that need no devices and no model; the mesh-dependent ones live in spmd.checks."""
     from models import PRESETS
 
     cfg = _resolve_model(cfg)

@@ -42,7 +42,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from spmd.mesh import BATCH_AXES
+
 
 AXIS = "pp"
 BATCH_AXIS = "dp"  # also manual in the map: gradients are reduced over it once per step

@@ -28,7 +28,8 @@ from models.attention import attention_implementation
 from models.moe import expert_implementation
 from spmd.context import make_attention, zigzag_order
 from spmd.experts import make_experts
-from spmd.layout import DTYPES, Layout, routing
+from spmd.layout import Layout
+from spmd.skeleton import DTYPES, routing
 from spmd.mesh import BATCH_AXES
 from spmd.rules import spec_for
 from spmd.pipeline import MANUAL_AXES, from_microbatches, one_f_one_b, pipeline, to_microbatches

@@ -52,7 +52,8 @@ from flax import traverse_util
 
 from models import model_class
 from spmd import pipeline
-from spmd.layout import DTYPES, Layout, is_names, routing
+from spmd.layout import Layout
+from spmd.skeleton import DTYPES, is_names, routing
 from spmd.mesh import AXES, BATCH_AXES
 from spmd.rules import axes_of, spec_for
 

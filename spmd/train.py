@@ -34,7 +34,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = parse_args(argv)
         check_outputs(cfg, find_config(argv))
         procs = processes(cfg)
-        from spmd.layout import check_before_devices
+        from spmd.checks import check_before_devices
 
         check_before_devices(cfg, procs.count)
         emulate_cpu_devices(parse_mesh(cfg.mesh), cfg.cpu_devices, procs.count)

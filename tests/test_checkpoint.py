@@ -10,7 +10,8 @@ import spmd.step
 from spmd.checkpoint import Checkpoints
 from spmd.config import TrainConfig, validate
 from spmd.export import main as export_main
-from spmd.layout import make_layout, model_skeleton
+from spmd.layout import make_layout
+from spmd.skeleton import model_skeleton
 from spmd.train import prepare, train
 
 BASE = dict(mesh="dp=2,fsdp=2,tp=2", batch=16, seq=32, steps=8, lr=3e-3, warmup=2, log_every=4)

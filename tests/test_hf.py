@@ -64,7 +64,7 @@ def test_the_tied_golden_needs_rope_scaling():
 
     from flax import nnx
 
-    from spmd.layout import model_skeleton
+    from spmd.skeleton import model_skeleton
 
     folder = GOLDENS / "llama-tied-rope"
     model = from_pretrained(folder)

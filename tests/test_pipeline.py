@@ -13,7 +13,8 @@ from spmd import hlo
 from spmd.checkpoint import Checkpoints, make_meta
 from spmd.config import TrainConfig, validate
 from spmd.errors import UserError
-from spmd.layout import make_layout, restack
+from spmd.layout import make_layout
+from spmd.skeleton import restack
 from spmd.plan import make_plan
 from spmd.step import build_program
 

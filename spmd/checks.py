@@ -1,0 +1,146 @@
+"""Every check of a run against its mesh before anything is compiled, and the table of
+what combines with what.
+
+`check_layout` is the one entry point (spmd.layout builds on what it returns); each
+refusal is one `UserError` line. `FEATURES` names the parallel axes and the options that
+change a step's layout; every combination of them works but those in `REFUSED`, and a
+test holds the README's "What combines" section to these two tables.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+
+from flax import traverse_util
+
+from models import LlamaConfig
+from spmd.errors import UserError
+from spmd.mesh import AXES, BATCH_AXES, emulated_device_count, parse_mesh, resolve_mesh
+from spmd.pipeline import Schedule
+from spmd.rules import Rules, axes_of, make_rules
+from spmd.skeleton import ModelSkeleton, is_names, restacked, skeleton_for
+
+# ------------------------------------------------------------------ what combines
+
+# The parallel axes and the features that change how a step is laid out, each with when a
+# run uses it (cfg, mesh shape, model config).
+FEATURES: dict[str, Callable] = {
+    **{axis: (lambda axis: lambda cfg, shape, model: shape[axis] > 1)(axis) for axis in AXES},
+    "MoE": lambda cfg, shape, model: model.moe is not None,
+    "capacity": lambda cfg, shape, model: model.moe is not None and cfg.moe_dispatch == "capacity",
+    "grad-accum": lambda cfg, shape, model: cfg.grad_accum > 1,
+    "Megatron-SP": lambda cfg, shape, model: cfg.megatron_sp,
+    "ZeRO": lambda cfg, shape, model: cfg.zero > 0,
+}
+# Every combination of FEATURES combines, but these (each with why, as the user reads it).
+REFUSED: dict[frozenset, str] = {
+    # XLA's partitioner aborts on ranking the choices along a sequence split over sp
+    # inside the stages' map with experts over ep ("Check failed: partition_group_list
+    # ... spmd_partitioner_util.cc:497", XLA:CPU, jax 0.10.2); dropless needs no ranking.
+    frozenset({"pp", "sp", "ep", "capacity"}): "pipeline stages with sp and ep need --moe-dispatch dropless "
+                                               "(capacity mode's ranking of the choices along a sequence split "
+                                               "over sp makes XLA abort here)",
+}
+
+
+def features(cfg, shape: Mapping[str, int], model_cfg: LlamaConfig) -> frozenset:
+    return frozenset(name for name, used in FEATURES.items() if used(cfg, shape, model_cfg))
+
+
+def check_combination(cfg, shape: Mapping[str, int], model_cfg: LlamaConfig) -> None:
+    used = features(cfg, shape, model_cfg)
+    for combination, why in REFUSED.items():
+        if combination <= used:
+            raise UserError(why)
+
+
+# ------------------------------------------------------------------ the checks
+
+def check_layout(cfg, shape: Mapping[str, int], for_training: bool = True):
+    """Every check of a mesh shape against the run, without devices. -> (rules, skeleton, schedule)"""
+    skeleton = skeleton_for(cfg)
+    check_combination(cfg, shape, skeleton.model_cfg)
+    rules = make_rules(cfg.zero, cfg.megatron_sp, shared_kv_heads(cfg, shape, skeleton.model_cfg))
+    schedule = check_pipeline(cfg, shape, skeleton.model_cfg, for_training)
+    if schedule and schedule.repeats > 1:
+        skeleton = restacked(skeleton, schedule.repeats)
+    check_divisible(cfg, shape, rules, skeleton, for_training)
+    return rules, skeleton, schedule
+
+
+def shared_kv_heads(cfg, shape: Mapping[str, int], model_cfg: LlamaConfig) -> bool:
+    """Whether tp splits the query heads more finely than the key/value heads (tp a
+    multiple of them), so that devices share a kv head (rules.SHARED_KV_HEADS)."""
+    tp, kv = shape["tp"], model_cfg.kv_heads
+    if kv % tp == 0:
+        return False
+    if tp % kv or model_cfg.heads % tp:
+        raise UserError(f"model {cfg.model_name}: tp={tp} must divide heads={model_cfg.heads} and either divide "
+                        f"kv_heads={kv} or be a multiple of it")
+    return True
+
+
+def check_before_devices(cfg, processes: int = 1, for_training: bool = True) -> None:
+    """With emulated CPU devices, the layout's checks before the devices are made: a
+    mesh that cannot hold the run (dp=1000000) is refused, not built."""
+    sizes = parse_mesh(cfg.mesh)
+    count = emulated_device_count(sizes, cfg.cpu_devices, processes)
+    if count is not None and processes >= 1:
+        check_layout(cfg, resolve_mesh(sizes, count * processes), for_training)
+
+
+def check_pipeline(cfg, shape: Mapping[str, int], model_cfg: LlamaConfig, for_training: bool) -> Schedule | None:
+    """The pipeline schedule of a layout with pp > 1, its divisibility checked."""
+    p = shape["pp"]
+    if p == 1:
+        if cfg.pp_schedule != "gpipe" or cfg.microbatches is not None:
+            raise UserError("--pp-schedule, --pp-repeats and --microbatches need a pp axis (e.g. --mesh pp=2,dp=4)")
+        return None
+    schedule = Schedule.of(cfg, p)
+    if model_cfg.layers % (p * schedule.repeats):
+        raise UserError(f"model {cfg.model_name}: {model_cfg.layers} layers do not divide into pp x repeats = "
+                        f"{p} x {schedule.repeats} pipeline chunks")
+    m = schedule.microbatches
+    if m % p:
+        raise UserError(f"--microbatches {m} must be a multiple of pp={p} "
+                        "(the head and loss split the microbatches over the stages)")
+    if for_training:
+        shards = math.prod(shape[a] for a in BATCH_AXES)
+        if cfg.microbatch % (m * shards):
+            raise UserError(f"--batch {cfg.microbatch} does not divide into {m} microbatches x "
+                            f"{shards} batch shards" + (" per --grad-accum step" if cfg.grad_accum > 1 else ""))
+    return schedule
+
+
+def check_divisible(cfg, shape: Mapping[str, int], rules: Rules, skeleton: ModelSkeleton,
+                    for_training: bool = True) -> None:
+    if for_training:
+        check_batch(cfg, shape)
+    flat_shapes = traverse_util.flatten_dict(skeleton.shapes)
+    flat_names = traverse_util.flatten_dict(skeleton.names, is_leaf=lambda _, v: is_names(v))
+    for table in (rules.params, rules.grads, rules.opt_state):
+        for path, names in flat_names.items():
+            for size, name in zip(flat_shapes[path].shape, names):
+                axes = axes_of(table.get(name))
+                ways = math.prod(shape[a] for a in axes)
+                if size % ways:
+                    split = "x".join(f"{a}={shape[a]}" for a in axes)
+                    raise UserError(
+                        f"model {cfg.model_name}: {name}={size} does not divide by {split} "
+                        f"(parameter {'.'.join(map(str, path))}, --zero {cfg.zero})"
+                    )
+
+
+def check_batch(cfg, shape: Mapping[str, int]) -> None:
+    shards = math.prod(shape[a] for a in BATCH_AXES)
+    batch_axes = "x".join(f"{a}={shape[a]}" for a in BATCH_AXES if shape[a] > 1) or "1"
+    if cfg.microbatch % shards:
+        what = f"--batch {cfg.batch}" + (f" / --grad-accum {cfg.grad_accum} = {cfg.microbatch}" if cfg.grad_accum > 1 else "")
+        raise UserError(f"{what} does not divide by the batch axes ({batch_axes} = {shards} shards)")
+    sp = shape["sp"]
+    if sp > 1 and cfg.seq % (2 * sp):
+        raise UserError(f"--seq {cfg.seq} does not divide into 2 x sp = {2 * sp} chunks "
+                        "(sequence parallelism gives each sp rank two chunks, one early and one late)")
+    if cfg.megatron_sp and cfg.seq % (sp * shape["tp"]):
+        raise UserError(f"--megatron-sp: --seq {cfg.seq} does not divide by sp x tp = {sp * shape['tp']}")

@@ -1,0 +1,89 @@
+"""The model without arrays: its graph, parameter shapes and logical names, and the stacked
+layers' storage for circular pipelines. Derived with `nnx.eval_shape`: nothing is allocated."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, traverse_util
+
+from models import FAMILIES, PRESETS, LlamaConfig, Routing, model_class
+from spmd.config import model_config
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def is_names(x) -> bool:
+    return isinstance(x, tuple) and all(isinstance(n, str) or n is None for n in x)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSkeleton:
+    """The model without arrays: its graph, parameter shapes and logical names."""
+
+    model_cfg: LlamaConfig
+    graphdef: nnx.GraphDef
+    shapes: dict  # pure dict of jax.ShapeDtypeStruct
+    names: dict  # pure dict of logical-name tuples, one per dimension
+
+    @property
+    def num_params(self) -> int:
+        return sum(math.prod(s.shape) for s in jax.tree.leaves(self.shapes))
+
+
+def routing(cfg) -> Routing:
+    return Routing(cfg.moe_dispatch, cfg.capacity_factor)
+
+
+def skeleton_for(cfg) -> ModelSkeleton:
+    return model_skeleton(model_config(cfg), cfg.dtype, cfg.remat, routing(cfg))
+
+
+@functools.lru_cache(maxsize=32)  # read-only; spmd.plan --auto builds many layouts of one model
+def model_skeleton(model: str | LlamaConfig, dtype: str = "float32", remat: str = "none",
+                   routing: Routing = Routing()) -> ModelSkeleton:
+    """`model`: a preset's name or a model config. The graph holds dtype, remat and routing."""
+    model_cfg = PRESETS[model] if isinstance(model, str) else model
+    abstract = nnx.eval_shape(lambda: model_class(model_cfg)(model_cfg, dtype=DTYPES[dtype], remat=remat, routing=routing,
+                                            rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    shapes, names = {}, {}
+    for path, var in nnx.to_flat_state(state):
+        shapes[path] = jax.ShapeDtypeStruct(var.shape, var.dtype)
+        names[path] = tuple(var.get_metadata()["out_sharding"])
+    return ModelSkeleton(model_cfg, graphdef, traverse_util.unflatten_dict(shapes), traverse_util.unflatten_dict(names))
+
+
+def restacked(skeleton: ModelSkeleton, repeats: int) -> ModelSkeleton:
+    """The skeleton with its stacked layers stored as (repeats, layers / repeats): the
+    circular schedule's layout (spmd.pipeline)."""
+    def names(n):
+        return (None, *n) if n and n[0] == "layers" else n
+
+    return dataclasses.replace(skeleton, shapes=restack(skeleton.shapes, repeats),
+                               names=jax.tree.map(names, skeleton.names, is_leaf=is_names))
+
+
+STACKED_KEYS = frozenset(family.STACKED for family in FAMILIES.values())
+
+
+def is_stacked(path) -> bool:
+    """Whether a leaf of params (or optimizer state, which mirrors them) is a stacked layer's."""
+    return any(getattr(k, "key", None) in STACKED_KEYS for k in path)
+
+
+def restack(tree, repeats: int):
+    """Stacked-layer leaves (in params or optimizer state) of a model's (layers, ...)
+    layout -> (repeats, layers / repeats, ...); repeats < 0 undoes it."""
+    def leaf(path, x):
+        if not is_stacked(path):
+            return x
+        shape = (repeats, x.shape[0] // repeats, *x.shape[1:]) if repeats > 0 else (-1, *x.shape[2:])
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(shape, x.dtype)
+        return x.reshape(shape)
+    return jax.tree_util.tree_map_with_path(leaf, tree)

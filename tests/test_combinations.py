@@ -1,0 +1,59 @@
+"""What combines: the README's statement, the table in spmd/checks.py, and the checks agree."""
+
+import itertools
+import pathlib
+import re
+
+import pytest
+
+from spmd.checks import FEATURES, REFUSED, check_layout
+from spmd.config import TrainConfig, validate
+from spmd.errors import UserError
+from spmd.mesh import AXES, resolve_mesh
+
+README = pathlib.Path(__file__).parents[1] / "README.md"
+
+
+def _readme_statement() -> tuple[list[str], dict[frozenset, str]]:
+    text = README.read_text()
+    section = text[text.index("<!-- combinations:"):text.index("<!-- end combinations -->")]
+    names = re.findall(r"`([^`]+)`", re.search(r"^Features: (.*)$", section, re.M).group(1))
+    refused = {}
+    for row in re.findall(r"^\| (`.*?) \| (.*) \|$", section, re.M):
+        refused[frozenset(re.findall(r"`([^`]+)`", row[0]))] = row[1]
+    return names, refused
+
+
+def test_readme_states_the_table_of_what_combines():
+    names, refused = _readme_statement()
+    assert names == list(FEATURES)
+    assert refused == REFUSED
+
+
+def _config(names) -> tuple:
+    """A small run that uses exactly the features `names` (on 2 devices per axis)."""
+    mesh = {axis: 2 for axis in AXES if axis in names}
+    options = {"model": "moe-tiny", "layers": 4} if {"MoE", "capacity"} & set(names) else {}
+    if "capacity" in names:
+        options["moe_dispatch"] = "capacity"
+    if "grad-accum" in names:
+        options["grad_accum"] = 2
+    if "Megatron-SP" in names:
+        options["megatron_sp"] = True
+    if "ZeRO" in names:
+        options["zero"] = 1
+    cfg = validate(TrainConfig(mesh=",".join(f"{a}={n}" for a, n in mesh.items()), batch=64, seq=32, **options))
+    return cfg, resolve_mesh(mesh, 2 ** len(mesh))
+
+
+@pytest.mark.parametrize("pair", list(itertools.combinations(FEATURES, 2)), ids="+".join)
+def test_every_pair_of_features_passes_the_checks(pair):
+    cfg, shape = _config(pair)
+    check_layout(cfg, shape)  # raises UserError if refused
+
+
+@pytest.mark.parametrize("combination", list(REFUSED), ids=lambda c: "+".join(sorted(c)))
+def test_each_refused_combination_is_refused_with_its_reason(combination):
+    cfg, shape = _config(combination)
+    with pytest.raises(UserError, match=re.escape(REFUSED[combination])):
+        check_layout(cfg, shape)
