@@ -16,7 +16,7 @@ from flax import traverse_util
 
 from models import LlamaConfig
 from spmd.errors import UserError
-from spmd.mesh import AXES, BATCH_AXES, emulated_device_count, parse_mesh, resolve_mesh
+from spmd.mesh import AXES, BATCH_AXES, emulated_device_count
 from spmd.pipeline import Schedule
 from spmd.rules import Rules, axes_of, make_rules
 from spmd.skeleton import ModelSkeleton, is_names, restacked, skeleton_for
@@ -84,10 +84,9 @@ def shared_kv_heads(cfg, shape: Mapping[str, int], model_cfg: LlamaConfig) -> bo
 def check_before_devices(cfg, processes: int = 1, for_training: bool = True) -> None:
     """With emulated CPU devices, the layout's checks before the devices are made: a
     mesh that cannot hold the run (dp=1000000) is refused, not built."""
-    sizes = parse_mesh(cfg.mesh)
-    count = emulated_device_count(sizes, cfg.cpu_devices, processes)
+    count = emulated_device_count(cfg.mesh_spec.sizes, cfg.cpu_devices, processes)
     if count is not None and processes >= 1:
-        check_layout(cfg, resolve_mesh(sizes, count * processes), for_training)
+        check_layout(cfg, cfg.mesh_spec.resolve(count * processes), for_training)
 
 
 def check_pipeline(cfg, shape: Mapping[str, int], model_cfg: LlamaConfig, for_training: bool) -> Schedule | None:

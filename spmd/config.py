@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 import re
 import sys
@@ -120,6 +121,13 @@ class TrainConfig:
     # Not a flag: the model config when it is no preset (--init-from's config.json, or a
     # resumed checkpoint's); saved with the run, so the run can be resumed and exported.
     architecture: object = dataclasses.field(default=None, metadata={"cli": False, "bounds": Bounds()})
+
+    @functools.cached_property
+    def mesh_spec(self):
+        """`mesh` and `dcn`, parsed (spmd.mesh.MeshSpec): the one place the strings are read."""
+        from spmd.mesh import MeshSpec
+
+        return MeshSpec.parse(self.mesh, self.dcn)
 
     @property
     def model_name(self) -> str:
@@ -285,10 +293,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             raise UserError(f"{flag_of(f.name)} must be {bounds}, got {value}")
     if cfg.tokenizer and not cfg.data:
         raise UserError("--tokenizer applies to --data; the built-in data has its own tokens")
-    if cfg.dcn:
-        from spmd.mesh import parse_mesh
-
-        parse_mesh(cfg.dcn)
+    cfg.mesh_spec  # noqa: B018  (parsed here: a bad --mesh or --dcn is refused before anything else)
     _validate_moe(cfg, model_config(cfg))
     _validate_pipeline(cfg)
     if cfg.save_every and not cfg.out:

@@ -31,8 +31,9 @@ from jax.ad_checkpoint import checkpoint_name
 from models.annotate import ACTIVATION
 from models.attention import causal_attention
 from spmd.mesh import BATCH_AXES, inside_map, still_automatic
+from spmd.rules import SEQUENCE_AXIS
 
-AXIS = "sp"
+AXIS = SEQUENCE_AXIS  # the rules table splits the sequence over it
 _HIDDEN = -1e30  # score of a masked key: finite, so a row with no visible key stays finite
 
 

@@ -56,9 +56,9 @@ def main(argv=None) -> int:
 
 def evaluate(cfg, checkpoint, batches: int | None) -> tuple[float, int, int]:
     """Mean loss over `batches` batches (default: all) of `cfg.data`. -> (loss, tokens, batches)"""
-    from spmd.mesh import emulate_cpu_devices, parse_mesh
+    from spmd.mesh import emulate_cpu_devices
 
-    emulate_cpu_devices(parse_mesh(cfg.mesh), cfg.cpu_devices)
+    emulate_cpu_devices(cfg.mesh_spec.sizes, cfg.cpu_devices)
     import jax
     import numpy as np
 

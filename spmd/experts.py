@@ -30,10 +30,10 @@ from jax.ad_checkpoint import checkpoint_name
 
 from models.annotate import ACTIVATION
 from models.moe import Choice, from_buffers, grouped_experts, single_device_experts, swiglu_experts, to_buffers
-from spmd.context import AXIS as SEQUENCE_AXIS
 from spmd.mesh import BATCH_AXES, inside_map, still_automatic
+from spmd.rules import EXPERT_AXIS, SEQUENCE_AXIS
 
-AXIS = "ep"
+AXIS = EXPERT_AXIS  # the rules table splits the experts over it
 
 
 def make_experts(mesh: jax.sharding.Mesh, batch_axes: tuple[str, ...] = BATCH_AXES):

@@ -161,11 +161,11 @@ def read(args, cfg, checkpoint):
     """The checkpoint's parameters on `--mesh` (default: the mesh that wrote them), with
     the run's config for that mesh."""
     from spmd.config import validate
-    from spmd.mesh import emulate_cpu_devices, parse_mesh
+    from spmd.mesh import emulate_cpu_devices
     from spmd.weights import restore_params
 
     cfg = validate(dataclasses.replace(cfg, mesh=args.mesh or cfg.mesh))
-    emulate_cpu_devices(parse_mesh(cfg.mesh), args.cpu_devices)  # before Orbax starts JAX
+    emulate_cpu_devices(cfg.mesh_spec.sizes, args.cpu_devices)  # before Orbax starts JAX
 
     from spmd.layout import make_layout
 

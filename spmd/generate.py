@@ -189,9 +189,9 @@ class Generation:
 
     def __init__(self, cfg, checkpoint, args):
         from spmd.decode import Sampling
-        from spmd.mesh import emulate_cpu_devices, parse_mesh
+        from spmd.mesh import emulate_cpu_devices
 
-        emulate_cpu_devices(parse_mesh(cfg.mesh), cfg.cpu_devices)
+        emulate_cpu_devices(cfg.mesh_spec.sizes, cfg.cpu_devices)
         from spmd.layout import make_layout
         from spmd.weights import load_params
 

@@ -213,15 +213,15 @@ def from_pretrained(path: str | Path, mesh=None, dtype: str = "float32"):
 
     from spmd.config import TrainConfig
     from spmd.layout import make_layout
-    from spmd.mesh import REMAINING, explicit_product, parse_mesh
+    from spmd.mesh import MeshSpec
 
     directory = Directory(path, "from_pretrained")
     devices = jax.devices()[:1]
     mesh_text = "dp=1"
     if isinstance(mesh, str):
-        sizes = parse_mesh(mesh)
+        spec = MeshSpec.parse(mesh)
         mesh_text = mesh
-        devices = jax.devices() if REMAINING in sizes.values() else jax.devices()[:explicit_product(sizes)]
+        devices = jax.devices() if spec.has_remaining else jax.devices()[:spec.devices]
     elif mesh is not None:
         mesh_text = ",".join(f"{name}={size}" for name, size in mesh.shape.items())
         devices = list(mesh.devices.flat)

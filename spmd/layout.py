@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import optax
 
 from spmd.checks import check_layout
-from spmd.mesh import BATCH_AXES, build_mesh, format_mesh, parse_mesh, resolve_mesh
+from spmd.mesh import BATCH_AXES, build_mesh, format_mesh
 from spmd.pipeline import Schedule
 from spmd.rules import Rules, spec_for, without_axes
 from spmd.skeleton import ModelSkeleton, is_names, restack
@@ -99,10 +99,9 @@ def make_layout(cfg, devices=None, for_training: bool = True) -> Layout:
     """Resolve the mesh for `devices` (default: all) and check every divisibility
     (of the batch and sequence too, unless the layout is only for holding parameters)."""
     devices = list(jax.devices() if devices is None else devices)
-    shape = resolve_mesh(parse_mesh(cfg.mesh), len(devices))
+    shape = cfg.mesh_spec.resolve(len(devices))
     rules, skeleton, schedule = check_layout(cfg, shape, for_training)
-    dcn = parse_mesh(getattr(cfg, "dcn", None))
-    return Layout(build_mesh(shape, devices, dcn), shape, rules, skeleton, schedule)
+    return Layout(build_mesh(shape, devices, cfg.mesh_spec.dcn), shape, rules, skeleton, schedule)
 
 
 def bytes_per_device(tree) -> int:

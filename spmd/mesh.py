@@ -7,6 +7,7 @@ count can still be chosen (`emulate_cpu_devices`) after parsing.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import math
 import os
@@ -40,6 +41,33 @@ def parse_mesh(spec: str | Mapping[str, int] | None) -> dict[str, int]:
     if list(sizes.values()).count(REMAINING) > 1:
         raise UserError("only one mesh axis may be -1 (the remaining devices)")
     return sizes
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSpec:
+    """`--mesh` and `--dcn`, parsed once (`TrainConfig.mesh_spec`): the size given to each
+    named axis (-1: the remaining devices) and the factor of each that spans the data-center
+    network."""
+
+    sizes: Mapping[str, int]
+    dcn: Mapping[str, int] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, mesh: str | Mapping[str, int] | None, dcn: str | Mapping[str, int] | None = None) -> MeshSpec:
+        return cls(parse_mesh(mesh), parse_mesh(dcn))
+
+    def resolve(self, num_devices: int) -> dict[str, int]:
+        """All six axes for `num_devices` devices (see `resolve_mesh`)."""
+        return resolve_mesh(self.sizes, num_devices)
+
+    @property
+    def devices(self) -> int:
+        """The devices the named sizes ask for (without the -1 axis)."""
+        return explicit_product(self.sizes)
+
+    @property
+    def has_remaining(self) -> bool:
+        return REMAINING in self.sizes.values()
 
 
 def _split_pairs(text: str) -> list[tuple[str, str]]:

@@ -42,9 +42,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from spmd.rules import STAGE_AXIS
 
-
-AXIS = "pp"
+AXIS = STAGE_AXIS  # the rules table splits the stacked layers over it
 BATCH_AXIS = "dp"  # also manual in the map: gradients are reduced over it once per step
 MANUAL_AXES = (AXIS, BATCH_AXIS)
 

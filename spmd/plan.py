@@ -18,8 +18,7 @@ from collections.abc import Sequence
 
 from spmd.config import REMAT, integer, parse_with_extras
 from spmd.errors import UserError
-from spmd.mesh import (MAX_EMULATED_DEVICES, accelerator_plugin_installed, check_dcn, explicit_product, parse_mesh,
-                       resolve_mesh)
+from spmd.mesh import MAX_EMULATED_DEVICES, accelerator_plugin_installed, check_dcn
 from spmd.signals import serve as serve_signals
 
 SMALL_BYTES = 1024  # collectives moving less each time are scalars (loss, norms, MoE statistics): listed, not flagged
@@ -274,19 +273,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg, extras = parse_with_extras(argv, prog="python -m spmd.plan", add_extras=plan_flags,
                                         description="Show per-device memory, collectives and a step-time "
                                                     "estimate of a layout, before launch (trains nothing).")
-        sizes = parse_mesh(cfg.mesh)
-        count = explicit_product(sizes) if extras.devices is None else extras.devices
+        spec = cfg.mesh_spec
+        count = spec.devices if extras.devices is None else extras.devices
         if count < 1:
             raise UserError(f"--devices must be positive, got {count}")
         if count > MAX_EMULATED_DEVICES and not accelerator_plugin_installed():
             raise UserError(f"planning for {count:,} devices would emulate them on the CPU; at most "
                             f"{MAX_EMULATED_DEVICES} can be emulated")
-        if -1 in sizes.values() and not extras.devices and not extras.auto:
+        if spec.has_remaining and not extras.devices and not extras.auto:
             raise UserError("a mesh axis of -1 needs --devices N to plan for")
         devices, planned_on = plan_devices(count)
         hardware = default_hardware(cfg, devices)
         if cfg.dcn:  # the emulated devices are one process: plan the mesh; which devices span DCN changes no bytes
-            check_dcn(resolve_mesh(sizes, count), parse_mesh(cfg.dcn))
+            check_dcn(spec.resolve(count), spec.dcn)
             cfg = dataclasses.replace(cfg, dcn=None)
         if extras.auto:
             if hardware is None:

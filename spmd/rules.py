@@ -48,6 +48,13 @@ TABLE: dict[str, tuple[Axes, Axes]] = {
     "layers": ("pp", None),  # pipeline stages own contiguous layers (spmd.pipeline)
 }
 
+# The axes the hand-written maps are manual over, as the table places them: pipeline stages
+# own layers (spmd.pipeline), ring attention passes the sequence's chunks (spmd.context),
+# experts' tokens travel to where the experts live (spmd.experts).
+STAGE_AXIS = TABLE["layers"][0]
+SEQUENCE_AXIS = TABLE["seq"][1]
+EXPERT_AXIS = TABLE["experts"][0]
+
 ZERO_STAGES = (0, 1, 2, 3)
 ZERO_SHARDED_DIM = "embed"  # the dimension that ZeRO splits over dp, beside fsdp
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from spmd.config import TrainConfig, find_config, parse_args
 from spmd.distributed import initialize, processes
 from spmd.errors import EXIT_OUTPUT_FAILED, OutputFailed, UserError, first_line, one_line_errors, quiet_library_threads
-from spmd.mesh import emulate_cpu_devices, parse_mesh
+from spmd.mesh import emulate_cpu_devices
 from spmd.paths import LOCK_NAME, DirectoryLock, check_outputs_apart, check_writable_dir, check_writable_file
 from spmd.signals import serve as serve_signals
 from spmd.signals import served
@@ -37,7 +37,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from spmd.checks import check_before_devices
 
         check_before_devices(cfg, procs.count)
-        emulate_cpu_devices(parse_mesh(cfg.mesh), cfg.cpu_devices, procs.count)
+        emulate_cpu_devices(cfg.mesh_spec.sizes, cfg.cpu_devices, procs.count)
     with one_line_errors(hold_stderr=False):  # a native abort while joining must still show its message
         initialize(procs, cfg.heartbeat_timeout, cfg.join_timeout)
     with one_line_errors():
