@@ -40,12 +40,21 @@ LAYOUTS = [
     ("dp,fsdp,sp ring", 8, dict(TINY, mesh="dp=2,fsdp=2,sp=2")),
     ("Megatron-SP tp=2", 2, dict(TINY, mesh="tp=2", megatron_sp=True)),
     ("Megatron-SP sp=2,tp=2", 4, dict(TINY, mesh="sp=2,tp=2", megatron_sp=True)),
+    ("sp=2 + grad-accum 2", 4, dict(TINY, mesh="dp=2,sp=2", grad_accum=2)),
+    ("tp=8 > 4 kv heads", 8, dict(TINY, mesh="tp=8")),
+    ("fsdp=2,tp=8 > kv, accum 2", 16, dict(TINY, mesh="fsdp=2,tp=8", grad_accum=2)),
+    ("MoE ep=2 + grad-accum 2", 2, dict(TINY, model="moe-tiny", mesh="ep=2", grad_accum=2)),
+    ("MoE sp=2,ep=2 capacity", 4, dict(TINY, model="moe-tiny", mesh="sp=2,ep=2", moe_dispatch="capacity")),
+    ("pp=2,ep=2 MoE", 4, dict(TINY, model="moe-tiny", layers=4, mesh="pp=2,ep=2")),
+    ("pp=2,ep=2,dp=2 ZeRO-1 MoE", 8, dict(TINY, model="moe-tiny", layers=4, mesh="pp=2,ep=2,dp=2", zero=1)),
+    ("pp=2,sp=2", 4, dict(TINY, mesh="pp=2,sp=2")),
+    ("pp=2,tp=2 Megatron-SP", 4, dict(TINY, mesh="pp=2,tp=2", megatron_sp=True)),
     ("llama3-8b fsdp=8,tp=8 bf16", 64,
      dict(model="llama3-8b", batch=64, seq=2048, mesh="fsdp=8,tp=8", dtype="bfloat16", remat="full")),
     ("llama3-8b HSDP+ZeRO-1 bf16", 8,
      dict(model="llama3-8b", batch=16, seq=2048, mesh="dp=4,fsdp=2", zero=1, dtype="bfloat16", remat="dots")),
 ]
-OPS = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute")
+OPS = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute", "all-to-all")
 
 
 def main() -> int:

@@ -1,8 +1,11 @@
 """Expert parallelism: tokens travel to the devices that hold their experts, with `jax.shard_map`.
 
 Experts are split over `ep` (rules table: `experts` -> ep); the batch is split over the
-batch axes (dp, fsdp, ep). The map is manual over the batch axes, so each device routes
-its own tokens, and automatic over tp, so an expert's hidden width keeps its tp split.
+batch axes (dp, fsdp, ep), the sequence over sp. The map is manual over the batch axes and
+sp, so each device routes its own tokens (its rows, its chunk of each sequence), and
+automatic over tp, so an expert's hidden width keeps its tp split. Inside gradient
+accumulation's vmap over batch shards, or pipeline stages manual over some batch axes,
+it is manual over the axes left.
 With ep = 1 nothing moves: each device runs its tokens through all experts locally (a
 global sort of every token would otherwise gather the batch).
 

@@ -1,9 +1,11 @@
 """Pipeline stages over the `pp` axis, with `jax.shard_map`.
 
 The stacked layers are cut into p stages (rules table: `layers` -> pp); a step's rows are
-cut into m microbatches that stream through them. The map is manual over pp and dp; fsdp
-and tp stay automatic inside a stage, so a stage is the model's own layer scan under the
-same rules as without a pipeline. Being manual over dp lets each dp shard sum its own
+cut into m microbatches that stream through them. The map is manual over pp and dp; fsdp,
+ep, sp and tp stay automatic inside a stage, so a stage is the model's own layer scan under
+the same rules as without a pipeline (the experts' and ring attention's maps nest inside,
+manual over the axes this one leaves; MoE layers' statistics come out with the outputs,
+and 1F1B feeds what they add to the loss into its backward pass). Being manual over dp lets each dp shard sum its own
 gradients over the ticks and reduce them once, where the map ends (automatic, XLA would
 reduce them every tick). Activations move to the next stage by `ppermute` once per tick;
 every stage runs every tick (a bubble tick computes on zeros and its result is dropped),

@@ -29,11 +29,11 @@ from models.moe import expert_implementation
 from spmd.context import make_attention, zigzag_order
 from spmd.experts import make_experts
 from spmd.layout import Layout
-from spmd.skeleton import DTYPES, routing
 from spmd.mesh import BATCH_AXES
-from spmd.rules import spec_for
-from spmd.pipeline import MANUAL_AXES, from_microbatches, one_f_one_b, pipeline, to_microbatches
 from spmd.optim import make_optimizer, schedule
+from spmd.pipeline import MANUAL_AXES, from_microbatches, one_f_one_b, pipeline, to_microbatches
+from spmd.rules import spec_for
+from spmd.skeleton import DTYPES, routing
 
 
 def _loss(graphdef, params, rows: jax.Array, order: np.ndarray | None = None,
@@ -176,8 +176,9 @@ def model_context(layout: Layout, attention: str = "ring", local_axes: tuple[str
     batch_axes = tuple(a for a in BATCH_AXES if a not in local_axes)
     if layout.shape["sp"] > 1:
         stack.enter_context(attention_implementation(make_attention(layout.mesh, attention, batch_axes)))
-    # Experts: each batch shard routes its own tokens (all-to-all over ep when ep > 1);
-    # inside one batch shard, its experts are all at hand.
+    # Experts: each device routes its own tokens (its rows, its chunk of the sequence;
+    # all-to-all over ep when ep > 1). Inside a vmap over all the batch shards, without sp,
+    # a shard's experts are all at hand.
     if layout.skeleton.model_cfg.moe is not None and math.prod(layout.shape[a] for a in (*batch_axes, "sp")) > 1:
         stack.enter_context(expert_implementation(make_experts(layout.mesh, batch_axes)))
     return stack

@@ -91,7 +91,7 @@ def test_compiled_collectives_and_state_match_theory(mesh, devices, overrides):
 
 def test_json_has_the_documented_keys():
     run = train_run("dp=2,fsdp=2,tp=2", 8)
-    cfg = validate(TrainConfig(**{**run.cfg.__dict__, "hardware": "h100"}))
+    cfg = validate(dataclasses.replace(run.cfg, hardware="h100"))
     from spmd import hardware
 
     data = make_plan(cfg, run.layout, compiled=run.compiled, hardware=hardware.get("h100")).as_json()
