@@ -185,6 +185,9 @@ def collectives(cfg, layout: Layout) -> list[Expected]:
             times = (stage_runs + _backward_gathers(cfg, layout, stage_runs)) if p.stacked else 1
             out.append(Expected("all-gather", "+".join(gathered), times * (n - 1) / n * slice_numel * sum(widths),
                                 "weights gathered where used" + (", again in backward" if p.stacked else "")))
+        fused = _table_scatter_axes(cfg, layout) if p.path == model_class(model_cfg).LOOKUP_TABLE else ()
+        if fused:  # reduce-scattered together with tp's (_tensor_parallel); the rest reduces that shard
+            token_axes, grad_numel = tuple(a for a in token_axes if a not in fused), grad_numel / _ways(fused, shape)
         out += _gradients(cfg, layout, p, token_axes, grad_numel, widths, stage_runs)
         out += _shared_kv_heads(cfg, layout, p, max(widths), stage_runs)
         regather = _live(set(_spec_axes(p.names, rules.opt_state)) - set(at_rest), shape)
@@ -265,6 +268,18 @@ def _shared_kv_heads(cfg, layout: Layout, p: Param, width: int, stage_runs: floa
                      "kv heads: gradients of all heads, for the whole stored projection")]
 
 
+def _table_scatter_axes(cfg, layout: Layout) -> tuple[str, ...]:
+    """Under Megatron-SP with the vocabulary split over tp, XLA reduce-scatters the lookup
+    table's gradient over tp and over the token axes it is stored split over (fsdp, sp) in
+    one collective: those axes."""
+    shape, rules = layout.shape, layout.rules
+    if not (cfg.megatron_sp and shape["tp"] > 1 and "tp" in axes_of(rules.activations["vocab"])):
+        return ()
+    table = next(p for p in params(layout) if p.path == model_class(layout.skeleton.model_cfg).LOOKUP_TABLE)
+    stored = _spec_axes(table.names, rules.grads)
+    return _live([a for a in stored if a != "tp" and a in (*layout.data_axes, "sp")], shape)
+
+
 def _tensor_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
     t = layout.shape["tp"]
     if t == 1:
@@ -315,7 +330,10 @@ def _tensor_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
         # rather than reduce-scattering the looked-up rows.
         table = model.vocab * model.embed * 4
         out.append(Expected("all-gather", "tp", (t - 1) / t * table, "vocab split: the table, for the lookup"))
-        out.append(Expected("reduce-scatter", "tp", (t - 1) / t * table, "vocab split: the table's gradient"))
+        fused = _table_scatter_axes(cfg, layout)
+        n = t * _ways(fused, layout.shape)
+        out.append(Expected("reduce-scatter", "+".join(_live((*fused, "tp"), layout.shape)), (n - 1) / n * table,
+                            "vocab split: the table's gradient"))
         reduced(head_input, 1, "vocab split: the output head's input")
     elif vocab_split:
         reduced(lookup, 1, "vocab split: embedding lookup (float32 rows)")
