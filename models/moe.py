@@ -111,7 +111,7 @@ class MoE(nnx.Module):
         top, expert = _top_k(scores, moe.top_k)
         gate = top / jnp.sum(top, axis=-1, keepdims=True)
         capacity = self.routing.capacity(x.shape[1], moe)
-        slot = _slots(expert, positions, moe.experts)
+        slot = capacity_slots(expert, positions, moe.experts) if capacity is not None else jnp.zeros_like(expert)
         kept = slot < capacity if capacity is not None else jnp.ones(slot.shape, bool)
         choice = Choice(expert, slot, jnp.where(kept, gate, 0.0))
         y = experts_ffn(x, choice, weight(self.gate_up, dt), weight(self.down, dt), capacity)
@@ -211,6 +211,12 @@ def single_device_experts(x, choice: Choice, gate_up, down, capacity: int | None
     out = grouped_experts(rows, choice.expert.reshape(-1), gate_up, down).reshape(b, s, k, -1)
     return jnp.einsum("bske,bsk->bse", out, choice.gate.astype(out.dtype))
 
+
+# Each choice's rank among its sequence's choices of its expert (capacity mode):
+# capacity_slots(expert, positions, experts); a trainer that splits sequences swaps in a
+# ranking across the pieces (`slots_implementation`, see spmd.context).
+capacity_slots = Swappable("slots", _slots)
+slots_implementation = capacity_slots.use
 
 # Gate-weighted sum of each token's chosen experts: experts_ffn(x, choice, gate_up, down,
 # capacity) is what the MoE layer calls; `expert_implementation(f)` swaps in f.

@@ -33,15 +33,11 @@ FEATURES: dict[str, Callable] = {
     "Megatron-SP": lambda cfg, shape, model: cfg.megatron_sp,
     "ZeRO": lambda cfg, shape, model: cfg.zero > 0,
 }
-# Every combination of FEATURES combines, but these (each with why, as the user reads it).
-REFUSED: dict[frozenset, str] = {
-    # XLA's partitioner aborts on ranking the choices along a sequence split over sp
-    # inside the stages' map with experts over ep ("Check failed: partition_group_list
-    # ... spmd_partitioner_util.cc:497", XLA:CPU, jax 0.10.2); dropless needs no ranking.
-    frozenset({"pp", "sp", "ep", "capacity"}): "pipeline stages with sp and ep need --moe-dispatch dropless "
-                                               "(capacity mode's ranking of the choices along a sequence split "
-                                               "over sp makes XLA abort here)",
-}
+# Every combination of FEATURES combines, but these (each with why, as the user reads it):
+# none today. (Pipeline stages with sp and ep in capacity mode were, while XLA ranked the
+# choices along the sp-split sequence: its partitioner aborted, "Check failed:
+# partition_group_list ... spmd_partitioner_util.cc:497"; spmd.context ranks them now.)
+REFUSED: dict[frozenset, str] = {}
 
 
 def features(cfg, shape: Mapping[str, int], model_cfg: LlamaConfig) -> frozenset:

@@ -61,6 +61,36 @@ def make_attention(mesh: jax.sharding.Mesh, mode: str, batch_axes: tuple[str, ..
     return attention
 
 
+def make_capacity_slots(mesh: jax.sharding.Mesh, batch_axes: tuple[str, ...] = BATCH_AXES):
+    """capacity_slots(expert, positions, experts) (models.moe) for sequences laid out by
+    `zigzag_order` over sp: each rank counts its two chunks' choices per expert, the counts
+    are all-gathered over sp (b x 2 x experts integers), and a choice's rank in its sequence
+    is its rank in its chunk plus the choices of its expert in the chunks before it."""
+    n = mesh.shape[AXIS]
+    split = jax.P(batch_axes or None, AXIS)
+
+    def ranks(expert, experts: int):
+        b, s, k = expert.shape
+        rank = jax.lax.axis_index(AXIS)
+        halves = jax.nn.one_hot(expert.reshape(b, 2, s // 2 * k), experts, dtype=jnp.int32)  # (b, 2, c k, E)
+        within = jnp.sum((jnp.cumsum(halves, axis=2) - halves) * halves, axis=-1)  # rank inside the chunk
+        counts = jax.lax.all_gather(jnp.sum(halves, axis=2), AXIS)  # (n, b, 2, E): every rank's two chunks
+        order = np.concatenate([np.arange(n), 2 * n - 1 - np.arange(n)])  # chunk of (half, rank), half-major
+        per_chunk = jnp.zeros((2 * n, b, experts), jnp.int32).at[order].set(
+            counts.transpose(2, 0, 1, 3).reshape(2 * n, b, experts))
+        before = jnp.cumsum(per_chunk, axis=0) - per_chunk  # (2n, b, E): choices in earlier chunks
+        mine = jnp.stack([before[rank], before[2 * n - 1 - rank]], axis=1)  # (b, 2, E)
+        offset = jnp.take_along_axis(mine, expert.reshape(b, 2, s // 2 * k), axis=2)
+        return (within + offset).reshape(b, s, k)
+
+    def capacity_slots(expert, positions, experts: int):
+        del positions  # each rank knows its chunks: they follow from the layout
+        return jax.shard_map(functools.partial(ranks, experts=experts), mesh=inside_map(mesh), in_specs=(split,),
+                             out_specs=split, axis_names=still_automatic({AXIS, *BATCH_AXES}), check_vma=False)(expert)
+
+    return capacity_slots
+
+
 def _positions(chunk_index, chunk: int) -> jax.Array:
     """Positions of the `chunk_index`-th chunk of `chunk` tokens."""
     return chunk_index * chunk + jnp.arange(chunk)

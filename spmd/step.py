@@ -25,8 +25,8 @@ from models import model_class
 from models.llama import REMAT_POLICIES
 from models.annotate import computed_copies, storage
 from models.attention import attention_implementation
-from models.moe import expert_implementation
-from spmd.context import make_attention, zigzag_order
+from models.moe import expert_implementation, slots_implementation
+from spmd.context import make_attention, make_capacity_slots, zigzag_order
 from spmd.experts import make_experts
 from spmd.layout import Layout
 from spmd.mesh import BATCH_AXES
@@ -176,6 +176,7 @@ def model_context(layout: Layout, attention: str = "ring", local_axes: tuple[str
     batch_axes = tuple(a for a in BATCH_AXES if a not in local_axes)
     if layout.shape["sp"] > 1:
         stack.enter_context(attention_implementation(make_attention(layout.mesh, attention, batch_axes)))
+        stack.enter_context(slots_implementation(make_capacity_slots(layout.mesh, batch_axes)))
     # Experts: each device routes its own tokens (its rows, its chunk of the sequence;
     # all-to-all over ep when ep > 1). Inside a vmap over all the batch shards, without sp,
     # a shard's experts are all at hand.

@@ -377,16 +377,19 @@ def expert_rows(cfg, layout: Layout) -> int:
 
 def _expert_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
     """All-to-all of tokens over ep, per MoE layer (spmd.experts); in capacity mode with
-    the sequence split over sp, XLA gathers each sequence's choices (and returns their
-    ranks) to rank them in position order, two int32 all-reduces over sp per layer."""
+    the sequence split over sp, the per-expert counts of every chunk's choices, gathered
+    over sp to rank each choice in its sequence."""
     ep, sp, model = layout.shape["ep"], layout.shape["sp"], layout.skeleton.model_cfg
     if model.moe is None:
         return []
     out = []
     if sp > 1 and cfg.moe_dispatch == "capacity":
-        choices = tokens_per_device(cfg, layout.shape) * sp * model.moe.top_k * 4 * stage_overhead(layout)
-        out.append(Expected("all-reduce", "sp", model.moe_layers * 2 * 2 * (sp - 1) / sp * choices,
-                            "capacity: each sequence's choices, to rank them"))
+        # Each rank's two chunks' choices counted per expert (int32), gathered from the
+        # others (spmd.context.make_capacity_slots); XLA runs the gather twice per layer.
+        sequences = tokens_per_device(cfg, layout.shape) * sp / cfg.seq
+        counts = sequences * 2 * model.moe.experts * 4
+        out.append(Expected("all-gather", "sp", model.moe_layers * stage_overhead(layout) * 2 * (sp - 1) * counts,
+                            "capacity: each chunk's choices per expert, to rank them in the sequence"))
     if ep == 1:
         return out
     rows, leaves = expert_rows(cfg, layout), (ep - 1) / ep

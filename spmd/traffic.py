@@ -64,8 +64,21 @@ def device_groups(attributes: str, num_devices: int) -> list[list[int]] | None:
         sizes = [int(n) for _, n in names]
         ids = (_iota(_ints(mesh.group(2)), _ints(mesh.group(3)) if mesh.group(3) else None)
                if mesh.group(2) else np.arange(math.prod(sizes))).reshape(sizes)
-        grouped = [i for i, (name, _) in enumerate(names) if f"'{name}'" in mesh.group(4)]
-        return _groups_along(ids, grouped)
+        # Grouped axes: whole ('tp'), or a sub-axis ('tp':(4)2: the 2 after the first 4 of
+        # tp's devices, major to minor), as newer XLA writes a part of an axis.
+        grouped_axes = {name: (int(pre), int(size)) if size else None
+                        for name, pre, size in re.findall(r"'(\w+)'(?::\((\d+)\)(\d+))?", mesh.group(4))}
+        dims, grouped = [], []
+        for name, n in zip((name for name, _ in names), sizes):
+            if name in grouped_axes and grouped_axes[name]:
+                pre, size = grouped_axes[name]
+                grouped.append(len(dims) + 1)
+                dims += [pre, size, n // (pre * size)]
+            else:
+                if name in grouped_axes:
+                    grouped.append(len(dims))
+                dims.append(n)
+        return _groups_along(ids.reshape(dims), grouped)
     iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attributes)
     if iota:
         ids = _iota(_ints(iota.group(3)), _ints(iota.group(4)) if iota.group(4) else None)

@@ -18,9 +18,9 @@ def _readme_statement() -> tuple[list[str], dict[frozenset, str]]:
     text = README.read_text()
     section = text[text.index("<!-- combinations:"):text.index("<!-- end combinations -->")]
     names = re.findall(r"`([^`]+)`", re.search(r"^Features: (.*)$", section, re.M).group(1))
-    refused = {}
-    for row in re.findall(r"^\| (`.*?) \| (.*) \|$", section, re.M):
-        refused[frozenset(re.findall(r"`([^`]+)`", row[0]))] = row[1]
+    refused = {frozenset(re.findall(r"`([^`]+)`", row[0])): row[1]
+               for row in re.findall(r"^\| (`.*?) \| (.*) \|$", section, re.M)}
+    assert bool(refused) != ("no combination is refused" in section)
     return names, refused
 
 
@@ -52,8 +52,10 @@ def test_every_pair_of_features_passes_the_checks(pair):
     check_layout(cfg, shape)  # raises UserError if refused
 
 
-@pytest.mark.parametrize("combination", list(REFUSED), ids=lambda c: "+".join(sorted(c)))
-def test_each_refused_combination_is_refused_with_its_reason(combination):
-    cfg, shape = _config(combination)
-    with pytest.raises(UserError, match=re.escape(REFUSED[combination])):
+def test_a_refused_combination_is_refused_with_its_reason(monkeypatch):
+    """The mechanism, on a made-up entry (the table refuses nothing today)."""
+    monkeypatch.setitem(REFUSED, frozenset({"sp", "grad-accum"}), "made up: sp with accumulation")
+    cfg, shape = _config(("sp", "grad-accum"))
+    with pytest.raises(UserError, match="made up: sp with accumulation"):
         check_layout(cfg, shape)
+    check_layout(*_config(("sp",)))  # a part of it passes

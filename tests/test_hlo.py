@@ -66,3 +66,15 @@ def test_fsdp_gathers_parameters_and_stores_them_sharded():
     wq = run.layout.shardings(run.layout.rules.params)["blocks"]["attn"]["wq"]
     # (layers, embed, heads, head_dim): embed split 8 ways at rest.
     assert wq.shard_shape((2, 64, 8, 8)) == (2, 8, 8, 8)
+
+
+def test_replica_groups_over_part_of_an_axis_are_read():
+    """Newer XLA (jax 0.12) writes groups over part of an axis as a sub-axis: `'tp':(4)2`
+    is the 2 devices after the first 4 of tp's 8, major to minor (neighbours), `'tp':(1)4`
+    every second one."""
+    mesh = "replica_groups=mesh['fsdp'=2,'tp'=8] {'tp':(%s)%s}"
+    assert traffic.device_groups(mesh % (4, 2), 16) == [[2 * i, 2 * i + 1] for i in range(8)]
+    assert traffic.device_groups(mesh % (1, 4), 16) == [[0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15]]
+    shape = {"fsdp": 2, "tp": 8}
+    assert traffic.axes_of_groups(traffic.device_groups(mesh % (4, 2), 16), shape) == "tp:inner2"
+    assert traffic.axes_of_groups(traffic.device_groups(mesh % (1, 4), 16), shape) == "tp:outer4"

@@ -133,8 +133,6 @@ def test_plan_matches_the_compiled_pipeline(i):
     ({"mesh": "pp=2,dp=4", "microbatches": 4, "batch": 24}, 8, "--batch 24 does not divide into 4 microbatches x 4"),
     ({"mesh": "pp=2", "pp_schedule": "circular"}, 2, "needs --pp-repeats 2 or more"),
     ({"mesh": "", "microbatches": 4}, 1, "need a pp axis"),
-    ({"mesh": "pp=2,sp=2,ep=2", "model": "moe-tiny", "layers": 4, "moe_dispatch": "capacity"}, 8,
-     "pipeline stages with sp and ep need --moe-dispatch dropless"),
     ({"mesh": "pp=2", "model": "moe-tiny"}, 2, "layers=1 does not divide by pp=2"),
 ])
 def test_bad_pipeline_layouts_are_refused_before_compiling(overrides, devices, message):
