@@ -28,7 +28,7 @@ pytestmark = pytest.mark.xdist_group("generate")
 
 GOLDENS = Path(__file__).with_name("hf")
 DRIVER = Path(__file__).with_name("cli_driver.py")
-MESHES = ("dp=1", "tp=2", "dp=2,tp=2", "fsdp=2,tp=2")
+MESHES = ("dp=1", "tp=2", "dp=2,tp=2", "fsdp=2,tp=2", "tp=8")  # tp=8: beyond the 4 kv heads, which devices share
 PROMPT_LENGTHS, NEW = (3, 9, 17), 12
 
 
