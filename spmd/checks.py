@@ -65,9 +65,16 @@ def check_layout(cfg, shape: Mapping[str, int], for_training: bool = True):
     return rules, skeleton, schedule
 
 
+def kv_copies(shape: Mapping[str, int], model_cfg: LlamaConfig) -> int:
+    """Copies of each key/value head computed with (models.annotate.copies): tp / kv_heads
+    where devices share kv heads (`shared_kv_heads`), else 1."""
+    tp, kv = shape["tp"], model_cfg.kv_heads
+    return 1 if kv % tp == 0 else tp // kv
+
+
 def shared_kv_heads(cfg, shape: Mapping[str, int], model_cfg: LlamaConfig) -> bool:
-    """Whether tp splits the query heads more finely than the key/value heads (tp a
-    multiple of them), so that devices share a kv head (rules.SHARED_KV_HEADS)."""
+    """Whether devices share a kv head (rules.SHARED_KV_HEADS): tp a multiple of the kv
+    heads that divides the query heads; any other tp that does not divide them is refused."""
     tp, kv = shape["tp"], model_cfg.kv_heads
     if kv % tp == 0:
         return False

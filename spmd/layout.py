@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from spmd.checks import check_layout
+from spmd.checks import check_layout, kv_copies
 from spmd.mesh import BATCH_AXES, build_mesh, format_mesh
 from spmd.pipeline import Schedule
 from spmd.rules import Rules, spec_for, without_axes
@@ -55,10 +55,8 @@ class Layout:
 
     @property
     def kv_copies(self) -> int:
-        """Copies of each key/value head computed with (models.annotate.copies): tp / kv_heads
-        where tp splits the query heads more finely than the kv heads (rules.SHARED_KV_HEADS)."""
-        tp, kv = self.shape["tp"], self.skeleton.model_cfg.kv_heads
-        return 1 if kv % tp == 0 else tp // kv
+        """Copies of each key/value head computed with (spmd.checks.kv_copies)."""
+        return kv_copies(self.shape, self.skeleton.model_cfg)
 
     @property
     def accumulation_axes(self) -> tuple[str, ...]:
