@@ -23,6 +23,7 @@ DTYPES = ("float32", "bfloat16")
 REMAT = ("none", "full", "dots")
 ON_NAN = ("stop", "skip")
 ATTENTION = ("ring", "all-gather")
+ATTENTION_KERNELS = ("auto", "xla", "cudnn", "splash", "chunked")
 MOE_DISPATCH = ("dropless", "capacity")
 PP_SCHEDULES = ("gpipe", "circular", "1f1b")
 TOKEN_DTYPES = ("uint16", "uint32")
@@ -83,6 +84,7 @@ class TrainConfig:
     grad_accum: int = _field(1, "microbatches per step, accumulated in a scan with one gradient reduction", at_least=1)
     remat: str = _field("none", "activation checkpointing of each block", choices=REMAT)
     attention: str = _field("ring", "attention across the sp axis: K/V blocks passed around a ring, or all-gathered", choices=ATTENTION)
+    attention_kernel: str = _field("auto", "attention's kernel: auto (cudnn on NVIDIA GPUs, splash on TPU, chunked elsewhere), xla (scores materialized), cudnn (fused flash attention), splash (Pallas, TPU), chunked (flash-style in plain JAX: memory linear in the sequence)", choices=ATTENTION_KERNELS)
     megatron_sp: bool = _field(False, "Megatron sequence parallelism: norms and residuals split along the sequence over tp too")
     layers: int | None = _field(None, "number of layers (default: the preset's)", at_least=1)
     pp_schedule: str = _field("gpipe", "pipeline schedule over the pp axis (gpipe, circular with --pp-repeats chunks per stage, 1f1b)", choices=PP_SCHEDULES)
@@ -95,6 +97,9 @@ class TrainConfig:
     aux_loss_weight: float = _field(0.01, "MoE models: weight of the load-balancing loss", at_least=0)
     z_loss_weight: float = _field(0.001, "MoE models: weight of the router z-loss", at_least=0)
     log_every: int = _field(10, "print a log line every N steps (metrics are fetched from devices only then)", at_least=1)
+    profile_steps: str | None = _field(None, "capture a profiler trace of steps A to B (A:B, numbered as in the log line, both included)")
+    profile_dir: str = _field("profile", "directory of the --profile-steps trace (TensorBoard's profile plugin, xprof, Perfetto)")
+    tensorboard: str | None = _field(None, "also write every metric as TensorBoard scalars into this directory (process 0)")
     metrics_file: str | None = _field(None, "write one JSON object per step to this .jsonl file (a resumed run keeps the records before its checkpoint)")
     out: str | None = _field(None, "directory for checkpoints; a run resumes from its latest checkpoint there")
     save_every: int = _field(0, "save a checkpoint every N steps (0: only at the end); needs --out", at_least=0)
@@ -136,6 +141,21 @@ class TrainConfig:
         if self.init_from:
             return f"{self.init_from} (Hugging Face)"
         return "imported" if self.architecture is not None else "tiny"
+
+    @functools.cached_property
+    def profile_range(self) -> tuple[int, int] | None:
+        """--profile-steps A:B as (A, B), steps numbered from 1 as in the log line."""
+        if self.profile_steps is None:
+            return None
+        match = re.fullmatch(r"([0-9]+):([0-9]+)", self.profile_steps)
+        if not match:
+            raise UserError(f"--profile-steps must be A:B (first and last step to profile), got {self.profile_steps!r}")
+        first, last = int(match[1]), int(match[2])
+        if not 1 <= first <= last:
+            raise UserError(f"--profile-steps {self.profile_steps}: the first step must be at least 1 and at most the last")
+        if last > self.steps:
+            raise UserError(f"--profile-steps {self.profile_steps} goes beyond --steps {self.steps}")
+        return first, last
 
     @property
     def microbatch(self) -> int:
@@ -296,6 +316,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     cfg.mesh_spec  # noqa: B018  (parsed here: a bad --mesh or --dcn is refused before anything else)
     _validate_moe(cfg, model_config(cfg))
     _validate_pipeline(cfg)
+    cfg.profile_range  # noqa: B018  (parsed here: a bad range is refused before anything runs)
     if cfg.save_every and not cfg.out:
         raise UserError("--save-every needs --out DIR")
     if cfg.hardware is not None:
