@@ -1,17 +1,30 @@
-"""Causal attention for one device, and the hook through which a trainer swaps in a
-sequence-parallel implementation (spmd.context) without the model knowing.
+"""Causal attention for one device, its kernels, and the hook through which a trainer
+swaps in a kernel or a sequence-parallel implementation (spmd.context) without the model
+knowing.
 
 Masks compare positions, not indices, so the sequence may arrive in any order (a
 load-balanced layout reorders it): a query sees the keys at positions up to its own.
+
+Kernels (`KERNELS`), each `kernel(q, k, v, q_positions, k_positions)`:
+- xla: the scores materialized (seq x seq per head), softmax, values: the reference.
+- chunked: flash-style in plain JAX (models.flash): memory linear in the sequence.
+- cudnn: cuDNN's fused flash attention (`jax.nn.dot_product_attention`), NVIDIA GPUs.
+- splash: Pallas splash attention, TPUs.
+The fused kernels read the causal mask from indices, so they take only positions known
+while tracing to be 0, 1, 2, ...; other cases go to the chunked kernel, with a line
+saying so (`fallback`), never silently wrong.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from models import flash
 from models.swap import Swappable
 
 
@@ -36,11 +49,76 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_slots: jax.Arra
     return jnp.einsum("bkgst,bktd->bskgd", probs, v)
 
 
-def _one_device(q, k, v, positions):
-    return causal_attention(q, k, v, positions, positions)
+def cudnn_attention(q, k, v, q_positions, k_positions):
+    b, s, kv, g, d = q.shape
+    if q.dtype not in (jnp.bfloat16, jnp.float16):
+        return fallback("cudnn", f"it takes bfloat16 or float16, not {q.dtype}")(q, k, v, q_positions, k_positions)
+    if not in_order(q_positions, k_positions):
+        return fallback("cudnn", "the positions are not 0, 1, 2, ... (its causal mask reads indices)")(
+            q, k, v, q_positions, k_positions)
+    # Query head (kv, g) is head kv * groups + g: the one jax maps to key/value head kv.
+    out = jax.nn.dot_product_attention(q.reshape(b, s, kv * g, d), k, v, is_causal=True, implementation="cudnn")
+    return out.reshape(q.shape)
+
+
+SPLASH_BLOCKS = (512, 256, 128)  # block sizes splash attention tiles the sequence with, largest first
+
+
+def splash_attention(q, k, v, q_positions, k_positions, interpret: bool = False):
+    """`interpret`: run the Pallas kernel in its interpreter (any backend; for tests)."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernels
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+
+    b, s, kv, g, d = q.shape
+    block = next((n for n in SPLASH_BLOCKS if s % n == 0), None)
+    if block is None or not in_order(q_positions, k_positions):
+        why = (f"the sequence ({s}) is no multiple of {SPLASH_BLOCKS[-1]}" if block is None
+               else "the positions are not 0, 1, 2, ... (its causal mask reads indices)")
+        return fallback("splash", why)(q, k, v, q_positions, k_positions)
+    sizes = kernels.BlockSizes(**{name: block for name in (
+        "block_q", "block_kv", "block_kv_compute", "block_q_dkv", "block_kv_dkv", "block_kv_dkv_compute",
+        "block_q_dq", "block_kv_dq")})
+    # One kernel per key/value head: its query heads share it (multi-query form).
+    kernel = kernels.make_splash_mqa_single_device(
+        masks.MultiHeadMask([masks.CausalMask((s, s))] * g), block_sizes=sizes, interpret=interpret)
+    heads_first = (q / math.sqrt(d)).astype(q.dtype).transpose(0, 2, 3, 1, 4)  # (b, kv, g, s, d): splash does not scale
+    out = jax.vmap(jax.vmap(kernel))(heads_first, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))
+    return out.transpose(0, 3, 1, 2, 4).astype(q.dtype)
+
+
+KERNELS = {"xla": causal_attention, "chunked": flash.attention, "cudnn": cudnn_attention, "splash": splash_attention}
+
+
+def in_order(q_positions, k_positions) -> bool:
+    """Whether both are known while tracing (not traced values) to be 0, 1, 2, ... of one length."""
+    try:
+        q_at, k_at = np.asarray(q_positions), np.asarray(k_positions)
+    except (TypeError, jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return False
+    return q_at.shape == k_at.shape and q_at.ndim == 1 and np.array_equal(q_at, np.arange(q_at.size))
+
+
+_told: set[tuple[str, str]] = set()
+
+
+def fallback(kernel: str, why: str):
+    """The chunked kernel, for a case `kernel` cannot take; says so once per case."""
+    if (kernel, why) not in _told:
+        _told.add((kernel, why))
+        print(f"attention: the {kernel} kernel cannot take this call ({why}); using the chunked kernel", flush=True)
+    return flash.attention
+
+
+def kernel_attention(kernel):
+    """attend(q, k, v, positions) with `kernel` (a callable of KERNELS' form)."""
+    return functools.partial(_self_attention, kernel)
+
+
+def _self_attention(kernel, q, k, v, positions):
+    return kernel(q, k, v, positions, positions)
 
 
 # Causal self-attention of a sequence with the given positions: attend(q, k, v, positions)
 # is what models call; `attention_implementation(f)` swaps in f (e.g. ring attention).
-attend = Swappable("attention", _one_device)
+attend = Swappable("attention", kernel_attention(causal_attention))
 attention_implementation = attend.use

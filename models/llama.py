@@ -325,7 +325,7 @@ class Llama(nnx.Module):
         """Logits, and the MoE layers' statistics stacked along a leading layer axis
         (`models.moe`; empty for a dense model)."""
         if positions is None:
-            positions = jnp.arange(tokens.shape[1])
+            positions = np.arange(tokens.shape[1])  # a constant: kernels can see the order
         x, stats = self.run_layers(self.blocks, self.embed(tokens), positions)
         return self.logits(x), stats
 

@@ -9,19 +9,19 @@ chunks i and 2n-1-i, one early and one late, so under the causal mask every rank
 same work. The trainer reorders tokens, targets and positions this way before the model
 (`zigzag_order`); masks compare positions, so the loss is that of the original order.
 
-- ring: K/V blocks travel the ring with `ppermute`, n-1 hops; each hop merges a partial
-  softmax into a running max and sum (the online softmax of flash attention). A chunk
-  pair that the causal mask hides entirely is skipped (`lax.cond`): after the first hop
-  each rank computes 2 of its 4 chunk pairs. XLA may overlap a hop with the previous
-  hop's compute; autodiff sends the K/V gradients back around the ring.
-- all-gather: K and V are all-gathered over sp, queries stay local; the backward pass
-  reduce-scatters their gradients.
+- ring: K/V blocks travel the ring with `ppermute`, n-1 hops; each chunk pair is
+  attended with the chunked kernel's pieces (models.flash), and the results merged by
+  their log-sum-exp (the online softmax of flash attention). A chunk pair that the
+  causal mask hides entirely is skipped (`lax.cond`): after the first hop each rank
+  computes 2 of its 4 chunk pairs. XLA may overlap a hop with the previous hop's
+  compute; autodiff sends the K/V gradients back around the ring.
+- all-gather: K and V are all-gathered over sp, queries stay local and attend with the
+  run's kernel; the backward pass reduce-scatters their gradients.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -29,12 +29,12 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from models.annotate import ACTIVATION
+from models import flash
 from models.attention import causal_attention
 from spmd.mesh import BATCH_AXES, inside_map, still_automatic
 from spmd.rules import SEQUENCE_AXIS
 
 AXIS = SEQUENCE_AXIS  # the rules table splits the sequence over it
-_HIDDEN = -1e30  # score of a masked key: finite, so a row with no visible key stays finite
 
 
 def zigzag_order(seq: int, n: int) -> np.ndarray:
@@ -43,12 +43,14 @@ def zigzag_order(seq: int, n: int) -> np.ndarray:
     return np.concatenate([np.concatenate([chunks[i], chunks[2 * n - 1 - i]]) for i in range(n)])
 
 
-def make_attention(mesh: jax.sharding.Mesh, mode: str, batch_axes: tuple[str, ...] = BATCH_AXES):
+def make_attention(mesh: jax.sharding.Mesh, mode: str, batch_axes: tuple[str, ...] = BATCH_AXES,
+                   kernel=causal_attention):
     """attention(q, k, v, positions) for sequences laid out by `zigzag_order` over sp.
     `batch_axes`: the axes that split the rows here; those a surrounding vmap over batch
-    shards has taken (gradient accumulation) are left out, and vmap adds them back."""
+    shards has taken (gradient accumulation) are left out, and vmap adds them back.
+    `kernel` (models.attention.KERNELS' form): what all-gather mode attends with."""
     n = mesh.shape[AXIS]
-    body = functools.partial(_ring if mode == "ring" else _gathered, n=n)
+    body = functools.partial(_ring, n=n) if mode == "ring" else functools.partial(_gathered, n=n, kernel=kernel)
     # Manual over sp and the batch axes (each device's own rows), automatic over tp (heads).
     # (Manual over sp alone, XLA gathered the whole batch for the all-gather variant.)
     split = jax.P(batch_axes or None, AXIS)
@@ -96,7 +98,7 @@ def _positions(chunk_index, chunk: int) -> jax.Array:
     return chunk_index * chunk + jnp.arange(chunk)
 
 
-def _gathered(q, k, v, *, n: int):
+def _gathered(q, k, v, *, n: int, kernel):
     rank = jax.lax.axis_index(AXIS)
     chunk = q.shape[1] // 2
     q_positions = jnp.concatenate([_positions(rank, chunk), _positions(2 * n - 1 - rank, chunk)])
@@ -104,39 +106,10 @@ def _gathered(q, k, v, *, n: int):
     k_all = checkpoint_name(jax.lax.all_gather(k, AXIS, axis=1, tiled=True), ACTIVATION)
     v_all = checkpoint_name(jax.lax.all_gather(v, AXIS, axis=1, tiled=True), ACTIVATION)
     k_positions = jnp.asarray(zigzag_order(2 * n * chunk, n))
-    return causal_attention(q, k_all, v_all, q_positions, k_positions)
+    return kernel(q, k_all, v_all, q_positions, k_positions)
 
 
 # ----------------------------------------------------------------------------- ring
-
-@jax.checkpoint
-def _partial(q, k, v, q_positions, k_positions):
-    """Unnormalized attention of a query chunk on a key chunk: (out, row max, row sum).
-
-    Checkpointed, as flash attention does: the backward pass recomputes a chunk pair's
-    scores from q, k and v instead of keeping every hop's float32 scores until then."""
-    scores = jnp.einsum("bskgd,btkd->bkgst", q, k).astype(jnp.float32) / math.sqrt(q.shape[-1])
-    scores = jnp.where(q_positions[:, None] >= k_positions[None, :], scores, _HIDDEN)
-    top = jnp.max(scores, axis=-1)
-    weights = jnp.exp(scores - top[..., None])
-    out = jnp.einsum("bkgst,btkd->bskgd", weights.astype(v.dtype), v).astype(jnp.float32)
-    return out, top, jnp.sum(weights, axis=-1)
-
-
-def _nothing(q):
-    b, s, kv, g, _ = q.shape
-    return (jnp.zeros(q.shape, jnp.float32), jnp.full((b, kv, g, s), _HIDDEN, jnp.float32),
-            jnp.zeros((b, kv, g, s), jnp.float32))
-
-
-def _merge(a, b):
-    """Combine two partial softmaxes over disjoint key sets."""
-    (out_a, top_a, sum_a), (out_b, top_b, sum_b) = a, b
-    top = jnp.maximum(top_a, top_b)
-    wa, wb = jnp.exp(top_a - top), jnp.exp(top_b - top)
-    rows = lambda w: jnp.moveaxis(w, -1, 1)[..., None]  # (b, kv, g, s) -> (b, s, kv, g, 1)  # noqa: E731
-    return out_a * rows(wa) + out_b * rows(wb), top, sum_a * wa + sum_b * wb
-
 
 def _ring(q, k, v, *, n: int):
     rank = jax.lax.axis_index(AXIS)
@@ -153,10 +126,10 @@ def _ring(q, k, v, *, n: int):
                 # A key chunk after the query chunk is hidden by the causal mask: skip it.
                 part = jax.lax.cond(
                     qi >= ki,
-                    lambda qc, kc, vc, qi, ki: _partial(qc, kc, vc, _positions(qi, chunk), _positions(ki, chunk)),
-                    lambda qc, kc, vc, qi, ki: _nothing(qc),
+                    lambda qc, kc, vc, qi, ki: flash.attention_lse(qc, kc, vc, _positions(qi, chunk), _positions(ki, chunk)),
+                    lambda qc, kc, vc, qi, ki: flash.nothing(qc),
                     qc, kc, vc, qi, ki)
-                states[i] = _merge(states[i], part)
+                states[i] = flash.merge(states[i], part)
         return tuple(states)
 
     def hop(carry, step):
@@ -167,7 +140,6 @@ def _ring(q, k, v, *, n: int):
         v = checkpoint_name(jax.lax.ppermute(v, AXIS, ring), ACTIVATION)
         return (k, v, visit(states, k, v, (rank - step) % n)), None
 
-    states = visit(tuple(_nothing(qc) for qc, _ in q_chunks), k, v, rank)
+    states = visit(tuple(flash.nothing(qc) for qc, _ in q_chunks), k, v, rank)
     (_, _, states), _ = jax.lax.scan(hop, (k, v, states), jnp.arange(1, n))
-    outs = [out / jnp.moveaxis(total, -1, 1)[..., None] for out, _, total in states]
-    return jnp.concatenate(outs, axis=1).astype(q.dtype)
+    return jnp.concatenate([out for out, _ in states], axis=1).astype(q.dtype)

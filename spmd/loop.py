@@ -21,7 +21,8 @@ from spmd.data import Prefetcher, global_batch
 from spmd.distributed import Watchdog
 from spmd.hardware import peak_tflops, train_flops_per_token
 from spmd.errors import OutputFailed, why_io_failed
-from spmd.report import describe_run, emit
+from spmd.observe import Profile, Scalars, duration, peak_memory_bytes
+from spmd.report import describe_run, emit, human_bytes
 from spmd.signals import StopSignals
 
 
@@ -95,6 +96,8 @@ class Run:
         metrics_file = cfg.metrics_file if self.primary else None  # one process writes the run's file
         if metrics_file:
             start_metrics(metrics_file, self.start_step)
+        scalars = Scalars(cfg.tensorboard, self.start_step) if cfg.tensorboard and self.primary else None
+        profile = Profile(cfg.profile_range, cfg.profile_dir, self.start_step, self.log)
         records: list[dict] = []
         pending: list[dict] = []
         in_flight: deque = deque()
@@ -104,12 +107,19 @@ class Run:
             lambda k: global_batch(self.source, k, cfg.batch, cfg.seq + 1, layout.batch_sharding),
             self.start_step, cfg.steps)
         window_start = time.perf_counter()
+        done = self.start_step
         try:
             with StopSignals() as stop:
                 for step in range(self.start_step, cfg.steps):
-                    with self.watchdog.waiting(f"reading step {step}'s batch"):
-                        batch = batches.next()
-                    self.state, metrics = self.step_fn(self.state, batch)
+                    done = step + 1
+                    with profile.step(done):
+                        with self.watchdog.waiting(f"reading step {step}'s batch"):
+                            batch = batches.next()
+                        self.state, metrics = self.step_fn(self.state, batch)
+                    if profile.ends_at(done):  # the trace must hold this step's device work
+                        with self.watchdog.waiting(f"step {step}, the last one profiled"):
+                            jax.block_until_ready((self.state, metrics))
+                        window_start += profile.stop(done)  # writing the trace is no step's time
                     pending.append(metrics)
                     in_flight.append(metrics["loss"])
                     stopping = stop.requested  # read once: a signal may land mid-iteration
@@ -121,7 +131,6 @@ class Run:
                             in_flight.popleft().block_until_ready()  # a step already behind: no stall
                             if self.stop_vote:  # the vote cast with that step: every process reads the same
                                 stopping = self.stop_vote.outcome(votes.popleft())
-                    done = step + 1
                     save_due = bool(cfg.save_every) and done % cfg.save_every == 0
                     log_due = done % cfg.log_every == 0 or done == cfg.steps
                     eval_due = bool(cfg.eval_every) and done % cfg.eval_every == 0
@@ -135,10 +144,14 @@ class Run:
                                            tokens, flops / devices, peak)
                     if eval_due:
                         window[-1]["eval_loss"] = self.evaluate(done)
+                    if (peak_memory := peak_memory_bytes(layout.mesh.local_devices)) is not None:
+                        window[-1]["peak_memory_bytes"] = peak_memory
                     records += window
                     pending, window_start = [], now
                     if metrics_file:
                         append_records(metrics_file, window)
+                    if scalars:
+                        scalars.write(window)
                     bad = [r["step"] for r in window if r["skipped"]]
                     if bad and cfg.on_nan == "stop":
                         ok = False
@@ -149,6 +162,7 @@ class Run:
                     if log_due or eval_due or stopping:
                         self.log(log_line(window[-1], cfg.steps, recent_loss(records, cfg.log_every), self.skipped))
                     if stopping:
+                        profile.stop(done)
                         self._finish_saves()
                         where = f"saved {self.checkpoints.directory / str(done)}" if self.checkpoints else "not saved (no --out)"
                         self.log(f"stopped by {stopping} after step {done}; {where}")
@@ -158,6 +172,9 @@ class Run:
         finally:
             batches.close()
             try:
+                profile.stop(done)  # a run that ends inside the range keeps the trace of its steps so far
+                if scalars:
+                    scalars.close()
                 self._finish_saves()
             finally:
                 self.watchdog.close()
@@ -234,11 +251,14 @@ def log_line(r: dict, steps: int, window_loss: float, skipped: int) -> str:
     mfu = f"  mfu {r['mfu']:.1%}" if "mfu" in r else ""
     skip = f"  skipped {skipped}" if skipped else ""
     held_out = f"  eval_loss {r['eval_loss']:.4f}" if "eval_loss" in r else ""
+    peak = f"  peak {human_bytes(r['peak_memory_bytes'])}" if "peak_memory_bytes" in r else ""
+    left = f"  eta {duration((steps - done) * r['step_time_s'])}" if done < steps else ""
     moe = (f"  aux {r['aux_loss']:.3f}  z {r['z_loss']:.3f}  dropped {r['dropped']:.1%}  imbalance {r['imbalance']:.2f}"
            if "aux_loss" in r else "")
     return (f"[{done:>{len(str(steps))}}/{steps} {done / steps:4.0%}] loss {window_loss:.4f}  "
             f"grad_norm {r['grad_norm']:.3f}  lr {r['lr']:.2e}  {r['tokens_per_sec']:,.0f} tok/s  "
-            f"{r['step_time_s'] * 1e3:.1f} ms/step  {r['tflops_per_device']:.3f} TFLOP/s/device{mfu}{moe}{held_out}{skip}")
+            f"{r['step_time_s'] * 1e3:.1f} ms/step  {r['tflops_per_device']:.3f} TFLOP/s/device{mfu}{peak}{moe}"
+            f"{held_out}{skip}{left}")
 
 
 def recent_loss(records: list[dict], n: int) -> float:

@@ -21,13 +21,16 @@ def human_bytes(n: float) -> str:
 
 
 def describe_run(cfg, layout, plan, data: str, compile_s: float) -> list[str]:
+    from spmd import kernels
+
     devices = layout.mesh.devices
     kind = devices.flat[0].device_kind
     skel = layout.skeleton
     return [
         f"mesh: {layout.describe()} over {devices.size} x {kind} "
         f"(axes {', '.join(f'{a}={n}' for a, n in layout.shape.items())})",
-        f"model: {cfg.model_name}, {skel.num_params:,} parameters, compute {cfg.dtype}, remat {cfg.remat}",
+        f"model: {cfg.model_name}, {skel.num_params:,} parameters, compute {cfg.dtype}, remat {cfg.remat}, "
+        f"attention kernel {kernels.describe(cfg.attention_kernel, devices.flat[0])}",
         f"batch: {cfg.batch} x {cfg.seq} tokens, grad-accum {cfg.grad_accum}, zero {cfg.zero}",
         f"data: {data}",
         *plan_summary(plan),

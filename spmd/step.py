@@ -24,9 +24,11 @@ from flax import nnx
 from models import model_class
 from models.llama import REMAT_POLICIES
 from models.annotate import computed_copies, storage
-from models.attention import attention_implementation
+from models.attention import KERNELS, attention_implementation
 from models.moe import expert_implementation, slots_implementation
 from spmd.context import make_attention, make_capacity_slots, zigzag_order
+from spmd.kernels import make_kernel
+from spmd.kernels import resolve as resolve_kernel
 from spmd.experts import make_experts
 from spmd.layout import Layout
 from spmd.mesh import BATCH_AXES
@@ -45,7 +47,8 @@ def _loss(graphdef, params, rows: jax.Array, order: np.ndarray | None = None,
     over sequences, so means over equal microbatches compose. `order`: the columns' order
     for the model (a permutation of the positions); the mean is that of any order."""
     model = nnx.merge(graphdef, params)
-    inputs, targets, positions = rows[:, :-1], rows[:, 1:], jnp.arange(rows.shape[1] - 1)
+    # Positions are constants (numpy), so that a kernel can see they are in order.
+    inputs, targets, positions = rows[:, :-1], rows[:, 1:], np.arange(rows.shape[1] - 1)
     if order is not None:
         inputs, targets, positions = inputs[:, order], targets[:, order], positions[order]
     logits, moe_stats = model.forward(inputs, positions)
@@ -162,10 +165,11 @@ def _step_metrics(metrics: dict) -> dict:
 
 
 def model_context(layout: Layout, attention: str = "ring", local_axes: tuple[str, ...] = (),
-                  data_axes: tuple[str, ...] | None = None) -> contextlib.ExitStack:
+                  data_axes: tuple[str, ...] | None = None, kernel: str = "xla") -> contextlib.ExitStack:
     """What the model runs under on `layout`: the rules its annotations read
-    (models.annotate), and the parallel implementations swapped in for attention across sp
-    (`attention`: ring or all-gather) and experts across the batch shards. `local_axes`:
+    (models.annotate), the attention `kernel` (spmd.kernels), and the parallel
+    implementations swapped in for attention across sp (`attention`: ring or all-gather)
+    and experts across the batch shards. `local_axes`:
     axes the values are local to (a vmap over batch shards, a map manual over them);
     `data_axes`: what splits the batch (default: the layout's)."""
     rules = layout.rules
@@ -175,8 +179,10 @@ def model_context(layout: Layout, attention: str = "ring", local_axes: tuple[str
     stack.enter_context(computed_copies({"kv_heads": layout.kv_copies}))
     batch_axes = tuple(a for a in BATCH_AXES if a not in local_axes)
     if layout.shape["sp"] > 1:
-        stack.enter_context(attention_implementation(make_attention(layout.mesh, attention, batch_axes)))
+        stack.enter_context(attention_implementation(make_attention(layout.mesh, attention, batch_axes, KERNELS[kernel])))
         stack.enter_context(slots_implementation(make_capacity_slots(layout.mesh, batch_axes)))
+    else:
+        stack.enter_context(attention_implementation(make_kernel(layout.mesh, kernel, batch_axes)))
     # Experts: each device routes its own tokens (its rows, its chunk of the sequence;
     # all-to-all over ep when ep > 1). Inside a vmap over all the batch shards, without sp,
     # a shard's experts are all at hand.
@@ -199,6 +205,7 @@ class Program:
 
     def __init__(self, cfg, layout: Layout):
         self.cfg, self.layout = cfg, layout
+        self.kernel = resolve_kernel(cfg.attention_kernel, layout.mesh.devices.flat[0])
         self.graphdef = layout.skeleton.graphdef
         self.tx = make_optimizer(cfg, layout.skeleton.model_cfg)
         self.lr_at = schedule(cfg)
@@ -272,7 +279,7 @@ class Program:
     # ------------------------------------------------------------ their parts
 
     def _annotated(self, local_axes: tuple[str, ...] = (), data_axes: tuple[str, ...] | None = None):
-        return model_context(self.layout, self.cfg.attention, local_axes, data_axes)
+        return model_context(self.layout, self.cfg.attention, local_axes, data_axes, self.kernel)
 
     def _in_stage(self):
         # Inside a stage the map is manual over pp and dp (spmd.pipeline): neither splits `batch` there.

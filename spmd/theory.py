@@ -50,7 +50,7 @@ from collections.abc import Mapping
 import jax.numpy as jnp
 from flax import traverse_util
 
-from models import model_class
+from models import flash, model_class
 from spmd import pipeline
 from spmd.layout import Layout
 from spmd.skeleton import DTYPES, is_names, routing
@@ -495,13 +495,15 @@ def activation_bytes(cfg, layout: Layout, compute_bytes: int) -> float:
     # qkv projection and rotated q/k/v, per-head attention output, the scores, the MLP's
     # gate/up and hidden); "dots" keeps matmuls without batch dimensions; "full" only the
     # block input, and recomputes one layer at a time during the backward pass.
-    # Scores: each query token's whole row, kept like an activation. Ring attention across
-    # sp (spmd.context) recomputes them in the backward pass instead, a key chunk at a time:
-    # float32 scores, weights and their gradient over one chunk, for one layer (`ring_scores`, bytes).
+    # Scores: each query token's whole row, kept like an activation, by the xla kernel
+    # only. The chunked and fused kernels (models.flash, spmd.kernels), and ring attention
+    # across sp, recompute them in the backward pass a block pair at a time: float32
+    # scores, weights and their gradient for one block of queries and keys, one layer.
     sp = layout.shape["sp"]
-    ring = sp > 1 and cfg.attention == "ring"
-    attention = 4 * e + (2 * qkv + 2 * heads + (0 if ring else m.heads * cfg.seq)) / t
-    ring_scores = 3 * 4 * m.heads * (cfg.seq // (2 * sp)) / t if ring else 0
+    kept_scores = cfg.attention_kernel == "xla" and not (sp > 1 and cfg.attention == "ring")
+    attention = 4 * e + (2 * qkv + 2 * heads + (m.heads * cfg.seq if kept_scores else 0)) / t
+    block = min(flash.BLOCK, cfg.seq // (2 * sp) if sp > 1 and cfg.attention == "ring" else cfg.seq)
+    block_scores = 0 if kept_scores else 3 * 4 * m.heads / t * block * block * tokens / cfg.seq
     everything = attention + 3 * m.mlp / t
     per_layer = {"none": everything, "dots": 3 * e + (qkv + 2 * m.mlp) / t, "full": e}[cfg.remat]
     working = 0 if cfg.remat == "none" else everything
@@ -520,7 +522,7 @@ def activation_bytes(cfg, layout: Layout, compute_bytes: int) -> float:
     logits = 3 * tokens * m.vocab / vocab_split * 4
     schedule = layout.schedule
     if schedule is None:
-        return tokens * ((kept + working) * compute_bytes + ring_scores) + logits
+        return tokens * (kept + working) * compute_bytes + block_scores + logits
     # A device keeps its 1/p of the layers for every tick (gpipe, circular), or for 2p - 1
     # microbatches (1f1b), on microbatches of p/m of its `tokens`; one tick's (a 1/v chunk
     # of its layers) are built apart before they are filed. The queue holds all its rows.

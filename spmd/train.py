@@ -14,7 +14,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from spmd.config import TrainConfig, find_config, parse_args
+from spmd import xla_flags
+from spmd.config import TrainConfig, find_config, model_config, parse_args
 from spmd.distributed import initialize, processes
 from spmd.errors import EXIT_OUTPUT_FAILED, OutputFailed, UserError, first_line, one_line_errors, quiet_library_threads
 from spmd.mesh import emulate_cpu_devices
@@ -37,6 +38,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from spmd.checks import check_before_devices
 
         check_before_devices(cfg, procs.count)
+        # Before JAX starts its backend, which reads them (spmd.xla_flags).
+        flag_lines = xla_flags.configure(xla_flags.backend_before_start(), model_config(cfg), cfg.dtype)
         emulate_cpu_devices(cfg.mesh_spec.sizes, cfg.cpu_devices, procs.count)
     with one_line_errors(hold_stderr=False):  # a native abort while joining must still show its message
         initialize(procs, cfg.heartbeat_timeout, cfg.join_timeout)
@@ -48,7 +51,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         layout = make_layout(cfg)
         from spmd.report import emit
 
-        run = prepare(cfg, layout, log=emit if jax.process_index() == 0 else _silent)
+        log = emit if jax.process_index() == 0 else _silent
+        for line in flag_lines:
+            log(line)
+        run = prepare(cfg, layout, log=log)
     try:
         return 0 if run.loop().ok else EXIT_NON_FINITE
     except OutputFailed as exc:
@@ -77,10 +83,19 @@ def check_outputs(cfg: TrainConfig, config_file: str | None = None) -> None:
             Path(cfg.metrics_file).absolute().parent == Path(cfg.out).absolute()
         if not made_with_out:  # else its directory is --out's, checked above
             check_writable_file(cfg.metrics_file, "--metrics-file")
+    profile_dir = cfg.profile_dir if cfg.profile_steps else None
+    for flag, directory in (("--tensorboard", cfg.tensorboard), ("--profile-dir", profile_dir)):
+        if not directory:
+            continue
+        check_writable_dir(directory, flag)
+        if cfg.out and Path(directory).resolve().is_relative_to(Path(cfg.out).resolve()):  # --out: checkpoints only
+            raise UserError(f"{flag} {directory} would write into --out {cfg.out}, which holds only checkpoints; "
+                            "choose a directory beside it")
     resumed_run = str(locate(cfg.resume)[0]) if cfg.resume else None
     writes_on = bool(cfg.out and resumed_run) and Path(cfg.out).resolve() == Path(resumed_run).resolve()
     check_outputs_apart(
-        {"--out": cfg.out, "--metrics-file": cfg.metrics_file},
+        {"--out": cfg.out, "--metrics-file": cfg.metrics_file, "--tensorboard": cfg.tensorboard,
+         "--profile-dir": profile_dir},
         {"--data": cfg.data, "--tokenizer": cfg.tokenizer, "--config": config_file, "--resume": resumed_run,
          "--init-from": cfg.init_from},
         # A run may write on into the directory it resumes (the metrics file with it).

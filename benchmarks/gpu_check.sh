@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The GPU checks of the accelerator fast path, as one script for one lent GPU (an H200):
+# about 10 minutes at most, each command under its own timeout, every log kept.
+#
+#   bash benchmarks/gpu_check.sh      # logs in $OUT (a lent machine's), else /tmp/spmd-gpu-check
+#   NO_INSTALL=1 MODEL=small SEQ=128 BATCH=4 PARITY_SEQ=256 bash benchmarks/gpu_check.sh   # its logic, on a CPU
+#
+# 0. JAX sees the GPU (else `pip install -e ".[cuda12]"`, which needs the package index),
+#    and every flag of spmd.xla_flags is known to this jaxlib (tests/test_xla_flags.py).
+# 1. Parity in bfloat16 of the cudnn kernel against the chunked one (and the xla one), forward
+#    and gradients, on one GPU (benchmarks/attention_parity.py).
+# 2. MFU of llama3.2-1b, seq 2048, batch 16, bfloat16 on one GPU (benchmarks/mfu.py), with
+#    spmd.xla_flags' flags and without. Batch 16 fits: `python -m spmd.plan --model
+#    llama3.2-1b --seq 2048 --batch 16 --dtype bfloat16 --mesh dp=1 --hardware h200` plans a
+#    peak of 108.9 GiB of the H200's 131 GiB even with the scores materialized (xla kernel).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+LOGS=${OUT:-/tmp/spmd-gpu-check}
+mkdir -p "$LOGS" && rm -f "$LOGS"/[0-9].log "$LOGS/summary.log"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95}  # JAX's default takes 75%
+MODEL=${MODEL:-llama3.2-1b} SEQ=${SEQ:-2048} BATCH=${BATCH:-16} PARITY_SEQ=${PARITY_SEQ:-2048}
+declare -a SUMMARY=()
+
+step() {  # step NAME SECONDS COMMAND...: run it under a timeout, log it (NAME's prefix before
+  # the first '-' names the log: at most 8 files come back from a lent machine), note its status
+  local name=$1 limit=$2 log="$LOGS/${1%%-*}.log"
+  shift 2
+  echo "=== $name (at most ${limit}s): $*" | tee -a "$log"
+  local start=$SECONDS
+  timeout --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$log"
+  local rc=${PIPESTATUS[0]}
+  SUMMARY+=("$name: exit $rc$([ "$rc" = 124 ] && echo ' (timed out)') in $((SECONDS - start))s")
+  return "$rc"
+}
+
+GPU_JAX='import jax, flax, optax; print("jax", jax.__version__, "flax", flax.__version__, "optax", optax.__version__, jax.devices()); assert jax.default_backend() == "gpu", "no GPU"'
+if ! step 0-jax 90 "$PY" -c "$GPU_JAX" && [ -z "${NO_INSTALL:-}" ]; then
+  step 0-install 240 "$PY" -m pip install -q -e ".[cuda12]" && step 0-jax-again 90 "$PY" -c "$GPU_JAX"
+fi
+step 0-nvidia-smi 30 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+step 0-flags 60 "$PY" -m pytest -q -n 0 -p no:cacheprovider tests/test_xla_flags.py
+
+step 1-parity 120 "$PY" benchmarks/attention_parity.py --kernels cudnn,chunked,xla --dtype bfloat16 \
+  --batch 2 --seq "$PARITY_SEQ" --kv-heads 8 --groups 4 --head-dim 64
+
+step 2-mfu 200 "$PY" benchmarks/mfu.py --model "$MODEL" --seq "$SEQ" --batch "$BATCH" --dtype bfloat16 \
+  --steps 10 --rounds 3
+step 2-mfu-no-xla-flags 150 "$PY" benchmarks/mfu.py --model "$MODEL" --seq "$SEQ" --batch "$BATCH" \
+  --dtype bfloat16 --steps 10 --rounds 2 --no-xla-flags
+
+echo "=== summary"
+printf '%s\n' "${SUMMARY[@]}" | tee "$LOGS/summary.log"
+grep -h -E "^(xla|cudnn|chunked) vs|^(xla|cudnn|chunked):|MFU|error|FAILED|fell back|cannot take|passed|failed" \
+  "$LOGS"/[0-9].log | tee -a "$LOGS/summary.log"

@@ -1,0 +1,191 @@
+"""Flash-style causal attention in plain JAX: the sequence in blocks, an online softmax,
+and a backward pass that recomputes each block's scores instead of keeping them, so
+memory grows linearly in the sequence (no seq x seq score matrix is ever whole).
+
+Its pieces serve two callers: `attention` (one device, or one device's heads and rows)
+and ring attention across sp (spmd.context), which merges per-chunk results with
+`merge` by their log-sum-exp. The mask compares positions, as models.attention does.
+
+Shapes: q (batch, s, kv_heads, groups, head_dim); k, v (batch, t, kv_heads, head_dim);
+positions (s,) and (t,). The log-sum-exp is (batch, kv_heads, groups, s).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from models.annotate import ACTIVATION
+
+BLOCK = 512  # tokens per query / key block: large enough to keep matmuls efficient
+HIDDEN = -1e30  # score of a masked key: finite, so a row with no visible key stays finite
+_NOWHERE = 2**31 - 1  # position of padding keys: after every query
+
+
+def attention(q, k, v, q_positions, k_positions, block: int | None = None) -> jax.Array:
+    """Causal attention (softmax(q k^T / sqrt(d)) v, by positions), in q's dtype."""
+    out, _ = attention_lse(q, k, v, q_positions, k_positions, block)
+    return out.astype(q.dtype)
+
+
+def attention_lse(q, k, v, q_positions, k_positions, block: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """(attention output in float32, log-sum-exp of each query's visible scores);
+    `block`: tokens per block (default BLOCK)."""
+    s, t, block = q.shape[1], k.shape[1], block or BLOCK
+    bq, bk = min(block, s), min(block, t)
+    q_positions, k_positions = jnp.asarray(q_positions, jnp.int32), jnp.asarray(k_positions, jnp.int32)
+    q, q_positions = _pad(q, q_positions, bq, 0)
+    k, k_positions = _pad(k, k_positions, bk, _NOWHERE)
+    v, _ = _pad(v, k_positions, bk, _NOWHERE)
+    out, lse = _flash(q, k, v, q_positions, k_positions, bq, bk)
+    return out[:, :s], lse[..., :s]
+
+
+def merge(a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """Attention over the union of two disjoint key sets, from each one's (out, lse)."""
+    (out_a, lse_a), (out_b, lse_b) = a, b
+    lse = jnp.logaddexp(lse_a, lse_b)
+    rows = lambda w: jnp.moveaxis(w, -1, 1)[..., None]  # (b, kv, g, s) -> (b, s, kv, g, 1)  # noqa: E731
+    return out_a * rows(jnp.exp(lse_a - lse)) + out_b * rows(jnp.exp(lse_b - lse)), lse
+
+
+def nothing(q) -> tuple[jax.Array, jax.Array]:
+    """(out, lse) of attention on no keys: merging it changes nothing."""
+    b, s, kv, g, _ = q.shape
+    return jnp.zeros(q.shape, jnp.float32), jnp.full((b, kv, g, s), HIDDEN, jnp.float32)
+
+
+def _pad(x, positions, block: int, fill: int):
+    extra = -x.shape[1] % block
+    if not extra:
+        return x, positions
+    widths = [(0, 0)] * x.ndim
+    widths[1] = (0, extra)
+    return jnp.pad(x, widths), jnp.concatenate([positions, jnp.full((extra,), fill, positions.dtype)])
+
+
+def _blocks(x, size: int):
+    """(batch, n * size, ...) -> (n, batch, size, ...)."""
+    return jnp.moveaxis(x.reshape(x.shape[0], -1, size, *x.shape[2:]), 1, 0)
+
+
+def _unblock(x):
+    return jnp.moveaxis(x, 0, 1).reshape(x.shape[1], -1, *x.shape[3:])
+
+
+def _scores(q, k, q_pos, k_pos):
+    """Scaled, masked scores of a block pair, float32 (b, kv, g, bq, bk)."""
+    scores = jnp.einsum("bskgd,btkd->bkgst", q, k, preferred_element_type=jnp.float32) / math.sqrt(q.shape[-1])
+    return jnp.where(q_pos[:, None] >= k_pos[None, :], scores, HIDDEN)
+
+
+def _varying(q_pos, k_pos, data):
+    """The positions, tied to `data`. Inside a scan over layers the positions are the same
+    in every layer, and JAX hoists what depends only on them out of that loop: every
+    block pair's mask, computed at once (seq x seq). Tied to the layer's data, they stay."""
+    q_pos, k_pos, _ = jax.lax.optimization_barrier((q_pos, k_pos, data))
+    return q_pos, k_pos
+
+
+def _visible(q_pos, k_pos):
+    """Whether any key of the block is visible to any query of the block."""
+    return jnp.max(q_pos) >= jnp.min(k_pos)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _flash(q, k, v, q_pos, k_pos, bq: int, bk: int):
+    return _forward(q, k, v, q_pos, k_pos, bq, bk)
+
+
+def _forward(q, k, v, q_pos, k_pos, bq, bk):
+    q_pos, k_pos = _varying(q_pos, k_pos, q)
+    k_blocks, v_blocks, kp_blocks = _blocks(k, bk), _blocks(v, bk), k_pos.reshape(-1, bk)
+
+    def one_query_block(args):
+        qb, qp = args
+
+        def visit(state, key_block):
+            kb, vb, kp = key_block
+
+            def update(state):
+                out, top, total = state
+                scores = _scores(qb, kb, qp, kp)
+                new_top = jnp.maximum(top, jnp.max(scores, axis=-1))
+                weights = jnp.exp(scores - new_top[..., None])
+                rescale = jnp.exp(top - new_top)
+                pv = jnp.einsum("bkgst,btkd->bskgd", weights.astype(vb.dtype), vb, preferred_element_type=jnp.float32)
+                out = out * jnp.moveaxis(rescale, -1, 1)[..., None] + pv
+                return out, new_top, total * rescale + jnp.sum(weights, axis=-1)
+
+            return jax.lax.cond(_visible(qp, kp), update, lambda state: state, state), None
+
+        b, _, kv, g, _ = qb.shape
+        start = (jnp.zeros(qb.shape, jnp.float32), jnp.full((b, kv, g, bq), HIDDEN, jnp.float32),
+                 jnp.zeros((b, kv, g, bq), jnp.float32))
+        (out, top, total), _ = jax.lax.scan(visit, start, (k_blocks, v_blocks, kp_blocks))
+        # A query that sees no key (only padding does) has total 0: keep it finite.
+        total = jnp.where(total > 0, total, 1.0)
+        return out / jnp.moveaxis(total, -1, 1)[..., None], top + jnp.log(total)
+
+    out, lse = jax.lax.map(one_query_block, (_blocks(q, bq), q_pos.reshape(-1, bq)))
+    return _unblock(out), jnp.moveaxis(lse, 0, -2).reshape(*lse.shape[1:-1], -1)
+
+
+def _flash_forward(q, k, v, q_pos, k_pos, bq, bk):
+    out, lse = _forward(q, k, v, q_pos, k_pos, bq, bk)
+    # Named as activations: a remat policy that keeps those (models.llama's "none") keeps
+    # these. Otherwise, keeping matmul outputs, it would keep every block's scores so
+    # as to recompute them without a matmul.
+    out, lse = checkpoint_name(out, ACTIVATION), checkpoint_name(lse, ACTIVATION)
+    return (out, lse), (q, k, v, q_pos, k_pos, out, lse)
+
+
+def _flash_backward(bq, bk, residuals, cotangents):
+    """Scores recomputed block pair by block pair: for each key block, a pass over the
+    query blocks accumulates its dK and dV and each query block's share of dQ."""
+    q, k, v, q_pos, k_pos, out, lse = residuals
+    d_out, d_lse = cotangents
+    q_pos, k_pos = _varying(q_pos, k_pos, d_out)
+    # d(out)/d(scores) needs each row's sum of d_out * out; d(lse)/d(scores) is the softmax.
+    row_term = jnp.moveaxis(jnp.sum(d_out * out, axis=-1), 1, -1) - d_lse  # (b, kv, g, s)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    q_blocks, do_blocks = _blocks(q, bq), _blocks(d_out, bq)
+    lse_blocks = jnp.moveaxis(lse.reshape(*lse.shape[:-1], -1, bq), -2, 0)
+    row_blocks = jnp.moveaxis(row_term.reshape(*row_term.shape[:-1], -1, bq), -2, 0)
+    qp_blocks = q_pos.reshape(-1, bq)
+
+    def one_key_block(d_q, key_block):
+        kb, vb, kp = key_block
+
+        def visit(grads, query_block):
+            qb, dob, lseb, rowb, qp = query_block
+
+            def contribute(grads):
+                d_k, d_v = grads
+                probs = jnp.exp(_scores(qb, kb, qp, kp) - lseb[..., None])  # (b, kv, g, bq, bk)
+                d_v = d_v + jnp.einsum("bkgst,bskgd->btkd", probs, dob, preferred_element_type=jnp.float32)
+                d_probs = jnp.einsum("bskgd,btkd->bkgst", dob, vb, preferred_element_type=jnp.float32)
+                d_scores = probs * (d_probs - rowb[..., None]) * scale
+                d_k = d_k + jnp.einsum("bkgst,bskgd->btkd", d_scores, qb, preferred_element_type=jnp.float32)
+                d_qb = jnp.einsum("bkgst,btkd->bskgd", d_scores, kb, preferred_element_type=jnp.float32)
+                return (d_k, d_v), d_qb
+
+            def skip(grads):
+                return grads, jnp.zeros(qb.shape, jnp.float32)
+
+            return jax.lax.cond(_visible(qp, kp), contribute, skip, grads)
+
+        zeros = jnp.zeros(kb.shape, jnp.float32)
+        (d_k, d_v), d_q_parts = jax.lax.scan(visit, (zeros, zeros), (q_blocks, do_blocks, lse_blocks, row_blocks, qp_blocks))
+        return d_q + _unblock(d_q_parts), (d_k, d_v)
+
+    d_q, (d_k, d_v) = jax.lax.scan(one_key_block, jnp.zeros(q.shape, jnp.float32),
+                                   (_blocks(k, bk), _blocks(v, bk), k_pos.reshape(-1, bk)))
+    return (d_q.astype(q.dtype), _unblock(d_k).astype(k.dtype), _unblock(d_v).astype(v.dtype), None, None)
+
+
+_flash.defvjp(_flash_forward, _flash_backward)

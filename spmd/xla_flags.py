@@ -1,0 +1,181 @@
+"""XLA settings per backend, in one place: the flags that let collectives overlap compute.
+
+On GPU they go into `XLA_FLAGS`, on TPU into `LIBTPU_INIT_ARGS`; on the CPU nothing is set.
+A flag the user's variable already names is left as the user set it (whatever its value).
+
+When: XLA reads both variables once, when JAX starts its backend (the first
+`jax.devices()`, array or compilation), not when `jax` is imported. Seen on jax 0.10.2 and
+0.12.0.1 (CPU): `import jax, flax, optax` and all of spmd's modules, then
+`os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=3"`, then
+`jax.devices()` gives 3 devices. The trainer relies on this: it sets the flags after
+parsing its options (the model and dtype size the thresholds), before anything starts a
+backend. `configure` says so instead of changing anything when the backend already started.
+
+Which backend: `backend_before_start()` decides without starting one (JAX_PLATFORMS, else
+which plugin is installed), since the flags must be in place before JAX looks.
+
+Unknown flags abort: XLA stops at backend start on a name its flag registry lacks
+("Unknown flag in XLA_FLAGS"), and that registry (DebugOptions) is one for all backends,
+so every GPU flag here must be known to the installed jaxlib even on a CPU.
+tests/test_xla_flags.py starts a CPU backend with all of them; a jax upgrade that drops
+one fails it. Checked by hand on jax 0.10.2 and 0.12.0.1; dropped for being unknown to
+both: `--xla_gpu_enable_async_collectives` (collectives are async by default now; the
+JAX-Toolbox guide still lists it) and `--xla_gpu_enable_pipelined_collectives` (split
+into the three pipelined_* flags).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from collections.abc import MutableMapping
+
+# GPU (NVIDIA), after MaxText's GPU scripts and JAX-Toolbox's / JAX's GPU performance
+# guides: schedule collectives to overlap compute, and in the scanned layers start the
+# next layer's weight all-gather (and finish the last layer's gradient reduce-scatter or
+# all-reduce) one iteration apart from the compute that needs it.
+GPU_FLAGS: dict[str, str] = {
+    # Moves async collectives early/late to overlap them with independent compute.
+    "xla_gpu_enable_latency_hiding_scheduler": "true",
+    # Launches collectives on the highest-priority stream, so compute kernels do not starve them.
+    "xla_gpu_enable_highest_priority_async_stream": "true",
+    # Pipelining across iterations of the scan over layers (FSDP's per-layer all-gather,
+    # ZeRO's reduce-scatter, DDP's all-reduce of each layer's gradient).
+    "xla_gpu_enable_pipelined_all_gather": "true",
+    "xla_gpu_enable_pipelined_reduce_scatter": "true",
+    "xla_gpu_enable_pipelined_all_reduce": "true",
+    # Unrolls the scan by two, so one iteration's collective overlaps the other's compute.
+    "xla_gpu_enable_while_loop_double_buffering": "true",
+}
+# Combining thresholds: collectives smaller than this are merged into one. Sized to one
+# layer's weights (combine_threshold_bytes): a layer's parameters travel in one collective,
+# but the next layer's are not held back waiting for more.
+GPU_THRESHOLD_FLAGS = (
+    "xla_gpu_all_reduce_combine_threshold_bytes",
+    "xla_gpu_all_gather_combine_threshold_bytes",
+    "xla_gpu_reduce_scatter_combine_threshold_bytes",
+)
+
+# TPU (libtpu), after MaxText's flag library and TPU scripts: async collective fusion
+# (continuation fusion) of all-gathers, overlapped with compute, and the data-parallel
+# all-reduce optimizations. NOT verified here: libtpu is not part of the CPU/GPU jaxlib,
+# its flags are not in the registry a CPU backend checks, and no TPU was at hand. A libtpu
+# that does not know one of these fails at start; set LIBTPU_INIT_ARGS yourself to override.
+TPU_FLAGS: dict[str, str] = {
+    "xla_tpu_enable_async_collective_fusion": "true",
+    "xla_tpu_enable_async_collective_fusion_fuse_all_gather": "true",
+    "xla_tpu_enable_async_collective_fusion_multiple_steps": "true",
+    "xla_tpu_overlap_compute_collective_tc": "true",
+    "xla_enable_async_all_gather": "true",
+    "xla_tpu_enable_data_parallel_all_reduce_opt": "true",
+    "xla_tpu_data_parallel_opt_different_sized_ops": "true",
+}
+
+VARIABLE = {"gpu": "XLA_FLAGS", "tpu": "LIBTPU_INIT_ARGS"}
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+# Module names (importlib.util.find_spec, nothing imported) of the plugins `jax[cuda12]`,
+# `jax[cuda13]` and `jax[tpu]` install.
+CUDA_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13")
+TPU_PLUGINS = ("libtpu",)
+
+
+def layer_params(model_cfg) -> int:
+    """Parameters of one transformer block (the mean over blocks: MoE models alternate
+    dense and MoE blocks): the model's less its embedding, head and final norm."""
+    c = model_cfg
+    outside = c.vocab * c.embed * (1 if c.tie_embeddings else 2) + c.embed
+    return (c.num_params() - outside) // c.layers
+
+
+def combine_threshold_bytes(model_cfg, dtype) -> int:
+    """One layer's weights in the compute dtype (`"bfloat16"`, `"float32"` or a dtype)."""
+    if isinstance(dtype, str):
+        itemsize = _ITEMSIZE[dtype]
+    else:
+        import numpy as np
+
+        itemsize = np.dtype(dtype).itemsize
+    return layer_params(model_cfg) * itemsize
+
+
+def gpu_flags(model_cfg, dtype) -> list[str]:
+    threshold = combine_threshold_bytes(model_cfg, dtype)
+    return [f"--{name}={value}" for name, value in GPU_FLAGS.items()] + \
+        [f"--{name}={threshold}" for name in GPU_THRESHOLD_FLAGS]
+
+
+def tpu_flags() -> list[str]:
+    return [f"--{name}={value}" for name, value in TPU_FLAGS.items()]
+
+
+def flag_names(value: str) -> set[str]:
+    """The flag names in a variable like XLA_FLAGS: `--name=value` or `--name` (a bool)."""
+    return {token.lstrip("-").split("=", 1)[0] for token in value.split() if token.startswith("-")}
+
+
+def backend_before_start(environ: MutableMapping[str, str] = os.environ) -> str:
+    """"gpu", "tpu" or "cpu": where JAX will run, decided without starting a backend.
+
+    JAX_PLATFORMS if set (its first entry: JAX tries them in order), else the accelerator
+    plugin installed (a CUDA plugin, else libtpu), else the CPU."""
+    platforms = environ.get("JAX_PLATFORMS", "").strip().lower()
+    if platforms:
+        first = platforms.split(",")[0].strip()
+        return "gpu" if first in ("cuda", "gpu", "rocm") else "tpu" if first == "tpu" else "cpu"
+    if any(_installed(name) for name in CUDA_PLUGINS):
+        return "gpu"
+    if any(_installed(name) for name in TPU_PLUGINS):
+        return "tpu"
+    return "cpu"
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package missing or broken
+        return False
+
+
+def configure(backend: str, model_cfg, dtype, environ: MutableMapping[str, str] = os.environ) -> list[str]:
+    """Add `backend`'s flags to its variable (XLA_FLAGS on "gpu", LIBTPU_INIT_ARGS on
+    "tpu"), except those the variable already names; nothing on "cpu" (or anything else).
+    Must run before JAX starts its backend (when `environ` is os.environ and the backend
+    has started, nothing is changed and the one line says so). Returns the lines to print:
+    what was set, and what was left as the user set it."""
+    variable = VARIABLE.get(backend)
+    if variable is None:
+        return []
+    wanted = gpu_flags(model_cfg, dtype) if backend == "gpu" else tpu_flags()
+    if environ is os.environ and _backend_started():
+        return [f"{variable} left unchanged: JAX's backend started already (set flags before the first jax.devices())"]
+    current = environ.get(variable, "")
+    users = flag_names(current)
+    added = [flag for flag in wanted if flag_names(flag).isdisjoint(users)]
+    kept = [flag for flag in wanted if not flag_names(flag).isdisjoint(users)]
+    if added:
+        environ[variable] = " ".join(filter(None, (current.strip(), *added)))
+    lines = []
+    if added:
+        lines.append(f"{variable}: added {' '.join(added)}")
+        if backend == "gpu" and any(name in flag for flag in added for name in GPU_THRESHOLD_FLAGS):
+            mib = combine_threshold_bytes(model_cfg, dtype) / 2**20
+            lines.append(f"{variable}: collectives combined up to {mib:.0f} MiB (one layer's weights in {_name(dtype)})")
+    if kept:
+        lines.append(f"{variable}: left as you set them: {', '.join(sorted(flag_names(' '.join(kept))))}")
+    return lines
+
+
+def _name(dtype) -> str:
+    return dtype if isinstance(dtype, str) else getattr(dtype, "__name__", str(dtype))
+
+
+def _backend_started() -> bool:
+    if "jax" not in sys.modules:
+        return False
+    try:
+        from jax._src import xla_bridge
+
+        return bool(xla_bridge.backends_are_initialized())
+    except (ImportError, AttributeError):  # a private API: if it moved, assume not started
+        return False
