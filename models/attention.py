@@ -33,7 +33,8 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.
     """q (batch, s, kv_heads, groups, head_dim); k, v (batch, t, kv_heads, head_dim);
     positions (s,) and (t,). Query head (kv, g) reads key/value head kv (grouped-query)."""
     scores = jnp.einsum("bskgd,btkd->bkgst", q, k).astype(jnp.float32) / math.sqrt(q.shape[-1])
-    visible = q_positions[:, None] >= k_positions[None, :]
+    # jnp, not numpy: positions may be numpy constants, and the mask is seq x seq.
+    visible = jnp.asarray(q_positions)[:, None] >= jnp.asarray(k_positions)[None, :]
     scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     return jnp.einsum("bkgst,btkd->bskgd", probs, v)
