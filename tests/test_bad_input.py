@@ -116,6 +116,7 @@ TRAIN = {
     "config: number for a switch": (["--config", "{number_switch}"], "megatron_sp must be true or false"),
     "config: mesh size true": (["--config", "{bool_mesh}"], "a mapping of axis: size"),
     "beta outside [0, 1)": (["--b2", "1"], "--b2 must be at least 0 and below 1"),
+    "unknown attention kernel": (["--attention-kernel", "flash3"], "argument --attention-kernel: invalid choice: 'flash3'"),
     "profile steps backwards": (["--profile-steps", "5:3"], "--profile-steps 5:3: the first step must be at least 1"),
     "profile steps from 0": (["--profile-steps", "0:3"], "--profile-steps 0:3: the first step must be at least 1"),
     "profile steps beyond the run": (["--steps", "4", "--profile-steps", "3:5"],
