@@ -120,6 +120,7 @@ def main(argv: list[str] | None = None) -> None:
         emulate_cpu_devices(cfg.mesh_spec.sizes, cfg.cpu_devices)
         import jax
 
+        from spmd import kernels
         from spmd.data import global_batch, make_source
         from spmd.hardware import detect, train_flops_per_token
         from spmd.layout import make_layout
@@ -136,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     if extras.no_xla_flags:
         print("XLA flags of spmd.xla_flags: not set (--no-xla-flags)")
     print(f"model {cfg.model_name} ({model_cfg.num_params() / 1e6:,.1f}M parameters), batch {cfg.batch} x seq "
-          f"{cfg.seq}, {cfg.dtype}, remat {cfg.remat}, attention kernel {cfg.attention_kernel}; mesh "
+          f"{cfg.seq}, {cfg.dtype}, remat {cfg.remat}, attention kernel {kernels.describe(cfg.attention_kernel, device)}; mesh "
           f"{layout.describe()} on {devices} {device.platform} device(s) ({device.device_kind}); jax {jax.__version__}")
     per_token = train_flops_per_token(model_cfg, cfg.seq)
     per_step_device = per_token * cfg.batch * cfg.seq / devices
