@@ -46,14 +46,13 @@ def make_kernel(mesh: jax.sharding.Mesh, name: str, batch_axes: tuple[str, ...] 
     if name not in FUSED or mesh.devices.size == 1:
         return kernel_attention(kernel)
     # q (batch, seq, kv slots, per slot, head_dim); k, v (batch, seq, kv slots, head_dim).
-    rows = batch_axes or None
-    q_spec, kv_spec = jax.P(rows, None, HEADS_AXIS), jax.P(rows, None, HEADS_AXIS)
+    split = jax.P(batch_axes or None, None, HEADS_AXIS)  # the same for all three
 
     def attention(q, k, v, positions):
         def local(q, k, v):
             return kernel(q, k, v, positions, positions)
 
-        return jax.shard_map(local, mesh=inside_map(mesh), in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec,
+        return jax.shard_map(local, mesh=inside_map(mesh), in_specs=(split, split, split), out_specs=split,
                              axis_names=still_automatic({HEADS_AXIS, *BATCH_AXES}), check_vma=False)(q, k, v)
 
     return attention
