@@ -19,6 +19,14 @@ sequence, experts x sum_e f_e P_e, with f_e the share of its choices that went t
 P_e the mean score of e; 1 when balanced. The router z-loss is the mean squared
 log-sum-exp of the router logits.
 
+Balancing (a training choice, `Routing`): with `bias`, a per-expert bias is added to the
+scores to choose the top k, not to the gate values (DeepSeek-V3's auxiliary-loss-free
+balancing; a trainer moves it against the measured load). With `slots` > experts, the
+experts' weights live in that many slots, some experts in several (`placement`: the
+expert of each slot); a token's choice of an expert goes to one of its copies, picked by
+the token's position. As long as the copies are equal, neither changes the mathematics.
+Both are kept in `RouterState` variables beside the weights, with the measured load.
+
 Moving tokens between devices is not written here: the expert computation goes through
 `experts_ffn`, which a trainer may swap (`expert_implementation`, see spmd.experts) for
 one that sends tokens to the devices holding their experts.
@@ -27,10 +35,12 @@ one that sends tokens to the devices holding their experts.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from models.annotate import constrain, weight
@@ -65,6 +75,8 @@ class Routing:
 
     dispatch: str = "dropless"
     capacity_factor: float = 1.25
+    balanced: bool = False  # keep a RouterState: selection bias, measured load, placement
+    slots: int | None = None  # expert slots (None: one per expert); needs `balanced`
 
     def capacity(self, seq: int, moe: MoEConfig) -> int | None:
         """Slots per expert per sequence (None: dropless)."""
@@ -82,9 +94,32 @@ class Choice:
     gate: jax.Array  # float32 weight of that expert's output; zero where dropped
 
 
-def _param(rngs, shape, names, std):
+class RouterState(nnx.Variable):
+    """Routing state that gradients do not train: `bias` (experts,) added to the scores
+    that choose the top k; `load` (experts,), the measured share of choices per expert;
+    `placement` (slots,), the expert each slot of weights holds."""
+
+
+def _param(rngs, shape, names, std, slots=None):
     value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
+    if slots is not None:  # each slot starts as a copy of the expert it holds
+        value = value[slots]
     return nnx.Param(value, out_sharding=names, eager_sharding=False)
+
+
+def initial_placement(experts: int, slots: int) -> np.ndarray:
+    """Slot j holds expert j % experts: every expert once, then the first ones again."""
+    return np.arange(slots, dtype=np.int32) % experts
+
+
+def slot_of(placement: jax.Array, expert: jax.Array, positions, experts: int) -> jax.Array:
+    """The slot each choice (b, s, k) goes to: one of its expert's copies, taken in turn
+    by the token's position."""
+    holds = placement[None, :] == jnp.arange(experts)[:, None]  # (experts, slots)
+    copies = jnp.sum(holds, axis=1)
+    order = jnp.argsort(~holds, axis=1, stable=True)  # each expert's slots first
+    turn = jnp.asarray(positions)[None, :, None] % jnp.maximum(copies[expert], 1)
+    return jnp.take_along_axis(order[expert], turn[..., None], axis=-1)[..., 0].astype(jnp.int32)
 
 
 class MoE(nnx.Module):
@@ -92,8 +127,13 @@ class MoE(nnx.Module):
         e, n, m = embed, moe.experts, moe.expert_mlp
         # The router's expert dimension stays whole: every token scores every expert.
         self.router = _param(rngs, (e, n), ("embed", None), e**-0.5)
-        self.gate_up = _param(rngs, (n, e, 2, m), ("experts", "embed", None, "mlp"), e**-0.5)
-        self.down = _param(rngs, (n, m, e), ("experts", "mlp", "embed"), m**-0.5)
+        placement = initial_placement(n, routing.slots or n) if routing.balanced else None
+        self.gate_up = _param(rngs, (n, e, 2, m), ("experts", "embed", None, "mlp"), e**-0.5, placement)
+        self.down = _param(rngs, (n, m, e), ("experts", "mlp", "embed"), m**-0.5, placement)
+        if routing.balanced:
+            state = functools.partial(RouterState, out_sharding=(None,), eager_sharding=False)
+            self.bias, self.load = state(jnp.zeros(n)), state(jnp.full(n, 1.0 / n))
+            self.placement = state(jnp.asarray(placement))
         if moe.shared_experts:
             width = moe.shared_experts * m
             self.shared_gate_up = _param(rngs, (e, 2, width), ("embed", None, "mlp"), e**-0.5)
@@ -108,24 +148,37 @@ class MoE(nnx.Module):
             scores = jax.nn.softmax(logits, axis=-1)
         else:
             scores = jax.nn.sigmoid(logits)
-        top, expert = _top_k(scores, moe.top_k)
+        balanced = self.routing.balanced
+        # The bias only chooses: the gates are the chosen experts' own scores.
+        expert = _top_k(scores + self.bias[...] if balanced else scores, moe.top_k)
+        top = jnp.take_along_axis(scores, expert, axis=-1)
         gate = top / jnp.sum(top, axis=-1, keepdims=True)
         capacity = self.routing.capacity(x.shape[1], moe)
         slot = capacity_slots(expert, positions, moe.experts) if capacity is not None else jnp.zeros_like(expert)
         kept = slot < capacity if capacity is not None else jnp.ones(slot.shape, bool)
-        choice = Choice(expert, slot, jnp.where(kept, gate, 0.0))
+        # Copies of an expert split its tokens; a slot's buffer positions stay those ranks,
+        # which are distinct among the tokens of one expert, hence of one of its slots.
+        held_in = slot_of(self.placement[...], expert, positions, moe.experts) if balanced else expert
+        choice = Choice(held_in, slot, jnp.where(kept, gate, 0.0))
         y = experts_ffn(x, choice, weight(self.gate_up, dt), weight(self.down, dt), capacity)
         if moe.shared_experts:
             y = y + _swiglu(x, weight(self.shared_gate_up, dt), weight(self.shared_down, dt))
-        return y.astype(x.dtype), _statistics(logits, scores, expert, kept, moe)
+        stats = _statistics(logits, scores, expert, kept, moe)
+        if balanced:
+            stats["slot_load"] = _shares(held_in, self.placement.shape[0], moe.top_k)
+        return y.astype(x.dtype), stats
 
 
-def _top_k(scores: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    """The k largest scores of the last axis and their indices (ties: lower index first).
+def _top_k(scores: jax.Array, k: int) -> jax.Array:
+    """The indices of the k largest scores of the last axis (ties: lower index first).
     A stable sort rather than `lax.top_k`, which XLA's partitioner runs on the whole
     batch (it gathered the batch over ep)."""
-    order = jnp.argsort(-scores, axis=-1, stable=True)[..., :k]
-    return jnp.take_along_axis(scores, order, axis=-1), order.astype(jnp.int32)
+    return jnp.argsort(-scores, axis=-1, stable=True)[..., :k].astype(jnp.int32)
+
+
+def _shares(index: jax.Array, n: int, k: int) -> jax.Array:
+    """(n,) share of the choices (b, s, k) that went to each of n experts or slots."""
+    return jnp.mean(jnp.sum(jax.nn.one_hot(index, n, dtype=jnp.float32), axis=2), axis=(0, 1)) / k
 
 
 def _swiglu(x, gate_up, down):

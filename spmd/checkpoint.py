@@ -31,7 +31,10 @@ from spmd.errors import UserError
 from spmd.skeleton import STACKED_KEYS, is_stacked, restack
 
 FORMAT = 1
-ITEMS = ("params", "opt_state", "meta")
+# The state's arrays ("routing": the MoE layers' router state, kept by runs that balance
+# experts, spmd.balance), and the JSON record.
+ARRAY_ITEMS = ("params", "opt_state", "routing")
+ITEMS = (*ARRAY_ITEMS, "meta")
 
 
 def _shapes_of(params) -> dict[str, list[int]]:
@@ -78,12 +81,10 @@ class Checkpoints:
     def save(self, step: int, state: dict, meta: dict) -> None:
         """Start saving; returns once the arrays are copied off the devices (safe to donate).
         The arrays' checksums go into `meta`, computed first (the next step donates them)."""
-        meta = {**meta, "checksums": checksums({name: state[name] for name in ("params", "opt_state")})}
+        arrays = [name for name in ARRAY_ITEMS if name in state]
+        meta = {**meta, "checksums": checksums({name: state[name] for name in arrays})}
         self._manager.save(step, args=ocp.args.Composite(
-            params=ocp.args.StandardSave(state["params"]),
-            opt_state=ocp.args.StandardSave(state["opt_state"]),
-            meta=ocp.args.JsonSave(meta),
-        ))
+            **{name: ocp.args.StandardSave(state[name]) for name in arrays}, meta=ocp.args.JsonSave(meta)))
 
     def wait(self) -> None:
         self._manager.wait_until_finished()
@@ -94,11 +95,13 @@ class Checkpoints:
     def meta(self, step: int) -> dict:
         return read_meta(self.directory, step)
 
-    def restore(self, step: int, abstract_state: dict, items=("params", "opt_state"), repeats: int = 1) -> dict:
-        """Read `items` of checkpoint `step` into the shardings of `abstract_state`, whose
+    def restore(self, step: int, abstract_state: dict, items=None, repeats: int = 1) -> dict:
+        """Read `items` (default: all of `abstract_state` but the step, which is the
+        checkpoint's) of checkpoint `step` into the shardings of `abstract_state`, whose
         stacked layers are stored for `repeats` (spmd.skeleton.restack). A checkpoint whose
         layers are stored otherwise is read as it was saved, checked, then restacked once."""
         meta = self.meta(step)
+        items = items or tuple(name for name in abstract_state if name != "step")
         saved = stacked_repeats(meta.get("config", {}))
         targets = {name: abstract_state[name] for name in items}
         as_saved = targets if saved == repeats else _as_saved(targets, repeats, saved)
@@ -239,6 +242,14 @@ def check_compatible(meta: dict, cfg, params_shapes, where: Path) -> None:
             k for k in want if meta["param_shapes"].get(k) != want[k]]
         raise UserError(f"checkpoint {where} holds model {have!r} whose parameters differ from "
                         f"this run's {cfg.model_name!r} (first difference: {differ[0]})")
+    if keeps_router(meta.get("config", {})) and not keeps_router(dataclasses.asdict(cfg)):
+        raise UserError(f"checkpoint {where} was trained with expert balancing, whose router state (the selection "
+                        "bias) this run would drop; resume with --router-bias-rate or --redundant-experts as it had")
+
+
+def keeps_router(config: dict) -> bool:
+    """Whether a run's MoE layers keep a router state (spmd.balance)."""
+    return bool(config.get("router_bias_rate") or config.get("redundant_experts"))
 
 
 # What a resumed run must share with the run that wrote its checkpoint: the data order

@@ -32,12 +32,18 @@ FEATURES: dict[str, Callable] = {
     "grad-accum": lambda cfg, shape, model: cfg.grad_accum > 1,
     "Megatron-SP": lambda cfg, shape, model: cfg.megatron_sp,
     "ZeRO": lambda cfg, shape, model: cfg.zero > 0,
+    "expert balancing": lambda cfg, shape, model: model.moe is not None and bool(
+        cfg.router_bias_rate or cfg.redundant_experts),
 }
-# Every combination of FEATURES combines, but these (each with why, as the user reads it):
-# none today. (Pipeline stages with sp and ep in capacity mode were, while XLA ranked the
+# Every combination of FEATURES combines, but these (each with why, as the user reads it).
+# (Pipeline stages with sp and ep in capacity mode were refused, while XLA ranked the
 # choices along the sp-split sequence: its partitioner aborted, "Check failed:
 # partition_group_list ... spmd_partitioner_util.cc:497"; spmd.context ranks them now.)
-REFUSED: dict[frozenset, str] = {}
+REFUSED: dict[frozenset, str] = {
+    frozenset({"pp", "expert balancing"}): (
+        "--router-bias-rate and --redundant-experts do not run with pipeline stages (pp > 1) yet: the stages "
+        "do not carry the MoE layers' router state"),
+}
 
 
 def features(cfg, shape: Mapping[str, int], model_cfg: LlamaConfig) -> frozenset:
@@ -58,6 +64,7 @@ def check_layout(cfg, shape: Mapping[str, int], for_training: bool = True):
     skeleton = skeleton_for(cfg)
     check_combination(cfg, shape, skeleton.model_cfg)
     rules = make_rules(cfg.zero, cfg.megatron_sp, shared_kv_heads(cfg, shape, skeleton.model_cfg))
+    check_expert_slots(cfg, shape, skeleton.model_cfg)
     schedule = check_pipeline(cfg, shape, skeleton.model_cfg, for_training)
     if schedule and schedule.repeats > 1:
         skeleton = restacked(skeleton, schedule.repeats)
@@ -90,6 +97,21 @@ def check_before_devices(cfg, processes: int = 1, for_training: bool = True) -> 
     count = emulated_device_count(cfg.mesh_spec.sizes, cfg.cpu_devices, processes)
     if count is not None and processes >= 1:
         check_layout(cfg, cfg.mesh_spec.resolve(count * processes), for_training)
+
+
+def check_expert_slots(cfg, shape: Mapping[str, int], model_cfg: LlamaConfig) -> None:
+    """Redundant experts are copies spread over the ep devices: they need some, and
+    experts + copies must split evenly over them."""
+    r, ep = cfg.redundant_experts, shape["ep"]
+    if not r or model_cfg.moe is None:
+        return
+    if ep == 1:
+        raise UserError(f"--redundant-experts {r} spreads copies of busy experts over ep devices; the mesh has ep=1 "
+                        "(e.g. --mesh ep=4)")
+    slots = model_cfg.moe.experts + r
+    if slots % ep:
+        raise UserError(f"--redundant-experts {r}: {model_cfg.moe.experts} experts + {r} copies = {slots} slots do "
+                        f"not split over ep={ep} devices")
 
 
 def check_pipeline(cfg, shape: Mapping[str, int], model_cfg: LlamaConfig, for_training: bool) -> Schedule | None:

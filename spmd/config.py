@@ -94,6 +94,9 @@ class TrainConfig:
     top_k: int | None = _field(None, "MoE models: experts per token (default: the preset's)", at_least=1)
     moe_dispatch: str = _field("dropless", "MoE models: every token reaches its experts, or each expert takes at most a capacity of each sequence's tokens (the rest dropped)", choices=MOE_DISPATCH)
     capacity_factor: float = _field(1.25, "capacity mode: slots per expert per sequence = factor x seq x top-k / experts", above=0)
+    router_bias_rate: float = _field(0.0, "MoE models: auxiliary-loss-free balancing (DeepSeek-V3): after each step, each expert's selection bias moves by this much towards the mean load (0: off)", at_least=0)
+    redundant_experts: int = _field(0, "MoE models: extra expert slots over ep holding copies of the busiest experts (EPLB); experts + this must divide by ep", at_least=0)
+    rebalance_every: int | None = _field(None, "with --redundant-experts: recompute the placement of experts on slots from the measured load every N steps (default: 50)", at_least=1)
     aux_loss_weight: float = _field(0.01, "MoE models: weight of the load-balancing loss", at_least=0)
     z_loss_weight: float = _field(0.001, "MoE models: weight of the router z-loss", at_least=0)
     log_every: int = _field(10, "print a log line every N steps (metrics are fetched from devices only then)", at_least=1)
@@ -330,13 +333,19 @@ def validate(cfg: TrainConfig) -> TrainConfig:
 
 def _validate_moe(cfg: TrainConfig, model_cfg) -> None:
     if model_cfg.moe is None:
-        if cfg.experts is not None or cfg.top_k is not None:
-            raise UserError(f"--experts and --top-k apply to MoE models; {cfg.model_name} is dense")
+        for name in ("experts", "top_k", "router_bias_rate", "redundant_experts", "rebalance_every"):
+            if getattr(cfg, name):
+                raise UserError(f"{flag_of(name)} applies to MoE models; {cfg.model_name} is dense")
         return
     experts = cfg.experts if cfg.experts is not None else model_cfg.moe.experts
     top_k = cfg.top_k if cfg.top_k is not None else model_cfg.moe.top_k
     if top_k > experts:
         raise UserError(f"--top-k {top_k} is more than the {experts} experts")
+    if cfg.rebalance_every is not None and not cfg.redundant_experts:
+        raise UserError("--rebalance-every applies to --redundant-experts")
+    if cfg.redundant_experts and cfg.init_from:
+        raise UserError("--redundant-experts and --init-from: a run with expert copies starts from its own "
+                        "initialization (or resumes its checkpoint)")
     if cfg.layers is not None and cfg.layers % model_cfg.moe.every:
         raise UserError(f"--layers {cfg.layers}: {cfg.model_name} has MoE in every {model_cfg.moe.every}th layer; "
                         f"give a multiple of {model_cfg.moe.every}")

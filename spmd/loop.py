@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from spmd.balance import REBALANCE_EVERY
 from spmd.checkpoint import finalized_steps, make_meta
 from spmd.data import Prefetcher, global_batch
 from spmd.distributed import Watchdog
@@ -43,11 +44,13 @@ class Run:
     """`log` prints the run's lines (process 0's job); `say` prints this process's own."""
 
     def __init__(self, cfg, layout, plan, step_fn, state, start_step, checkpoints, setup_s, source, eval_fn=None,
-                 skipped=0, log=print, lock=None, resumed=False):
+                 skipped=0, log=print, lock=None, resumed=False, rebalance=None):
         self.cfg, self.layout, self.plan, self.step_fn = cfg, layout, plan, step_fn
         self.state, self.start_step, self.checkpoints = state, start_step, checkpoints
         self.setup_s, self.skipped, self.log = setup_s, skipped, log
         self.source, self.eval_fn = source, eval_fn
+        # Expert copies placed anew every --rebalance-every steps (spmd.balance).
+        self.rebalance, self.rebalance_every = rebalance, cfg.rebalance_every or REBALANCE_EVERY
         # A resumed run's first step is saved already; a fresh run with --steps 0 saves its
         # start (e.g. a Hugging Face model, converted).
         self.last_saved: int | None = start_step if resumed else None
@@ -116,6 +119,9 @@ class Run:
                         with self.watchdog.waiting(f"reading step {step}'s batch"):
                             batch = batches.next()
                         self.state, metrics = self.step_fn(self.state, batch)
+                        if self.rebalance and done % self.rebalance_every == 0 and done < cfg.steps:
+                            with self.watchdog.waiting(f"rebalancing the experts after step {step}"):
+                                self.state = self.rebalance(self.state)
                     if profile.ends_at(done):  # the trace must hold this step's device work
                         with self.watchdog.waiting(f"step {step}, the last one profiled"):
                             jax.block_until_ready((self.state, metrics))
@@ -242,8 +248,8 @@ class Run:
 
 
 # Metrics of MoE models (spmd.step): load-balancing and z-loss, share of dropped choices,
-# expert load imbalance (max / mean tokens per expert).
-MOE_METRICS = ("aux_loss", "z_loss", "dropped", "imbalance")
+# expert load imbalance (max / mean tokens per expert) and, with ep > 1, per device.
+MOE_METRICS = ("aux_loss", "z_loss", "dropped", "imbalance", "device_imbalance")
 
 
 def log_line(r: dict, steps: int, window_loss: float, skipped: int) -> str:
@@ -255,6 +261,8 @@ def log_line(r: dict, steps: int, window_loss: float, skipped: int) -> str:
     left = f"  eta {duration((steps - done) * r['step_time_s'])}" if done < steps else ""
     moe = (f"  aux {r['aux_loss']:.3f}  z {r['z_loss']:.3f}  dropped {r['dropped']:.1%}  imbalance {r['imbalance']:.2f}"
            if "aux_loss" in r else "")
+    if "device_imbalance" in r:
+        moe += f" (devices {r['device_imbalance']:.2f})"
     return (f"[{done:>{len(str(steps))}}/{steps} {done / steps:4.0%}] loss {window_loss:.4f}  "
             f"grad_norm {r['grad_norm']:.3f}  lr {r['lr']:.2e}  {r['tokens_per_sec']:,.0f} tok/s  "
             f"{r['step_time_s'] * 1e3:.1f} ms/step  {r['tflops_per_device']:.3f} TFLOP/s/device{mfu}{peak}{moe}"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import optax
 
@@ -27,7 +29,9 @@ def schedule(cfg) -> optax.Schedule:
     )
 
 
-def make_optimizer(cfg, model_cfg) -> optax.GradientTransformation:
+def make_optimizer(cfg, model_cfg, clip: bool = True) -> optax.GradientTransformation:
+    """`clip` False: the caller clips (with a norm of its own); the chain keeps its shape,
+    so its state is the same either way."""
     decays = model_class(model_cfg).decays  # the model says which parameters weight decay applies to
 
     def decay_mask(params):
@@ -35,6 +39,6 @@ def make_optimizer(cfg, model_cfg) -> optax.GradientTransformation:
             lambda path, _: decays(tuple(str(getattr(k, "key", k)) for k in path)), params)
 
     return optax.chain(
-        optax.clip_by_global_norm(cfg.clip),
+        optax.clip_by_global_norm(cfg.clip if clip else math.inf),
         optax.adamw(schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=1e-8, weight_decay=cfg.weight_decay, mask=decay_mask),
     )

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from flax import nnx, traverse_util
 
 from models import FAMILIES, PRESETS, LlamaConfig, Routing, model_class
+from models.moe import RouterState
 from spmd.config import model_config
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -27,8 +28,11 @@ class ModelSkeleton:
 
     model_cfg: LlamaConfig
     graphdef: nnx.GraphDef
-    shapes: dict  # pure dict of jax.ShapeDtypeStruct
+    shapes: dict  # pure dict of jax.ShapeDtypeStruct, of the parameters
     names: dict  # pure dict of logical-name tuples, one per dimension
+    # The MoE layers' router state (models.moe.RouterState), when the routing keeps one.
+    router_shapes: dict = dataclasses.field(default_factory=dict)
+    router_names: dict = dataclasses.field(default_factory=dict)
 
     @property
     def num_params(self) -> int:
@@ -36,7 +40,11 @@ class ModelSkeleton:
 
 
 def routing(cfg) -> Routing:
-    return Routing(cfg.moe_dispatch, cfg.capacity_factor)
+    """How the run routes tokens: dispatch, and the balancing state it keeps (spmd.balance)."""
+    moe = model_config(cfg).moe
+    balanced = moe is not None and (cfg.router_bias_rate > 0 or cfg.redundant_experts > 0)
+    slots = moe.experts + cfg.redundant_experts if balanced and cfg.redundant_experts else None
+    return Routing(cfg.moe_dispatch, cfg.capacity_factor, balanced, slots)
 
 
 def skeleton_for(cfg) -> ModelSkeleton:
@@ -51,11 +59,13 @@ def model_skeleton(model: str | LlamaConfig, dtype: str = "float32", remat: str 
     abstract = nnx.eval_shape(lambda: model_class(model_cfg)(model_cfg, dtype=DTYPES[dtype], remat=remat, routing=routing,
                                             rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
-    shapes, names = {}, {}
+    shapes, names, router_shapes, router_names = {}, {}, {}, {}
     for path, var in nnx.to_flat_state(state):
-        shapes[path] = jax.ShapeDtypeStruct(var.shape, var.dtype)
-        names[path] = tuple(var.get_metadata()["out_sharding"])
-    return ModelSkeleton(model_cfg, graphdef, traverse_util.unflatten_dict(shapes), traverse_util.unflatten_dict(names))
+        kept_in = (router_shapes, router_names) if isinstance(var, RouterState) else (shapes, names)
+        kept_in[0][path] = jax.ShapeDtypeStruct(var.shape, var.dtype)
+        kept_in[1][path] = tuple(var.get_metadata()["out_sharding"])
+    tree = traverse_util.unflatten_dict
+    return ModelSkeleton(model_cfg, graphdef, tree(shapes), tree(names), tree(router_shapes), tree(router_names))
 
 
 def restacked(skeleton: ModelSkeleton, repeats: int) -> ModelSkeleton:

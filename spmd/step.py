@@ -26,6 +26,7 @@ from models.llama import REMAT_POLICIES
 from models.annotate import computed_copies, storage
 from models.attention import KERNELS, attention_implementation
 from models.moe import expert_implementation, slots_implementation
+from spmd import balance
 from spmd.context import make_attention, make_capacity_slots, zigzag_order
 from spmd.kernels import make_kernel
 from spmd.kernels import resolve as resolve_kernel
@@ -35,18 +36,19 @@ from spmd.mesh import BATCH_AXES
 from spmd.optim import make_optimizer, schedule
 from spmd.pipeline import MANUAL_AXES, from_microbatches, one_f_one_b, pipeline, to_microbatches
 from spmd.rules import spec_for
-from spmd.skeleton import DTYPES, routing
+from spmd.skeleton import DTYPES, is_names, routing
 
 
 def _loss(graphdef, params, rows: jax.Array, order: np.ndarray | None = None,
-          aux_weights: tuple[float, float] = (0.0, 0.0)) -> tuple[jax.Array, dict]:
+          aux_weights: tuple[float, float] = (0.0, 0.0), router: dict | None = None) -> tuple[jax.Array, dict]:
     """The loss to minimize and the step's metrics, for token rows (b, seq + 1).
 
     `loss` is the mean next-token cross-entropy; an MoE model adds its load-balancing and
     router z-losses (weights `aux_weights`) to what is minimized. Every metric is a mean
     over sequences, so means over equal microbatches compose. `order`: the columns' order
-    for the model (a permutation of the positions); the mean is that of any order."""
-    model = nnx.merge(graphdef, params)
+    for the model (a permutation of the positions); the mean is that of any order.
+    `router`: the MoE layers' router state, if the model keeps one (spmd.balance)."""
+    model = nnx.merge(graphdef, params, router) if router else nnx.merge(graphdef, params)
     # Positions are constants (numpy), so that a kernel can see they are in order.
     inputs, targets, positions = rows[:, :-1], rows[:, 1:], np.arange(rows.shape[1] - 1)
     if order is not None:
@@ -68,8 +70,9 @@ def _objective(logits, targets, moe_stats: dict, aux_weights: tuple[float, float
 
 def _moe_metrics(moe_stats: dict) -> dict:
     """The MoE layers' statistics (each with a leading layer axis) as step metrics."""
+    loads = {name: moe_stats[name] for name in ("expert_load", "slot_load") if name in moe_stats}
     return {"aux_loss": jnp.mean(moe_stats["balance_loss"]), "z_loss": jnp.mean(moe_stats["z_loss"]),
-            "dropped": jnp.mean(moe_stats["dropped"]), "expert_load": moe_stats["expert_load"]}
+            "dropped": jnp.mean(moe_stats["dropped"]), **loads}
 
 
 def _aux_weights_per_layer(aux_weights: tuple[float, float], moe_layers: int):
@@ -154,13 +157,17 @@ def _split_locally(rows: jax.Array, shards: int, k: int) -> jax.Array:
     return rows.reshape(shards, k, b // (shards * k), width).swapaxes(0, 1)
 
 
-def _step_metrics(metrics: dict) -> dict:
+def _step_metrics(metrics: dict, ep: int) -> dict:
     """Expert loads (layers, experts), each a share of all choices, become the load
-    imbalance: max over mean tokens per expert, averaged over MoE layers."""
+    imbalance: max over mean tokens per expert, averaged over MoE layers; and with ep > 1,
+    the same over the ep devices, of what their slots took (experts split in order, or
+    their copies as placed)."""
     metrics = dict(metrics)
-    load = metrics.pop("expert_load", None)
+    load, slot_load = metrics.pop("expert_load", None), metrics.pop("slot_load", None)
     if load is not None:
         metrics["imbalance"] = jnp.mean(jnp.max(load, axis=-1) * load.shape[-1])
+        if ep > 1:
+            metrics["device_imbalance"] = balance.device_imbalance(load if slot_load is None else slot_load, ep)
     return metrics
 
 
@@ -207,7 +214,11 @@ class Program:
         self.cfg, self.layout = cfg, layout
         self.kernel = resolve_kernel(cfg.attention_kernel, layout.mesh.devices.flat[0])
         self.graphdef = layout.skeleton.graphdef
-        self.tx = make_optimizer(cfg, layout.skeleton.model_cfg)
+        # Expert copies (spmd.balance): their gradients are tied and clipped here, with a
+        # norm that counts each expert once.
+        self.copies = routing(cfg).slots is not None
+        self.expert_dims = balance.expert_dims(layout.skeleton.names)
+        self.tx = make_optimizer(cfg, layout.skeleton.model_cfg, clip=not self.copies)
         self.lr_at = schedule(cfg)
         param_sh = layout.shardings(layout.rules.params)
         self.grad_sh = layout.shardings(layout.rules.grads)
@@ -217,6 +228,9 @@ class Program:
             "params": param_sh,
             "opt_state": layout.opt_state_shardings(self.tx, shapes["opt_state"]),
         }
+        if "routing" in shapes:
+            state_sh["routing"] = jax.tree.map(lambda n: layout.named(spec_for(n, layout.rules.params)),
+                                               layout.skeleton.router_names, is_leaf=is_names)
         self.abstract_state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                                            shapes, state_sh)
         self.order = zigzag_order(cfg.seq, layout.shape["sp"]) if layout.shape["sp"] > 1 else None
@@ -226,7 +240,12 @@ class Program:
         self.start = jax.jit(self._start, in_shardings=(param_sh,), out_shardings=state_sh, donate_argnums=0)
         self.step = jax.jit(self._train_step, in_shardings=(state_sh, batch_sh),
                             out_shardings=(state_sh, layout.replicated), donate_argnums=0)
-        self.evaluate = jax.jit(self._eval_loss, in_shardings=(param_sh, batch_sh), out_shardings=layout.replicated)
+        # evaluate(params, rows[, router]): the router state too, if the model keeps one.
+        eval_sh = (param_sh, batch_sh) + ((state_sh["routing"],) if "routing" in state_sh else ())
+        self.evaluate = jax.jit(self._eval_loss, in_shardings=eval_sh, out_shardings=layout.replicated)
+        if self.copies:  # the placement is an input: every rebalancing runs this one program
+            self._move = jax.jit(self._moved, in_shardings=(state_sh, layout.replicated), out_shardings=state_sh,
+                                 donate_argnums=0)
 
     def compile_step(self):
         """AOT-compile the step for the abstract state and batch (nothing is allocated)."""
@@ -234,8 +253,9 @@ class Program:
             return self.step.lower(self.abstract_state, self.batch_struct).compile()
 
     def compile_eval(self):
+        router = (self.abstract_state["routing"],) if "routing" in self.abstract_state else ()
         with jax.set_mesh(self.layout.mesh):
-            return self.evaluate.lower(self.abstract_state["params"], self.batch_struct).compile()
+            return self.evaluate.lower(self.abstract_state["params"], self.batch_struct, *router).compile()
 
     # ------------------------------------------------------------ the jitted functions
 
@@ -246,19 +266,28 @@ class Program:
         return self._start(self.layout.stored(nnx.to_pure_dict(nnx.state(model, nnx.Param))))
 
     def _start(self, params):
-        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": self.tx.init(params)}
+        state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": self.tx.init(params)}
+        if self.layout.skeleton.router_shapes:  # as the model starts it: no bias, even load, copies in order
+            state["routing"] = balance.initial(self.layout.skeleton.router_shapes)
+        return state
 
     def _train_step(self, state, rows):
-        cfg, params = self.cfg, state["params"]
+        cfg, params, router = self.cfg, state["params"], state.get("routing")
         if cfg.grad_accum == 1:
-            metrics, grads = self._loss_and_grads(params, rows)
+            metrics, grads = self._loss_and_grads(params, rows, router)
         elif self.layout.schedule:
             metrics, grads = self._pipeline_rounds(params, rows)
         else:
-            metrics, grads = self._accumulated(params, rows)
+            metrics, grads = self._accumulated(params, rows, router)
         loss = metrics["loss"]
         grads = jax.lax.with_sharding_constraint(grads, self.grad_sh)
-        grad_norm = optax.tree.norm(grads)
+        if self.copies:
+            placement, experts = balance.states(router)[0]["placement"], self.layout.skeleton.model_cfg.moe.experts
+            grads = balance.tie(grads, self.expert_dims, placement, experts)
+            grad_norm = balance.logical_norm(grads, self.expert_dims, placement, experts)
+            grads = balance.clip(grads, grad_norm, cfg.clip)
+        else:
+            grad_norm = optax.tree.norm(grads)
         updates, opt_state = self.tx.update(grads, state["opt_state"], params)
         # A non-finite loss, gradient or update (a NaN learning rate, a moment gone bad)
         # never reaches the state: that update is dropped.
@@ -269,12 +298,32 @@ class Program:
             "params": keep_if_finite(optax.apply_updates(params, updates), params),
             "opt_state": keep_if_finite(opt_state, state["opt_state"]),
         }
-        metrics = _step_metrics(metrics) | {"grad_norm": grad_norm, "lr": self.lr_at(state["step"]), "skipped": ~finite}
+        if router is not None:
+            new_state["routing"] = keep_if_finite(
+                balance.updated(router, metrics["expert_load"], cfg.router_bias_rate), router)
+        metrics = _step_metrics(metrics, self.layout.shape["ep"]) | {"grad_norm": grad_norm, "lr": self.lr_at(state["step"]), "skipped": ~finite}
         return new_state, metrics
 
-    def _eval_loss(self, params, rows):  # the same loss, without its gradients (1F1B's: as GPipe)
+    def rebalance(self, state: dict) -> dict:
+        """Expert copies placed anew from the measured load (spmd.balance.placement_for),
+        their weights and optimizer state moved to their slots. Reads the router state on
+        the host: a sync, once every --rebalance-every steps."""
+        router = jax.device_get(balance.states(state["routing"])[0])
+        load, placement = np.asarray(router["load"]), np.asarray(router["placement"])
+        ep = self.layout.shape["ep"]
+        new = np.stack([balance.placement_for(load[i], placement.shape[1], ep, placement[i])
+                        for i in range(len(load))])
+        return self._move(state, new)
+
+    def _moved(self, state, new):
+        old = balance.states(state["routing"])[0]["placement"]
+        return {**state, "params": balance.move(state["params"], self.expert_dims, old, new),
+                "opt_state": balance.move_opt_state(self.tx, state["opt_state"], self.expert_dims, old, new),
+                "routing": balance.placed(state["routing"], new)}
+
+    def _eval_loss(self, params, rows, router=None):  # the same loss, without its gradients (1F1B's: as GPipe)
         with self._annotated():
-            return self._loss(params, rows)[1]["loss"]
+            return self._loss(params, rows, router)[1]["loss"]
 
     # ------------------------------------------------------------ their parts
 
@@ -289,22 +338,22 @@ class Program:
     def _aux_weights(self) -> tuple[float, float]:
         return self.cfg.aux_loss_weight, self.cfg.z_loss_weight
 
-    def _loss(self, params, rows):
+    def _loss(self, params, rows, router=None):
         if self.layout.schedule:
             return _pipelined_loss(self.graphdef, params, rows, self.layout, self._in_stage, self.order,
                                    self._aux_weights)
-        return _loss(self.graphdef, params, rows, self.order, self._aux_weights)
+        return _loss(self.graphdef, params, rows, self.order, self._aux_weights, router)
 
-    def _loss_and_grads(self, params, rows):
+    def _loss_and_grads(self, params, rows, router=None):
         schedule = self.layout.schedule
         with self._annotated():
             if schedule and schedule.name == "1f1b":
                 return _one_f_one_b_grads(self.graphdef, params, rows, self.layout, self._in_stage, self.order,
                                           self._aux_weights)
-            (_, metrics), grads = jax.value_and_grad(self._loss, has_aux=True)(params, rows)
+            (_, metrics), grads = jax.value_and_grad(self._loss, has_aux=True)(params, rows, router)
             return metrics, grads
 
-    def _accumulated(self, params, rows):
+    def _accumulated(self, params, rows, router=None):
         """Gradient accumulation: each shard of the accumulation axes sums its own
         microbatches' gradients (a vmap over those shards), and the shards are summed
         once after the scan. Inside the vmap, the other axes (sp, tp, and ep with split
@@ -321,7 +370,7 @@ class Program:
 
         def shard_grads(p, shard_rows):
             with self._annotated(local_axes=axes):
-                (_, metrics), grads = jax.value_and_grad(self._loss, has_aux=True)(p, shard_rows)
+                (_, metrics), grads = jax.value_and_grad(self._loss, has_aux=True)(p, shard_rows, router)
                 return metrics, grads
 
         per_shard = jax.vmap(shard_grads, in_axes=(None, 0), spmd_axis_name=axes)

@@ -146,7 +146,7 @@ def prepare(cfg: TrainConfig, layout, log=print):
     if source_dir is not None:
         source = Checkpoints(source_dir, keep=cfg.keep)
         try:
-            state = source.restore(step, program.abstract_state, repeats=layout.repeats)
+            state = _restore(source, step, meta, program)
         finally:
             source.close()
         log(f"resumed from {source_dir / str(step)} (written on mesh {meta['config']['mesh']})")
@@ -172,7 +172,22 @@ def prepare(cfg: TrainConfig, layout, log=print):
         out = Checkpoints(cfg.out, keep=cfg.keep)
     setup_s = time.perf_counter() - started
     return Run(cfg, layout, plan, step_fn, state, step, out, setup_s, data, eval_fn,
-               skipped=meta.get("skipped_updates", 0), log=log, lock=lock, resumed=source_dir is not None)
+               skipped=meta.get("skipped_updates", 0), log=log, lock=lock, resumed=source_dir is not None,
+               rebalance=program.rebalance if program.copies else None)
+
+
+def _restore(source, step: int, meta: dict, program) -> dict:
+    """The checkpoint's state for `program`. A run that turns bias balancing on resumes a
+    checkpoint without router state: its router starts as a fresh model's."""
+    from spmd.balance import initial
+    from spmd.checkpoint import keeps_router
+
+    abstract, layout = program.abstract_state, program.layout
+    if "routing" in abstract and not keeps_router(meta.get("config", {})):
+        state = source.restore(step, abstract, items=("params", "opt_state"), repeats=layout.repeats)
+        sharding = jax.tree.map(lambda s: s.sharding, abstract["routing"])
+        return state | {"routing": jax.device_put(initial(layout.skeleton.router_shapes), sharding)}
+    return source.restore(step, abstract, repeats=layout.repeats)
 
 
 def check_fit(plan) -> None:

@@ -34,6 +34,7 @@ import functools  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+from spmd.balance import REBALANCE_EVERY  # noqa: E402
 from spmd.config import TrainConfig, validate  # noqa: E402
 from spmd.data import MarkovSource, global_batch  # noqa: E402
 from spmd.layout import make_layout  # noqa: E402
@@ -74,6 +75,7 @@ class Run:
     program: object
     cfg: TrainConfig
     compiled: object  # the compiled train step
+    router: dict | None = None  # the MoE layers' router state at the end (spmd.balance), if kept
 
 
 @functools.lru_cache(maxsize=None)
@@ -82,7 +84,11 @@ def _run(mesh: str, devices: int, items: tuple) -> Run:
     layout = make_layout(cfg, jax.devices()[:devices])
     program = build_program(cfg, layout)
     shardings = jax.tree.map(lambda s: s.sharding, program.abstract_state)
-    state = jax.device_put(layout.stored(initial_state(init_config(cfg))), shardings)
+    if cfg.redundant_experts:  # expert copies need ep > 1: initialized on the layout, from the same draws
+        with jax.set_mesh(layout.mesh):
+            state = program.init(jax.random.key(cfg.seed))
+    else:
+        state = jax.device_put(layout.stored(initial_state(init_config(cfg))), shardings)
     compiled = program.compile_step()
     source = MarkovSource(layout.skeleton.model_cfg.vocab, cfg.seed)
     steps = []
@@ -90,9 +96,11 @@ def _run(mesh: str, devices: int, items: tuple) -> Run:
         batch = global_batch(source, step, cfg.batch, cfg.seq + 1, layout.batch_sharding)
         state, metrics = compiled(state, batch)
         steps.append(jax.device_get(metrics))
+        if program.copies and (step + 1) % (cfg.rebalance_every or REBALANCE_EVERY) == 0 and step + 1 < cfg.steps:
+            state = program.rebalance(state)  # as the training loop does
     metrics = {name: np.array([m[name] for m in steps]) for name in steps[0]}
     return Run(metrics["loss"], metrics, jax.device_get(state["params"]), compiled.as_text(), layout, program, cfg,
-               compiled)
+               compiled, jax.device_get(state.get("routing")))
 
 
 def init_config(cfg: TrainConfig) -> TrainConfig:
