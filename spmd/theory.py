@@ -47,6 +47,7 @@ import dataclasses
 import math
 from collections.abc import Mapping
 
+import jax
 import jax.numpy as jnp
 from flax import traverse_util
 
@@ -369,10 +370,11 @@ def expert_rows(cfg, layout: Layout) -> int:
     moe, ep, sp = layout.skeleton.model_cfg.moe, layout.shape["ep"], layout.shape["sp"]
     tokens = tokens_per_device(cfg, layout.shape)
     capacity = routing(cfg).capacity(cfg.seq, moe)
+    slots = routing(cfg).slots or moe.experts  # with copies (spmd.balance), each slot is an expert here
     if capacity is not None:  # per sequence; a device's chunk of c tokens fills at most c slots
         chunk = cfg.seq // sp
-        return tokens // chunk * moe.experts * min(capacity, chunk)
-    return tokens * ep * min(moe.top_k, moe.experts // ep)
+        return tokens // chunk * slots * min(capacity, chunk)
+    return tokens * ep * min(moe.top_k, slots // ep)
 
 
 def _expert_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
@@ -392,6 +394,10 @@ def _expert_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
                             "capacity: each chunk's choices per expert, to rank them in the sequence"))
     if ep == 1:
         return out
+    if routing(cfg).slots:  # expert copies: each copy's gradient summed with its twins' (spmd.balance.tie)
+        expert_grads = model.moe_layers * model.moe.experts * 3 * model.embed * model.moe.expert_mlp * 4
+        out.append(Expected("all-reduce", "ep", 2 * (ep - 1) / ep * expert_grads,
+                            "expert copies: gradients summed per expert"))
     rows, leaves = expert_rows(cfg, layout), (ep - 1) / ep
     dropless = cfg.moe_dispatch == "dropless"
     exchange = rows * model.embed * compute_bytes * leaves
@@ -473,8 +479,10 @@ def memory(cfg, layout: Layout) -> dict[str, float]:
             gradients += held(p, [a for a in _spec_axes(p.names, rules.grads) if a != pipeline.BATCH_AXIS])
         else:
             gradients += held(p, _spec_axes(p.names, rules.grads))
+    # The MoE layers' router state (spmd.balance), replicated: a few numbers per expert.
+    router = sum(s.size * s.dtype.itemsize for s in jax.tree.leaves(layout.skeleton.router_shapes))
     return {
-        "params": total(rules.params),
+        "params": total(rules.params) + router,
         "opt_state": 2 * total(rules.opt_state),  # Adam's mu and nu, float32 like the parameters
         "gradients": gradients,
         "gathered_weights": gathered,

@@ -179,6 +179,8 @@ def prepare(cfg: TrainConfig, layout, log=print):
 def _restore(source, step: int, meta: dict, program) -> dict:
     """The checkpoint's state for `program`. A run that turns bias balancing on resumes a
     checkpoint without router state: its router starts as a fresh model's."""
+    import jax
+
     from spmd.balance import initial
     from spmd.checkpoint import keeps_router
 

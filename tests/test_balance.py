@@ -2,8 +2,6 @@
 expert copies (EPLB) train to the numbers of one device across a rebalancing, and a run
 with both resumes on another ep size."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,6 +13,7 @@ from models.moe import MoE, MoEConfig, Routing, swiglu_experts
 from spmd import balance
 from spmd.config import TrainConfig, validate
 from spmd.layout import make_layout
+from spmd.plan import make_plan
 from spmd.train import train
 from test_parity import LOSS_RTOL
 
@@ -125,6 +124,13 @@ def test_expert_copies_match_one_device_across_a_rebalancing(balanced_reference,
     assert np.abs(want).max() > 0  # the bias moved, the same way on both
     np.testing.assert_allclose(bias, want, rtol=0, atol=1e-6)
     assert run.metrics["device_imbalance"][-1] < run.metrics["device_imbalance"][1]
+    # What spmd.plan expects of the compiled step: the copies' all-to-all rows and their
+    # gradients' sum over ep, within 5% per collective as for every layout (test_plan).
+    plan = make_plan(run.cfg, run.layout, compiled=run.compiled)
+    assert any(r.op == "all-reduce" and r.axes == "ep" for r in plan.rows if r.theory)
+    for row in plan.rows:
+        assert not row.unexpected and (not row.theory or row.measured == pytest.approx(row.theory, rel=0.05)), row
+    assert 0 <= plan.measured_state - plan.theory_state <= 16
 
 
 def test_a_run_with_copies_and_bias_resumes_on_another_ep_size(tmp_path):
