@@ -77,6 +77,7 @@ class Routing:
     capacity_factor: float = 1.25
     balanced: bool = False  # keep a RouterState: selection bias, measured load, placement
     slots: int | None = None  # expert slots (None: one per expert); needs `balanced`
+    bias_weight: bool = False  # a served model's selection bias: a weight, no state kept
 
     def capacity(self, seq: int, moe: MoEConfig) -> int | None:
         """Slots per expert per sequence (None: dropless)."""
@@ -134,6 +135,8 @@ class MoE(nnx.Module):
             state = functools.partial(RouterState, out_sharding=(None,), eager_sharding=False)
             self.bias, self.load = state(jnp.zeros(n)), state(jnp.full(n, 1.0 / n))
             self.placement = state(jnp.asarray(placement))
+        elif routing.bias_weight:
+            self.bias = nnx.Param(jnp.zeros(n), out_sharding=(None,), eager_sharding=False)
         if moe.shared_experts:
             width = moe.shared_experts * m
             self.shared_gate_up = _param(rngs, (e, 2, width), ("embed", None, "mlp"), e**-0.5)
@@ -150,7 +153,7 @@ class MoE(nnx.Module):
             scores = jax.nn.sigmoid(logits)
         balanced = self.routing.balanced
         # The bias only chooses: the gates are the chosen experts' own scores.
-        expert = _top_k(scores + self.bias[...] if balanced else scores, moe.top_k)
+        expert = _top_k(scores + self.bias[...] if hasattr(self, "bias") else scores, moe.top_k)
         top = jnp.take_along_axis(scores, expert, axis=-1)
         gate = top / jnp.sum(top, axis=-1, keepdims=True)
         capacity = self.routing.capacity(x.shape[1], moe)

@@ -106,6 +106,13 @@ def initial(shapes) -> dict:
     return _map_states(start, shapes)
 
 
+def with_bias(params: dict, router: dict) -> dict:
+    """Params with each MoE layer's selection bias beside its weights (a served model's)."""
+    if "placement" in router:
+        return {**params, "bias": router["bias"]}
+    return {**params, **{k: with_bias(params.get(k, {}), v) for k, v in router.items()}}
+
+
 def states(tree) -> list[dict]:
     found = []
     _map_states(lambda s: found.append(s) or s, tree)
@@ -154,6 +161,15 @@ def placement_for(load: np.ndarray, slots: int, devices: int, current: np.ndarra
 def placed(router, placement: jax.Array):
     """The router state with a new placement (layers, slots)."""
     return _map_states(lambda state: {**state, "placement": placement.astype(state["placement"].dtype)}, router)
+
+
+def first_copies(tree, dims, placement: jax.Array, experts: int):
+    """Params with copies -> the model's: each expert's first slot, in expert order."""
+    firsts = jnp.argmax(placement[:, None, :] == jnp.arange(experts)[None, :, None], axis=-1)
+
+    def logical(x, d):
+        return x if d < 0 else _per_layer(lambda x, first: x[first], x, d, firsts)
+    return jax.tree.map(logical, tree, dims)
 
 
 def move(tree, dims, old: jax.Array, new: jax.Array):

@@ -242,14 +242,19 @@ def check_compatible(meta: dict, cfg, params_shapes, where: Path) -> None:
             k for k in want if meta["param_shapes"].get(k) != want[k]]
         raise UserError(f"checkpoint {where} holds model {have!r} whose parameters differ from "
                         f"this run's {cfg.model_name!r} (first difference: {differ[0]})")
-    if keeps_router(meta.get("config", {})) and not keeps_router(dataclasses.asdict(cfg)):
-        raise UserError(f"checkpoint {where} was trained with expert balancing, whose router state (the selection "
-                        "bias) this run would drop; resume with --router-bias-rate or --redundant-experts as it had")
+    if has_bias(meta.get("config", {})) and not has_bias(dataclasses.asdict(cfg)):
+        raise UserError(f"checkpoint {where} was trained with --router-bias-rate, whose selection bias this run "
+                        "would drop; give it --router-bias-rate too")
 
 
 def keeps_router(config: dict) -> bool:
     """Whether a run's MoE layers keep a router state (spmd.balance)."""
     return bool(config.get("router_bias_rate") or config.get("redundant_experts"))
+
+
+def has_bias(config: dict) -> bool:
+    """Whether a run's (or a served model's) router chooses experts with a learned bias."""
+    return bool(config.get("router_bias_rate") or config.get("router_bias_weight"))
 
 
 # What a resumed run must share with the run that wrote its checkpoint: the data order

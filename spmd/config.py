@@ -129,6 +129,9 @@ class TrainConfig:
     # Not a flag: the model config when it is no preset (--init-from's config.json, or a
     # resumed checkpoint's); saved with the run, so the run can be resumed and exported.
     architecture: object = dataclasses.field(default=None, metadata={"cli": False, "bounds": Bounds()})
+    # Not a flag: a model served from a checkpoint trained with --router-bias-rate keeps the
+    # learned selection bias as one of its weights (spmd.weights).
+    router_bias_weight: bool = dataclasses.field(default=False, metadata={"cli": False, "bounds": Bounds()})
 
     @functools.cached_property
     def mesh_spec(self):

@@ -64,6 +64,7 @@ def evaluate(cfg, checkpoint, batches: int | None) -> tuple[float, int, int]:
 
     from spmd.data import global_batch, make_source
     from spmd.layout import make_layout
+    from spmd.loop import MAX_STEPS_IN_FLIGHT
     from spmd.step import build_program
     from spmd.weights import load_params
 
@@ -76,8 +77,13 @@ def evaluate(cfg, checkpoint, batches: int | None) -> tuple[float, int, int]:
     batches = min(batches or available, available)
     evaluate_fn = build_program(cfg, layout).compile_eval()
     params = load_params(cfg, layout, checkpoint)
-    losses = [evaluate_fn(params, global_batch(source, j, cfg.batch, cfg.seq + 1, layout.batch_sharding))
-              for j in range(batches)]
+    losses = []
+    for j in range(batches):
+        losses.append(evaluate_fn(params, global_batch(source, j, cfg.batch, cfg.seq + 1, layout.batch_sharding)))
+        # A bounded queue: hundreds of executions in flight abort XLA:CPU's collectives on
+        # emulated devices (seen with ep=2 at 494 batches), as in the training loop.
+        if len(losses) > MAX_STEPS_IN_FLIGHT:
+            losses[-MAX_STEPS_IN_FLIGHT - 1].block_until_ready()
     return float(np.mean(jax.device_get(losses))), batches * cfg.batch * cfg.seq, batches
 
 

@@ -107,6 +107,9 @@ def hf_parts(cfg, meta: dict):
     from spmd.config import model_config
 
     model_cfg = model_config(cfg)
+    if cfg.router_bias_weight:
+        raise UserError(f"--format hf: model {cfg.model_name} was trained with --router-bias-rate, and the Hugging "
+                        "Face Mixtral layout has no selection bias; the default format keeps it")
     why_not = hf_layout(model_cfg).supported(model_cfg)
     if why_not:
         raise UserError(f"--format hf: model {cfg.model_name} has no Hugging Face layout ({why_not})")

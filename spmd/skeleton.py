@@ -44,7 +44,7 @@ def routing(cfg) -> Routing:
     moe = model_config(cfg).moe
     balanced = moe is not None and (cfg.router_bias_rate > 0 or cfg.redundant_experts > 0)
     slots = moe.experts + cfg.redundant_experts if balanced and cfg.redundant_experts else None
-    return Routing(cfg.moe_dispatch, cfg.capacity_factor, balanced, slots)
+    return Routing(cfg.moe_dispatch, cfg.capacity_factor, balanced, slots, cfg.router_bias_weight and not balanced)
 
 
 def skeleton_for(cfg) -> ModelSkeleton:

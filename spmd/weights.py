@@ -10,6 +10,7 @@ from a Hugging Face directory (spmd.hf).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 
 from spmd.errors import UserError
@@ -60,7 +61,13 @@ def checkpoint_config(path: str, step: int | None = None, flag: str = "--checkpo
         raise UserError(f"--step {step}: no checkpoint of that step in {run_dir}; it has step(s) "
                         f"{', '.join(map(str, steps))}")
     meta = read_meta(run_dir, step)
-    cfg = dataclasses.replace(run_config(meta), pp_schedule="gpipe", pp_repeats=1, microbatches=None)
+    # Served as the model it trained: expert copies become one expert each, and a learned
+    # selection bias one of its weights (restore_params).
+    from spmd.checkpoint import has_bias
+
+    cfg = dataclasses.replace(run_config(meta), pp_schedule="gpipe", pp_repeats=1, microbatches=None,
+                              redundant_experts=0, rebalance_every=None, router_bias_rate=0.0,
+                              router_bias_weight=has_bias(meta.get("config", {})))
     return validate(cfg), Checkpoint(run_dir, step, meta)
 
 
@@ -84,16 +91,60 @@ def abstract_params(layout) -> dict:
 
 def restore_params(checkpoint: Checkpoint, cfg, layout) -> dict:
     """The checkpoint's parameters, read straight into `layout`'s shardings (checked against
-    their checksums)."""
-    from spmd.checkpoint import Checkpoints, check_compatible
+    their checksums). A run that balanced its experts (spmd.balance) saved them in slots,
+    with its router state: its copies are read whole, and each expert's first one kept;
+    its selection bias becomes the served model's weight."""
+    import jax
+
+    from spmd.checkpoint import Checkpoints, check_compatible, keeps_router
 
     abstract = abstract_params(layout)
-    check_compatible(checkpoint.meta, cfg, abstract, checkpoint.where)
+    trained = run_config(checkpoint.meta)
+    saved = {"params": abstract}
+    if keeps_router(dataclasses.asdict(trained)):
+        saved = _as_trained(trained, layout)
+    check_compatible(checkpoint.meta, cfg, saved["params"], checkpoint.where)
     source = Checkpoints(checkpoint.run_dir)
     try:
-        return source.restore(checkpoint.step, {"params": abstract}, items=("params",))["params"]
+        state = source.restore(checkpoint.step, saved)
     finally:
         source.close()
+    if "routing" not in state:
+        return state["params"]
+    served = jax.jit(functools.partial(_served, trained, layout), out_shardings=jax.tree.map(lambda a: a.sharding, abstract))
+    return served(state["params"], state["routing"])
+
+
+def _as_trained(trained, layout) -> dict:
+    """The abstract parameters and router state of a run with a router state, on `layout`,
+    the slots of its experts whole on every device (their number may not split over ep)."""
+    import jax
+
+    from spmd import balance
+    from spmd.rules import spec_for
+    from spmd.skeleton import is_names, skeleton_for
+
+    skeleton = skeleton_for(dataclasses.replace(trained, router_bias_weight=False))
+    names = jax.tree.map(lambda n: tuple(None if a == balance.EXPERTS else a for a in n), skeleton.names, is_leaf=is_names)
+    sharded = lambda s, n: jax.ShapeDtypeStruct(  # noqa: E731
+        s.shape, s.dtype, sharding=layout.named(spec_for(n, layout.rules.params)))
+    return {"params": jax.tree.map(sharded, skeleton.shapes, names, is_leaf=lambda x: is_names(x) or hasattr(x, "shape")),
+            "routing": jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=layout.replicated),
+                                    skeleton.router_shapes)}
+
+
+def _served(trained, layout, params: dict, router: dict) -> dict:
+    """A trained run's params and router state -> the served model's params."""
+    from spmd import balance
+    from spmd.skeleton import skeleton_for
+
+    state = balance.states(router)[0]
+    if trained.redundant_experts:
+        dims = balance.expert_dims(skeleton_for(trained).names)
+        params = balance.first_copies(params, dims, state["placement"], layout.skeleton.model_cfg.moe.experts)
+    if not layout.skeleton.model_cfg.moe or not trained.router_bias_rate:
+        return params
+    return balance.with_bias(params, router)
 
 
 def load_params(cfg, layout, checkpoint: Checkpoint | None) -> dict:

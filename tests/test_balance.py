@@ -2,6 +2,8 @@
 expert copies (EPLB) train to the numbers of one device across a rebalancing, and a run
 with both resumes on another ep size."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,7 +16,10 @@ from spmd import balance
 from spmd.config import TrainConfig, validate
 from spmd.layout import make_layout
 from spmd.plan import make_plan
+from spmd.data import MarkovSource, global_batch
+from spmd.step import build_program
 from spmd.train import train
+from spmd.weights import checkpoint_config, restore_params
 from test_parity import LOSS_RTOL
 
 pytestmark = pytest.mark.xdist_group("balance")
@@ -133,7 +138,7 @@ def test_expert_copies_match_one_device_across_a_rebalancing(balanced_reference,
     assert 0 <= plan.measured_state - plan.theory_state <= 16
 
 
-def test_a_run_with_copies_and_bias_resumes_on_another_ep_size(tmp_path):
+def test_a_run_with_copies_and_bias_resumes_on_another_ep_size_and_serves_as_trained(tmp_path):
     """Saved after step 4 (rebalanced after steps 2 and 4) on ep=4, resumed on ep=2: the
     same losses as the run that went on, the placement and bias as saved."""
     base = dict(COPIES, batch=16, seq=32, steps=6, warmup=2, log_every=2)
@@ -142,10 +147,36 @@ def test_a_run_with_copies_and_bias_resumes_on_another_ep_size(tmp_path):
         cfg = validate(TrainConfig(mesh=mesh, **base, **more))
         return train(cfg, make_layout(cfg, jax.devices()[:devices]), log=lambda _: None)
 
-    records, _ = run("ep=4", 4, out=str(tmp_path), save_every=4)
+    records, trained = run("ep=4", 4, out=str(tmp_path), save_every=4)
     resumed, state = run("ep=2", 2, resume=str(tmp_path / "4"))
     assert [r["step"] for r in resumed] == [4, 5]
     np.testing.assert_allclose([r["loss"] for r in resumed], [r["loss"] for r in records[4:]], rtol=LOSS_RTOL)
     router = balance.states(jax.device_get(state["routing"]))[0]
     assert not np.array_equal(router["placement"][0], np.arange(8) % 6) and np.abs(router["bias"]).max() > 0
     assert state["params"]["blocks"]["moe"]["mlp"]["gate_up"].sharding.spec[1] == "ep"
+
+    # Served (generate, eval, export): the copies read whole, each expert's first kept, the
+    # bias a weight. On ep=2 the served model gives the trained run's loss on a held-out
+    # batch (1e-6: the same float32 sums in another order).
+    cfg, checkpoint = checkpoint_config(str(tmp_path))
+    assert cfg.redundant_experts == 0 and cfg.router_bias_weight
+    cfg = validate(dataclasses.replace(cfg, mesh="ep=2"))
+    served = build_program(cfg, make_layout(cfg, jax.devices()[:2]))
+    params = restore_params(checkpoint, cfg, served.layout)
+    trained_cfg = validate(TrainConfig(mesh="ep=4", **base))
+    program = build_program(trained_cfg, make_layout(trained_cfg, jax.devices()[:4]))
+    rows = global_batch(MarkovSource(256, seed=0), 0, 16, 33, served.layout.batch_sharding, "eval")
+    want = program.compile_eval()(trained["params"], jax.device_put(rows, program.layout.batch_sharding),
+                                  trained["routing"])
+    np.testing.assert_allclose(float(served.compile_eval()(params, rows)), float(want), rtol=1e-6)
+
+
+def test_a_learned_bias_has_no_hugging_face_layout():
+    """Mixtral's layout chooses experts by score alone: exporting a bias to it is refused
+    before anything is read (one `error:` line, exit 2, in the CLI)."""
+    from spmd.errors import UserError
+    from spmd.export import hf_parts
+
+    cfg = validate(TrainConfig(model="moe-tiny", router_bias_weight=True))
+    with pytest.raises(UserError, match="has no selection bias; the default format keeps it"):
+        hf_parts(cfg, {})
