@@ -37,17 +37,17 @@ def expert_dims(names) -> dict:
 
 
 def _per_layer(fn, leaf, dim: int, placement):
-    """fn(layer's slots-first array, layer's placement) over the layers of a stacked
-    leaf whose experts' dimension is `dim` (the layers' is 0)."""
-    def one(x, where):
-        return jnp.moveaxis(fn(jnp.moveaxis(x, dim - 1, 0), where), 0, dim - 1)
-    return jax.vmap(one)(leaf, placement)
+    """fn(layer's slots-first array, layer's placement) over the layers of a stacked leaf
+    whose experts' dimension is `dim`; the dimensions before it are the layers' (one, or
+    a pipeline's chunks and their layers), as are all but the last of `placement`'s."""
+    flat = jax.vmap(fn)(leaf.reshape(-1, *leaf.shape[dim:]), placement.reshape(-1, placement.shape[-1]))
+    return flat.reshape(*leaf.shape[:dim], *flat.shape[1:])
 
 
 def _copies(placement: jax.Array, experts: int) -> jax.Array:
-    """How many slots hold each slot's expert: (layers, slots)."""
-    counts = jax.vmap(lambda p: jnp.bincount(p, length=experts))(placement)
-    return jnp.take_along_axis(counts, placement, axis=1)
+    """How many slots hold each slot's expert, shaped like `placement`."""
+    return _per_layer(lambda _, where: jnp.bincount(where, length=experts)[where], placement, placement.ndim - 1,
+                      placement)
 
 
 def tie(grads, dims, placement: jax.Array, experts: int):
@@ -65,7 +65,7 @@ def logical_norm(grads, dims, placement: jax.Array, experts: int) -> jax.Array:
     def squares(g, d):
         if d < 0:
             return jnp.sum(jnp.square(g.astype(jnp.float32)))
-        per_slot = jnp.sum(jnp.square(g.astype(jnp.float32)), axis=tuple(a for a in range(g.ndim) if a not in (0, d)))
+        per_slot = jnp.sum(jnp.square(g.astype(jnp.float32)), axis=tuple(range(d + 1, g.ndim)))  # (layers..., slots)
         return jnp.sum(per_slot / copies)
     return jnp.sqrt(sum(jax.tree.leaves(jax.tree.map(squares, grads, dims))))
 
@@ -165,7 +165,7 @@ def placed(router, placement: jax.Array):
 
 def first_copies(tree, dims, placement: jax.Array, experts: int):
     """Params with copies -> the model's: each expert's first slot, in expert order."""
-    firsts = jnp.argmax(placement[:, None, :] == jnp.arange(experts)[None, :, None], axis=-1)
+    firsts = jnp.argmax(placement[..., None, :] == jnp.arange(experts)[:, None], axis=-1)
 
     def logical(x, d):
         return x if d < 0 else _per_layer(lambda x, first: x[first], x, d, firsts)
@@ -179,7 +179,7 @@ def move(tree, dims, old: jax.Array, new: jax.Array):
         first = jnp.argmax(old[None, :] == new[:, None], axis=1)
         return jnp.where(old == new, jnp.arange(old.shape[0]), first)
 
-    sources = jax.vmap(source)(old, new)
+    sources = jax.vmap(source)(old.reshape(-1, old.shape[-1]), new.reshape(-1, new.shape[-1])).reshape(old.shape)
 
     def moved(x, d):
         return x if d < 0 else _per_layer(lambda x, src: x[src], x, d, sources)

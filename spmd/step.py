@@ -310,10 +310,10 @@ class Program:
         the host: a sync, once every --rebalance-every steps."""
         router = jax.device_get(balance.states(state["routing"])[0])
         load, placement = np.asarray(router["load"]), np.asarray(router["placement"])
-        ep = self.layout.shape["ep"]
-        new = np.stack([balance.placement_for(load[i], placement.shape[1], ep, placement[i])
-                        for i in range(len(load))])
-        return self._move(state, new)
+        slots, ep = placement.shape[-1], self.layout.shape["ep"]
+        new = [balance.placement_for(layer_load, slots, ep, current)  # one MoE layer at a time
+               for layer_load, current in zip(load.reshape(-1, load.shape[-1]), placement.reshape(-1, slots))]
+        return self._move(state, np.stack(new).reshape(placement.shape))
 
     def _moved(self, state, new):
         old = balance.states(state["routing"])[0]["placement"]

@@ -194,6 +194,12 @@ def test_generate_and_eval_commands(run_dir, tmp_path):
         losses.append(loss)
     assert losses[0] < 1.5  # the text repeats: a trained model predicts it well
     assert losses[0] == pytest.approx(losses[1], abs=1e-4)  # printed to 4 decimals
+    # Every batch of the text (600 of 2 x 8) on two devices: with all of them in flight at
+    # once, XLA:CPU's collectives aborted the process; the command keeps two in flight.
+    done = subprocess.run([sys.executable, "-m", "spmd.eval", "--checkpoint", str(run_dir / "run"), "--data",
+                           str(run_dir / "text.txt"), "--batch", "2", "--seq", "8", "--mesh", "dp=2"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "(600 batches of 2 x 8" in done.stdout, done.stderr
 
 
 CASES = {
