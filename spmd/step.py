@@ -298,7 +298,7 @@ class Program:
     def _loss_and_grads(self, params, rows):
         schedule = self.layout.schedule
         with self._annotated():
-            if schedule and schedule.name == "1f1b":
+            if schedule and schedule.writes_backward:
                 return _one_f_one_b_grads(self.graphdef, params, rows, self.layout, self._in_stage, self.order,
                                           self._aux_weights)
             (_, metrics), grads = jax.value_and_grad(self._loss, has_aux=True)(params, rows)

@@ -22,6 +22,8 @@ CASES = {
     "unknown option in yaml": (["--config", "{unknown}"], "unknown option 'warp'"),
     "unknown flag": (["--wrap", "3"], "unrecognized arguments"),
     "microbatches not a multiple of pp": (["--mesh", "pp=2", "--microbatches", "3"], "--microbatches 3 must be a multiple of pp=2"),
+    "interleaved 1f1b with one chunk": (["--mesh", "pp=2", "--pp-schedule", "interleaved-1f1b"],
+                                        "interleaved-1f1b needs --pp-repeats 2 or more"),
     "unknown hardware": (["--hardware", "tpu-v9"], "unknown hardware 'tpu-v9'"),
     "sequence not in 2 x sp chunks": (["--mesh", "sp=4", "--seq", "12"], "does not divide into 2 x sp = 8 chunks"),
     "megatron-sp sequence": (["--mesh", "tp=4", "--megatron-sp", "--seq", "6"], "does not divide by sp x tp = 4"),
