@@ -42,6 +42,8 @@ def _shapes_of(params) -> dict[str, list[int]]:
 def stacked_repeats(config: dict) -> int:
     """How a run's config stores the stacked layers: (layers, ...) or, under a circular
     pipeline, (repeats, layers / repeats, ...) (spmd.skeleton.restack)."""
+    if config.get("pp_schedule") == "zb-v":
+        return 2  # two chunks per stage, stored as circular's
     return config.get("pp_repeats", 1) if config.get("pp_schedule") in REPEATED_SCHEDULES else 1
 
 

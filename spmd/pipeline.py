@@ -59,7 +59,7 @@ from spmd.rules import STAGE_AXIS
 AXIS = STAGE_AXIS  # the rules table splits the stacked layers over it
 BATCH_AXIS = "dp"  # also manual in the map: gradients are reduced over it once per step
 MANUAL_AXES = (AXIS, BATCH_AXIS)
-WRITTEN_OUT = ("1f1b", "interleaved-1f1b")  # schedules that run their backward pass (`one_f_one_b`)
+WRITTEN_OUT = ("1f1b", "interleaved-1f1b", "zb-v")  # schedules that run their backward pass themselves
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,17 +72,26 @@ class Schedule:
     @classmethod
     def of(cls, cfg, stages: int) -> "Schedule":
         """The schedule a run's options ask for on `stages` pipeline stages."""
-        return cls(cfg.pp_schedule, stages, cfg.microbatches or stages, cfg.pp_repeats)
+        # zb-v: two chunks per stage, stored as circular's (spmd.zero_bubble)
+        repeats = 2 if cfg.pp_schedule == "zb-v" else cfg.pp_repeats
+        return cls(cfg.pp_schedule, stages, cfg.microbatches or stages, repeats)
 
     @property
     def ticks(self) -> int:
-        """Ticks of the forward pass (GPipe, circular)."""
+        """Ticks that run a chunk's forward (gpipe, circular, 1f1b, interleaved-1f1b:
+        v*m + p - 1; zb-v: 2m + 2p - 2, half a stage each)."""
+        if self.name == "zb-v":
+            return 2 * (self.microbatches + self.stages - 1)
         return self.repeats * self.microbatches + self.stages - 1
 
     @property
     def bubble(self) -> float:
-        """Share of the executed stage work that is idle (computes on padding)."""
+        """Share of the executed forward (and backward) stage work that is idle (computes
+        on padding). zb-v: of its forwards and input gradients; its weight gradients
+        have none (spmd.zero_bubble.executed_over_useful)."""
         p, useful = self.stages, self.repeats * self.microbatches
+        if self.name == "zb-v":
+            useful = self.microbatches
         return (p - 1) / (useful + p - 1)
 
     @property
@@ -101,6 +110,10 @@ class Schedule:
         """A stage's activations kept at once, in microbatches through all its layers:
         m + p - 1 ticks' (gpipe), v*m + p - 1 ticks of 1/v of them (circular), or the
         residual ring's (2vp - 1) / v."""
+        if self.name == "zb-v":
+            # The longest-kept part: the matmuls' inputs for W, 4p + 2 chunks (what B
+            # reads: 4p - 1; the matmul outputs' cotangents from B to W: 2p - 1).
+            return (4 * self.stages + 2) / 2
         if self.writes_backward:
             return self.residual_slots / self.repeats
         return self.ticks / self.repeats

@@ -52,7 +52,7 @@ import jax.numpy as jnp
 from flax import traverse_util
 
 from models import flash, model_class
-from spmd import pipeline
+from spmd import pipeline, zero_bubble
 from spmd.layout import Layout
 from spmd.skeleton import DTYPES, is_names, routing
 from spmd.mesh import AXES, BATCH_AXES
@@ -430,6 +430,18 @@ def _pipeline(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
     rows = tokens_per_device(cfg, layout.shape) * p * layout.skeleton.model_cfg.embed * compute_bytes / split
     ticks = v * m * stage_overhead(layout)  # v*m + p - 1
     leaves = (p - 1) / p
+    if schedule.name == "zb-v":
+        # One send per tick each way (none where the tick's pairing is empty: p = 2, every
+        # other tick), the second chunk's weights exchanged entering and their gradients
+        # leaving (float32, as stored); rows and targets enter and their gradient leaves as
+        # for 1f1b.
+        weights = sum(p_.numel * p_.itemsize / _ways(_spec_axes(p_.names, layout.rules.params), layout.shape)
+                      for p_ in params(layout) if p_.stacked) / 2
+        targets = tokens_per_device(cfg, layout.shape) * p * 4
+        return [Expected("collective-permute", "pp", zero_bubble.sends(p, m) * rows / m + 2 * weights,
+                         "chunk outputs and their gradients; the second chunk's weights and gradients"),
+                Expected("all-gather", "pp", leaves * (rows + targets), "rows and targets entering the stages"),
+                Expected("reduce-scatter", "pp", leaves * rows, "the gradient of the rows entering")]
     if _head_in_stages(layout):
         # Forward sends in the warm-up and steady ticks, backward ones in the steady and
         # cool-down ticks; where the cool-down is one tick (1f1b, p = 2: vp - 1 ticks) its
