@@ -44,6 +44,8 @@ Schedules:
   forwards and as many backwards, bubble (p-1)/(v*m+p-1) as circular. A chunk's
   residuals live at most 2(vp-1) ticks: a ring of 2vp - 1 chunk residuals, (2vp-1)/v
   microbatches through the stage's layers (1f1b's 2p - 1 at v = 1).
+- zb-v: two chunks per stage in a V, the backward split into input and weight gradients
+  (spmd.zero_bubble).
 """
 
 from __future__ import annotations

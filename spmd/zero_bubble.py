@@ -31,7 +31,7 @@ matmuls, inside the layer scan too) is staged into W, and W receives from B the 
 of the chain it needs (each matmul output's cotangent). Nothing is computed twice: B's
 and W's dot FLOPs add up to the unsplit backward's. Under a remat policy that recomputes
 the matmuls' inputs in the backward pass (full, dots) B would need them itself and W
-would be empty: zb-v asks for --remat none (spmd.checks).
+would be empty: zb-v asks for --remat none (spmd.config).
 """
 
 from __future__ import annotations
@@ -131,8 +131,10 @@ def split_backward(stage_fn, chunk, example):
 # ------------------------------------------------------------------------- the schedule
 
 def _pairs(p: int, parity: int, down: bool) -> list[tuple[int, int]]:
-    """Who sends to whom in a tick: device d sends down (d -> d+1) if (d + parity) is
-    even and `down`-ness says so, else up; the turn (p-1 down) and the ends stay put."""
+    """Who sends to whom in a tick of `parity`. Forwards (`down`): device d runs chunk 0
+    when d + parity is even and sends down (d -> d+1), else chunk 1 and sends up. B's
+    (not `down`): chunk 1's B runs on the other parity and sends down, chunk 0's up.
+    Sends past the ends stay put: the turn at p-1, the head and dx at device 0."""
     out = []
     for d in range(p):
         goes_down = ((d + parity) % 2 == 0) == down
