@@ -16,7 +16,7 @@ only the last stage takes.
 Memory: XLA's temporaries per device, each schedule's over 1F1B's on the same layout.
 `kept`: the activations a stage keeps, in microbatches through all its layers
 (spmd.pipeline.Schedule.kept_microbatches: GPipe m + p - 1, circular (v*m + p - 1)/v,
-1F1B 2p - 1, interleaved 1F1B (2vp - 1)/v, zb-v its longest ring, (4p + 2)/2 chunks of the
+1F1B 2p - 1, interleaved 1F1B (2vp - 1)/v, zb-v its longest ring, (5p - 2)/2 chunks of the
 matmuls' inputs); `+tick`: with the tick's activations,
 built apart before they are filed (1/v more), and its ratio to 1F1B's: the ratio of the
 activations alone; the other temporaries (logits, gradients, the microbatches' copies)

@@ -97,6 +97,15 @@ class Schedule:
         return (p - 1) / (useful + p - 1)
 
     @property
+    def compute_overhead(self) -> float:
+        """Executed over useful stage compute: 1 / (1 - bubble); zb-v's weight gradients
+        have no bubble, so with a chunk's forward, B and W alike (its matmuls, each once
+        per pass) 1 + 2(p-1)/(3m) (spmd.zero_bubble.executed_over_useful)."""
+        if self.name == "zb-v":
+            return 1 + 2 * (self.stages - 1) / (3 * self.microbatches)
+        return 1 / (1 - self.bubble)
+
+    @property
     def writes_backward(self) -> bool:
         """Whether the schedule runs the backward pass itself (`one_f_one_b`), not autodiff."""
         return self.name in WRITTEN_OUT
@@ -113,9 +122,9 @@ class Schedule:
         m + p - 1 ticks' (gpipe), v*m + p - 1 ticks of 1/v of them (circular), or the
         residual ring's (2vp - 1) / v."""
         if self.name == "zb-v":
-            # The longest-kept part: the matmuls' inputs for W, 4p + 2 chunks (what B
+            # The longest-kept part: the matmuls' inputs for W, 5p - 2 chunks (what B
             # reads: 4p - 1; the matmul outputs' cotangents from B to W: 2p - 1).
-            return (4 * self.stages + 2) / 2
+            return (5 * self.stages - 2) / 2
         if self.writes_backward:
             return self.residual_slots / self.repeats
         return self.ticks / self.repeats

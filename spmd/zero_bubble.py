@@ -41,6 +41,8 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+# JAX's own partial evaluation and DCE of jaxprs (with their rules for scan, remat, cond,
+# shard_map) are internal API: a JAX upgrade may move them.
 from jax._src import core
 from jax._src.interpreters import partial_eval as pe
 

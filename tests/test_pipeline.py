@@ -140,17 +140,32 @@ def test_zb_v_executes_its_formula(deep_reference):
     assert executed == pytest.approx(1 + 2 * (p - 1) / (3 * m), rel=1e-9)
 
 
+@pytest.mark.parametrize("p,m", [(2, 2), (2, 8), (4, 4), (4, 16), (8, 64)])
+def test_zb_v_timetable(p, m):
+    """Every device runs one forward and one B per tick where any runs, each of its 2m
+    W's after its B, and the rings are bounded whatever m is; the roofline's overhead is
+    the executed-compute formula at f = b = w."""
+    from spmd.pipeline import Schedule
+    from spmd.zero_bubble import timetable
+
+    table = timetable(p, m)  # (it asserts forward <= B <= W for every chunk and microbatch)
+    assert table["slots"] == (4 * p - 1, 5 * p - 2, 2 * p - 1)
+    assert table["f_end"] == 2 * m + 2 * p - 2 and table["ticks"] - table["first_b"] == 2 * m + 2 * p - 2
+    assert Schedule("zb-v", p, m, 2).compute_overhead == pytest.approx(executed_over_useful(p, m))
+
+
 def test_zb_v_activations_do_not_grow_with_microbatches():
-    """zb-v's rings hold a bounded number of chunk residuals (4p - 1 for B, 4p + 2 of the
+    """zb-v's rings hold a bounded number of chunk residuals (4p - 1 for B, 5p - 2 of the
     matmuls' inputs for W, 2p - 1 cotangents from B to W), whatever m is: doubling m at
-    the same microbatch size adds only the step's rows (embedded microbatches, their
-    gradients, logits: 12% here), where GPipe's temporaries grow by the activations too."""
+    the same microbatch size adds only the step's rows (embedded microbatches and their
+    gradients). Measured: zb-v 45.0 -> 45.7 MiB (x1.02, as 1F1B's 22.4 -> 22.9), GPipe
+    30.1 -> 47.7 (x1.59), which keeps every microbatch's activations."""
     def temps(schedule, m):
         cfg = validate(TrainConfig(**{**PARITY, **DEEP, "mesh": "pp=2", "pp_schedule": schedule,
                                       "microbatches": m, "batch": 8 * m}))
         return build_program(cfg, make_layout(cfg, jax.devices()[:2])).compile_step().memory_analysis().temp_size_in_bytes
     zb_growth, gpipe_growth = temps("zb-v", 8) / temps("zb-v", 4), temps("gpipe", 8) / temps("gpipe", 4)
-    assert zb_growth < 1.25 < gpipe_growth, (zb_growth, gpipe_growth)
+    assert zb_growth < 1.1 and gpipe_growth > 1.4, (zb_growth, gpipe_growth)
 
 
 def test_circular_checkpoint_restores_onto_a_layout_without_pipeline(tmp_path):
