@@ -161,9 +161,11 @@ def sends(p: int, m: int) -> int:
 
 
 def timetable(p: int, m: int):
-    """Per device, the (chunk, microbatch) of each tick's forward and B, and the order
-    of its W's: static numpy tables; and the ticks where each kind runs, and the rings'
-    sizes (longest lifetimes + 1)."""
+    """The static plan of a step: where forwards, B's and W's run (forwards in [0, f_end),
+    B's from first_b, W's from w_start, to `ticks`), each device's W's in order (a numpy
+    table: chunk, microbatch, its forward's tick, its B's tick), and the rings' sizes
+    (longest lifetimes + 1). Each tick's forward and B follow from the tick's parity
+    (`zb_v`). Checks that every W comes after its B and every B after its forward."""
     first_b = 2 * p - 1
     ticks = 2 * m + 4 * p - 3
     f_at, b_at = {}, {}  # (device, chunk, k) -> tick

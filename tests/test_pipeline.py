@@ -41,6 +41,8 @@ LAYOUTS = [
     ("pp=2", 2, {"pp_schedule": "zb-v", "microbatches": 4}),
     ("pp=4", 4, {"pp_schedule": "zb-v", "microbatches": 8}),
     ("pp=2,dp=2,tp=2", 8, {"pp_schedule": "zb-v", "microbatches": 4}),
+    # ... with fsdp (the second chunk's weights exchanged split over it), ZeRO-1, two passes.
+    ("pp=2,fsdp=2,tp=2", 8, {"pp_schedule": "zb-v", "microbatches": 2, "grad_accum": 2, "zero": 1}),
 ]
 IDS = [f"{m}{''.join(f'-{k}{v}' for k, v in o.items())}" for m, _, o in LAYOUTS]
 
