@@ -1,18 +1,26 @@
-"""Pipeline schedules: executed compute against the bubble formula, and GPipe's against
-1F1B's activation memory at m = 4p.
+"""Pipeline schedules: executed compute against the bubble formula, and each schedule's
+activation memory against 1F1B's at m = 4p, and zb-v's rings against 1F1B's.
 
 For each schedule the train step is compiled on p emulated CPU devices (pp only, so
 every device runs one stage) and on one device without a pipeline. Executed compute is
 the FLOPs of every matrix product inside the compiled step's loops (the stages' ticks and
 layer scans), times how often its loop runs (`spmd.hlo.dot_flops`), summed over the p
 devices; useful compute is the same count for the one-device step (its layer scan). Their
-ratio should be 1 / (1 - bubble) = (v*m + p - 1) / (v*m). Left out on both sides: what
+ratio should be 1 / (1 - bubble) = (v*m + p - 1) / (v*m); zb-v's
+((2m+2p-2)(f+b) + 2m w) / (2m(f+b+w)), f, b, w a chunk's forward, input-gradient and
+weight-gradient dot FLOPs (spmd.zero_bubble.chunk_dot_flops; zb-v runs with 2 layers a
+chunk, 4p layers, so that a chunk's layer scan stays a loop). Left out on both sides: what
 runs outside loops (embedding, output head), and 1F1B's head, which sits in a branch that
 only the last stage takes.
 
-Memory: XLA's temporaries per device. (2p-1)/(m+p-1) is the ratio of the kept
-activations alone (1F1B's ring of residuals against GPipe's ticks); the other
-temporaries (logits, gradients, the microbatches' copies) are alike in both.
+Memory: XLA's temporaries per device, each schedule's over 1F1B's on the same layout.
+`kept`: the activations a stage keeps, in microbatches through all its layers
+(spmd.pipeline.Schedule.kept_microbatches: GPipe m + p - 1, circular (v*m + p - 1)/v,
+1F1B 2p - 1, interleaved 1F1B (2vp - 1)/v, zb-v its longest ring, (5p - 2)/2 chunks of the
+matmuls' inputs); `+tick`: with the tick's activations,
+built apart before they are filed (1/v more), and its ratio to 1F1B's: the ratio of the
+activations alone; the other temporaries (logits, gradients, the microbatches' copies)
+are alike.
 
     python benchmarks/pipeline.py            # small model, 8 layers, seq 128
 """
@@ -31,14 +39,34 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from spmd import hlo  # noqa: E402
 from spmd.config import TrainConfig, validate  # noqa: E402
 from spmd.layout import make_layout  # noqa: E402
-from spmd.step import build_program  # noqa: E402
+from spmd.pipeline import Schedule  # noqa: E402
+from spmd.step import _stage_parts, build_program  # noqa: E402
+from spmd.pipeline import _split_vjp  # noqa: E402
+from spmd.zero_bubble import chunk_dot_flops, executed_over_useful, split_backward, timetable  # noqa: E402
 
 BASE = dict(model="small", layers=8, seq=128, remat="none")
 
 
-def compiled(mesh: str, devices: int, **overrides):
+def program(mesh: str, devices: int, **overrides):
     cfg = validate(TrainConfig(mesh=mesh, **{**BASE, **overrides}))
-    return build_program(cfg, make_layout(cfg, jax.devices()[:devices])).compile_step()
+    return build_program(cfg, make_layout(cfg, jax.devices()[:devices]))
+
+
+def compiled(mesh: str, devices: int, **overrides):
+    return program(mesh, devices, **overrides).compile_step()
+
+
+def zb_v_formula(p: int, m: int, batch: int, layers: int) -> tuple[float, tuple[float, float, float]]:
+    """zb-v's executed/useful from a chunk's f, b, w, measured on one device."""
+    one = program("", 1, batch=batch, layers=layers)
+    with jax.set_mesh(one.layout.mesh):
+        params = one.init(jax.random.key(0))["params"]
+    rows = jax.numpy.zeros((batch // m, BASE["seq"] + 1), jax.numpy.int32)
+    with one._annotated():
+        model_of, outer, inputs, _, stage = _stage_parts(one.graphdef, params, rows, one._annotated, "blocks", None)
+        chunk = jax.tree.map(lambda w: w[: layers // (2 * p)], params["blocks"])
+        f, b, w = chunk_dot_flops(stage, chunk, model_of(outer).embed(inputs))
+    return executed_over_useful(p, m, f, b, w), (f, b, w)
 
 
 def loop_flops(step) -> float:
@@ -47,27 +75,60 @@ def loop_flops(step) -> float:
 
 def main() -> None:
     print("executed stage compute (dot FLOPs inside the stage loops, all devices) / useful")
-    print(f"{'schedule':<10} {'p':>2} {'v':>2} {'m':>3} {'executed/useful':>16} {'(vm+p-1)/vm':>12} {'ratio':>7}")
+    print(f"{'schedule':<16} {'p':>2} {'v':>2} {'m':>3} {'executed/useful':>16} {'formula':>12} {'ratio':>7}")
     cases = [("gpipe", 2, 1, 2), ("gpipe", 2, 1, 8), ("gpipe", 4, 1, 4), ("gpipe", 4, 1, 16),
-             ("circular", 2, 2, 2), ("circular", 4, 2, 4), ("1f1b", 2, 1, 8), ("1f1b", 4, 1, 16)]
+             ("circular", 2, 2, 2), ("circular", 4, 2, 4), ("1f1b", 2, 1, 8), ("1f1b", 4, 1, 16),
+             ("interleaved-1f1b", 2, 2, 4), ("interleaved-1f1b", 4, 2, 8)]
+    cases += [("zb-v", 2, 2, 4), ("zb-v", 2, 2, 8), ("zb-v", 4, 2, 8), ("zb-v", 4, 2, 16)]
     useful_at = {}
     for name, p, v, m in cases:
-        batch = 4 * m
-        if batch not in useful_at:
-            useful_at[batch] = loop_flops(compiled("", 1, batch=batch))
-        step = compiled(f"pp={p}", p, batch=batch, pp_schedule=name, pp_repeats=v, microbatches=m)
-        measured = p * loop_flops(step) / useful_at[batch]
-        formula = (v * m + p - 1) / (v * m)
-        print(f"{name:<10} {p:>2} {v:>2} {m:>3} {measured:>16.3f} {formula:>12.3f} {measured / formula:>7.3f}")
+        batch, layers = 4 * m, 4 * p if name == "zb-v" else BASE["layers"]
+        if (batch, layers) not in useful_at:
+            useful_at[batch, layers] = loop_flops(compiled("", 1, batch=batch, layers=layers))
+        step = compiled(f"pp={p}", p, batch=batch, layers=layers, pp_schedule=name,
+                        pp_repeats=1 if name == "zb-v" else v, microbatches=m)
+        measured = p * loop_flops(step) / useful_at[batch, layers]
+        formula, costs = (v * m + p - 1) / (v * m), ""
+        if name == "zb-v":
+            formula, (f, b, w) = zb_v_formula(p, m, batch, layers)
+            costs = f"  f:b:w = 1:{b / f:.2f}:{w / f:.2f}, 1F1B's (m+p-1)/m = {(m + p - 1) / m:.3f}"
+        print(f"{name:<16} {p:>2} {v:>2} {m:>3} {measured:>16.3f} {formula:>12.3f} {measured / formula:>7.3f}{costs}")
 
-    print("\nactivation (temporary) memory per device at m = 4p, batch 4m x seq 128")
-    print(f"{'p':>2} {'m':>3} {'gpipe MiB':>10} {'1f1b MiB':>9} {'1f1b/gpipe':>11} {'(2p-1)/(m+p-1)':>15}")
+    print("\nactivation (temporary) memory per device at m = 4p, batch 4m x seq 128, against 1F1B's")
+    print(f"{'schedule':<16} {'p':>2} {'v':>2} {'m':>3} {'MiB':>6} {'/1f1b':>6} {'kept':>5} {'+tick':>6} {'/1f1b':>6}")
     for p in (2, 4):
         m = 4 * p
-        temps = {name: compiled(f"pp={p}", p, batch=4 * m, pp_schedule=name, microbatches=m)
-                 .memory_analysis().temp_size_in_bytes for name in ("gpipe", "1f1b")}
-        print(f"{p:>2} {m:>3} {temps['gpipe'] / 2**20:>10.1f} {temps['1f1b'] / 2**20:>9.1f} "
-              f"{temps['1f1b'] / temps['gpipe']:>11.3f} {(2 * p - 1) / (m + p - 1):>15.3f}")
+        schedules = [("1f1b", 1), ("gpipe", 1), ("circular", 2), ("interleaved-1f1b", 2), ("zb-v", 2)]
+        temps = {name: compiled(f"pp={p}", p, batch=4 * m, pp_schedule=name, pp_repeats=1 if name == "zb-v" else v,
+                                microbatches=m).memory_analysis().temp_size_in_bytes for name, v in schedules}
+        base = Schedule("1f1b", p, m).kept_microbatches + 1
+        for name, v in schedules:
+            kept = Schedule(name, p, m, v).kept_microbatches
+            print(f"{name:<16} {p:>2} {v:>2} {m:>3} {temps[name] / 2**20:>6.1f} {temps[name] / temps['1f1b']:>6.3f} "
+                  f"{kept:>5.1f} {kept + 1 / v:>6.1f} {(kept + 1 / v) / base:>6.3f}")
+
+    print("\nzb-v's rings (slots x a chunk's residuals: what B reads, the matmuls' inputs for W, the cotangents "
+          "from B to W) against 1F1B's ring (2p - 1 stages' residuals), from the residuals' shapes")
+    for p in (2, 4):
+        zb, one_f = ring_bytes(p, 4 * p)
+        print(f"p={p} m={4 * p}: zb-v {zb} MiB, 1f1b {one_f:.1f} MiB")
+
+
+def ring_bytes(p: int, m: int) -> tuple[str, float]:
+    one = program("", 1, batch=4 * m)
+    with jax.set_mesh(one.layout.mesh):
+        params = one.init(jax.random.key(0))["params"]
+    rows = jax.numpy.zeros((4, BASE["seq"] + 1), jax.numpy.int32)
+    mib = lambda shapes: sum(s.size * s.dtype.itemsize for s in shapes) / 2**20  # noqa: E731
+    with one._annotated():
+        model_of, outer, inputs, _, stage = _stage_parts(one.graphdef, params, rows, one._annotated, "blocks", None)
+        x = model_of(outer).embed(inputs)
+        chunk = jax.tree.map(lambda w: w[: BASE["layers"] // (2 * p)], params["blocks"])
+        shapes = [mib(s) for s in split_backward(stage, chunk, x)[3]]
+        stage_residuals = mib(_split_vjp(stage, jax.tree.map(lambda w: w[: BASE["layers"] // p], params["blocks"]), x)[2])
+    slots = timetable(p, m)["slots"]
+    total = sum(n * s for n, s in zip(slots, shapes))
+    return f"{total:.1f} = " + " + ".join(f"{n} x {s:.2f}" for n, s in zip(slots, shapes)), (2 * p - 1) * stage_residuals
 
 
 if __name__ == "__main__":

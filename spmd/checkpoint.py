@@ -26,7 +26,7 @@ import orbax.checkpoint as ocp
 from flax import traverse_util
 
 from spmd.checksum import checksums
-from spmd.config import flag_of
+from spmd.config import REPEATED_SCHEDULES, flag_of
 from spmd.errors import UserError
 from spmd.skeleton import STACKED_KEYS, is_stacked, restack
 
@@ -45,7 +45,9 @@ def _shapes_of(params) -> dict[str, list[int]]:
 def stacked_repeats(config: dict) -> int:
     """How a run's config stores the stacked layers: (layers, ...) or, under a circular
     pipeline, (repeats, layers / repeats, ...) (spmd.skeleton.restack)."""
-    return config.get("pp_repeats", 1) if config.get("pp_schedule") == "circular" else 1
+    if config.get("pp_schedule") == "zb-v":
+        return 2  # two chunks per stage, stored as circular's
+    return config.get("pp_repeats", 1) if config.get("pp_schedule") in REPEATED_SCHEDULES else 1
 
 
 def _model_shapes(shapes: dict[str, list[int]], repeats: int) -> dict[str, list[int]]:

@@ -25,7 +25,8 @@ ON_NAN = ("stop", "skip")
 ATTENTION = ("ring", "all-gather")
 ATTENTION_KERNELS = ("auto", "xla", "cudnn", "splash", "chunked")
 MOE_DISPATCH = ("dropless", "capacity")
-PP_SCHEDULES = ("gpipe", "circular", "1f1b")
+PP_SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved-1f1b", "zb-v")
+REPEATED_SCHEDULES = ("circular", "interleaved-1f1b")  # those with --pp-repeats chunks per stage
 TOKEN_DTYPES = ("uint16", "uint32")
 
 
@@ -87,8 +88,8 @@ class TrainConfig:
     attention_kernel: str = _field("auto", "attention's kernel: auto (cudnn on NVIDIA GPUs, splash on TPU, chunked elsewhere), xla (scores materialized), cudnn (fused flash attention), splash (Pallas, TPU), chunked (flash-style in plain JAX: memory linear in the sequence)", choices=ATTENTION_KERNELS)
     megatron_sp: bool = _field(False, "Megatron sequence parallelism: norms and residuals split along the sequence over tp too")
     layers: int | None = _field(None, "number of layers (default: the preset's)", at_least=1)
-    pp_schedule: str = _field("gpipe", "pipeline schedule over the pp axis (gpipe, circular with --pp-repeats chunks per stage, 1f1b)", choices=PP_SCHEDULES)
-    pp_repeats: int = _field(1, "circular schedule: chunks of layers per pipeline stage (v)", at_least=1)
+    pp_schedule: str = _field("gpipe", "pipeline schedule over the pp axis (gpipe, circular with --pp-repeats chunks per stage, 1f1b, interleaved-1f1b: 1f1b on circular's chunks, zb-v: zero bubble, 2 chunks per stage in a V)", choices=PP_SCHEDULES)
+    pp_repeats: int = _field(1, "circular and interleaved-1f1b schedules: chunks of layers per pipeline stage (v)", at_least=1)
     microbatches: int | None = _field(None, "pipeline microbatches per step (default: pp; a multiple of pp)", at_least=1)
     experts: int | None = _field(None, "MoE models: number of experts (default: the preset's)", at_least=1)
     top_k: int | None = _field(None, "MoE models: experts per token (default: the preset's)", at_least=1)
@@ -355,10 +356,17 @@ def _validate_moe(cfg: TrainConfig, model_cfg) -> None:
 
 
 def _validate_pipeline(cfg: TrainConfig) -> None:
-    if cfg.pp_schedule == "circular" and cfg.pp_repeats < 2:
-        raise UserError("--pp-schedule circular needs --pp-repeats 2 or more (chunks of layers per stage)")
-    if cfg.pp_schedule != "circular" and cfg.pp_repeats != 1:
-        raise UserError(f"--pp-repeats applies to --pp-schedule circular, not {cfg.pp_schedule}")
+    if cfg.pp_schedule in REPEATED_SCHEDULES and cfg.pp_repeats < 2:
+        # (interleaved-1f1b with one chunk per stage is 1f1b: asked for by its name)
+        raise UserError(f"--pp-schedule {cfg.pp_schedule} needs --pp-repeats 2 or more (chunks of layers per stage)"
+                        + ("; with one chunk it is --pp-schedule 1f1b" if cfg.pp_schedule != "circular" else ""))
+    if cfg.pp_schedule == "zb-v" and cfg.remat != "none":
+        # Its weight gradients (W) read the matmuls' inputs kept from the forward pass; a
+        # remat policy recomputes them inside the input gradient (B), leaving W nothing.
+        raise UserError(f"--pp-schedule zb-v needs --remat none (got {cfg.remat}): its weight-gradient pass reads "
+                        "the matmuls' inputs kept from the forward pass")
+    if cfg.pp_schedule not in REPEATED_SCHEDULES and cfg.pp_repeats != 1:
+        raise UserError(f"--pp-repeats applies to --pp-schedule {' and '.join(REPEATED_SCHEDULES)}, not {cfg.pp_schedule}")
 
 
 def _resolve_model(cfg: TrainConfig) -> TrainConfig:

@@ -34,6 +34,18 @@ Schedules:
   of each microbatch in its forward tick, so its backward starts at once. Warm-up (p-1
   ticks, forwards only), steady state (m ticks) and cool-down (p-1, backwards only) are
   three scans, so the executed work is GPipe's: bubble (p-1)/(m+p-1).
+- interleaved-1f1b (`repeats` v): 1f1b on circular chunks (stored as circular's). Stage
+  s's i-th forward runs in tick i + s on round i % (pv) // p of microbatch
+  (i // (pv)) p + i % p: groups of p microbatches go around the ring v times, so what
+  stage 0 receives from the last stage is its next input and needs no queue. Backwards
+  run the rounds of a group in reverse, from tick vp - 1 (the last stage's first final
+  round: its backward uses the head's gradient of the same tick). Warm-up vp - 1 ticks,
+  steady v*m + p - 1 - (vp - 1), cool-down vp - 1: each stage runs v*m + p - 1 chunk
+  forwards and as many backwards, bubble (p-1)/(v*m+p-1) as circular. A chunk's
+  residuals live at most 2(vp-1) ticks: a ring of 2vp - 1 chunk residuals, (2vp-1)/v
+  microbatches through the stage's layers (1f1b's 2p - 1 at v = 1).
+- zb-v: two chunks per stage in a V, the backward split into input and weight gradients
+  (spmd.zero_bubble).
 """
 
 from __future__ import annotations
@@ -49,6 +61,7 @@ from spmd.rules import STAGE_AXIS
 AXIS = STAGE_AXIS  # the rules table splits the stacked layers over it
 BATCH_AXIS = "dp"  # also manual in the map: gradients are reduced over it once per step
 MANUAL_AXES = (AXIS, BATCH_AXIS)
+WRITTEN_OUT = ("1f1b", "interleaved-1f1b", "zb-v")  # schedules that run their backward pass themselves
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,28 +69,65 @@ class Schedule:
     name: str
     stages: int  # p
     microbatches: int  # m
-    repeats: int = 1  # v (circular)
+    repeats: int = 1  # v (circular, interleaved-1f1b)
 
     @classmethod
     def of(cls, cfg, stages: int) -> "Schedule":
         """The schedule a run's options ask for on `stages` pipeline stages."""
-        return cls(cfg.pp_schedule, stages, cfg.microbatches or stages, cfg.pp_repeats)
+        # zb-v: two chunks per stage, stored as circular's (spmd.zero_bubble)
+        repeats = 2 if cfg.pp_schedule == "zb-v" else cfg.pp_repeats
+        return cls(cfg.pp_schedule, stages, cfg.microbatches or stages, repeats)
 
     @property
     def ticks(self) -> int:
-        """Ticks of the forward pass (GPipe, circular)."""
+        """Ticks that run a chunk's forward (gpipe, circular, 1f1b, interleaved-1f1b:
+        v*m + p - 1; zb-v: 2m + 2p - 2, half a stage each)."""
+        if self.name == "zb-v":
+            return 2 * (self.microbatches + self.stages - 1)
         return self.repeats * self.microbatches + self.stages - 1
 
     @property
     def bubble(self) -> float:
-        """Share of the executed stage work that is idle (computes on padding)."""
+        """Share of the executed forward (and backward) stage work that is idle (computes
+        on padding). zb-v: of its forwards and input gradients; its weight gradients
+        have none (spmd.zero_bubble.executed_over_useful)."""
         p, useful = self.stages, self.repeats * self.microbatches
+        if self.name == "zb-v":
+            useful = self.microbatches
         return (p - 1) / (useful + p - 1)
 
     @property
+    def compute_overhead(self) -> float:
+        """Executed over useful stage compute: 1 / (1 - bubble); zb-v's weight gradients
+        have no bubble, so with a chunk's forward, B and W alike (its matmuls, each once
+        per pass) 1 + 2(p-1)/(3m) (spmd.zero_bubble.executed_over_useful)."""
+        if self.name == "zb-v":
+            return 1 + 2 * (self.stages - 1) / (3 * self.microbatches)
+        return 1 / (1 - self.bubble)
+
+    @property
+    def writes_backward(self) -> bool:
+        """Whether the schedule runs the backward pass itself (`one_f_one_b`), not autodiff."""
+        return self.name in WRITTEN_OUT
+
+    @property
     def residual_slots(self) -> int:
-        """Microbatches whose residuals a stage keeps at once (1f1b)."""
-        return 2 * self.stages - 1
+        """Chunk residuals a stage keeps at once (1f1b, interleaved-1f1b): a forward's
+        live at most 2(vp - 1) ticks."""
+        return 2 * self.repeats * self.stages - 1
+
+    @property
+    def kept_microbatches(self) -> float:
+        """A stage's activations kept at once, in microbatches through all its layers:
+        m + p - 1 ticks' (gpipe), v*m + p - 1 ticks of 1/v of them (circular), or the
+        residual ring's (2vp - 1) / v."""
+        if self.name == "zb-v":
+            # The longest-kept part: the matmuls' inputs for W, 5p - 2 chunks (what B
+            # reads: 4p - 1; the matmul outputs' cotangents from B to W: 2p - 1).
+            return (5 * self.stages - 2) / 2
+        if self.writes_backward:
+            return self.residual_slots / self.repeats
+        return self.ticks / self.repeats
 
 
 # ------------------------------------------------------------------ rows <-> microbatches
@@ -251,87 +301,121 @@ def _split_vjp(stage_fn, chunk, example: jax.Array):
     return forward, backward, shapes
 
 
+def _order(i, p: int, v: int):
+    """A stage's i-th forward (or backward) iteration -> (round, microbatch, its forward
+    iteration): microbatches go around the ring in groups of p, each group v times
+    before the next group starts, so what stage 0 receives from the last stage is what
+    it runs next (no queue). Backward runs the rounds of a group in reverse."""
+    group, rest = i // (p * v), i % (p * v)
+    return rest // p, group * p + rest % p, group * p * v
+
+
 def one_f_one_b(mesh, schedule: Schedule, stage_fn, head_fn, blocks, head, x: jax.Array, targets: jax.Array,
                 rows: jax.P, statistics_weights=None):
-    """Loss and gradients with the 1F1B schedule (no `jax.grad` around it: the backward
-    pass is interleaved with the forward here).
+    """Loss and gradients with the 1F1B schedule, or interleaved 1F1B (`repeats` v > 1:
+    stage s holds chunks s, s+p, ... stored as for circular), with no `jax.grad` around
+    it: the backward pass is interleaved with the forward here.
 
-    `stage_fn(chunk, x) -> (y, statistics)` runs the stage's layers on one microbatch
-    (statistics as for `pipeline`); `head_fn(head, y, targets) -> loss` is the mean loss
-    of one microbatch's rows from the last stage's output, `head` the parameters it uses
-    (replicated over pp). `statistics_weights(statistics) -> weights`: how much each
-    statistic adds to what is minimized, per microbatch of the whole batch (e.g. an MoE
-    balance loss's weight over the number of MoE layers); None: nothing.
+    `stage_fn(chunk, x) -> (y, statistics)` runs a chunk of the stage's layers on one
+    microbatch (statistics as for `pipeline`); `head_fn(head, y, targets) -> loss` is the
+    mean loss of one microbatch's rows from the last stage's output, `head` the parameters
+    it uses (replicated over pp). `statistics_weights(statistics) -> weights`: how much
+    each statistic adds to what is minimized, per microbatch of the whole batch (e.g. an
+    MoE balance loss's weight over the number of MoE layers); None: nothing.
     x: (m, mb, ...) embedded microbatches, split over pp along m; targets (m, mb, ...);
     `rows`: one microbatch's spec.
     Returns (loss, d_blocks, d_head, dx, statistics): the mean loss, the gradients of the
     stacked layers (split over pp) and of `head`, dx, the gradient of x (laid out like x),
     from which the embedding's follows, and the layers' statistics (`layer_statistics`)."""
-    p, m = schedule.stages, schedule.microbatches
+    p, m, v = schedule.stages, schedule.microbatches, schedule.repeats
     slots = schedule.residual_slots
+    # The last stage's backward of a microbatch's last round runs in the tick of its
+    # forward (the head's gradient at hand): stage p-1's first forward of round v-1.
+    first_backward = v * p - 1
 
     def run(blocks, head_params, x, targets):
         stage, x = jax.lax.axis_index(AXIS), x[0]
         last = stage == p - 1
+        chunks = jax.tree.map(lambda w: stage_view(w, v), blocks)
+        if v == 1:  # the same weights every tick: nothing picked
+            def pick(r):
+                return jax.tree.map(lambda w: w[0], chunks)
+        else:
+            def pick(r):
+                return jax.tree.map(lambda w: w[r], chunks)
         dp = jax.lax.psum(1, BATCH_AXIS)
         seed = 1.0 / (m * dp)  # each dp shard's microbatch loss is a mean over its own rows
-        forward, backward, shapes = _split_vjp(stage_fn, blocks, x[0])
-        no_stats = _no_statistics(stage_fn, jax.tree.map(lambda w: w[None], blocks), x[0])
+        forward, backward, shapes = _split_vjp(stage_fn, pick(0), x[0])
+        no_stats = _no_statistics(stage_fn, chunks, x[0])
         stats_weights = jax.tree.map(lambda total: total[0], no_stats)
         if statistics_weights is not None:
             stats_weights = jax.tree.map(lambda w: seed * w, statistics_weights(stats_weights))
 
-        def head(y, k):
+        def head(y, k, here):
             def on_last(y, k):
                 loss, vjp = jax.vjp(lambda h, y: head_fn(h, y, targets[k]), head_params, y)
                 d_head, dy = vjp(jnp.asarray(seed, loss.dtype))
                 return loss, d_head, dy
             def elsewhere(y, k):
                 return jnp.zeros(()), jax.tree.map(jnp.zeros_like, head_params), jnp.zeros_like(y)
-            return jax.lax.cond(last, on_last, elsewhere, y, k)
+            return jax.lax.cond(here, on_last, elsewhere, y, k)
 
         def tick(carry, t, *, forwards: bool, backwards: bool):
-            arrived, returned, ring, d_blocks, d_head, loss, dx, totals = carry
+            arrived, returned, ring, d_chunks, d_head, loss, dx, totals = carry
             if forwards:
-                k = t - stage
-                valid = (k >= 0) & (k < m)
-                inp = jnp.where(stage == 0, x[jnp.clip(k, 0, m - 1)], arrived)
-                (y, stats), residuals = forward(blocks, inp)
-                totals = _statistics(stats, valid, 0, totals)
-                ring = [buf.at[k % slots].set(r) for buf, r in zip(ring, residuals)]
-                head_loss, head_grads, dy = head(y, jnp.clip(k, 0, m - 1))
-                keep = valid & last
+                i = t - stage
+                r, k, _ = _order(i, p, v)
+                valid = (i >= 0) & (i < v * m)
+                k = jnp.clip(k, 0, m - 1)
+                # Stage 0 starts a microbatch's first round from x; later rounds continue
+                # from what the last stage sent it in the previous tick.
+                inp = jnp.where((stage == 0) & (r == 0), x[k], arrived)
+                (y, stats), residuals = forward(pick(r), inp)
+                totals = _statistics(stats, valid, r, totals)
+                ring = [buf.at[i % slots].set(res) for buf, res in zip(ring, residuals)]
+                final = last & (r == v - 1)
+                head_loss, head_grads, dy = head(y, k, final)
+                keep = valid & final
                 loss = loss + jnp.where(keep, head_loss, 0.0)
                 d_head = jax.tree.map(lambda acc, g: acc + jnp.where(keep, g, 0), d_head, head_grads)
                 arrived = jax.lax.ppermute(y, AXIS, _ring(p, 1))
             if backwards:
-                k = t - 2 * (p - 1) + stage
-                valid = (k >= 0) & (k < m)
-                cotangent = jnp.where(last, dy, returned) if forwards else returned
-                d_chunk, d_inp = backward(blocks, [buf[k % slots] for buf in ring], (cotangent, stats_weights))
-                d_blocks = jax.tree.map(lambda acc, g: acc + jnp.where(valid, g, 0), d_blocks, d_chunk)
+                j = t - first_backward - (p - 1 - stage)
+                rest, k, group_start = _order(j, p, v)
+                r = v - 1 - rest
+                valid = (j >= 0) & (j < v * m)
+                # Its forward's iteration, whose residuals the ring holds (a forward's
+                # residuals live at most 2(vp-1) ticks: 2vp-1 slots).
+                i = group_start + r * p + j % p
+                cotangent = jnp.where(last & (r == v - 1), dy, returned) if forwards else returned
+                d_chunk, d_inp = backward(pick(r), [buf[i % slots] for buf in ring], (cotangent, stats_weights))
+                d_chunks = jax.tree.map(lambda acc, g: acc.at[r].add(jnp.where(valid, g, 0)), d_chunks, d_chunk)
                 slot = jnp.clip(k, 0, m - 1)
-                dx = dx.at[slot].set(jnp.where(valid & (stage == 0), d_inp, dx[slot]))
+                dx = dx.at[slot].set(jnp.where(valid & (stage == 0) & (r == 0), d_inp, dx[slot]))
                 returned = jax.lax.ppermute(d_inp, AXIS, _ring(p, -1))
-            return (arrived, returned, ring, d_blocks, d_head, loss, dx, totals), None
+            return (arrived, returned, ring, d_chunks, d_head, loss, dx, totals), None
 
         zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)  # noqa: E731
         ring = [jnp.zeros((slots, *s.shape), s.dtype) for s in shapes]
-        carry = (jnp.zeros_like(x[0]), jnp.zeros_like(x[0]), ring, zeros(blocks), zeros(head_params), jnp.zeros(()),
+        carry = (jnp.zeros_like(x[0]), jnp.zeros_like(x[0]), ring, zeros(chunks), zeros(head_params), jnp.zeros(()),
                  jnp.zeros_like(x), no_stats)
-        phases = ((0, p - 1, True, False), (p - 1, m, True, True), (m + p - 1, p - 1, False, True))
+        # Warm-up (forwards only), steady state (both), cool-down (backwards only).
+        both = v * m + p - 1
+        phases = ((0, first_backward, True, False), (first_backward, both - first_backward, True, True),
+                  (both, first_backward, False, True))
         for start, length, forwards, backwards in phases:
             body = functools.partial(tick, forwards=forwards, backwards=backwards)
             carry, _ = jax.lax.scan(body, carry, start + jnp.arange(length))
-        _, _, _, d_blocks, d_head, loss, dx, totals = carry
+        _, _, _, d_chunks, d_head, loss, dx, totals = carry
+        d_blocks = jax.tree.map(lambda g, w: g.reshape(w.shape), d_chunks, blocks)
         loss = jax.lax.psum(loss, AXIS) / m
         return (jax.lax.pmean(loss, BATCH_AXIS), jax.lax.psum(d_blocks, BATCH_AXIS),
                 jax.lax.psum(d_head, MANUAL_AXES), _only_stage_0(dx, stage), _stage_statistics(totals, m))
 
     copies = jax.P(AXIS, None, BATCH_AXIS)
     loss, d_blocks, d_head, dx, stats = jax.shard_map(
-        run, mesh=mesh, in_specs=(stacked_spec(1), jax.P(), copies, jax.P(None, BATCH_AXIS)),
-        out_specs=(jax.P(), jax.P(AXIS), jax.P(), copies, jax.P(AXIS)), axis_names=frozenset(MANUAL_AXES),
+        run, mesh=mesh, in_specs=(stacked_spec(v), jax.P(), copies, jax.P(None, BATCH_AXIS)),
+        out_specs=(jax.P(), stacked_spec(v), jax.P(), copies, jax.P(AXIS)), axis_names=frozenset(MANUAL_AXES),
         check_vma=False,
     )(blocks, head, _copies(x, mesh, rows), targets)
     return loss, d_blocks, d_head, _from_stage_0(dx, mesh, rows), layer_statistics(stats)

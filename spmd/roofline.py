@@ -64,7 +64,7 @@ def predict(cfg, shape: Mapping[str, int], model_cfg, traffic: Iterable[tuple[st
     devices = math.prod(shape.values())
     model_flops, executed = executed_flops_per_step(cfg, model_cfg)
     if shape.get("pp", 1) > 1:  # every stage computes in every tick of its schedule, bubbles included
-        executed /= 1 - Schedule.of(cfg, shape["pp"]).bubble
+        executed *= Schedule.of(cfg, shape["pp"]).compute_overhead
     compute_s = executed / devices / hardware.peak_flops(cfg.dtype)
     comm: dict[str, float] = {}
     exposed = overlapped = 0.0

@@ -37,6 +37,7 @@ from spmd.optim import make_optimizer, schedule
 from spmd.pipeline import MANUAL_AXES, from_microbatches, one_f_one_b, pipeline, to_microbatches
 from spmd.rules import spec_for
 from spmd.skeleton import DTYPES, is_names, routing
+from spmd.zero_bubble import zb_v
 
 
 def _loss(graphdef, params, rows: jax.Array, order: np.ndarray | None = None,
@@ -141,7 +142,8 @@ def _one_f_one_b_grads(graphdef, params, rows: jax.Array, layout: Layout, in_sta
             return _objective(model_of({**outer, **head_params}).logits(y), targets, {}, (0.0, 0.0))[0]
 
     x, embed_vjp = jax.vjp(lambda outer: to_microbatches(model_of(outer).embed(inputs), shards, schedule), outer)
-    loss, d_blocks, d_head, dx, stats = one_f_one_b(
+    run = zb_v if schedule.name == "zb-v" else one_f_one_b
+    loss, d_blocks, d_head, dx, stats = run(
         layout.mesh, schedule, stage, head, params[family.STACKED], {name: outer[name] for name in head_names}, x,
         to_microbatches(targets, shards, schedule), _row_spec(layout),
         _aux_weights_per_layer(aux_weights, layout.skeleton.model_cfg.moe_layers))
@@ -347,7 +349,7 @@ class Program:
     def _loss_and_grads(self, params, rows, router=None):
         schedule = self.layout.schedule
         with self._annotated():
-            if schedule and schedule.name == "1f1b":
+            if schedule and schedule.writes_backward:
                 return _one_f_one_b_grads(self.graphdef, params, rows, self.layout, self._in_stage, self.order,
                                           self._aux_weights)
             (_, metrics), grads = jax.value_and_grad(self._loss, has_aux=True)(params, rows, router)

@@ -38,7 +38,8 @@ manual in the map: the stage's gradients are summed per dp shard over the ticks 
 float32 and reduced over dp once. pp itself moves the stage output (one microbatch) by
 collective-permute each tick forward and its gradient each tick backward; entering and
 leaving, the device's rows are all-gathered and reduce-scattered over pp (and their
-gradients reduce-scattered and all-gathered). 1f1b has GPipe's counts.
+gradients reduce-scattered and all-gathered). 1f1b has GPipe's counts, interleaved-1f1b
+circular's.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ import jax.numpy as jnp
 from flax import traverse_util
 
 from models import flash, model_class
-from spmd import pipeline
+from spmd import pipeline, zero_bubble
 from spmd.layout import Layout
 from spmd.skeleton import DTYPES, is_names, routing
 from spmd.mesh import AXES, BATCH_AXES
@@ -117,13 +118,14 @@ def tokens_per_device(cfg, shape: Mapping[str, int], microbatch: bool = False) -
 
 def stage_overhead(layout: Layout) -> float:
     """Executed over useful work of the stacked layers: every stage runs every tick of
-    its schedule, (v*m + p - 1)/(v*m) of the useful ones (1f1b: GPipe's, v = 1); 1
+    its schedule, (v*m + p - 1)/(v*m) of the useful ones (1f1b: GPipe's, v = 1;
+    interleaved-1f1b: circular's); 1
     without a pipeline. Each device runs 1/p of the layers on p times `tokens_per_device`."""
     return 1 / (1 - layout.schedule.bubble) if layout.schedule else 1.0
 
 
 def _head_in_stages(layout: Layout) -> bool:
-    return layout.schedule is not None and layout.schedule.name == "1f1b"
+    return layout.schedule is not None and layout.schedule.writes_backward
 
 
 def _backward_gathers(cfg, layout: Layout, stage_runs: float) -> float:
@@ -132,11 +134,18 @@ def _backward_gathers(cfg, layout: Layout, stage_runs: float) -> float:
     the same every tick), under every remat policy: once. A circular schedule under remat
     "full" runs each tick's forward once more in the backward pass (spmd.pipeline.
     _run_chunk): twice per forward."""
-    if layout.schedule is None or layout.schedule.name == "1f1b":
+    if layout.schedule is None or layout.schedule.writes_backward:
         return stage_runs
-    if layout.schedule.repeats > 1:
+    if _picks_again(layout):
         return stage_runs * (2 if cfg.remat == "full" else 1)
     return 1
+
+
+def _picks_again(layout: Layout) -> bool:
+    """Whether autodiff's backward pass picks each tick's chunk again under the model's
+    remat policy (circular: spmd.pipeline._run_chunk); the written-out backward of
+    interleaved-1f1b runs each chunk's backward once."""
+    return layout.schedule is not None and layout.schedule.repeats > 1 and not layout.schedule.writes_backward
 
 
 def _compute_table(layout: Layout) -> Mapping:
@@ -289,8 +298,11 @@ def _tensor_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
     tokens = tokens_per_device(cfg, layout.shape)
     activation = tokens * model.embed * compute_bytes  # outside pipeline stages: the head's input
     # 1f1b runs the head on the last stage, per microbatch: in a branch that every device's
-    # program holds, on all of its pp group's rows.
-    head_tokens = tokens * (layout.shape["pp"] if _head_in_stages(layout) else 1)
+    # program holds in each of its v*m + p - 1 forward ticks (taken there on the last stage
+    # only, by interleaved-1f1b only in a microbatch's last round), so the compiled step
+    # counts it once per tick, on a microbatch of its pp group's rows.
+    head_tokens = tokens * (layout.shape["pp"] * layout.schedule.repeats * stage_overhead(layout)
+                            if _head_in_stages(layout) else 1)
     head_input = head_tokens * model.embed * compute_bytes
     per_layer = stage_overhead(layout)  # the layers' activations, in pipeline stages, bubble ticks included
     lookup = tokens * model.embed * 4  # float32 rows (the model's LOOKUP_TABLE)
@@ -312,7 +324,7 @@ def _tensor_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
     dense = model.layers - moe_layers + (moe_layers if model.moe and model.moe.shared_experts else 0)
     reduced(activation, per_layer * (2 * model.layers + 2 * dense),
             "Megatron: block outputs forward, block input gradients backward")
-    if layout.schedule and layout.schedule.repeats > 1 and cfg.remat == "full":
+    if _picks_again(layout) and cfg.remat == "full":
         reduced(activation, per_layer * 2 * model.layers, "circular stages: each tick's forward again")
     if moe_layers:
         rows = expert_rows(cfg, layout) * model.embed * compute_bytes
@@ -424,11 +436,24 @@ def _pipeline(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
     rows = tokens_per_device(cfg, layout.shape) * p * layout.skeleton.model_cfg.embed * compute_bytes / split
     ticks = v * m * stage_overhead(layout)  # v*m + p - 1
     leaves = (p - 1) / p
+    if schedule.name == "zb-v":
+        # One send per tick each way (none where the tick's pairing is empty: p = 2, every
+        # other tick), the second chunk's weights exchanged entering and their gradients
+        # leaving (float32, as stored); rows and targets enter and their gradient leaves as
+        # for 1f1b.
+        weights = sum(p_.numel * p_.itemsize / _ways(_spec_axes(p_.names, layout.rules.params), layout.shape)
+                      for p_ in params(layout) if p_.stacked) / 2
+        targets = tokens_per_device(cfg, layout.shape) * p * 4
+        return [Expected("collective-permute", "pp", zero_bubble.sends(p, m) * rows / m + 2 * weights,
+                         "chunk outputs and their gradients; the second chunk's weights and gradients"),
+                Expected("all-gather", "pp", leaves * (rows + targets), "rows and targets entering the stages"),
+                Expected("reduce-scatter", "pp", leaves * rows, "the gradient of the rows entering")]
     if _head_in_stages(layout):
         # Forward sends in the warm-up and steady ticks, backward ones in the steady and
-        # cool-down ticks; with p = 2 the cool-down is one tick and its unused send is
-        # dropped. Only x enters (with the targets, int32) and only its gradient leaves.
-        sends = 2 * ticks - (1 if p == 2 else 0)
+        # cool-down ticks; where the cool-down is one tick (1f1b, p = 2: vp - 1 ticks) its
+        # unused send is dropped. Only x enters (with the targets, int32) and only its
+        # gradient leaves.
+        sends = 2 * ticks - (1 if v * p == 2 else 0)
         targets = tokens_per_device(cfg, layout.shape) * p * 4
         return [Expected("collective-permute", "pp", sends * rows / m, "stage outputs forward, their gradients back"),
                 Expected("all-gather", "pp", leaves * (rows + targets), "rows and targets entering the stages"),
@@ -531,10 +556,11 @@ def activation_bytes(cfg, layout: Layout, compute_bytes: int) -> float:
     schedule = layout.schedule
     if schedule is None:
         return tokens * (kept + working) * compute_bytes + block_scores + logits
-    # A device keeps its 1/p of the layers for every tick (gpipe, circular), or for 2p - 1
-    # microbatches (1f1b), on microbatches of p/m of its `tokens`; one tick's (a 1/v chunk
+    # A device keeps its 1/p of the layers for every tick (gpipe, circular), or for the
+    # residual ring's (2vp - 1)/v microbatches (1f1b, interleaved-1f1b: Schedule.
+    # kept_microbatches), on microbatches of p/m of its `tokens`; one tick's (a 1/v chunk
     # of its layers) are built apart before they are filed. The queue holds all its rows.
     p, v = schedule.stages, schedule.repeats
     mb = tokens * p / schedule.microbatches
-    kept_tokens = mb * schedule.residual_slots / p if schedule.name == "1f1b" else tokens * stage_overhead(layout)
+    kept_tokens = mb * schedule.kept_microbatches / p
     return (kept_tokens * kept + mb * (working + kept / (p * v)) + tokens * p * e) * compute_bytes + logits

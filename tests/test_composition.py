@@ -18,6 +18,8 @@ LAYOUTS = [
     ("pp=2,ep=2,dp=2", 8, MOE | {"zero": 1}),
     ("pp=2,ep=2", 4, MOE | {"pp_schedule": "1f1b", "microbatches": 4}),
     ("pp=2,ep=2", 4, MOE | {"layers": 8, "pp_schedule": "circular", "pp_repeats": 2, "microbatches": 2}),
+    ("pp=2,ep=2", 4, MOE | {"layers": 8, "pp_schedule": "interleaved-1f1b", "pp_repeats": 2, "microbatches": 2}),
+    ("pp=2,ep=2", 4, MOE | {"layers": 8, "pp_schedule": "zb-v", "microbatches": 2}),
     ("pp=2,sp=2,ep=2", 8, MOE),
     # Capacity 1.0 drops a fifth of the choices: ranked along sequences split over sp.
     ("pp=2,sp=2,ep=2", 8, MOE | {"moe_dispatch": "capacity", "capacity_factor": 1.0}),
@@ -25,8 +27,9 @@ LAYOUTS = [
     ("pp=2,tp=2", 4, {"megatron_sp": True}),
 ]
 IDS = [f"{m}{''.join(f'-{k}{v}' for k, v in o.items())}" for m, _, o in LAYOUTS]
-# The plan's theory counts 1F1B's MoE exchanges and gradients as GPipe's; 1F1B is not held to it.
-PLANNED = [i for i, (_, _, o) in enumerate(LAYOUTS) if o.get("pp_schedule") != "1f1b"]
+# The plan's theory counts 1F1B's MoE exchanges and gradients as GPipe's; 1F1B (interleaved
+# or not) and zb-v are not held to it.
+PLANNED = [i for i, (_, _, o) in enumerate(LAYOUTS) if o.get("pp_schedule") not in ("1f1b", "interleaved-1f1b", "zb-v")]
 
 
 def _reference(overrides: dict):

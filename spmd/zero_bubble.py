@@ -1,0 +1,335 @@
+"""The zb-v pipeline schedule (zero bubble, V-shaped placement, after ZB-V and DualPipeV)
+and the split of a stage's backward pass into its input-gradient (B) and weight-gradient
+(W) parts that it needs.
+
+Placement: the stacked layers are cut into 2p chunks (virtual stages c = 0 .. 2p-1);
+device d runs chunk d going down and chunk 2p-1-d coming back up, so device 0 holds the
+first chunk (the embedded rows enter there) and the last (the head and loss run there).
+They are stored as circular's (2, layers/2) stack, where device d holds chunks d and
+p+d: the second chunk is exchanged once per step as the map begins (device d gets chunk
+2p-1-d from device p-1-d), and its gradient goes back as it ends. That keeps checkpoints,
+restacking and export as circular's, for one permute of half the stage's weights (and of
+their gradients) per step.
+
+Ticks (lockstep, as 1f1b): microbatch k's forward at virtual stage c runs in tick
+2k + c, so a device runs its two chunks on alternate ticks, one forward per tick; its
+backward for the input (B) at tick (2p-1) + 2k + (2p-1-c), so the last chunk's B runs in
+the tick of its forward, with the head's gradient at hand. A chunk's output goes down
+(d -> d+1) for chunk 0 and up (d -> d-1) for chunk 1, and stays on device p-1 at the
+turn: two fixed pairings of neighbours that alternate with the tick's parity, so ticks
+run in pairs (static parity, one ppermute each way per tick). The weight gradients (W)
+are deferred: each device runs its 2m W's, in the order of its B's, in the last 2m ticks
+of the step, where every device has one pending. Executed per device: 2m + 2p - 2 chunk
+forwards and as many B's (GPipe's (m + p - 1)/m of the useful ones) and exactly 2m W's:
+with per-chunk costs f, b, w, executed/useful = 1 + (p-1)(f+b)/(m(f+b+w)), against
+1F1B's 1 + (p-1)/m.
+
+The B/W split (`split_backward`): the backward pass of a chunk, traced to a jaxpr, is
+split by JAX's partial evaluation with the forward residuals that only the weight
+gradients read (the matmuls' inputs) marked unknown: what depends on them (the dW
+matmuls, inside the layer scan too) is staged into W, and W receives from B the values
+of the chain it needs (each matmul output's cotangent). Nothing is computed twice: B's
+and W's dot FLOPs add up to the unsplit backward's. Under a remat policy that recomputes
+the matmuls' inputs in the backward pass (full, dots) B would need them itself and W
+would be empty: zb-v asks for --remat none (spmd.config).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+# JAX's own partial evaluation and DCE of jaxprs (with their rules for scan, remat, cond,
+# shard_map) are internal API: a JAX upgrade may move them.
+from jax._src import core
+from jax._src.interpreters import partial_eval as pe
+
+from spmd.pipeline import (AXIS, BATCH_AXIS, MANUAL_AXES, Schedule, _copies, _from_stage_0, _no_statistics,
+                           _only_stage_0, _split_vjp, _stage_statistics, _statistics, layer_statistics,
+                           stacked_spec, stage_view)
+
+
+# ------------------------------------------------------------------------- the B/W split
+
+class SplitError(ValueError):
+    pass
+
+
+def split_backward(stage_fn, chunk, example):
+    """A chunk's forward pass and its backward pass in two parts:
+    forward(chunk, x) -> ((y, statistics), b_residuals, w_residuals);
+    backward_input(chunk, b_residuals, cotangents) -> (d_weights, dx, bw_residuals), where
+    d_weights has the gradients of the weights that B computes anyway (vectors such as
+    norm scales, whose gradients read only what the chain reads) and None elsewhere;
+    backward_weight(bw_residuals, w_residuals) -> the other weights' gradients (None for
+    B's). Also returns the shapes of the three residual lists."""
+    forward, backward, res_shapes = _split_vjp(stage_fn, chunk, example)
+    weights, weights_tree = jax.tree.flatten(chunk)
+    ct_shapes = jax.eval_shape(stage_fn, chunk, example)
+    nw, nr = len(weights), len(res_shapes)
+
+    def flat_backward(*args):
+        w, r, c = args[:nw], args[nw:nw + nr], args[nw + nr:]
+        d_chunk, dx = backward(jax.tree.unflatten(weights_tree, w), list(r), jax.tree.unflatten(
+            jax.tree.structure(ct_shapes), c))
+        return [*jax.tree.leaves(d_chunk), dx]
+
+    shapes = [jax.ShapeDtypeStruct(w.shape, w.dtype) for w in weights] + list(res_shapes) + [
+        jax.ShapeDtypeStruct(s.shape, s.dtype) for s in jax.tree.leaves(ct_shapes)]
+    closed = jax.make_jaxpr(flat_backward)(*shapes)
+    jaxpr = pe.convert_constvars_jaxpr(closed.jaxpr)  # constants lead the inputs
+    consts, nc = list(closed.consts), len(closed.consts)
+    inputs = len(jaxpr.invars)
+    # The forward residuals that the input gradient does not read: only W reads them.
+    _, used_by_dx = pe.dce_jaxpr(jaxpr, [False] * nw + [True])
+    unknown = [False] * inputs
+    for i in range(nc + nw, nc + nw + nr):
+        unknown[i] = not used_by_dx[i]
+    if not any(unknown):
+        raise SplitError("no forward residual is read by the weight gradients alone (a remat policy "
+                         "recomputes the matmuls' inputs in the backward pass)")
+    known, staged, out_unknown, _, n_res = pe.partial_eval_jaxpr_custom(
+        jaxpr, unknown, in_inst=unknown, ensure_out_unknowns=False, ensure_out_inst=False,
+        saveable=lambda *_, **__: True)
+    if out_unknown[-1]:
+        raise SplitError("the input gradient depends on the weight-gradient part")
+    # W: only the unknown outputs, from the residuals it reads.
+    staged, staged_used = pe.dce_jaxpr(staged, out_unknown)
+    res_used = staged_used[:n_res]
+    w_inputs = [i for i in range(inputs) if unknown[i]]
+    w_inputs = [i for i, used in zip(w_inputs, staged_used[n_res:]) if used]
+    n_known_out = out_unknown.count(False)
+    known, known_used = pe.dce_jaxpr(known, [True] * n_known_out + list(res_used))
+    b_inputs = [i for i in range(inputs) if not unknown[i]]
+    b_inputs = [i for i, used in zip(b_inputs, known_used) if used]
+    b_res = [i - nc - nw for i in b_inputs if nc + nw <= i < nc + nw + nr]
+    w_res = [i - nc - nw for i in w_inputs]
+    assert all(nc + nw <= i < nc + nw + nr for i in w_inputs), "W reads only forward residuals"
+    bw_shapes = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in known.outvars[n_known_out:]]
+
+    def forward_split(chunk, x):
+        out, residuals = forward(chunk, x)
+        return out, [residuals[i] for i in b_res], [residuals[i] for i in w_res]
+
+    def backward_input(chunk, b_residuals, cotangents):
+        args = consts + jax.tree.leaves(chunk) + [None] * nr + jax.tree.leaves(cotangents)
+        for i, r in zip(b_res, b_residuals):
+            args[nc + nw + i] = r
+        outs = core.eval_jaxpr(known, (), *[args[i] for i in b_inputs])
+        known_outs, bw = iter(outs[:n_known_out]), outs[n_known_out:]
+        grads = [None if unk else next(known_outs) for unk in out_unknown]
+        return grads[:nw], grads[nw], bw
+
+    def backward_weight(bw_residuals, w_residuals):
+        outs = iter(core.eval_jaxpr(staged, (), *bw_residuals, *w_residuals))
+        return [next(outs) if unk else None for unk in out_unknown[:nw]]
+
+    return (forward_split, backward_input, backward_weight,
+            ([res_shapes[i] for i in b_res], [res_shapes[i] for i in w_res], bw_shapes))
+
+
+# ------------------------------------------------------------------------- the schedule
+
+def _pairs(p: int, parity: int, down: bool) -> list[tuple[int, int]]:
+    """Who sends to whom in a tick of `parity`. Forwards (`down`): device d runs chunk 0
+    when d + parity is even and sends down (d -> d+1), else chunk 1 and sends up. B's
+    (not `down`): chunk 1's B runs on the other parity and sends down, chunk 0's up.
+    Sends past the ends stay put: the turn at p-1, the head and dx at device 0."""
+    out = []
+    for d in range(p):
+        goes_down = ((d + parity) % 2 == 0) == down
+        to = d + 1 if goes_down else d - 1
+        if 0 <= to < p:
+            out.append((d, to))
+    return out
+
+
+def _send(x: jax.Array, pairs: list[tuple[int, int]]) -> jax.Array:
+    # (with p = 2 every other tick sends nothing: no collective for it)
+    return jax.lax.ppermute(x, AXIS, pairs) if pairs else jnp.zeros_like(x)
+
+
+def sends(p: int, m: int) -> int:
+    """Activations (forward outputs and input gradients) a step sends between stages:
+    one collective-permute per tick and kind of work whose pairing is not empty."""
+    table = timetable(p, m)
+    forward = sum(1 for t in range(table["f_end"]) if _pairs(p, t % 2, True))
+    backward = sum(1 for t in range(table["first_b"], table["ticks"]) if _pairs(p, t % 2, False))
+    return forward + backward
+
+
+def timetable(p: int, m: int):
+    """The static plan of a step: where forwards, B's and W's run (forwards in [0, f_end),
+    B's from first_b, W's from w_start, to `ticks`), each device's W's in order (a numpy
+    table: chunk, microbatch, its forward's tick, its B's tick), and the rings' sizes
+    (longest lifetimes + 1). Each tick's forward and B follow from the tick's parity
+    (`zb_v`). Checks that every W comes after its B and every B after its forward."""
+    first_b = 2 * p - 1
+    ticks = 2 * m + 4 * p - 3
+    f_at, b_at = {}, {}  # (device, chunk, k) -> tick
+    for d in range(p):
+        for k in range(m):
+            f_at[d, 0, k], f_at[d, 1, k] = 2 * k + d, 2 * k + 2 * p - 1 - d
+            b_at[d, 1, k], b_at[d, 0, k] = first_b + 2 * k + d, first_b + 2 * k + 2 * p - 1 - d
+    f_end = max(f_at.values()) + 1
+    w_start = ticks - 2 * m
+    # Each device's B's in tick order; its i-th W runs in tick w_start + i.
+    w_order = np.zeros((p, 2 * m, 4), np.int32)  # chunk, microbatch, forward tick, B tick
+    b_life = w_life = bw_life = 0
+    for d in range(p):
+        order = sorted(((b_at[d, c, k], c, k) for c in (0, 1) for k in range(m)))
+        for i, (tb, c, k) in enumerate(order):
+            tf, tw = f_at[d, c, k], w_start + i
+            assert tf <= tb <= tw, (d, c, k, tf, tb, tw)
+            w_order[d, i] = (c, k, tf, tb)
+            b_life, w_life, bw_life = max(b_life, tb - tf), max(w_life, tw - tf), max(bw_life, tw - tb)
+    return dict(ticks=ticks, f_end=f_end, first_b=first_b, w_start=w_start, w_order=w_order,
+                slots=(b_life + 1, w_life + 1, bw_life + 1))
+
+
+def executed_over_useful(p: int, m: int, f: float = 1.0, b: float = 1.0, w: float = 1.0) -> float:
+    """zb-v's executed stage compute over the useful, for per-chunk costs f, b, w."""
+    return ((2 * m + 2 * p - 2) * (f + b) + 2 * m * w) / (2 * m * (f + b + w))
+
+
+def zb_v(mesh, schedule: Schedule, stage_fn, head_fn, blocks, head, x: jax.Array, targets: jax.Array,
+         rows: jax.P, statistics_weights=None):
+    """Loss and gradients with the zb-v schedule; arguments and results as
+    `spmd.pipeline.one_f_one_b`'s (blocks stored as circular's with 2 chunks)."""
+    p, m = schedule.stages, schedule.microbatches
+    table = timetable(p, m)
+    b_slots, w_slots, bw_slots = table["slots"]
+    mirror = [(s, p - 1 - s) for s in range(p)]  # chunk p+s is chunk 2p-1-(p-1-s)
+
+    def run(blocks, head_params, x, targets):
+        stage, x = jax.lax.axis_index(AXIS), x[0]
+        chunks = jax.tree.map(lambda w: stage_view(w, 2), blocks)
+        # Device d runs chunk d and chunk 2p-1-d: the second from device p-1-d.
+        chunks = jax.tree.map(lambda w: jnp.stack([w[0], jax.lax.ppermute(w[1], AXIS, mirror)]), chunks)
+        pick = lambda c: jax.tree.map(lambda w: w[c], chunks)  # noqa: E731
+        dp = jax.lax.psum(1, BATCH_AXIS)
+        seed = 1.0 / (m * dp)
+        forward, backward_input, backward_weight, (b_shapes, w_shapes, bw_shapes) = split_backward(
+            stage_fn, pick(0), x[0])
+        no_stats = _no_statistics(stage_fn, chunks, x[0])
+        stats_weights = jax.tree.map(lambda total: total[0], no_stats)
+        if statistics_weights is not None:
+            stats_weights = jax.tree.map(lambda w: seed * w, statistics_weights(stats_weights))
+        order = jnp.asarray(table["w_order"])[stage]  # (2m, 4)
+        first = stage == 0
+
+        def head(y, k, here):
+            def on_first(y, k):
+                loss, vjp = jax.vjp(lambda h, y: head_fn(h, y, targets[k]), head_params, y)
+                d_head, dy = vjp(jnp.asarray(seed, loss.dtype))
+                return loss, d_head, dy
+            def elsewhere(y, k):
+                return jnp.zeros(()), jax.tree.map(jnp.zeros_like, head_params), jnp.zeros_like(y)
+            return jax.lax.cond(here, on_first, elsewhere, y, k)
+
+        def accumulate(d_chunks, grads, c, valid):
+            return [acc if g is None else acc.at[c].add(jnp.where(valid, g, 0)) for acc, g in zip(d_chunks, grads)]
+
+        def tick(carry, t, *, parity: int, forwards: bool, backwards: bool, weights: bool):
+            (f_in, f_own, b_in, b_own, b_ring, w_ring, bw_ring, d_chunks, d_head, loss, dx, totals) = carry
+            dy = None
+            if forwards:
+                c = (t - stage) % 2  # chunk 0 on ticks of the device's parity
+                k = (t - jnp.where(c == 0, stage, 2 * p - 1 - stage)) // 2
+                valid = (k >= 0) & (k < m)
+                k = jnp.clip(k, 0, m - 1)
+                inp = jnp.where(c == 0, jnp.where(first, x[k], f_in), jnp.where(stage == p - 1, f_own, f_in))
+                (y, stats), b_res, w_res = forward(pick(c), inp)
+                totals = _statistics(stats, valid, c, totals)
+                b_ring = [buf.at[t % b_slots].set(r) for buf, r in zip(b_ring, b_res)]
+                w_ring = [buf.at[t % w_slots].set(r) for buf, r in zip(w_ring, w_res)]
+                final = first & (c == 1)
+                head_loss, head_grads, dy = head(y, k, final)
+                keep = valid & final
+                loss = loss + jnp.where(keep, head_loss, 0.0)
+                d_head = jax.tree.map(lambda acc, g: acc + jnp.where(keep, g, 0), d_head, head_grads)
+                f_in, f_own = _send(y, _pairs(p, parity, True)), y
+            if backwards:
+                c = 1 - (t - table["first_b"] - stage) % 2  # chunk 1's B on the device's parity
+                k = (t - table["first_b"] - jnp.where(c == 1, stage, 2 * p - 1 - stage)) // 2
+                valid = (k >= 0) & (k < m)
+                k = jnp.clip(k, 0, m - 1)
+                f_tick = 2 * k + jnp.where(c == 0, stage, 2 * p - 1 - stage)
+                ct = jnp.where(c == 1, jnp.where(first, dy, b_in) if dy is not None else b_in,
+                               jnp.where(stage == p - 1, b_own, b_in))
+                grads, d_inp, bw_res = backward_input(pick(c), [buf[f_tick % b_slots] for buf in b_ring],
+                                                      (ct, stats_weights))
+                d_chunks = accumulate(d_chunks, grads, c, valid)
+                bw_ring = [buf.at[t % bw_slots].set(r) for buf, r in zip(bw_ring, bw_res)]
+                dx = dx.at[k].set(jnp.where(valid & first & (c == 0), d_inp, dx[k]))
+                # B's output goes the other way from the forward's: chunk 1's down.
+                b_in, b_own = _send(d_inp, _pairs(p, parity, False)), d_inp
+            if weights:
+                c, _, f_tick, b_tick = (order[t - table["w_start"], j] for j in range(4))
+                grads = backward_weight([buf[b_tick % bw_slots] for buf in bw_ring],
+                                        [buf[f_tick % w_slots] for buf in w_ring])
+                d_chunks = accumulate(d_chunks, grads, c, True)
+            return (f_in, f_own, b_in, b_own, b_ring, w_ring, bw_ring, d_chunks, d_head, loss, dx, totals)
+
+        def kinds(t):
+            return (t < table["f_end"], table["first_b"] <= t, table["w_start"] <= t)
+
+        def pair(carry, t, *, first_kinds, second_kinds):
+            carry = tick(carry, t, parity=0, **dict(zip(("forwards", "backwards", "weights"), first_kinds)))
+            carry = tick(carry, t + 1, parity=1, **dict(zip(("forwards", "backwards", "weights"), second_kinds)))
+            return carry, None
+
+        ring = lambda shapes, n: [jnp.zeros((n, *s.shape), s.dtype) for s in shapes]  # noqa: E731
+        zero = jnp.zeros_like(x[0])
+        carry = (zero, zero, zero, zero, ring(b_shapes, b_slots), ring(w_shapes, w_slots), ring(bw_shapes, bw_slots),
+                 [jnp.zeros_like(w) for w in jax.tree.leaves(chunks)], jax.tree.map(jnp.zeros_like, head_params),
+                 jnp.zeros(()), jnp.zeros_like(x), no_stats)
+        # Ticks in pairs (even, odd): runs of pairs that do the same kinds of work are one scan.
+        ticks = table["ticks"] + table["ticks"] % 2
+        runs = []
+        for t in range(0, ticks, 2):
+            key = (kinds(t), kinds(t + 1) if t + 1 < table["ticks"] else (False, False, False))
+            if runs and runs[-1][0] == key:
+                runs[-1][2] += 1
+            else:
+                runs.append([key, t, 1])
+        for (first_kinds, second_kinds), start, n in runs:
+            body = functools.partial(pair, first_kinds=first_kinds, second_kinds=second_kinds)
+            carry, _ = jax.lax.scan(body, carry, start + 2 * jnp.arange(n))
+        d_chunks, d_head, loss, dx, totals = carry[7:]
+        # Chunk 2p-1-d's gradient back to where it is stored.
+        d_chunks = [jnp.stack([g[0], jax.lax.ppermute(g[1], AXIS, mirror)]) for g in d_chunks]
+        d_blocks = jax.tree.map(lambda g, w: g.reshape(w.shape), jax.tree.unflatten(jax.tree.structure(blocks), d_chunks),
+                                blocks)
+        loss = jax.lax.psum(loss, AXIS) / m
+        return (jax.lax.pmean(loss, BATCH_AXIS), jax.lax.psum(d_blocks, BATCH_AXIS),
+                jax.lax.psum(d_head, MANUAL_AXES), _only_stage_0(dx, stage), _stage_statistics(totals, m))
+
+    copies = jax.P(AXIS, None, BATCH_AXIS)
+    loss, d_blocks, d_head, dx, stats = jax.shard_map(
+        run, mesh=mesh, in_specs=(stacked_spec(2), jax.P(), copies, jax.P(None, BATCH_AXIS)),
+        out_specs=(jax.P(), stacked_spec(2), jax.P(), copies, jax.P(AXIS)), axis_names=frozenset(MANUAL_AXES),
+        check_vma=False,
+    )(blocks, head, _copies(x, mesh, rows), targets)
+    return loss, d_blocks, d_head, _from_stage_0(dx, mesh, rows), layer_statistics(stats)
+
+
+def chunk_dot_flops(stage_fn, chunk, x: jax.Array) -> tuple[float, float, float]:
+    """Dot FLOPs of a chunk's forward, B and W on microbatch x, each compiled alone, as a
+    step's are counted (`spmd.hlo.loop_dot_flops`: computations that run only in some
+    branch of a conditional, the attention kernel's causal blocks, aside): the per-chunk
+    costs f, b, w of `executed_over_useful`."""
+    from spmd import hlo
+
+    forward, backward_input, backward_weight, _ = split_backward(stage_fn, chunk, x)
+    (out, b_res, w_res) = jax.eval_shape(forward, chunk, x)  # shapes: nothing runs
+    ct = out
+    _, _, bw_res = jax.eval_shape(backward_input, chunk, b_res, ct)
+
+    def flops(fn, *args):
+        module = hlo.parse(jax.jit(fn).lower(*args).compile().as_text())
+        return hlo.dot_flops(module, skip=hlo.branch_computations(module))
+    return (flops(forward, chunk, x), flops(lambda *a: backward_input(*a)[:2], chunk, b_res, ct),
+            flops(backward_weight, bw_res, w_res))
