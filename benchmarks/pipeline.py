@@ -63,9 +63,9 @@ def zb_v_formula(p: int, m: int, batch: int, layers: int) -> tuple[float, tuple[
         params = one.init(jax.random.key(0))["params"]
     rows = jax.numpy.zeros((batch // m, BASE["seq"] + 1), jax.numpy.int32)
     with one._annotated():
-        model_of, outer, inputs, _, stage = _stage_parts(one.graphdef, params, rows, one._annotated, "blocks", None)
+        parts = _stage_parts(one.graphdef, params, rows, one._annotated, "blocks", None)
         chunk = jax.tree.map(lambda w: w[: layers // (2 * p)], params["blocks"])
-        f, b, w = chunk_dot_flops(stage, chunk, model_of(outer).embed(inputs))
+        f, b, w = chunk_dot_flops(parts.stage, chunk, parts.embedded())
     return executed_over_useful(p, m, f, b, w), (f, b, w)
 
 
@@ -121,8 +121,8 @@ def ring_bytes(p: int, m: int) -> tuple[str, float]:
     rows = jax.numpy.zeros((4, BASE["seq"] + 1), jax.numpy.int32)
     mib = lambda shapes: sum(s.size * s.dtype.itemsize for s in shapes) / 2**20  # noqa: E731
     with one._annotated():
-        model_of, outer, inputs, _, stage = _stage_parts(one.graphdef, params, rows, one._annotated, "blocks", None)
-        x = model_of(outer).embed(inputs)
+        parts = _stage_parts(one.graphdef, params, rows, one._annotated, "blocks", None)
+        stage, x = parts.stage, parts.embedded()
         chunk = jax.tree.map(lambda w: w[: BASE["layers"] // (2 * p)], params["blocks"])
         shapes = [mib(s) for s in split_backward(stage, chunk, x)[3]]
         stage_residuals = mib(_split_vjp(stage, jax.tree.map(lambda w: w[: BASE["layers"] // p], params["blocks"]), x)[2])

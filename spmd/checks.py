@@ -35,15 +35,11 @@ FEATURES: dict[str, Callable] = {
     "expert balancing": lambda cfg, shape, model: model.moe is not None and bool(
         cfg.router_bias_rate or cfg.redundant_experts),
 }
-# Every combination of FEATURES combines, but these (each with why, as the user reads it).
-# (Pipeline stages with sp and ep in capacity mode were refused, while XLA ranked the
+# Every combination of FEATURES combines, but these (each with why, as the user reads it):
+# none today. (Pipeline stages with sp and ep in capacity mode were refused, while XLA ranked the
 # choices along the sp-split sequence: its partitioner aborted, "Check failed:
 # partition_group_list ... spmd_partitioner_util.cc:497"; spmd.context ranks them now.)
-REFUSED: dict[frozenset, str] = {
-    frozenset({"pp", "expert balancing"}): (
-        "--router-bias-rate and --redundant-experts do not run with pipeline stages (pp > 1) yet: the stages "
-        "do not carry the MoE layers' router state"),
-}
+REFUSED: dict[frozenset, str] = {}
 
 
 def features(cfg, shape: Mapping[str, int], model_cfg: LlamaConfig) -> frozenset:

@@ -195,9 +195,10 @@ def _stage_statistics(totals: dict, m: int) -> dict:
 
 
 def layer_statistics(per_stage: dict) -> dict:
-    """(stages, chunks, layers per chunk, ...) statistics -> (layers, ...), in no particular
-    order: what is read of them (means over layers) does not depend on it."""
-    return jax.tree.map(lambda x: x.reshape(-1, *x.shape[3:]), per_stage)
+    """(stages, chunks, layers per chunk, ...) statistics -> (layers, ...), in the order the
+    stacked layers are stored (chunk-major: `stacked_spec`), which per-layer state updated
+    from them (the MoE layers' router, spmd.balance) follows."""
+    return jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[3:]), per_stage)
 
 
 def _only_stage_0(x: jax.Array, stage: jax.Array) -> jax.Array:

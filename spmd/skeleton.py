@@ -75,7 +75,9 @@ def restacked(skeleton: ModelSkeleton, repeats: int) -> ModelSkeleton:
         return (None, *n) if n and n[0] == "layers" else n
 
     return dataclasses.replace(skeleton, shapes=restack(skeleton.shapes, repeats),
-                               names=jax.tree.map(names, skeleton.names, is_leaf=is_names))
+                               names=jax.tree.map(names, skeleton.names, is_leaf=is_names),
+                               router_shapes=restack(skeleton.router_shapes, repeats),
+                               router_names=jax.tree.map(names, skeleton.router_names, is_leaf=is_names))
 
 
 STACKED_KEYS = frozenset(family.STACKED for family in FAMILIES.values())

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -86,26 +87,57 @@ def _aux_weights_per_layer(aux_weights: tuple[float, float], moe_layers: int):
     return weights
 
 
-def _stage_parts(graphdef, params, rows: jax.Array, in_stage, stacked: str, order: np.ndarray | None):
+class StageParts(NamedTuple):
+    model_of: object  # outer params -> the model, its stages' weights as placeholders
+    outer: dict  # the non-stacked parameters
+    inputs: jax.Array
+    targets: jax.Array
+    blocks: dict  # what the stages take: the stacked weights (and router state)
+    stage: object  # stage(chunk, x) -> (y, statistics)
+
+    def embedded(self) -> jax.Array:
+        return self.model_of(self.outer).embed(self.inputs)
+
+
+def _stage_parts(graphdef, params, rows: jax.Array, in_stage, stacked: str, order: np.ndarray | None,
+                 router=None) -> StageParts:
     """What a pipelined step is made of: the model less its stages' weights (a model of
     their shapes holds their place; `model_of(outer)`), the non-stacked parameters, the
-    inputs and targets (in the order sp lays them out), and `stage(chunk, x)`, which runs
-    a chunk of stacked layers on one microbatch under the rules inside the stages and
-    returns its output and its layers' statistics (MoE layers')."""
+    inputs and targets (in the order sp lays them out), the stages' input `blocks`, and
+    `stage(chunk, x)`, which runs a chunk of them on one microbatch under the rules inside
+    the stages and returns its output and its layers' statistics (MoE layers').
+
+    The blocks are the stacked weights, with the MoE layers' router state if the model
+    keeps one (spmd.balance): the schedules differentiate whole chunks, so it rides in them
+    as float32 (exact for slot numbers), with a zero gradient (it only chooses experts);
+    `_weights_of` takes it out of their gradients."""
     # Positions as a constant (numpy), which the stages' map may close over.
     inputs, targets, positions = rows[:, :-1], rows[:, 1:], np.arange(rows.shape[1] - 1)
     if order is not None:
         inputs, targets, positions = inputs[:, order], targets[:, order], positions[order]
     outer = {name: value for name, value in params.items() if name != stacked}
-    no_blocks = jax.tree.map(lambda w: jax.ShapeDtypeStruct(w.shape, w.dtype), params[stacked])
-    model_of = lambda outer: nnx.merge(graphdef, {**outer, stacked: no_blocks})  # noqa: E731
+    blocks = params[stacked]
+    if router:
+        blocks = _merged(blocks, jax.tree.map(lambda x: x.astype(jnp.float32), router[stacked]))
+    no_blocks = jax.tree.map(lambda w: jax.ShapeDtypeStruct(w.shape, w.dtype), blocks)
+    model_of = lambda outer: nnx.merge(graphdef, _merged({**outer}, {stacked: no_blocks}))  # noqa: E731
     blocks_graph = nnx.split(getattr(model_of(outer), stacked))[0]
 
     def stage(chunk, x):
         with in_stage():
             return model_of(outer).run_layers(nnx.merge(blocks_graph, chunk), x, positions)
 
-    return model_of, outer, inputs, targets, stage
+    return StageParts(model_of, outer, inputs, targets, blocks, stage)
+
+
+def _merged(tree: dict, more: dict) -> dict:
+    """Nested dicts with the leaves of `more` added to those of `tree`."""
+    return {**tree, **{k: _merged(tree[k], v) if isinstance(v, dict) and k in tree else v for k, v in more.items()}}
+
+
+def _weights_of(tree: dict, weights: dict) -> dict:
+    """The part of `tree` (blocks' gradients) at the paths of `weights`."""
+    return {k: _weights_of(tree[k], v) if isinstance(v, dict) else tree[k] for k, v in weights.items()}
 
 
 def _row_spec(layout: Layout) -> jax.P:
@@ -114,27 +146,28 @@ def _row_spec(layout: Layout) -> jax.P:
 
 
 def _pipelined_loss(graphdef, params, rows: jax.Array, layout: Layout, in_stage, order,
-                    aux_weights: tuple[float, float]) -> tuple[jax.Array, dict]:
+                    aux_weights: tuple[float, float], router=None) -> tuple[jax.Array, dict]:
     """`_loss` with the stacked layers run as pipeline stages (spmd.pipeline); the
     embedding, head and loss run outside, on rows split over the data axes and pp."""
     schedule, shards = layout.schedule, layout.batch_shards
     stacked = model_class(layout.skeleton.model_cfg).STACKED
-    model_of, outer, inputs, targets, stage = _stage_parts(graphdef, params, rows, in_stage, stacked, order)
+    model_of, outer, inputs, targets, blocks, stage = _stage_parts(graphdef, params, rows, in_stage, stacked, order,
+                                                                   router)
     model = model_of(outer)
     x = to_microbatches(model.embed(inputs), shards, schedule)
-    out, stats = pipeline(layout.mesh, schedule, stage, params[stacked], x, _row_spec(layout),
-                          REMAT_POLICIES[model.remat])
+    out, stats = pipeline(layout.mesh, schedule, stage, blocks, x, _row_spec(layout), REMAT_POLICIES[model.remat])
     logits = model.logits(from_microbatches(out, shards, schedule))
     return _objective(logits, targets, stats, aux_weights)
 
 
 def _one_f_one_b_grads(graphdef, params, rows: jax.Array, layout: Layout, in_stage, order,
-                       aux_weights: tuple[float, float]) -> tuple[dict, dict]:
+                       aux_weights: tuple[float, float], router=None) -> tuple[dict, dict]:
     """Metrics and gradients of `_pipelined_loss` under the 1F1B schedule, which computes
     the stages' gradients itself (spmd.pipeline.one_f_one_b); autodiff does the rest."""
     schedule, shards = layout.schedule, layout.batch_shards
     family = model_class(layout.skeleton.model_cfg)
-    model_of, outer, inputs, targets, stage = _stage_parts(graphdef, params, rows, in_stage, family.STACKED, order)
+    model_of, outer, inputs, targets, blocks, stage = _stage_parts(graphdef, params, rows, in_stage, family.STACKED,
+                                                                   order, router)
     head_names = family.head_params(layout.skeleton.model_cfg)
 
     def head(head_params, y, targets):
@@ -144,11 +177,12 @@ def _one_f_one_b_grads(graphdef, params, rows: jax.Array, layout: Layout, in_sta
     x, embed_vjp = jax.vjp(lambda outer: to_microbatches(model_of(outer).embed(inputs), shards, schedule), outer)
     run = zb_v if schedule.name == "zb-v" else one_f_one_b
     loss, d_blocks, d_head, dx, stats = run(
-        layout.mesh, schedule, stage, head, params[family.STACKED], {name: outer[name] for name in head_names}, x,
+        layout.mesh, schedule, stage, head, blocks, {name: outer[name] for name in head_names}, x,
         to_microbatches(targets, shards, schedule), _row_spec(layout),
         _aux_weights_per_layer(aux_weights, layout.skeleton.model_cfg.moe_layers))
     (grads,) = embed_vjp(dx)
     grads = grads | {name: jax.tree.map(jnp.add, grads[name], d_head[name]) for name in head_names}
+    d_blocks = _weights_of(d_blocks, params[family.STACKED])
     return {"loss": loss} | (_moe_metrics(stats) if stats else {}), grads | {family.STACKED: d_blocks}
 
 
@@ -278,7 +312,7 @@ class Program:
         if cfg.grad_accum == 1:
             metrics, grads = self._loss_and_grads(params, rows, router)
         elif self.layout.schedule:
-            metrics, grads = self._pipeline_rounds(params, rows)
+            metrics, grads = self._pipeline_rounds(params, rows, router)
         else:
             metrics, grads = self._accumulated(params, rows, router)
         loss = metrics["loss"]
@@ -343,7 +377,7 @@ class Program:
     def _loss(self, params, rows, router=None):
         if self.layout.schedule:
             return _pipelined_loss(self.graphdef, params, rows, self.layout, self._in_stage, self.order,
-                                   self._aux_weights)
+                                   self._aux_weights, router)
         return _loss(self.graphdef, params, rows, self.order, self._aux_weights, router)
 
     def _loss_and_grads(self, params, rows, router=None):
@@ -351,7 +385,7 @@ class Program:
         with self._annotated():
             if schedule and schedule.writes_backward:
                 return _one_f_one_b_grads(self.graphdef, params, rows, self.layout, self._in_stage, self.order,
-                                          self._aux_weights)
+                                          self._aux_weights, router)
             (_, metrics), grads = jax.value_and_grad(self._loss, has_aux=True)(params, rows, router)
             return metrics, grads
 
@@ -394,7 +428,7 @@ class Program:
         return (jax.tree.map(lambda m: jnp.sum(m, axis=0) * scale, metrics),
                 jax.tree.map(lambda g: jnp.sum(g, axis=0) * scale, grads))
 
-    def _pipeline_rounds(self, params, rows):
+    def _pipeline_rounds(self, params, rows, router=None):
         """Accumulation with pipeline stages: one full pipeline pass per round (each
         reduces its gradients over dp as it ends), summed in a scan."""
         layout = self.layout
@@ -403,9 +437,9 @@ class Program:
         rounds = jax.lax.with_sharding_constraint(rounds, jax.P(None, layout.data_axes))
 
         def body(total, round_rows):
-            return jax.tree.map(jnp.add, total, self._loss_and_grads(params, round_rows)), None
+            return jax.tree.map(jnp.add, total, self._loss_and_grads(params, round_rows, router)), None
 
-        shapes = jax.eval_shape(self._loss_and_grads, params, rounds[0])
+        shapes = jax.eval_shape(self._loss_and_grads, params, rounds[0], router)
         total, _ = jax.lax.scan(body, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), rounds)
         return jax.tree.map(lambda x: x / k, total)
 

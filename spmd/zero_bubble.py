@@ -90,13 +90,15 @@ def split_backward(stage_fn, chunk, example):
     if not any(unknown):
         raise SplitError("no forward residual is read by the weight gradients alone (a remat policy "
                          "recomputes the matmuls' inputs in the backward pass)")
-    known, staged, out_unknown, _, n_res = pe.partial_eval_jaxpr_custom(
+    known, staged, out_unknown, out_inst, n_res = pe.partial_eval_jaxpr_custom(
         jaxpr, unknown, in_inst=unknown, ensure_out_unknowns=False, ensure_out_inst=False,
         saveable=lambda *_, **__: True)
     if out_unknown[-1]:
         raise SplitError("the input gradient depends on the weight-gradient part")
-    # W: only the unknown outputs, from the residuals it reads.
-    staged, staged_used = pe.dce_jaxpr(staged, out_unknown)
+    # W: only the unknown outputs, from the residuals it reads. (The staged part may also
+    # hold outputs B computes, e.g. a zero gradient: those are left to B.)
+    assert all(inst for unk, inst in zip(out_unknown, out_inst) if unk)
+    staged, staged_used = pe.dce_jaxpr(staged, [unk for unk, inst in zip(out_unknown, out_inst) if inst])
     res_used = staged_used[:n_res]
     w_inputs = [i for i in range(inputs) if unknown[i]]
     w_inputs = [i for i, used in zip(w_inputs, staged_used[n_res:]) if used]
@@ -313,6 +315,8 @@ def zb_v(mesh, schedule: Schedule, stage_fn, head_fn, blocks, head, x: jax.Array
         out_specs=(jax.P(), stacked_spec(2), jax.P(), copies, jax.P(AXIS)), axis_names=frozenset(MANUAL_AXES),
         check_vma=False,
     )(blocks, head, _copies(x, mesh, rows), targets)
+    # Device d's second chunk is stored on device p-1-d: its statistics go there.
+    stats = jax.tree.map(lambda x: jnp.stack([x[:, 0], x[::-1, 1]], axis=1), stats)
     return loss, d_blocks, d_head, _from_stage_0(dx, mesh, rows), layer_statistics(stats)
 
 

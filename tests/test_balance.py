@@ -138,6 +138,25 @@ def test_expert_copies_match_one_device_across_a_rebalancing(balanced_reference,
     assert 0 <= plan.measured_state - plan.theory_state <= 16
 
 
+# Pipeline stages carry the router state with their chunks of layers, and update it from
+# per-layer loads in the order the layers are stored: interleaved stores 2 chunks per
+# stage, zb-v also runs each device's second chunk on the mirror device.
+STAGED = dict(model="moe-tiny", layers=8, router_bias_rate=0.01)
+
+
+@pytest.mark.parametrize("schedule", [
+    {"pp_schedule": "interleaved-1f1b", "pp_repeats": 2, "microbatches": 2},
+    {"pp_schedule": "zb-v", "microbatches": 4, "redundant_experts": 4, "rebalance_every": 2},
+], ids=["interleaved-1f1b", "zb-v-copies"])
+def test_balancing_in_pipeline_stages_matches_one_device(schedule):
+    reference = train_run("", 1, **STAGED)
+    run = train_run("pp=2,ep=2", 4, **STAGED, **schedule)
+    np.testing.assert_allclose(run.losses, reference.losses, rtol=LOSS_RTOL, atol=0)
+    bias, want = (balance.states(r.router)[0]["bias"] for r in (run, reference))
+    assert np.abs(want).max() > 0
+    np.testing.assert_allclose(bias.reshape(want.shape), want, rtol=0, atol=1e-6)
+
+
 def test_a_run_with_copies_and_bias_resumes_on_another_ep_size_and_serves_as_trained(tmp_path):
     """Saved after step 4 (rebalanced after steps 2 and 4) on ep=4, resumed on ep=2: the
     same losses as the run that went on, the placement and bias as saved."""

@@ -132,10 +132,9 @@ def test_zb_v_executes_its_formula(deep_reference):
     p, m = schedule.stages, schedule.microbatches
     rows = jnp.zeros((PARITY["batch"] // m, PARITY["seq"] + 1), jnp.int32)
     with program._annotated():
-        model_of, outer, inputs, _, stage = _stage_parts(program.graphdef, deep_reference.params, rows,
-                                                         program._annotated, "blocks", None)
+        parts = _stage_parts(program.graphdef, deep_reference.params, rows, program._annotated, "blocks", None)
         chunk = jax.tree.map(lambda w: w[: DEEP["layers"] // (2 * p)], deep_reference.params["blocks"])
-        f, b, w = chunk_dot_flops(stage, chunk, model_of(outer).embed(inputs))
+        f, b, w = chunk_dot_flops(parts.stage, chunk, parts.embedded())
     assert f == b == w > 0
     executed = p * _stage_flops(run) / _stage_flops(deep_reference)
     assert executed == pytest.approx(executed_over_useful(p, m, f, b, w), rel=1e-9)
