@@ -147,7 +147,7 @@ def compare(measured, expected) -> list[Row]:
 
 def make_plan(cfg, layout, compiled=None, hardware=None, planned_on: str | None = None, program=None) -> Plan:
     """Compile the step for abstract shapes (unless given the compiled step) and compare."""
-    from spmd import hlo, theory, traffic
+    from spmd import footprint, hlo, theory, traffic
     from spmd.roofline import predict
     from spmd.step import build_program
 
@@ -169,7 +169,7 @@ def make_plan(cfg, layout, compiled=None, hardware=None, planned_on: str | None 
         prediction = predict(cfg, layout.shape, layout.skeleton.model_cfg,
                              [(r.op, r.axes, r.measured) for r in rows], hardware)
     kind = layout.mesh.devices.flat[0].device_kind
-    return Plan(cfg, layout, planned_on or kind, hardware, theory.memory(cfg, layout), xla, batch_bytes,
+    return Plan(cfg, layout, planned_on or kind, hardware, footprint.memory(cfg, layout), xla, batch_bytes,
                 rows, prediction)
 
 
@@ -220,7 +220,7 @@ def auto(cfg, devices, hardware, planned_on: str) -> tuple[list[Plan], str]:
     """Rank every candidate layout by its theoretical step time among those whose
     theoretical peak fits, then compile the best until five are confirmed by XLA.
     -> (plans, a line saying what was searched)"""
-    from spmd import theory
+    from spmd import footprint, theory
     from spmd.layout import make_layout
     from spmd.roofline import predict
 
@@ -231,7 +231,7 @@ def auto(cfg, devices, hardware, planned_on: str) -> tuple[list[Plan], str]:
         except UserError:
             indivisible += 1
             continue
-        if sum(theory.memory(c, layout).values()) > hardware.memory_bytes(len(devices)):
+        if sum(footprint.memory(c, layout).values()) > hardware.memory_bytes(len(devices)):
             too_big += 1
             continue
         expected = [(e.op, e.axes, e.bytes_per_device) for e in theory.collectives(c, layout)]

@@ -1,4 +1,6 @@
-"""What a layout should cost, from shapes, dtypes and shardings alone (DESIGN.md section 8).
+"""What a layout should cost in collective bytes, from shapes, dtypes and shardings alone
+(DESIGN.md section 8; what each device holds is spmd.footprint's, from the same walk over
+the parameters).
 
 Nothing here compiles: `spmd.plan` sets these numbers next to what XLA compiled, and
 `--auto` ranks layouts by them before compiling the best few.
@@ -40,6 +42,8 @@ collective-permute each tick forward and its gradient each tick backward; enteri
 leaving, the device's rows are all-gathered and reduce-scattered over pp (and their
 gradients reduce-scattered and all-gathered). 1f1b has GPipe's counts, interleaved-1f1b
 circular's.
+
+Expert copies (spmd.balance) add one all-reduce over ep of the experts' gradients.
 """
 
 from __future__ import annotations
@@ -48,11 +52,10 @@ import dataclasses
 import math
 from collections.abc import Mapping
 
-import jax
 import jax.numpy as jnp
 from flax import traverse_util
 
-from models import flash, model_class
+from models import model_class
 from spmd import pipeline, zero_bubble
 from spmd.layout import Layout
 from spmd.skeleton import DTYPES, is_names, routing
@@ -97,15 +100,15 @@ def params(layout: Layout) -> list[Param]:
                   names[path], "layers" in names[path]) for path in shapes]
 
 
-def _live(axes, shape: Mapping[str, int]) -> tuple[str, ...]:
+def live(axes, shape: Mapping[str, int]) -> tuple[str, ...]:
     return tuple(a for a in AXES if a in axes and shape[a] > 1)
 
 
-def _ways(axes, shape: Mapping[str, int]) -> int:
+def ways(axes, shape: Mapping[str, int]) -> int:
     return math.prod(shape[a] for a in axes)
 
 
-def _spec_axes(names, table) -> tuple[str, ...]:
+def spec_axes(names, table) -> tuple[str, ...]:
     return tuple(a for entry in spec_for(names, table) for a in axes_of(entry))
 
 
@@ -113,7 +116,7 @@ def tokens_per_device(cfg, shape: Mapping[str, int], microbatch: bool = False) -
     """Tokens one device computes on in a step (or in one accumulated microbatch), outside
     pipeline stages (where pp splits the rows too)."""
     rows = cfg.microbatch if microbatch else cfg.batch
-    return rows * cfg.seq // (_ways(BATCH_AXES, shape) * shape["sp"] * shape["pp"])
+    return rows * cfg.seq // (ways(BATCH_AXES, shape) * shape["sp"] * shape["pp"])
 
 
 def stage_overhead(layout: Layout) -> float:
@@ -148,7 +151,7 @@ def _picks_again(layout: Layout) -> bool:
     return layout.schedule is not None and layout.schedule.repeats > 1 and not layout.schedule.writes_backward
 
 
-def _compute_table(layout: Layout) -> Mapping:
+def compute_table(layout: Layout) -> Mapping:
     """How parameters are laid out where used: the activations' rules, and under pipeline
     stages the stacked layers split over pp (each stage runs its own)."""
     table = layout.rules.activations
@@ -159,37 +162,37 @@ def collectives(cfg, layout: Layout) -> list[Expected]:
     shape, rules = layout.shape, layout.rules
     compute_bytes = jnp.dtype(DTYPES[cfg.dtype]).itemsize
     model_cfg = layout.skeleton.model_cfg
-    used_table = _compute_table(layout)
+    used_table = compute_table(layout)
     # Weight gradients are summed over every axis that splits the tokens.
-    plain_tokens = _live((*layout.data_axes, "sp"), shape)
+    plain_tokens = live((*layout.data_axes, "sp"), shape)
     # Under Megatron-SP the residual stream is split over tp too, and with it the tokens
     # that the vectors used on it (norm scales) see.
-    residual_tokens = _live((*layout.data_axes, "sp", "tp"), shape) if cfg.megatron_sp else plain_tokens
+    residual_tokens = live((*layout.data_axes, "sp", "tp"), shape) if cfg.megatron_sp else plain_tokens
     # How often a device runs its share of the stacked layers forward: once per
     # microbatch; in pipeline stages a 1/v chunk of them each tick.
     stage_runs = cfg.grad_accum * (layout.schedule.microbatches if layout.schedule else 1) * stage_overhead(layout)
     out: list[Expected] = []
     for p in params(layout):
-        compute = _spec_axes(p.names, used_table)
+        compute = spec_axes(p.names, used_table)
         # An axis that splits the parameter as used (ep for experts, pp for stages) does not sum it.
         token_axes = tuple(a for a in (residual_tokens if _is_vector(p) else plain_tokens) if a not in compute)
-        at_rest = _spec_axes(p.names, rules.params)
-        slice_numel = grad_numel = p.numel / _ways(compute, shape)  # one device's slice, as used
+        at_rest = spec_axes(p.names, rules.params)
+        slice_numel = grad_numel = p.numel / ways(compute, shape)  # one device's slice, as used
         if layout.kv_copies > 1 and "kv_heads" in p.names:  # a device uses the one kv head it shares
             slice_numel /= layout.skeleton.model_cfg.kv_heads
             # ... and reduces that head's gradient, unless microbatches' are summed first (whole).
             grad_numel = grad_numel if _accumulated(cfg, layout) else slice_numel
         widths = uses(p, model_cfg, compute_bytes)
-        gathered = _live(set(at_rest) - set(compute), shape)
+        gathered = live(set(at_rest) - set(compute), shape)
         if gathered and layout.schedule and p.stacked and pipeline.BATCH_AXIS in gathered:
             # Stored split over dp (ZeRO-3), the stages' weights enter the map (manual over
             # dp) gathered over it, once per step; over the rest (fsdp) as below.
             n = shape[pipeline.BATCH_AXIS]
-            out.append(Expected("all-gather", pipeline.BATCH_AXIS, (n - 1) / n * slice_numel * p.itemsize / _ways(
+            out.append(Expected("all-gather", pipeline.BATCH_AXIS, (n - 1) / n * slice_numel * p.itemsize / ways(
                 [a for a in gathered if a != pipeline.BATCH_AXIS], shape), "stage weights entering the pipeline"))
             gathered = tuple(a for a in gathered if a != pipeline.BATCH_AXIS)
         if gathered:
-            n = _ways(gathered, shape)
+            n = ways(gathered, shape)
             # Stacked weights are gathered in the layer scans of every microbatch (every
             # tick of a pipeline), and again in backward; the others once.
             times = (stage_runs + _backward_gathers(cfg, layout, stage_runs)) if p.stacked else 1
@@ -197,13 +200,13 @@ def collectives(cfg, layout: Layout) -> list[Expected]:
                                 "weights gathered where used" + (", again in backward" if p.stacked else "")))
         fused = _table_scatter_axes(cfg, layout) if p.path == model_class(model_cfg).LOOKUP_TABLE else ()
         if fused:  # reduce-scattered together with tp's (_tensor_parallel); the rest reduces that shard
-            token_axes, grad_numel = tuple(a for a in token_axes if a not in fused), grad_numel / _ways(fused, shape)
+            token_axes, grad_numel = tuple(a for a in token_axes if a not in fused), grad_numel / ways(fused, shape)
         out += _gradients(cfg, layout, p, token_axes, grad_numel, widths, stage_runs)
         out += _shared_kv_heads(cfg, layout, p, max(widths), stage_runs)
-        regather = _live(set(_spec_axes(p.names, rules.opt_state)) - set(at_rest), shape)
+        regather = live(set(spec_axes(p.names, rules.opt_state)) - set(at_rest), shape)
         if regather:
-            n = _ways(regather, shape)
-            stored = p.numel * p.itemsize / _ways(at_rest, shape)
+            n = ways(regather, shape)
+            stored = p.numel * p.itemsize / ways(at_rest, shape)
             out.append(Expected("all-gather", "+".join(regather), (n - 1) / n * stored,
                                 "parameters after the sharded optimizer update (ZeRO-1/2)"))
     out += _tensor_parallel(cfg, layout, compute_bytes)
@@ -235,16 +238,16 @@ def _gradients(cfg, layout: Layout, p: Param, token_axes: tuple[str, ...], slice
         # pipeline rounds theirs over rounds).
         summed_first = cfg.grad_accum > 1 or (_head_in_stages(layout) and not p.stacked)
         phases = [(token_axes, 1, p.itemsize if summed_first else max(widths))]
-    stored_split = _live(_spec_axes(p.names, layout.rules.grads), layout.shape)
+    stored_split = live(spec_axes(p.names, layout.rules.grads), layout.shape)
     out, numel = [], slice_numel
     for axes, times, width in phases:
         scatter = tuple(a for a in stored_split if a in axes)
         summed = tuple(a for a in axes if a not in scatter)
-        k = _ways(scatter, layout.shape)
+        k = ways(scatter, layout.shape)
         if scatter:
             out.append(Expected("reduce-scatter", "+".join(scatter), times * (k - 1) / k * numel * width, "gradients"))
         if summed:
-            n = _ways(summed, layout.shape)
+            n = ways(summed, layout.shape)
             out.append(Expected("all-reduce", "+".join(summed), times * 2 * (n - 1) / n * numel / k * width,
                                 "gradients"))
         numel /= k
@@ -268,10 +271,10 @@ def _shared_kv_heads(cfg, layout: Layout, p: Param, width: int, stage_runs: floa
     kv = layout.skeleton.model_cfg.kv_heads
     times = stage_runs if p.stacked else 1
     # The gradient as stored; with accumulation, as each shard keeps it (whole over those axes).
-    split = _spec_axes(p.names, layout.rules.grads)
+    split = spec_axes(p.names, layout.rules.grads)
     if _accumulated(cfg, layout):
         split = [a for a in split if a not in layout.accumulation_axes]
-    numel = p.numel / _ways(split, layout.shape)
+    numel = p.numel / ways(split, layout.shape)
     return [Expected("all-reduce", f"tp:inner{c}", times * 2 * (c - 1) / c * numel / kv * width,
                      "kv heads: gradient summed over the devices sharing one"),
             Expected("all-gather", f"tp:outer{kv}", times * (kv - 1) / kv * numel * width,
@@ -286,8 +289,8 @@ def _table_scatter_axes(cfg, layout: Layout) -> tuple[str, ...]:
     if not (cfg.megatron_sp and shape["tp"] > 1 and "tp" in axes_of(rules.activations["vocab"])):
         return ()
     table = next(p for p in params(layout) if p.path == model_class(layout.skeleton.model_cfg).LOOKUP_TABLE)
-    stored = _spec_axes(table.names, rules.grads)
-    return _live([a for a in stored if a != "tp" and a in (*layout.data_axes, "sp")], shape)
+    stored = spec_axes(table.names, rules.grads)
+    return live([a for a in stored if a != "tp" and a in (*layout.data_axes, "sp")], shape)
 
 
 def _tensor_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
@@ -344,8 +347,8 @@ def _tensor_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
         table = model.vocab * model.embed * 4
         out.append(Expected("all-gather", "tp", (t - 1) / t * table, "vocab split: the table, for the lookup"))
         fused = _table_scatter_axes(cfg, layout)
-        n = t * _ways(fused, layout.shape)
-        out.append(Expected("reduce-scatter", "+".join(_live((*fused, "tp"), layout.shape)), (n - 1) / n * table,
+        n = t * ways(fused, layout.shape)
+        out.append(Expected("reduce-scatter", "+".join(live((*fused, "tp"), layout.shape)), (n - 1) / n * table,
                             "vocab split: the table's gradient"))
         reduced(head_input, 1, "vocab split: the output head's input")
     elif vocab_split:
@@ -362,9 +365,9 @@ def _sequence_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected
     if n == 1:
         return []
     model, shape = layout.skeleton.model_cfg, layout.shape
-    kv_heads = model.kv_heads * layout.kv_copies / _ways(("tp",), shape) if layout.kv_copies > 1 else \
-        model.kv_heads / _ways(axes_of(layout.rules.activations["kv_heads"]), shape)
-    block = cfg.batch / _ways(BATCH_AXES, shape) * cfg.seq / n * kv_heads * model.head_dim * compute_bytes
+    kv_heads = model.kv_heads * layout.kv_copies / ways(("tp",), shape) if layout.kv_copies > 1 else \
+        model.kv_heads / ways(axes_of(layout.rules.activations["kv_heads"]), shape)
+    block = cfg.batch / ways(BATCH_AXES, shape) * cfg.seq / n * kv_heads * model.head_dim * compute_bytes
     recomputed = cfg.remat != "none"  # "none" keeps the received blocks; the others fetch them again
     # In pipeline stages a device runs 1/pp of the layers, in every tick (bubbles included).
     layers = model.layers * stage_overhead(layout) / shape["pp"]
@@ -441,7 +444,7 @@ def _pipeline(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
         # other tick), the second chunk's weights exchanged entering and their gradients
         # leaving (float32, as stored); rows and targets enter and their gradient leaves as
         # for 1f1b.
-        weights = sum(p_.numel * p_.itemsize / _ways(_spec_axes(p_.names, layout.rules.params), layout.shape)
+        weights = sum(p_.numel * p_.itemsize / ways(spec_axes(p_.names, layout.rules.params), layout.shape)
                       for p_ in params(layout) if p_.stacked) / 2
         targets = tokens_per_device(cfg, layout.shape) * p * 4
         return [Expected("collective-permute", "pp", zero_bubble.sends(p, m) * rows / m + 2 * weights,
@@ -468,99 +471,3 @@ def by_op_and_axes(expected: list[Expected]) -> dict[tuple[str, str], float]:
     for e in expected:
         totals[(e.op, e.axes)] = totals.get((e.op, e.axes), 0.0) + e.bytes_per_device
     return totals
-
-
-# ----------------------------------------------------------------------------- memory
-
-def memory(cfg, layout: Layout) -> dict[str, float]:
-    """Bytes per device: the state (parameters, Adam's two moments) and the step's working
-    set (the reduced gradient, gathered weights, saved activations and logits)."""
-    shape, rules = layout.shape, layout.rules
-    compute_bytes = jnp.dtype(DTYPES[cfg.dtype]).itemsize
-    used_table = _compute_table(layout)
-
-    def held(p: Param, axes, bytes_each=None) -> float:
-        return p.numel * (bytes_each or p.itemsize) / _ways(axes, shape)
-
-    def total(table) -> float:
-        return sum(held(p, _spec_axes(p.names, table)) for p in params(layout))
-
-    model = layout.skeleton.model_cfg
-    gathered = gradients = 0.0
-    for p in params(layout):
-        compute = _spec_axes(p.names, used_table)
-        if _live(set(_spec_axes(p.names, rules.params)) - set(compute), shape):
-            used = held(p, compute, sum(uses(p, model, compute_bytes)))
-            # Stacked weights are gathered a layer at a time (two alive: this one and the
-            # next, of the device's layers).
-            gathered += used * (2 * shape["pp"] / model.layers if p.stacked else 1)
-        # With accumulation each device sums its own microbatches' gradients (laid out as
-        # computed, float32) and reduces once; so does each dp shard of pipeline stages
-        # over the ticks (reduced over fsdp each tick); otherwise the reduced gradient is
-        # what is held.
-        if cfg.grad_accum > 1:
-            gradients += held(p, compute, 4)
-        elif layout.schedule and p.stacked:
-            gradients += held(p, [a for a in _spec_axes(p.names, rules.grads) if a != pipeline.BATCH_AXIS])
-        else:
-            gradients += held(p, _spec_axes(p.names, rules.grads))
-    # The MoE layers' router state (spmd.balance), replicated: a few numbers per expert.
-    router = sum(s.size * s.dtype.itemsize for s in jax.tree.leaves(layout.skeleton.router_shapes))
-    return {
-        "params": total(rules.params) + router,
-        "opt_state": 2 * total(rules.opt_state),  # Adam's mu and nu, float32 like the parameters
-        "gradients": gradients,
-        "gathered_weights": gathered,
-        "activations": activation_bytes(cfg, layout, compute_bytes),
-    }
-
-
-def activation_bytes(cfg, layout: Layout, compute_bytes: int) -> float:
-    """Activations kept for the backward pass, by remat policy (models.llama), plus the
-    float32 logits (logits, their softmax and its gradient) and, in pipeline stages, the
-    queue of microbatches entering them."""
-    m, t = layout.skeleton.model_cfg, layout.shape["tp"]
-    # Keys and values per kv slot: a kv head, or each copy of one where tp shares it.
-    e, qkv, heads = m.embed, (m.heads + 2 * m.kv_heads * layout.kv_copies) * m.head_dim, m.heads * m.head_dim
-    tokens = tokens_per_device(cfg, layout.shape, microbatch=True)
-    # Per token and layer, in elements: "none" keeps matmul outputs and annotated
-    # activations (block input, both residual sums, the attention and MLP outputs, the
-    # qkv projection and rotated q/k/v, per-head attention output, the scores, the MLP's
-    # gate/up and hidden); "dots" keeps matmuls without batch dimensions; "full" only the
-    # block input, and recomputes one layer at a time during the backward pass.
-    # Scores: each query token's whole row, kept like an activation, by the xla kernel
-    # only. The chunked and fused kernels (models.flash, spmd.kernels), and ring attention
-    # across sp, recompute them in the backward pass a block pair at a time: float32
-    # scores, weights and their gradient for one block of queries and keys, one layer.
-    sp = layout.shape["sp"]
-    kept_scores = cfg.attention_kernel == "xla" and not (sp > 1 and cfg.attention == "ring")
-    attention = 4 * e + (2 * qkv + 2 * heads + (m.heads * cfg.seq if kept_scores else 0)) / t
-    block = min(flash.BLOCK, cfg.seq // (2 * sp) if sp > 1 and cfg.attention == "ring" else cfg.seq)
-    block_scores = 0 if kept_scores else 3 * 4 * m.heads / t * block * block * tokens / cfg.seq
-    everything = attention + 3 * m.mlp / t
-    per_layer = {"none": everything, "dots": 3 * e + (qkv + 2 * m.mlp) / t, "full": e}[cfg.remat]
-    working = 0 if cfg.remat == "none" else everything
-    dense_layers = m.layers - m.moe_layers
-    kept = dense_layers * per_layer
-    if m.moe_layers:
-        # An MoE layer keeps, per row its experts run (spmd.experts), the row as received
-        # and as returned and the two matmul outputs; per token the router's scores and
-        # the shared expert like an MLP.
-        rows = expert_rows(cfg, layout) / tokens
-        moe = (attention + m.moe.experts + rows * (3 * e + 2 * m.moe.expert_mlp / t)
-               + 3 * m.moe.shared_experts * m.moe.expert_mlp / t)
-        kept += m.moe_layers * {"none": moe, "dots": 3 * e + qkv / t + rows * 2 * m.moe.expert_mlp / t, "full": e}[cfg.remat]
-        working = max(working, 0 if cfg.remat == "none" else moe)
-    vocab_split = _ways(axes_of(layout.rules.activations["vocab"]), layout.shape)
-    logits = 3 * tokens * m.vocab / vocab_split * 4
-    schedule = layout.schedule
-    if schedule is None:
-        return tokens * (kept + working) * compute_bytes + block_scores + logits
-    # A device keeps its 1/p of the layers for every tick (gpipe, circular), or for the
-    # residual ring's (2vp - 1)/v microbatches (1f1b, interleaved-1f1b: Schedule.
-    # kept_microbatches), on microbatches of p/m of its `tokens`; one tick's (a 1/v chunk
-    # of its layers) are built apart before they are filed. The queue holds all its rows.
-    p, v = schedule.stages, schedule.repeats
-    mb = tokens * p / schedule.microbatches
-    kept_tokens = mb * schedule.kept_microbatches / p
-    return (kept_tokens * kept + mb * (working + kept / (p * v)) + tokens * p * e) * compute_bytes + logits

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from conftest import train_run
-from spmd import theory
+from spmd import footprint, theory
 from spmd.config import TrainConfig, validate
 from spmd.layout import make_layout
 from spmd.plan import make_plan
@@ -27,7 +27,7 @@ def _theory(mesh, devices=8, **overrides):
     cfg = validate(TrainConfig(mesh=mesh, model="tiny", batch=32, seq=32, **overrides))
     layout = make_layout(cfg, jax.devices()[:devices])
     totals = theory.by_op_and_axes(theory.collectives(cfg, layout))
-    return theory.memory(cfg, layout), {k: round(v) for k, v in totals.items()}
+    return footprint.memory(cfg, layout), {k: round(v) for k, v in totals.items()}
 
 
 def test_theory_equals_hand_computed_values():

@@ -1,0 +1,112 @@
+"""What each device should hold during a step, in bytes: the state (parameters and Adam's
+two moments, as the rules table splits them), the reduced gradient, the weights gathered
+for use, and the activations kept for the backward pass (by remat policy, attention kernel
+and pipeline schedule). spmd.plan sets these beside XLA's memory analysis; the
+collectives' theory is spmd.theory's, from the same walk over the parameters."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from models import flash
+from spmd import pipeline
+from spmd.layout import Layout
+from spmd.rules import axes_of
+from spmd.skeleton import DTYPES
+from spmd.theory import (Param, compute_table, expert_rows, live, params, spec_axes, tokens_per_device, uses,
+                         ways)
+
+
+def memory(cfg, layout: Layout) -> dict[str, float]:
+    """Bytes per device: the state (parameters, Adam's two moments) and the step's working
+    set (the reduced gradient, gathered weights, saved activations and logits)."""
+    shape, rules = layout.shape, layout.rules
+    compute_bytes = jnp.dtype(DTYPES[cfg.dtype]).itemsize
+    used_table = compute_table(layout)
+
+    def held(p: Param, axes, bytes_each=None) -> float:
+        return p.numel * (bytes_each or p.itemsize) / ways(axes, shape)
+
+    def total(table) -> float:
+        return sum(held(p, spec_axes(p.names, table)) for p in params(layout))
+
+    model = layout.skeleton.model_cfg
+    gathered = gradients = 0.0
+    for p in params(layout):
+        compute = spec_axes(p.names, used_table)
+        if live(set(spec_axes(p.names, rules.params)) - set(compute), shape):
+            used = held(p, compute, sum(uses(p, model, compute_bytes)))
+            # Stacked weights are gathered a layer at a time (two alive: this one and the
+            # next, of the device's layers).
+            gathered += used * (2 * shape["pp"] / model.layers if p.stacked else 1)
+        # With accumulation each device sums its own microbatches' gradients (laid out as
+        # computed, float32) and reduces once; so does each dp shard of pipeline stages
+        # over the ticks (reduced over fsdp each tick); otherwise the reduced gradient is
+        # what is held.
+        if cfg.grad_accum > 1:
+            gradients += held(p, compute, 4)
+        elif layout.schedule and p.stacked:
+            gradients += held(p, [a for a in spec_axes(p.names, rules.grads) if a != pipeline.BATCH_AXIS])
+        else:
+            gradients += held(p, spec_axes(p.names, rules.grads))
+    # The MoE layers' router state (spmd.balance), replicated: a few numbers per expert.
+    router = sum(s.size * s.dtype.itemsize for s in jax.tree.leaves(layout.skeleton.router_shapes))
+    return {
+        "params": total(rules.params) + router,
+        "opt_state": 2 * total(rules.opt_state),  # Adam's mu and nu, float32 like the parameters
+        "gradients": gradients,
+        "gathered_weights": gathered,
+        "activations": activation_bytes(cfg, layout, compute_bytes),
+    }
+
+
+def activation_bytes(cfg, layout: Layout, compute_bytes: int) -> float:
+    """Activations kept for the backward pass, by remat policy (models.llama), plus the
+    float32 logits (logits, their softmax and its gradient) and, in pipeline stages, the
+    queue of microbatches entering them."""
+    m, t = layout.skeleton.model_cfg, layout.shape["tp"]
+    # Keys and values per kv slot: a kv head, or each copy of one where tp shares it.
+    e, qkv, heads = m.embed, (m.heads + 2 * m.kv_heads * layout.kv_copies) * m.head_dim, m.heads * m.head_dim
+    tokens = tokens_per_device(cfg, layout.shape, microbatch=True)
+    # Per token and layer, in elements: "none" keeps matmul outputs and annotated
+    # activations (block input, both residual sums, the attention and MLP outputs, the
+    # qkv projection and rotated q/k/v, per-head attention output, the scores, the MLP's
+    # gate/up and hidden); "dots" keeps matmuls without batch dimensions; "full" only the
+    # block input, and recomputes one layer at a time during the backward pass.
+    # Scores: each query token's whole row, kept like an activation, by the xla kernel
+    # only. The chunked and fused kernels (models.flash, spmd.kernels), and ring attention
+    # across sp, recompute them in the backward pass a block pair at a time: float32
+    # scores, weights and their gradient for one block of queries and keys, one layer.
+    sp = layout.shape["sp"]
+    kept_scores = cfg.attention_kernel == "xla" and not (sp > 1 and cfg.attention == "ring")
+    attention = 4 * e + (2 * qkv + 2 * heads + (m.heads * cfg.seq if kept_scores else 0)) / t
+    block = min(flash.BLOCK, cfg.seq // (2 * sp) if sp > 1 and cfg.attention == "ring" else cfg.seq)
+    block_scores = 0 if kept_scores else 3 * 4 * m.heads / t * block * block * tokens / cfg.seq
+    everything = attention + 3 * m.mlp / t
+    per_layer = {"none": everything, "dots": 3 * e + (qkv + 2 * m.mlp) / t, "full": e}[cfg.remat]
+    working = 0 if cfg.remat == "none" else everything
+    dense_layers = m.layers - m.moe_layers
+    kept = dense_layers * per_layer
+    if m.moe_layers:
+        # An MoE layer keeps, per row its experts run (spmd.experts), the row as received
+        # and as returned and the two matmul outputs; per token the router's scores and
+        # the shared expert like an MLP.
+        rows = expert_rows(cfg, layout) / tokens
+        moe = (attention + m.moe.experts + rows * (3 * e + 2 * m.moe.expert_mlp / t)
+               + 3 * m.moe.shared_experts * m.moe.expert_mlp / t)
+        kept += m.moe_layers * {"none": moe, "dots": 3 * e + qkv / t + rows * 2 * m.moe.expert_mlp / t, "full": e}[cfg.remat]
+        working = max(working, 0 if cfg.remat == "none" else moe)
+    vocab_split = ways(axes_of(layout.rules.activations["vocab"]), layout.shape)
+    logits = 3 * tokens * m.vocab / vocab_split * 4
+    schedule = layout.schedule
+    if schedule is None:
+        return tokens * (kept + working) * compute_bytes + block_scores + logits
+    # A device keeps its 1/p of the layers for every tick (gpipe, circular), or for the
+    # residual ring's (2vp - 1)/v microbatches (1f1b, interleaved-1f1b: Schedule.
+    # kept_microbatches), on microbatches of p/m of its `tokens`; one tick's (a 1/v chunk
+    # of its layers) are built apart before they are filed. The queue holds all its rows.
+    p, v = schedule.stages, schedule.repeats
+    mb = tokens * p / schedule.microbatches
+    kept_tokens = mb * schedule.kept_microbatches / p
+    return (kept_tokens * kept + mb * (working + kept / (p * v)) + tokens * p * e) * compute_bytes + logits
