@@ -337,7 +337,8 @@ class Program:
         if router is not None:
             new_state["routing"] = keep_if_finite(
                 balance.updated(router, metrics["expert_load"], cfg.router_bias_rate), router)
-        metrics = _step_metrics(metrics, self.layout.shape["ep"]) | {"grad_norm": grad_norm, "lr": self.lr_at(state["step"]), "skipped": ~finite}
+        metrics = _step_metrics(metrics, self.layout.shape["ep"]) | {
+            "grad_norm": grad_norm, "lr": self.lr_at(state["step"]), "skipped": ~finite}
         return new_state, metrics
 
     def rebalance(self, state: dict) -> dict:
