@@ -144,6 +144,7 @@ def test_expert_copies_match_one_device_across_a_rebalancing(balanced_reference,
 STAGED = dict(model="moe-tiny", layers=8, router_bias_rate=0.01)
 
 
+@pytest.mark.xdist_group("balance-stages")  # their own worker: no run shared with the tests above
 @pytest.mark.parametrize("schedule", [
     {"pp_schedule": "interleaved-1f1b", "pp_repeats": 2, "microbatches": 2},
     {"pp_schedule": "zb-v", "microbatches": 4, "redundant_experts": 4, "rebalance_every": 2},
