@@ -19,13 +19,14 @@ sequence, experts x sum_e f_e P_e, with f_e the share of its choices that went t
 P_e the mean score of e; 1 when balanced. The router z-loss is the mean squared
 log-sum-exp of the router logits.
 
-Balancing (a training choice, `Routing`): with `bias`, a per-expert bias is added to the
+Balancing (a training choice, `Routing.balanced`): a per-expert bias is added to the
 scores to choose the top k, not to the gate values (DeepSeek-V3's auxiliary-loss-free
 balancing; a trainer moves it against the measured load). With `slots` > experts, the
 experts' weights live in that many slots, some experts in several (`placement`: the
 expert of each slot); a token's choice of an expert goes to one of its copies, picked by
 the token's position. As long as the copies are equal, neither changes the mathematics.
-Both are kept in `RouterState` variables beside the weights, with the measured load.
+Bias, placement and the measured load are `RouterState` variables beside the weights; a
+served model keeps only the bias, as a weight (`Routing.bias_weight`).
 
 Moving tokens between devices is not written here: the expert computation goes through
 `experts_ffn`, which a trainer may swap (`expert_implementation`, see spmd.experts) for
