@@ -117,11 +117,12 @@ def initial_state(cfg: TrainConfig) -> dict:
         return jax.device_get(program.init(jax.random.key(cfg.seed)))
 
 
-def train_run(mesh: str, devices: int, **overrides) -> Run:
-    """Train PARITY's config for its steps on the first `devices` devices (cached)."""
+def train_run(mesh: str, devices: int, cached: bool = True, **overrides) -> Run:
+    """Train PARITY's config for its steps on the first `devices` devices (cached, unless a
+    run no other test shares: a worker keeps every cached run's compiled step and HLO)."""
     defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)} | PARITY
     changed = {k: v for k, v in overrides.items() if defaults.get(k) != v}  # one cache entry per config
-    return _run(mesh, devices, tuple(sorted(changed.items())))
+    return (_run if cached else _run.__wrapped__)(mesh, devices, tuple(sorted(changed.items())))
 
 
 @pytest.fixture(scope="session")
