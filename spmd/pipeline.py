@@ -273,6 +273,28 @@ def pipeline(mesh, schedule: Schedule, stage_fn, blocks, x: jax.Array, rows: jax
 
 # ---------------------------------------------------------------------------------- 1f1b
 
+def _weighted_statistics(no_stats: dict, statistics_weights, seed: float) -> dict:
+    """What each statistic of one chunk adds to what is minimized, per microbatch of the
+    whole batch (zeros if nothing: `statistics_weights` None)."""
+    weights = jax.tree.map(lambda total: total[0], no_stats)
+    return weights if statistics_weights is None else jax.tree.map(lambda w: seed * w, statistics_weights(weights))
+
+
+def _head(head_fn, head_params, targets, seed: float):
+    """head(y, k, here) -> (loss, d_head, dy): microbatch k's loss from the last chunk's
+    output y and its gradients (seeded with `seed`), on the device where `here`; zeros
+    elsewhere."""
+    def on_this_device(y, k):
+        loss, vjp = jax.vjp(lambda h, y: head_fn(h, y, targets[k]), head_params, y)
+        d_head, dy = vjp(jnp.asarray(seed, loss.dtype))
+        return loss, d_head, dy
+
+    def elsewhere(y, k):
+        return jnp.zeros(()), jax.tree.map(jnp.zeros_like, head_params), jnp.zeros_like(y)
+
+    return lambda y, k, here: jax.lax.cond(here, on_this_device, elsewhere, y, k)
+
+
 def _split_vjp(stage_fn, chunk, example: jax.Array):
     """The stage's forward and backward passes as two functions joined by arrays:
     forward(chunk, x) -> (y, residuals), backward(chunk, residuals, dy) -> (d_chunk, dx),
@@ -348,18 +370,8 @@ def one_f_one_b(mesh, schedule: Schedule, stage_fn, head_fn, blocks, head, x: ja
         seed = 1.0 / (m * dp)  # each dp shard's microbatch loss is a mean over its own rows
         forward, backward, shapes = _split_vjp(stage_fn, pick(0), x[0])
         no_stats = _no_statistics(stage_fn, chunks, x[0])
-        stats_weights = jax.tree.map(lambda total: total[0], no_stats)
-        if statistics_weights is not None:
-            stats_weights = jax.tree.map(lambda w: seed * w, statistics_weights(stats_weights))
-
-        def head(y, k, here):
-            def on_last(y, k):
-                loss, vjp = jax.vjp(lambda h, y: head_fn(h, y, targets[k]), head_params, y)
-                d_head, dy = vjp(jnp.asarray(seed, loss.dtype))
-                return loss, d_head, dy
-            def elsewhere(y, k):
-                return jnp.zeros(()), jax.tree.map(jnp.zeros_like, head_params), jnp.zeros_like(y)
-            return jax.lax.cond(here, on_last, elsewhere, y, k)
+        stats_weights = _weighted_statistics(no_stats, statistics_weights, seed)
+        head = _head(head_fn, head_params, targets, seed)
 
         def tick(carry, t, *, forwards: bool, backwards: bool):
             arrived, returned, ring, d_chunks, d_head, loss, dx, totals = carry

@@ -120,7 +120,7 @@ def _stage_parts(graphdef, params, rows: jax.Array, in_stage, stacked: str, orde
     if router:
         blocks = _merged(blocks, jax.tree.map(lambda x: x.astype(jnp.float32), router[stacked]))
     no_blocks = jax.tree.map(lambda w: jax.ShapeDtypeStruct(w.shape, w.dtype), blocks)
-    model_of = lambda outer: nnx.merge(graphdef, _merged({**outer}, {stacked: no_blocks}))  # noqa: E731
+    model_of = lambda outer: nnx.merge(graphdef, _merged(outer, {stacked: no_blocks}))  # noqa: E731
     blocks_graph = nnx.split(getattr(model_of(outer), stacked))[0]
 
     def stage(chunk, x):

@@ -46,9 +46,9 @@ import numpy as np
 from jax._src import core
 from jax._src.interpreters import partial_eval as pe
 
-from spmd.pipeline import (AXIS, BATCH_AXIS, MANUAL_AXES, Schedule, _copies, _from_stage_0, _no_statistics,
+from spmd.pipeline import (AXIS, BATCH_AXIS, MANUAL_AXES, Schedule, _copies, _from_stage_0, _head, _no_statistics,
                            _only_stage_0, _split_vjp, _stage_statistics, _statistics, layer_statistics,
-                           stacked_spec, stage_view)
+                           stacked_spec, stage_view, _weighted_statistics)
 
 
 # ------------------------------------------------------------------------- the B/W split
@@ -216,20 +216,11 @@ def zb_v(mesh, schedule: Schedule, stage_fn, head_fn, blocks, head, x: jax.Array
         forward, backward_input, backward_weight, (b_shapes, w_shapes, bw_shapes) = split_backward(
             stage_fn, pick(0), x[0])
         no_stats = _no_statistics(stage_fn, chunks, x[0])
-        stats_weights = jax.tree.map(lambda total: total[0], no_stats)
-        if statistics_weights is not None:
-            stats_weights = jax.tree.map(lambda w: seed * w, statistics_weights(stats_weights))
+        stats_weights = _weighted_statistics(no_stats, statistics_weights, seed)
         order = jnp.asarray(table["w_order"])[stage]  # (2m, 4)
         first = stage == 0
 
-        def head(y, k, here):
-            def on_first(y, k):
-                loss, vjp = jax.vjp(lambda h, y: head_fn(h, y, targets[k]), head_params, y)
-                d_head, dy = vjp(jnp.asarray(seed, loss.dtype))
-                return loss, d_head, dy
-            def elsewhere(y, k):
-                return jnp.zeros(()), jax.tree.map(jnp.zeros_like, head_params), jnp.zeros_like(y)
-            return jax.lax.cond(here, on_first, elsewhere, y, k)
+        head = _head(head_fn, head_params, targets, seed)
 
         def accumulate(d_chunks, grads, c, valid):
             return [acc if g is None else acc.at[c].add(jnp.where(valid, g, 0)) for acc, g in zip(d_chunks, grads)]
