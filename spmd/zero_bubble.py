@@ -47,8 +47,8 @@ from jax._src import core
 from jax._src.interpreters import partial_eval as pe
 
 from spmd.pipeline import (AXIS, BATCH_AXIS, MANUAL_AXES, Schedule, _copies, _from_stage_0, _head, _no_statistics,
-                           _only_stage_0, _split_vjp, _stage_statistics, _statistics, layer_statistics,
-                           stacked_spec, stage_view, _weighted_statistics)
+                           _only_stage_0, _split_vjp, _stage_statistics, _statistics, _weighted_statistics,
+                           layer_statistics, stacked_spec, stage_view)
 
 
 # ------------------------------------------------------------------------- the B/W split

@@ -117,7 +117,7 @@ def initial_state(cfg: TrainConfig) -> dict:
         return jax.device_get(program.init(jax.random.key(cfg.seed)))
 
 
-def train_run(mesh: str, devices: int, cached: bool = True, **overrides) -> Run:
+def train_run(mesh: str, devices: int, *, cached: bool = True, **overrides) -> Run:
     """Train PARITY's config for its steps on the first `devices` devices (cached, unless a
     run no other test shares: a worker keeps every cached run's compiled step and HLO)."""
     defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)} | PARITY

@@ -113,14 +113,15 @@ def _logical(run) -> dict:
 
 @pytest.fixture(scope="module")
 def balanced_reference():
-    return train_run("", 1, False, **BALANCED)  # the bias on, all experts on one device, once each
+    return train_run("", 1, cached=False, **BALANCED)  # the bias on, all experts on one device, once each
 
 
 @pytest.mark.parametrize("mesh,devices,mode", [("ep=4", 4, {}), ("ep=4", 4, NO_DROPS), ("ep=4", 4, {"grad_accum": 2})],
                          ids=["ep4-dropless", "ep4-capacity", "ep4-accum"])
 def test_expert_copies_match_one_device_across_a_rebalancing(balanced_reference, mesh, devices, mode):
-    reference = balanced_reference if not mode.get("moe_dispatch") else train_run("", 1, False, **BALANCED, **NO_DROPS)
-    run = train_run(mesh, devices, False, **COPIES, **mode)
+    reference = (balanced_reference if not mode.get("moe_dispatch")
+                 else train_run("", 1, cached=False, **BALANCED, **NO_DROPS))
+    run = train_run(mesh, devices, cached=False, **COPIES, **mode)
     placement = balance.states(run.router)[0]["placement"]
     assert not np.array_equal(placement[0], np.arange(8) % 6)  # the rebalancing after step 2 moved experts
     np.testing.assert_allclose(run.losses, reference.losses, rtol=LOSS_RTOL, atol=0)
@@ -146,7 +147,7 @@ STAGED = dict(model="moe-tiny", layers=8, router_bias_rate=0.01)
 
 @pytest.fixture(scope="module")
 def staged_reference():
-    return train_run("", 1, False, **STAGED)
+    return train_run("", 1, cached=False, **STAGED)
 
 
 @pytest.mark.xdist_group("balance-stages")  # their own worker: no run shared with the tests above
@@ -155,7 +156,7 @@ def staged_reference():
     {"pp_schedule": "zb-v", "microbatches": 4, "redundant_experts": 4, "rebalance_every": 2},
 ], ids=["interleaved-1f1b", "zb-v-copies"])
 def test_balancing_in_pipeline_stages_matches_one_device(staged_reference, schedule):
-    reference, run = staged_reference, train_run("pp=2,ep=2", 4, False, **STAGED, **schedule)
+    reference, run = staged_reference, train_run("pp=2,ep=2", 4, cached=False, **STAGED, **schedule)
     np.testing.assert_allclose(run.losses, reference.losses, rtol=LOSS_RTOL, atol=0)
     bias, want = (balance.states(r.router)[0]["bias"] for r in (run, reference))
     assert np.abs(want).max() > 0
