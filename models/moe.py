@@ -16,7 +16,8 @@ Two ways to reach the experts:
 Capacity is per sequence, so what is dropped does not depend on how the batch is split.
 The load-balancing loss is also per sequence (DeepSeek-V3's sequence-wise form): for each
 sequence, experts x sum_e f_e P_e, with f_e the share of its choices that went to e and
-P_e the mean score of e; 1 when balanced. The router z-loss is the mean squared
+P_e the mean score of e; 1 when balanced. The layer also reports f and P over its whole
+batch (`choices_per_token`, `router_prob`), from which a trainer forms transformers' pooled form. The router z-loss is the mean squared
 log-sum-exp of the router logits.
 
 Balancing (a training choice, `Routing.balanced`): a per-expert bias is added to the
@@ -60,6 +61,13 @@ class MoEConfig:
     shared_experts: int = 0  # a shared expert of width shared_experts x expert_mlp
     every: int = 1  # every n-th layer is an MoE layer; the others are dense
     scoring: str = "softmax"
+    # How the model is trained to balance its experts, as its authors define it (training
+    # reads these; the forward pass does not): the load-balancing loss per sequence
+    # ("sequence") or pooled over the batch and every MoE layer ("pooled", transformers'
+    # Mixtral and Qwen-MoE), and the weights of it and of the router z-loss.
+    balance_loss: str = "sequence"
+    aux_loss_weight: float = 0.01
+    z_loss_weight: float = 0.001
 
     def params_per_layer(self, embed: int) -> int:
         """Router, experts and shared expert of one MoE layer."""
@@ -213,6 +221,8 @@ def _statistics(logits, scores, expert, kept, moe: MoEConfig) -> dict:
         "z_loss": jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1))),
         "dropped": 1.0 - jnp.mean(kept.astype(jnp.float32)),
         "expert_load": jnp.mean(f, axis=0),  # (n,) share of all choices per expert
+        "router_prob": jnp.mean(p, axis=0),  # (n,) mean normalized score per expert
+        "choices_per_token": jnp.mean(share, axis=(0, 1)),  # (n,) how often a token picks each expert
     }
 
 

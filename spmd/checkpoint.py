@@ -238,6 +238,11 @@ def check_compatible(meta: dict, cfg, params_shapes, where: Path) -> None:
     (as the model has them: a pipeline may store its stacked layers otherwise)."""
     want = _model_shapes(_shapes_of(params_shapes), stacked_repeats(dataclasses.asdict(cfg)))
     have_shapes = _model_shapes(meta.get("param_shapes", {}), stacked_repeats(meta.get("config", {})))
+    saved_copies = meta.get("config", {}).get("redundant_experts") or 0
+    if have_shapes != want and saved_copies != cfg.redundant_experts:  # experts + R slots hold the experts
+        raise UserError(f"checkpoint {where} was trained with --redundant-experts {saved_copies}; this run has "
+                        f"--redundant-experts {cfg.redundant_experts}, whose expert slots differ: give "
+                        f"--redundant-experts {saved_copies}")
     if have_shapes != want:
         have = meta.get("model", "?")
         differ = sorted(set(want) ^ set(meta.get("param_shapes", {}))) or [

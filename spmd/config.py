@@ -17,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-from spmd.errors import UserError
+from spmd.errors import UserError, file_kind
 
 DTYPES = ("float32", "bfloat16")
 REMAT = ("none", "full", "dots")
@@ -28,6 +28,7 @@ MOE_DISPATCH = ("dropless", "capacity")
 PP_SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved-1f1b", "zb-v")
 REPEATED_SCHEDULES = ("circular", "interleaved-1f1b")  # those with --pp-repeats chunks per stage
 TOKEN_DTYPES = ("uint16", "uint32")
+BALANCE_LOSSES = ("sequence", "pooled")  # models.moe.MoEConfig.balance_loss
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,11 +73,12 @@ class TrainConfig:
     seq: int = _field(64, "sequence length, in tokens", at_least=1)
     seed: int = _field(0, "seed of the initial parameters and of the data order", at_least=0, at_most=2**32 - 1)
     lr: float = _field(3e-3, "peak learning rate", above=0)
-    warmup: int = _field(20, "linear warmup steps", at_least=0)
+    warmup: int = _field(20, "linear warmup steps from 0 to the peak (kept as given: a warmup of --steps or more ends the run before the peak)", at_least=0)
     min_lr_ratio: float = _field(0.1, "final learning rate of the cosine decay, as a fraction of the peak", at_least=0, at_most=1)
     weight_decay: float = _field(0.01, "AdamW weight decay (matrices only)", at_least=0)
     b1: float = _field(0.9, "Adam beta1", at_least=0, below=1)
     b2: float = _field(0.95, "Adam beta2", at_least=0, below=1)
+    eps: float = _field(1e-8, "Adam epsilon, added to the root of the second moment", above=0)
     clip: float = _field(1.0, "global gradient-norm clipping threshold", above=0)
     scale_lr: bool = _field(False, "linear scaling rule: lr x batch / ref-batch")
     ref_batch: int = _field(256, "reference batch of --scale-lr", at_least=1)
@@ -98,8 +100,9 @@ class TrainConfig:
     router_bias_rate: float = _field(0.0, "MoE models: auxiliary-loss-free balancing (DeepSeek-V3): after each step, each expert's selection bias moves by this much towards the mean load (0: off)", at_least=0)
     redundant_experts: int = _field(0, "MoE models: extra expert slots over ep holding copies of the busiest experts (EPLB); experts + this must divide by ep", at_least=0)
     rebalance_every: int | None = _field(None, "with --redundant-experts: recompute the placement of experts on slots from the measured load every N steps (default: 50)", at_least=1)
-    aux_loss_weight: float = _field(0.01, "MoE models: weight of the load-balancing loss", at_least=0)
-    z_loss_weight: float = _field(0.001, "MoE models: weight of the router z-loss", at_least=0)
+    balance_loss: str | None = _field(None, "MoE models: the load-balancing loss per sequence (spmd's presets), or pooled over the batch and all MoE layers (transformers' Mixtral and Qwen-MoE); default: the model's (pooled for an imported model)", choices=BALANCE_LOSSES)
+    aux_loss_weight: float | None = _field(None, "MoE models: weight of the load-balancing loss (default: the model's: 0.01 for presets, config.json's router_aux_loss_coef for an imported model)", at_least=0)
+    z_loss_weight: float | None = _field(None, "MoE models: weight of the router z-loss (default: the model's: 0.001 for presets, 0 for an imported model, which has none)", at_least=0)
     log_every: int = _field(10, "print a log line every N steps (metrics are fetched from devices only then)", at_least=1)
     profile_steps: str | None = _field(None, "capture a profiler trace of steps A to B (A:B, numbered as in the log line, both included)")
     profile_dir: str = _field("profile", "directory of the --profile-steps trace (TensorBoard's profile plugin, xprof, Perfetto)")
@@ -179,7 +182,7 @@ def train_parser(prog: str = "python -m spmd.train",
         if f.type == "bool":
             parser.add_argument(flag_of(f.name), action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
             continue
-        kind = {"int": integer, "float": finite, "int | None": integer}.get(f.type, nonempty)
+        kind = {"int": integer, "float": finite, "int | None": integer, "float | None": finite}.get(f.type, nonempty)
         parser.add_argument(flag_of(f.name), type=kind, default=f.default, help=help_text, **kwargs)
     return parser
 
@@ -219,10 +222,10 @@ def nonempty(text: str) -> str:
 
 def _read_yaml(path: str):
     file = Path(path)
-    if file.is_dir():
-        raise UserError(f"config file {path} is a directory")
     if not file.is_file():
-        raise UserError(f"config file not found: {path}")
+        kind = file_kind(file)
+        raise UserError(f"config file not found: {path}" if kind == "missing" else f"config file {path} is {kind}, "
+                        "not a regular file")
     try:
         return yaml.safe_load(file.read_bytes().decode("utf-8"))
     except UnicodeDecodeError:
@@ -337,7 +340,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
 
 def _validate_moe(cfg: TrainConfig, model_cfg) -> None:
     if model_cfg.moe is None:
-        for name in ("experts", "top_k", "router_bias_rate", "redundant_experts", "rebalance_every"):
+        for name in ("experts", "top_k", "router_bias_rate", "redundant_experts", "rebalance_every", "balance_loss",
+                     "aux_loss_weight", "z_loss_weight"):
             if getattr(cfg, name):
                 raise UserError(f"{flag_of(name)} applies to MoE models; {cfg.model_name} is dense")
         return
@@ -350,6 +354,13 @@ def _validate_moe(cfg: TrainConfig, model_cfg) -> None:
     if cfg.redundant_experts and cfg.init_from:
         raise UserError("--redundant-experts and --init-from: a run with expert copies starts from its own "
                         "initialization (or resumes its checkpoint)")
+    if (cfg.balance_loss or model_cfg.moe.balance_loss) == "pooled" and cfg.pp_schedule in ("1f1b", "interleaved-1f1b",
+                                                                                        "zb-v"):
+        # Its gradient in one layer depends on the loads of every layer, which a stage's
+        # backward pass under these schedules does not have.
+        raise UserError(f"--pp-schedule {cfg.pp_schedule} takes the per-sequence balance loss only; the pooled one "
+                        "(transformers', the default of imported MoE models) couples every layer: give --balance-loss "
+                        "sequence, or --pp-schedule gpipe or circular")
     if cfg.layers is not None and cfg.layers % model_cfg.moe.every:
         raise UserError(f"--layers {cfg.layers}: {cfg.model_name} has MoE in every {model_cfg.moe.every}th layer; "
                         f"give a multiple of {model_cfg.moe.every}")

@@ -6,6 +6,7 @@ import contextlib
 import logging
 import os
 import re
+import stat
 import sys
 import tempfile
 import threading
@@ -33,6 +34,21 @@ def why_io_failed(exc: BaseException) -> str:
         return exc.strerror
     text = first_line(exc)
     return re.sub(r"\s*\[os_error_code=.*$", "", text.rsplit(": ", 1)[-1]) if len(text) > 160 else text
+
+
+def file_kind(path) -> str:
+    """What is at `path`, for a message: "missing", "a regular file", "a directory", "a
+    character device", ... (a symbolic link is followed; one that leads nowhere or in a
+    loop says so)."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "a broken symbolic link" if os.path.islink(path) else "missing"
+    except OSError as exc:  # a loop of links, a name too long, a directory we may not search
+        return f"unreadable ({exc.strerror})"
+    kinds = ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"))
+    return next((name for test, name in kinds if test(mode)), "a special file")
 
 
 EXIT_OUTPUT_FAILED = 5  # the input was fine; writing an output failed (disk full, permission lost)

@@ -18,15 +18,27 @@ def learning_rate(cfg) -> float:
 
 
 def schedule(cfg) -> optax.Schedule:
+    """Linear warmup from 0 over `warmup` steps, then a cosine to `min_lr_ratio` of the peak
+    at `steps`, as transformers' cosine schedule: a warmup as long as the run or longer is
+    kept as given (the run ends before the peak), never shortened."""
     peak = learning_rate(cfg)
-    warmup = min(cfg.warmup, max(cfg.steps - 1, 0))
     return optax.warmup_cosine_decay_schedule(
-        init_value=0.0 if warmup else peak,
+        init_value=0.0 if cfg.warmup else peak,
         peak_value=peak,
-        warmup_steps=warmup,
-        decay_steps=max(cfg.steps, warmup + 1),
+        warmup_steps=cfg.warmup,
+        decay_steps=max(cfg.steps, cfg.warmup + 1),
         end_value=peak * cfg.min_lr_ratio,
     )
+
+
+def applied_updates(opt_state) -> jax.Array:
+    """How many updates the optimizer has applied: the step its schedule is at. A dropped
+    (non-finite) update leaves it behind the run's step count, as transformers' Trainer
+    does not step its scheduler when the optimizer step was skipped."""
+    found = [count for path, count in optax.tree_utils.tree_get_all_with_path(opt_state, "count")
+             if getattr(path[-1], "tuple_name", None) == "ScaleByScheduleState"]
+    assert len(found) == 1, found
+    return found[0]
 
 
 def make_optimizer(cfg, model_cfg, clip: bool = True) -> optax.GradientTransformation:
@@ -40,5 +52,5 @@ def make_optimizer(cfg, model_cfg, clip: bool = True) -> optax.GradientTransform
 
     return optax.chain(
         optax.clip_by_global_norm(cfg.clip if clip else math.inf),
-        optax.adamw(schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=1e-8, weight_decay=cfg.weight_decay, mask=decay_mask),
+        optax.adamw(schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=decay_mask),
     )

@@ -28,25 +28,45 @@ from models.annotate import computed_copies, storage
 from models.attention import KERNELS, attention_implementation
 from models.moe import expert_implementation, slots_implementation
 from spmd import balance
+from spmd.config import model_config
 from spmd.context import make_attention, make_capacity_slots, zigzag_order
 from spmd.kernels import make_kernel
 from spmd.kernels import resolve as resolve_kernel
 from spmd.experts import make_experts
 from spmd.layout import Layout
 from spmd.mesh import BATCH_AXES
-from spmd.optim import make_optimizer, schedule
+from spmd.optim import applied_updates, make_optimizer, schedule
 from spmd.pipeline import MANUAL_AXES, from_microbatches, one_f_one_b, pipeline, to_microbatches
 from spmd.rules import spec_for
 from spmd.skeleton import DTYPES, is_names, routing
 from spmd.zero_bubble import zb_v
 
 
+class AuxLosses(NamedTuple):
+    """What an MoE model adds to the loss it minimizes: the load-balancing loss, in its
+    form (`models.moe.MoEConfig.balance_loss`), and the router z-loss, with their weights."""
+
+    balance: str = "sequence"
+    aux_weight: float = 0.0
+    z_weight: float = 0.0
+
+
+def aux_losses(cfg) -> AuxLosses:
+    """The run's: its flags where given, else the model's own definition and weights."""
+    moe = model_config(cfg).moe
+    if moe is None:
+        return AuxLosses()
+    pick = lambda given, own: own if given is None else given  # noqa: E731
+    return AuxLosses(pick(cfg.balance_loss, moe.balance_loss), pick(cfg.aux_loss_weight, moe.aux_loss_weight),
+                     pick(cfg.z_loss_weight, moe.z_loss_weight))
+
+
 def _loss(graphdef, params, rows: jax.Array, order: np.ndarray | None = None,
-          aux_weights: tuple[float, float] = (0.0, 0.0), router: dict | None = None) -> tuple[jax.Array, dict]:
+          aux: AuxLosses = AuxLosses(), router: dict | None = None) -> tuple[jax.Array, dict]:
     """The loss to minimize and the step's metrics, for token rows (b, seq + 1).
 
     `loss` is the mean next-token cross-entropy; an MoE model adds its load-balancing and
-    router z-losses (weights `aux_weights`) to what is minimized. Every metric is a mean
+    router z-losses (`aux`) to what is minimized. Every metric is a mean
     over sequences, so means over equal microbatches compose. `order`: the columns' order
     for the model (a permutation of the positions); the mean is that of any order.
     `router`: the MoE layers' router state, if the model keeps one (spmd.balance)."""
@@ -56,31 +76,43 @@ def _loss(graphdef, params, rows: jax.Array, order: np.ndarray | None = None,
     if order is not None:
         inputs, targets, positions = inputs[:, order], targets[:, order], positions[order]
     logits, moe_stats = model.forward(inputs, positions)
-    return _objective(logits, targets, moe_stats, aux_weights)
+    return _objective(logits, targets, moe_stats, aux)
 
 
-def _objective(logits, targets, moe_stats: dict, aux_weights: tuple[float, float]) -> tuple[jax.Array, dict]:
+def _objective(logits, targets, moe_stats: dict, aux: AuxLosses) -> tuple[jax.Array, dict]:
     targets = jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype)
     # One-hot rather than a gather: the vocab dimension may be split over tp.
     picked = jnp.sum(logits * targets, axis=-1)
     loss = jnp.mean(jax.nn.logsumexp(logits, axis=-1) - picked)
     if not moe_stats:
         return loss, {"loss": loss}
-    metrics = {"loss": loss, **_moe_metrics(moe_stats)}
-    return loss + aux_weights[0] * metrics["aux_loss"] + aux_weights[1] * metrics["z_loss"], metrics
+    metrics = {"loss": loss, **_moe_metrics(moe_stats, aux.balance)}
+    return loss + aux.aux_weight * metrics["aux_loss"] + aux.z_weight * metrics["z_loss"], metrics
 
 
-def _moe_metrics(moe_stats: dict) -> dict:
-    """The MoE layers' statistics (each with a leading layer axis) as step metrics."""
+def _moe_metrics(moe_stats: dict, balance_loss: str) -> dict:
+    """The MoE layers' statistics (each with a leading layer axis) as step metrics.
+
+    The balance loss "sequence" is the mean over layers of each layer's per-sequence loss;
+    "pooled" is transformers' (Mixtral, Qwen-MoE `load_balancing_loss_func`): experts x
+    sum_e c_e P_e with c_e the choices of e per token and P_e its mean probability, both
+    over every token of the batch in every MoE layer (no division by top-k: 1 x top-k when
+    balanced)."""
     loads = {name: moe_stats[name] for name in ("expert_load", "slot_load") if name in moe_stats}
-    return {"aux_loss": jnp.mean(moe_stats["balance_loss"]), "z_loss": jnp.mean(moe_stats["z_loss"]),
-            "dropped": jnp.mean(moe_stats["dropped"]), **loads}
+    if balance_loss == "pooled":
+        choices, prob = (jnp.mean(moe_stats[name], axis=0) for name in ("choices_per_token", "router_prob"))
+        balance = choices.shape[-1] * jnp.sum(choices * prob)
+    else:
+        balance = jnp.mean(moe_stats["balance_loss"])
+    return {"aux_loss": balance, "z_loss": jnp.mean(moe_stats["z_loss"]), "dropped": jnp.mean(moe_stats["dropped"]),
+            **loads}
 
 
-def _aux_weights_per_layer(aux_weights: tuple[float, float], moe_layers: int):
+def _aux_weights_per_layer(aux: AuxLosses, moe_layers: int):
     """What each MoE layer's statistics add to what is minimized, per unit of the loss
-    (`_objective` takes their means over the model's `moe_layers`)."""
-    scale = {"balance_loss": aux_weights[0], "z_loss": aux_weights[1]}
+    (`_objective` takes their means over the model's `moe_layers`): the per-sequence form
+    only, which is a sum of per-layer terms (spmd.config refuses the pooled form here)."""
+    scale = {"balance_loss": aux.aux_weight, "z_loss": aux.z_weight}
 
     def weights(stats: dict) -> dict:
         return {name: jnp.full_like(x, scale.get(name, 0.0) / moe_layers) for name, x in stats.items()}
@@ -146,7 +178,7 @@ def _row_spec(layout: Layout) -> jax.P:
 
 
 def _pipelined_loss(graphdef, params, rows: jax.Array, layout: Layout, in_stage, order,
-                    aux_weights: tuple[float, float], router=None) -> tuple[jax.Array, dict]:
+                    aux: AuxLosses, router=None) -> tuple[jax.Array, dict]:
     """`_loss` with the stacked layers run as pipeline stages (spmd.pipeline); the
     embedding, head and loss run outside, on rows split over the data axes and pp."""
     schedule, shards = layout.schedule, layout.batch_shards
@@ -157,11 +189,11 @@ def _pipelined_loss(graphdef, params, rows: jax.Array, layout: Layout, in_stage,
     x = to_microbatches(model.embed(inputs), shards, schedule)
     out, stats = pipeline(layout.mesh, schedule, stage, blocks, x, _row_spec(layout), REMAT_POLICIES[model.remat])
     logits = model.logits(from_microbatches(out, shards, schedule))
-    return _objective(logits, targets, stats, aux_weights)
+    return _objective(logits, targets, stats, aux)
 
 
 def _one_f_one_b_grads(graphdef, params, rows: jax.Array, layout: Layout, in_stage, order,
-                       aux_weights: tuple[float, float], router=None) -> tuple[dict, dict]:
+                       aux: AuxLosses, router=None) -> tuple[dict, dict]:
     """Metrics and gradients of `_pipelined_loss` under the 1F1B schedule, which computes
     the stages' gradients itself (spmd.pipeline.one_f_one_b); autodiff does the rest."""
     schedule, shards = layout.schedule, layout.batch_shards
@@ -172,18 +204,18 @@ def _one_f_one_b_grads(graphdef, params, rows: jax.Array, layout: Layout, in_sta
 
     def head(head_params, y, targets):
         with in_stage():
-            return _objective(model_of({**outer, **head_params}).logits(y), targets, {}, (0.0, 0.0))[0]
+            return _objective(model_of({**outer, **head_params}).logits(y), targets, {}, AuxLosses())[0]
 
     x, embed_vjp = jax.vjp(lambda outer: to_microbatches(model_of(outer).embed(inputs), shards, schedule), outer)
     run = zb_v if schedule.name == "zb-v" else one_f_one_b
     loss, d_blocks, d_head, dx, stats = run(
         layout.mesh, schedule, stage, head, blocks, {name: outer[name] for name in head_names}, x,
         to_microbatches(targets, shards, schedule), _row_spec(layout),
-        _aux_weights_per_layer(aux_weights, layout.skeleton.model_cfg.moe_layers))
+        _aux_weights_per_layer(aux, layout.skeleton.model_cfg.moe_layers))
     (grads,) = embed_vjp(dx)
     grads = grads | {name: jax.tree.map(jnp.add, grads[name], d_head[name]) for name in head_names}
     d_blocks = _weights_of(d_blocks, params[family.STACKED])
-    return {"loss": loss} | (_moe_metrics(stats) if stats else {}), grads | {family.STACKED: d_blocks}
+    return {"loss": loss} | (_moe_metrics(stats, aux.balance) if stats else {}), grads | {family.STACKED: d_blocks}
 
 
 def _split_locally(rows: jax.Array, shards: int, k: int) -> jax.Array:
@@ -338,7 +370,7 @@ class Program:
             new_state["routing"] = keep_if_finite(
                 balance.updated(router, metrics["expert_load"], cfg.router_bias_rate), router)
         metrics = _step_metrics(metrics, self.layout.shape["ep"]) | {
-            "grad_norm": grad_norm, "lr": self.lr_at(state["step"]), "skipped": ~finite}
+            "grad_norm": grad_norm, "lr": self.lr_at(applied_updates(state["opt_state"])), "skipped": ~finite}
         return new_state, metrics
 
     def rebalance(self, state: dict) -> dict:
@@ -372,21 +404,21 @@ class Program:
         return self._annotated(MANUAL_AXES, BATCH_AXES)
 
     @property
-    def _aux_weights(self) -> tuple[float, float]:
-        return self.cfg.aux_loss_weight, self.cfg.z_loss_weight
+    def _aux_losses(self) -> AuxLosses:
+        return aux_losses(self.cfg)
 
     def _loss(self, params, rows, router=None):
         if self.layout.schedule:
             return _pipelined_loss(self.graphdef, params, rows, self.layout, self._in_stage, self.order,
-                                   self._aux_weights, router)
-        return _loss(self.graphdef, params, rows, self.order, self._aux_weights, router)
+                                   self._aux_losses, router)
+        return _loss(self.graphdef, params, rows, self.order, self._aux_losses, router)
 
     def _loss_and_grads(self, params, rows, router=None):
         schedule = self.layout.schedule
         with self._annotated():
             if schedule and schedule.writes_backward:
                 return _one_f_one_b_grads(self.graphdef, params, rows, self.layout, self._in_stage, self.order,
-                                          self._aux_weights, router)
+                                          self._aux_losses, router)
             (_, metrics), grads = jax.value_and_grad(self._loss, has_aux=True)(params, rows, router)
             return metrics, grads
 

@@ -78,6 +78,10 @@ def run_config(meta: dict):
 
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     config = {k: v for k, v in meta.get("config", {}).items() if k in fields}
+    if isinstance(config.get("architecture"), dict):  # a model that is no preset, saved as data
+        from models import LlamaConfig
+
+        config["architecture"] = LlamaConfig.from_dict(config["architecture"])
     return TrainConfig(**config | {"init_from": None, "resume": None, "data": None, "tokenizer": None})
 
 

@@ -169,10 +169,15 @@ def test_a_run_with_copies_and_bias_resumes_on_another_ep_size_and_serves_as_tra
     base = dict(COPIES, batch=16, seq=32, steps=6, warmup=2, log_every=2)
 
     def run(mesh, devices, **more):
-        cfg = validate(TrainConfig(mesh=mesh, **base, **more))
+        cfg = validate(TrainConfig(mesh=mesh, **base | more))
         return train(cfg, make_layout(cfg, jax.devices()[:devices]), log=lambda _: None)
 
     records, trained = run("ep=4", 4, out=str(tmp_path), save_every=4)
+    from spmd.errors import UserError
+
+    with pytest.raises(UserError, match="trained with --redundant-experts 2; this run has --redundant-experts 4, "
+                                        "whose expert slots differ: give --redundant-experts 2"):
+        run("ep=2", 2, resume=str(tmp_path / "4"), redundant_experts=4)
     resumed, state = run("ep=2", 2, resume=str(tmp_path / "4"))
     assert [r["step"] for r in resumed] == [4, 5]
     np.testing.assert_allclose([r["loss"] for r in resumed], [r["loss"] for r in records[4:]], rtol=LOSS_RTOL)

@@ -11,6 +11,7 @@ from spmd.checkpoint import Checkpoints
 from spmd.config import TrainConfig, validate
 from spmd.export import main as export_main
 from spmd.layout import make_layout
+from spmd.optim import schedule
 from spmd.skeleton import model_skeleton
 from spmd.train import prepare, train
 
@@ -92,6 +93,9 @@ def poisoned_loss(monkeypatch):
 def test_on_nan_skip_drops_the_update_and_goes_on(poisoned_loss):
     records, state = _train(mesh="", devices=1, on_nan="skip", grad_accum=1)
     assert [r["skipped"] for r in records] == [False, False, True, True, False, False, False, False]
+    # The logged rate is the one applied: the schedule stays where the dropped updates left it.
+    lr_at = schedule(validate(TrainConfig(**BASE)))
+    assert [r["lr"] for r in records] == [float(lr_at(n)) for n in (0, 1, 2, 2, 2, 3, 4, 5)]
     assert all(np.isnan(r["loss"]) for r in records[2:4])
     assert all(np.isfinite(r["loss"]) for r in records[4:])
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(jax.device_get(state["params"])))

@@ -1,7 +1,7 @@
 """Make the Hugging Face golden models the tests load (run by hand; needs torch and
 transformers, which the tests do not):
 
-    pip install torch transformers && python tests/hf/make_goldens.py
+    pip install torch transformers && python tests/hf/make_goldens.py [--router-losses]
 
 Each golden is a small random model saved by transformers in float32, with the tokens
 (tokens.npy) and the logits transformers computes for them (logits.npy). A model is
@@ -89,6 +89,24 @@ def make_tokenizer(out: Path, size: int) -> None:
     tok.save(str(out / "tokenizer.json"))
 
 
+def router_losses(name: str = "mixtral") -> None:
+    """A MoE golden's losses as transformers trains it (output_router_logits on): the
+    next-token cross-entropy of tokens[:, 1:] after tokens[:, :-1] and the load-balancing
+    loss of that forward pass (load_balancing_loss_func, pooled over the batch and every
+    layer), into router_losses.json."""
+    import json
+
+    model = AutoModelForCausalLM.from_pretrained(HERE / name, torch_dtype=torch.float32).eval()
+    tokens = torch.from_numpy(np.load(HERE / name / "tokens.npy")).long()
+    with torch.no_grad():
+        out = model(tokens[:, :-1], output_router_logits=True)
+        ce = torch.nn.functional.cross_entropy(out.logits.reshape(-1, out.logits.shape[-1]), tokens[:, 1:].reshape(-1))
+    losses = {"cross_entropy": float(ce), "aux_loss": float(out.aux_loss),
+              "router_aux_loss_coef": model.config.router_aux_loss_coef}
+    (HERE / name / "router_losses.json").write_text(json.dumps(losses, indent=1) + "\n")
+    print(f"{name}: {losses}")
+
+
 def check(directory: str, golden: str) -> float:
     model = AutoModelForCausalLM.from_pretrained(directory, torch_dtype=torch.float32).eval()
     tokens = np.load(HERE / golden / "tokens.npy")
@@ -102,8 +120,12 @@ def check(directory: str, golden: str) -> float:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--check", nargs=2, metavar=("DIR", "GOLDEN"))
+    parser.add_argument("--router-losses", action="store_true", help="only remake mixtral/router_losses.json")
     args = parser.parse_args()
+    if args.router_losses:
+        sys.exit(router_losses())
     if args.check:
         sys.exit(0 if check(*args.check) < 1e-4 else 1)
     for name in GOLDENS:
         make(name)
+    router_losses()
