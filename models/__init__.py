@@ -11,7 +11,10 @@ from models.moe import MoEConfig, Routing
 # decodes with a key/value cache (cache_shape, decode).
 FAMILIES: dict[type, type] = {LlamaConfig: Llama}
 # Each family's Hugging Face layout (see models.llama_hf): ARCHITECTURES it reads,
-# config_from_hf, config_to_hf, supported (why a config has no such layout) and tensors.
+# config_values (config.json checked against its field tables), config_from_hf,
+# config_to_hf, supported (why a config has no such layout), tensors, tensor_count (how
+# many published tensors a config implies, before any per-layer loop) and copies
+# (published tensors that may repeat another, as a tied head).
 HF_LAYOUTS: dict[type, ModuleType] = {LlamaConfig: llama_hf}
 
 

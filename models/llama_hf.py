@@ -17,130 +17,121 @@ import numpy as np
 
 from models.llama import LlamaConfig, RopeScaling
 from models.moe import MoEConfig
+from spmd.schema import ANY, Bounds, BOOLEAN, INTEGER, LIST, MAPPING, NUMBER, STRING, Field, Invalid, Rule, check, enforce
 
 ARCHITECTURES = ("LlamaForCausalLM", "MixtralForCausalLM")
+MAX_CONFIG_BYTES = 1 << 20  # published configs are a few kB
+POSITIVE = Bounds(above=0)  # "a positive integer", "a positive finite number"
 
-# config.json fields that describe nothing the forward pass computes (ids, provenance,
-# generation and training-only defaults): read past. Every other field must be understood.
-IGNORED = frozenset((
-    "_name_or_path", "architectures", "model_type", "bos_token_id", "eos_token_id", "pad_token_id",
-    "torch_dtype", "dtype", "transformers_version", "use_cache", "initializer_range",
-    "max_position_embeddings", "output_router_logits", "router_aux_loss_coef", "attention_dropout",
-    "router_jitter_noise", "tokenizer_class",
-))
+# Every field of a Llama or Mixtral config.json, declared once: what it must hold and its
+# default (transformers'). A field not listed is refused: it may change the model.
+CONFIG = (
+    Field("architectures", LIST),
+    Field("vocab_size", INTEGER, POSITIVE),
+    Field("hidden_size", INTEGER, POSITIVE),
+    Field("num_hidden_layers", INTEGER, POSITIVE),
+    Field("num_attention_heads", INTEGER, POSITIVE),
+    Field("num_key_value_heads", INTEGER, POSITIVE, None, nullable=True),  # None: num_attention_heads
+    Field("head_dim", INTEGER, POSITIVE, None, nullable=True),  # None: hidden_size // num_attention_heads
+    Field("intermediate_size", INTEGER, POSITIVE),
+    Field("rms_norm_eps", NUMBER, POSITIVE, 1e-6),
+    Field("rope_theta", NUMBER, POSITIVE, 10_000.0),
+    Field("rope_scaling", MAPPING, default=None, nullable=True),  # published configs
+    Field("rope_parameters", MAPPING, default=None, nullable=True),  # transformers 5: theta and scaling
+    Field("tie_word_embeddings", BOOLEAN, default=False),
+    Field("max_position_embeddings", INTEGER, POSITIVE, 2048),  # the context it was made for (generate's)
+    # What the model computes only one way here.
+    Field("hidden_act", STRING, default="silu", choices=("silu",)),
+    Field("attention_bias", BOOLEAN, default=False, choices=(False,)),
+    Field("mlp_bias", BOOLEAN, default=False, choices=(False,)),
+    Field("pretraining_tp", INTEGER, default=1, choices=(1,)),
+    Field("sliding_window", ANY, default=None, choices=(None,)),
+    Field("attention_dropout", NUMBER, default=0, choices=(0,)),  # training-only, but training is ours
+    Field("router_jitter_noise", NUMBER, default=0, choices=(0,)),
+    Field("router_aux_loss_coef", NUMBER, Bounds(at_least=0), None, nullable=True),
+    # Read past: ids, provenance, generation and training-only settings.
+    *(Field(name, ANY, default=None) for name in (
+        "_name_or_path", "model_type", "bos_token_id", "eos_token_id", "pad_token_id", "torch_dtype", "dtype",
+        "transformers_version", "use_cache", "initializer_range", "output_router_logits", "tokenizer_class")),
+)
+MIXTRAL = (Field("num_local_experts", INTEGER, POSITIVE), Field("num_experts_per_tok", INTEGER, POSITIVE))
+MIXTRAL_AUX_LOSS_COEF = 0.001  # transformers' MixtralConfig default for router_aux_loss_coef
+# The rotary embedding (rope_parameters, or rope_scaling with the top-level rope_theta):
+# its kind (rope_type, or the older key type), then that kind's fields.
+ROPE_KIND = (Field("rope_type", STRING, default=None, choices=("default", "llama3"), nullable=True),
+             Field("type", STRING, default=None, choices=("default", "llama3"), nullable=True))
+ROPE = {
+    "default": (*ROPE_KIND, Field("rope_theta", NUMBER, POSITIVE, None)),
+    "llama3": (*ROPE_KIND, Field("rope_theta", NUMBER, POSITIVE, None), Field("factor", NUMBER, POSITIVE),
+               Field("low_freq_factor", NUMBER, POSITIVE), Field("high_freq_factor", NUMBER, POSITIVE),
+               Field("original_max_position_embeddings", INTEGER, POSITIVE)),
+}
+RULES = (
+    Rule("num_key_value_heads", lambda v: v["num_attention_heads"] % v["num_key_value_heads"] == 0,
+         "{num_key_value_heads} does not divide num_attention_heads {num_attention_heads}"),
+    Rule("head_dim", lambda v: v["head_dim"] >= 1 and v["head_dim"] % 2 == 0,
+         "must be a positive even number (got {head_dim}, from hidden_size / num_attention_heads if not given)"),
+    Rule("num_experts_per_tok", lambda v: v.get("num_experts_per_tok", 0) <= v.get("num_local_experts", 0),
+         "{num_experts_per_tok} is more than num_local_experts {num_local_experts}"),
+)
+LLAMA3_RULES = (  # the blend between the two divides by their difference
+    Rule("high_freq_factor", lambda v: v["high_freq_factor"] > v["low_freq_factor"],
+         "{high_freq_factor} must be more than low_freq_factor {low_freq_factor}"),
+)
+
+UnsupportedConfig = Invalid  # a config.json this model cannot reproduce; `field` names what
 
 
-class UnsupportedConfig(ValueError):
-    """A config.json this model cannot reproduce; `field` names what."""
-
-    def __init__(self, field: str, why: str):
-        super().__init__(f"{field}: {why}")
-        self.field = field
+def config_values(hf: dict) -> dict:
+    """config.json checked against its schema: {field: value}, defaults filled in."""
+    if not isinstance(hf, dict):
+        raise Invalid("", "must hold a mapping")
+    architectures = hf.get("architectures") or []
+    if not isinstance(architectures, list) or len(architectures) != 1 or architectures[0] not in ARCHITECTURES:
+        raise Invalid("architectures", f"{architectures!r} is not one of {', '.join(ARCHITECTURES)}")
+    mixtral = architectures[0] == "MixtralForCausalLM"
+    values = check(hf, CONFIG + MIXTRAL if mixtral else CONFIG,
+                   others="is not a field this loader knows; it may change the model")
+    values["num_key_value_heads"] = values["num_key_value_heads"] or values["num_attention_heads"]
+    values["head_dim"] = values["head_dim"] or values["hidden_size"] // values["num_attention_heads"]
+    enforce(values, RULES)
+    return values
 
 
 def config_from_hf(hf: dict) -> LlamaConfig:
     """Our config of a Llama or Mixtral config.json; anything it cannot compute exactly is refused."""
-    architectures = hf.get("architectures") or []
-    if len(architectures) != 1 or architectures[0] not in ARCHITECTURES:
-        raise UnsupportedConfig("architectures", f"{architectures!r} is not one of {', '.join(ARCHITECTURES)}")
-    mixtral = architectures[0] == "MixtralForCausalLM"
-    read = _Reader(hf)
-    heads = read.int("num_attention_heads")
-    embed = read.int("hidden_size")
-    read.equal("hidden_act", "silu")
-    read.equal("attention_bias", False)
-    read.equal("mlp_bias", False)
-    read.equal("pretraining_tp", 1)
-    read.equal("sliding_window", None)
-    for training_only in ("attention_dropout", "router_jitter_noise"):
-        if hf.get(training_only, 0.0) not in (0, 0.0):
-            raise UnsupportedConfig(training_only, f"must be 0 (got {hf[training_only]!r})")
-    theta, scaling = _rope(read)
+    v = config_values(hf)
+    theta, scaling = _rope(v)
     moe = None
-    if mixtral:
-        moe = MoEConfig(experts=read.int("num_local_experts"), top_k=read.int("num_experts_per_tok"),
-                        expert_mlp=read.int("intermediate_size"))
-    cfg = LlamaConfig(
-        vocab=read.int("vocab_size"), embed=embed, layers=read.int("num_hidden_layers"), heads=heads,
-        kv_heads=read.int("num_key_value_heads", heads), head_dim=read.int("head_dim", embed // heads),
-        mlp=read.int("intermediate_size"), rope_theta=theta, rope_scaling=scaling,
-        norm_eps=read.number("rms_norm_eps", 1e-6), tie_embeddings=read.bool("tie_word_embeddings", False), moe=moe,
+    if "num_local_experts" in v:  # trained as transformers trains it: the pooled balance loss, no z-loss
+        coef = v["router_aux_loss_coef"]
+        moe = MoEConfig(experts=v["num_local_experts"], top_k=v["num_experts_per_tok"],
+                        expert_mlp=v["intermediate_size"], balance_loss="pooled", z_loss_weight=0.0,
+                        aux_loss_weight=MIXTRAL_AUX_LOSS_COEF if coef is None else float(coef))
+    return LlamaConfig(
+        vocab=v["vocab_size"], embed=v["hidden_size"], layers=v["num_hidden_layers"],
+        heads=v["num_attention_heads"], kv_heads=v["num_key_value_heads"], head_dim=v["head_dim"],
+        mlp=v["intermediate_size"], rope_theta=theta, rope_scaling=scaling, norm_eps=float(v["rms_norm_eps"]),
+        tie_embeddings=v["tie_word_embeddings"], moe=moe,
     )
-    if heads % cfg.kv_heads:
-        raise UnsupportedConfig("num_key_value_heads", f"{cfg.kv_heads} does not divide num_attention_heads {heads}")
-    if cfg.head_dim % 2:
-        raise UnsupportedConfig("head_dim", f"must be even (got {cfg.head_dim})")
-    if moe and moe.top_k > moe.experts:
-        raise UnsupportedConfig("num_experts_per_tok", f"{moe.top_k} is more than num_local_experts {moe.experts}")
-    unknown = sorted(set(hf) - read.seen - IGNORED)
-    if unknown:
-        raise UnsupportedConfig(unknown[0], "is not a field this loader knows; it may change the model")
-    return cfg
 
 
-def _rope(read: _Reader) -> tuple[float, RopeScaling | None]:
+def _rope(v: dict) -> tuple[float, RopeScaling | None]:
     """rope_theta and rope_scaling (published configs), or transformers 5's rope_parameters."""
-    params = read.raw("rope_parameters")
-    if params is not None:
-        if not isinstance(params, dict):
-            raise UnsupportedConfig("rope_parameters", f"must be a mapping (got {params!r})")
-        theta = params.get("rope_theta", read.number("rope_theta", 10_000.0))
-        scaling, where = params, "rope_parameters"
-    else:
-        theta, scaling, where = read.number("rope_theta", 10_000.0), read.raw("rope_scaling"), "rope_scaling"
-    if scaling is None:
-        return float(theta), None
-    if not isinstance(scaling, dict):
-        raise UnsupportedConfig(where, f"must be a mapping or null (got {scaling!r})")
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    where = "rope_parameters" if v["rope_parameters"] is not None else "rope_scaling"
+    if v["rope_parameters"] is not None and v["rope_scaling"] is not None:
+        raise Invalid("rope_scaling", "and rope_parameters are both given; give one")
+    given = v[where] or {}
+    kinds = check(given, ROPE_KIND, f"{where}.", others=None)
+    kind = kinds["rope_type"] or kinds["type"] or "default"
+    r = check(given, ROPE[kind], f"{where}.", others=f"is not a field of rope_type {kind}")
+    theta = float(v["rope_theta"] if r["rope_theta"] is None else r["rope_theta"])
     if kind == "default":
-        return float(theta), None
-    if kind != "llama3":
-        raise UnsupportedConfig(f"{where}.rope_type", f"{kind!r} is not supported (default or llama3)")
-    try:
-        return float(theta), RopeScaling(
-            factor=float(scaling["factor"]), low_freq_factor=float(scaling["low_freq_factor"]),
-            high_freq_factor=float(scaling["high_freq_factor"]),
-            original_max_position=int(scaling["original_max_position_embeddings"]))
-    except (KeyError, TypeError, ValueError) as exc:
-        raise UnsupportedConfig(where, f"llama3 scaling needs factor, low_freq_factor, high_freq_factor and "
-                                       f"original_max_position_embeddings ({exc!r})") from None
-
-
-class _Reader:
-    """Typed reads of config.json's fields, remembering which were read."""
-
-    def __init__(self, hf: dict):
-        self.hf, self.seen = hf, set()
-
-    def raw(self, name: str, default=None):
-        self.seen.add(name)
-        return self.hf.get(name, default)
-
-    def int(self, name: str, default: int | None = None) -> int:
-        value = self.raw(name, default)
-        if value is None and default is not None:
-            return default
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise UnsupportedConfig(name, f"must be a positive integer (got {value!r})")
-        return value
-
-    def number(self, name: str, default: float) -> float:
-        value = self.raw(name, default)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise UnsupportedConfig(name, f"must be a positive number (got {value!r})")
-        return float(value)
-
-    def bool(self, name: str, default: bool) -> bool:
-        value = self.raw(name, default)
-        if not isinstance(value, bool):
-            raise UnsupportedConfig(name, f"must be true or false (got {value!r})")
-        return value
-
-    def equal(self, name: str, supported) -> None:
-        value = self.raw(name, supported)
-        if value != supported or type(value) is not type(supported):
-            raise UnsupportedConfig(name, f"only {supported!r} is supported (got {value!r})")
+        return theta, None
+    enforce(r, LLAMA3_RULES, f"{where}.")
+    return theta, RopeScaling(factor=float(r["factor"]), low_freq_factor=float(r["low_freq_factor"]),
+                              high_freq_factor=float(r["high_freq_factor"]),
+                              original_max_position=r["original_max_position_embeddings"])
 
 
 def config_to_hf(cfg: LlamaConfig) -> dict:
@@ -160,7 +151,8 @@ def config_to_hf(cfg: LlamaConfig) -> dict:
                               "high_freq_factor": r.high_freq_factor,
                               "original_max_position_embeddings": r.original_max_position}
     if cfg.moe:
-        hf |= {"num_local_experts": cfg.moe.experts, "num_experts_per_tok": cfg.moe.top_k, "sliding_window": None}
+        hf |= {"num_local_experts": cfg.moe.experts, "num_experts_per_tok": cfg.moe.top_k, "sliding_window": None,
+               "router_aux_loss_coef": cfg.moe.aux_loss_weight}
     else:
         hf["mlp_bias"] = False
     return hf
@@ -240,6 +232,23 @@ def tensors(cfg: LlamaConfig) -> list[Tensor]:
         Tensor(("blocks", "moe", "mlp", "down"), True, experts("w2"), [(e, m)] * n,
                lambda t: np.stack(t).transpose(0, 2, 1), lambda w: list(w.transpose(0, 2, 1))),
     ]
+
+
+def tensor_count(cfg: LlamaConfig) -> tuple[int, str]:
+    """How many published tensors `tensors(cfg)` names, by arithmetic, and the config.json
+    fields that decide it: a loader checks a config's depth against the files before it
+    makes any list as long as the model."""
+    per_layer = 6 + (1 + 3 * cfg.moe.experts if cfg.moe else 3)  # norms, q, k, v, o; the MLP or router and experts
+    count = 2 + (not cfg.tie_embeddings) + cfg.layers * per_layer
+    fields = f"num_hidden_layers {cfg.layers}" + (f", num_local_experts {cfg.moe.experts}" if cfg.moe else "")
+    return count, fields
+
+
+def copies(cfg: LlamaConfig) -> dict[str, str]:
+    """Published tensors a checkpoint may hold beside the one they copy: a tied model's
+    lm_head.weight (Qwen3-0.6B ships one). Accepted when equal, as transformers'
+    tie_weights re-ties an equal copy; one that differs is a head the tied config would drop."""
+    return {"lm_head.weight": "model.embed_tokens.weight"} if cfg.tie_embeddings else {}
 
 
 def _one(t: list[np.ndarray]) -> np.ndarray:

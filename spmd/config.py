@@ -18,6 +18,7 @@ from pathlib import Path
 import yaml
 
 from spmd.errors import UserError, file_kind
+from spmd.schema import Bounds
 
 DTYPES = ("float32", "bfloat16")
 REMAT = ("none", "full", "dots")
@@ -29,28 +30,6 @@ PP_SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved-1f1b", "zb-v")
 REPEATED_SCHEDULES = ("circular", "interleaved-1f1b")  # those with --pp-repeats chunks per stage
 TOKEN_DTYPES = ("uint16", "uint32")
 BALANCE_LOSSES = ("sequence", "pooled")  # models.moe.MoEConfig.balance_loss
-
-
-@dataclasses.dataclass(frozen=True)
-class Bounds:
-    """The values an option accepts: at least / above a low end, at most / below a high end."""
-
-    at_least: float | None = None
-    above: float | None = None
-    at_most: float | None = None
-    below: float | None = None
-
-    def holds(self, v: float) -> bool:  # written so that NaN fails every bound
-        return all((
-            self.at_least is None or v >= self.at_least, self.above is None or v > self.above,
-            self.at_most is None or v <= self.at_most, self.below is None or v < self.below))
-
-    def __str__(self) -> str:
-        low = (f"at least {self.at_least:g}" if self.at_least is not None else
-               "positive" if self.above == 0 else f"above {self.above:g}" if self.above is not None else "")
-        high = (f"at most {self.at_most:g}" if self.at_most is not None else
-                f"below {self.below:g}" if self.below is not None else "")
-        return " and ".join(part for part in (low, high) if part)
 
 
 def _field(default, help: str, at_least=None, above=None, at_most=None, below=None, **argparse_kwargs):

@@ -18,10 +18,8 @@ or null is refused, naming the file and the line or row (nothing is converted).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
-import os
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -29,9 +27,8 @@ from pathlib import Path
 import numpy as np
 
 from spmd.config import TOKEN_DTYPES, OneLineErrorParser, nonempty
-from spmd.errors import EXIT_OUTPUT_FAILED, UserError, one_line_errors
-from spmd.paths import (check_outputs_apart, check_writable_dir, check_writable_file, remove_stale_temporaries,
-                         temporary_name)
+from spmd.errors import EXIT_OUTPUT_FAILED, UserError, file_kind, one_line_errors
+from spmd.paths import Output, claim, regular_file
 
 TEXT_SUFFIXES = (".txt", ".text", ".md")
 SUFFIXES = {**dict.fromkeys(TEXT_SUFFIXES, "text"), ".jsonl": "jsonl", ".parquet": "parquet",
@@ -118,11 +115,9 @@ def _decode_known(ids: Sequence[int], vocab_size: int, decode) -> str:
 def load_tokenizer(path: str | None):
     if path is None:
         return ByteTokenizer()
-    file = Path(path)
-    if file.is_dir():
+    if Path(path).is_dir():
         raise UserError(f"--tokenizer {path} is a directory, not a tokenizer file")
-    if not file.is_file():
-        raise UserError(f"--tokenizer {path}: no such file")
+    file = regular_file(path, "--tokenizer")
     if file.suffix == ".json":
         return HuggingFaceTokenizer(file)
     if file.suffix == ".model":
@@ -143,6 +138,8 @@ def data_files(path: str) -> tuple[str, list[Path]]:
     root = Path(path)
     if not root.exists():
         raise UserError(f"--data {path}: no such file or directory")
+    if not (root.is_file() or root.is_dir()):  # a device or a FIFO: nothing to read whole
+        raise UserError(f"--data {path} is {file_kind(root)}, not a file or a folder")
     if root.is_file():
         files = [root]
     else:
@@ -235,9 +232,8 @@ def token_stream(path: str, tokenizer=None, text_field: str = "text", token_dtyp
         _check_ids(stream, vocab, path)
         return stream
     tokenizer = tokenizer or ByteTokenizer()
-    if vocab is not None and tokenizer.vocab_size > vocab:
-        raise UserError(f"--tokenizer {tokenizer.name} has {tokenizer.vocab_size:,} tokens, more than the model's "
-                        f"vocabulary of {vocab:,}")
+    if vocab is not None:
+        check_vocab(tokenizer, vocab)
     dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
     pieces: list[np.ndarray] = []
     eos = np.array([tokenizer.eos], dtype)
@@ -251,6 +247,13 @@ def token_stream(path: str, tokenizer=None, text_field: str = "text", token_dtyp
             batch = []
     pieces += [p for ids in tokenizer.encode(batch) for p in (ids.astype(dtype), eos)]
     return np.concatenate(pieces) if pieces else np.zeros(0, dtype)
+
+
+def check_vocab(tokenizer, vocab: int, what: str = "--tokenizer") -> None:
+    """A tokenizer's every id must be one of the model's tokens (`what`: how the message names the tokenizer)."""
+    if tokenizer.vocab_size > vocab:
+        raise UserError(f"{what} {tokenizer.name} has {tokenizer.vocab_size:,} tokens, more than the model's "
+                        f"vocabulary of {vocab:,}")
 
 
 def _token_file(file: Path, token_dtype: str) -> np.ndarray:
@@ -365,60 +368,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = corpus_parser()
     with one_line_errors():
         args = parser.parse_args(argv)
-        if not args.out.endswith(".npy"):
-            raise UserError("--out must name a .npy file")
         # Before reading anything: tokenizing a large corpus to fail at the end is no use.
-        check_out(args.out)
-        check_outputs_apart({"--out": args.out}, {"--data": args.data, "--tokenizer": args.tokenizer})
+        out = claim([Output("--out", args.out, parents=True)],
+                    {"--data": args.data, "--tokenizer": args.tokenizer})["--out"]
+        if out.stream is None and not args.out.endswith(".npy"):  # a file to train from, named as one
+            raise UserError("--out must name a .npy file")
         if data_files(args.data)[0] == "tokens":
             raise UserError(f"--data {args.data} holds token files already")
         tokens = token_stream(args.data, load_tokenizer(args.tokenizer), args.text_field)
     try:
-        write_tokens(Path(args.out), tokens)
+        out.write(functools.partial(write_npy, tokens=tokens))
     except OSError as exc:
-        print(f"error: cannot write --out {args.out}: {exc.strerror or exc}; nothing was written",
-              file=sys.stderr, flush=True)
+        print(f"error: {out.failed(exc)}", file=sys.stderr, flush=True)
         return EXIT_OUTPUT_FAILED
-    print(f"wrote {tokens.size:,} {tokens.dtype} tokens to {args.out}")
+    # The token file may be this command's stdout (--out /dev/stdout): the line then goes to stderr.
+    print(f"wrote {tokens.size:,} {tokens.dtype} tokens to {args.out}",
+          file=sys.stderr if out.to_stdout else sys.stdout)
     return 0
 
 
-def check_out(out: str) -> None:
-    """`--out` names a file that can be written, in a directory that exists or can be made."""
-    parent = Path(out).absolute().parent
-    if parent.is_dir() or Path(out).absolute().is_dir():
-        check_writable_file(out, "--out")
-    else:  # made when the tokens are written
-        check_writable_dir(str(parent), f"--out {out}: the directory")
-
-
-def write_tokens(out: Path, tokens: np.ndarray) -> None:
-    """Whole or nothing: written to a hidden temporary beside `out` (skipped as data),
-    synced, then renamed. A failure removes the temporary and the directories made for
-    it; a temporary left by a killed run is removed by the next run to the same `out`."""
-    out = Path(os.path.abspath(out))
-    made = [p for p in (out.parent, *out.parent.parents) if not p.exists()]
-    remove_stale_temporaries(out, hidden=True)
-    tmp = temporary_name(out, hidden=True)
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "xb") as f:
-            # np.save's own write (ndarray.tofile) loses the reason of a failure (a full disk
-            # reads "N requested and M written"): the bytes go through the file, in 16 MiB pieces.
-            fmt = np.lib.format
-            fmt.write_array_header_1_0(f, fmt.header_data_from_array_1_0(tokens))
-            data = memoryview(np.ascontiguousarray(tokens)).cast("B")
-            for start in range(0, len(data), 1 << 24):
-                f.write(data[start:start + (1 << 24)])
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, out)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        for directory in made:  # innermost first
-            with contextlib.suppress(OSError):
-                directory.rmdir()
-        raise
+def write_npy(f, tokens: np.ndarray) -> None:
+    """`tokens` as a .npy file. np.save's own write (ndarray.tofile) loses the reason of a
+    failure (a full disk reads "N requested and M written"): the bytes go through the
+    file, in 16 MiB pieces."""
+    fmt = np.lib.format
+    fmt.write_array_header_1_0(f, fmt.header_data_from_array_1_0(tokens))
+    data = memoryview(np.ascontiguousarray(tokens)).cast("B")
+    for start in range(0, len(data), 1 << 24):
+        f.write(data[start:start + (1 << 24)])
 
 
 if __name__ == "__main__":

@@ -14,9 +14,13 @@ from __future__ import annotations
 import math
 import sys
 
-from spmd.config import TOKEN_DTYPES, OneLineErrorParser, integer, nonempty
+from spmd.config import TOKEN_DTYPES, Bounds, OneLineErrorParser, integer, nonempty
 from spmd.errors import UserError, one_line_errors, quiet_library_threads
-from spmd.generate import add_model_source, model_source, on_mesh
+from spmd.generate import add_model_source, check_bounds, model_source, on_mesh
+from spmd.signals import STOPPED
+from spmd.signals import serve as serve_signals
+
+BOUNDS = {"batch": Bounds(at_least=1), "seq": Bounds(at_least=1), "batches": Bounds(at_least=1)}
 
 
 def eval_parser() -> OneLineErrorParser:
@@ -34,14 +38,13 @@ def eval_parser() -> OneLineErrorParser:
 
 
 def main(argv=None) -> int:
+    serve_signals("stopped; nothing was written", STOPPED)  # first, before any thread: Ctrl-C ends in one line
     parser = eval_parser()
     restore = quiet_library_threads()
     try:
         with one_line_errors():
             args = parser.parse_args(argv)
-            for flag in ("batch", "seq", "batches"):
-                if getattr(args, flag) is not None and getattr(args, flag) < 1:
-                    raise UserError(f"--{flag} must be at least 1, got {getattr(args, flag)}")
+            check_bounds(args, BOUNDS)
             cfg, checkpoint, tokenizer = model_source(args)
             cfg = on_mesh(cfg, args, data=args.data, tokenizer=args.tokenizer or tokenizer, text_field=args.text_field,
                           token_dtype=args.token_dtype, batch=args.batch or (cfg.batch if checkpoint else 8),

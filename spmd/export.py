@@ -32,7 +32,7 @@ from pathlib import Path
 from spmd.config import OneLineErrorParser, integer, nonempty
 from spmd.errors import (EXIT_OUTPUT_FAILED, UserError, held_stderr, one_line_errors, quiet_library_threads,
                          why_io_failed)
-from spmd.paths import check_outputs_apart, check_writable_dir, remove_stale_temporaries, temporary_name
+from spmd.paths import Output, check_writable_dir, claim, remove_stale_temporaries, temporary_name
 
 
 def export_parser() -> OneLineErrorParser:
@@ -103,7 +103,7 @@ def hf_parts(cfg, meta: dict):
     directory's tokenizer_config.json and special_tokens_map.json with it), else those
     of the directory the run started from."""
     from models import hf_layout
-    from spmd.hf import GENERATION_CONFIG, TOKENIZER_FILES
+    from spmd.hf import GENERATION_CONFIG, TOKENIZER_FILES, companions
     from spmd.config import model_config
 
     model_cfg = model_config(cfg)
@@ -114,17 +114,15 @@ def hf_parts(cfg, meta: dict):
     if why_not:
         raise UserError(f"--format hf: model {cfg.model_name} has no Hugging Face layout ({why_not})")
     config = meta.get("config", {})
-    files = {}
     init_from, tokenizer = config.get("init_from"), config.get("tokenizer")
-    if init_from and (Path(init_from) / GENERATION_CONFIG).is_file():
-        files[GENERATION_CONFIG] = Path(init_from) / GENERATION_CONFIG
-    source = Path(tokenizer).parent if tokenizer and tokenizer.endswith(".json") else \
-        Path(init_from) if init_from and not tokenizer else None
+    # Each file copied is checked first (a regular file holding JSON): one that is a
+    # directory or damaged is refused, not skipped.
+    started = companions(init_from, "the run's --init-from") if init_from else {}
+    files = {name: path for name, path in started.items() if name == GENERATION_CONFIG or not tokenizer}
     if tokenizer and tokenizer.endswith(".json"):
+        beside = companions(Path(tokenizer).parent, "the run's tokenizer directory")
+        files |= {name: path for name, path in beside.items() if name in TOKENIZER_FILES}
         files["tokenizer.json"] = Path(tokenizer)
-    for name in TOKENIZER_FILES:
-        if source and name not in files and (source / name).is_file():
-            files[name] = source / name
     return model_cfg, files
 
 
@@ -147,8 +145,7 @@ def check(args):
     cfg, checkpoint = checkpoint_config(args.checkpoint, args.step)
 
     out = Path(args.out).resolve()
-    check_outputs_apart({"--out": args.out}, {"--checkpoint": str(checkpoint.run_dir)})
-    check_writable_dir(args.out, "--out")
+    claim([Output("--out", args.out, directory=True)], {"--checkpoint": checkpoint.run_dir})
     if out.exists() and any(out.iterdir()):
         raise UserError(f"--out {args.out} is not empty; give a new or empty directory")
     if out.exists():  # the export is written beside it, then renamed over it

@@ -18,14 +18,23 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
+from spmd.config import (DTYPES, Bounds, OneLineErrorParser, TrainConfig, finite, flag_of, integer, model_config,
+                         nonempty, validate)
+from spmd.errors import EXIT_OUTPUT_FAILED, UserError, one_line_errors, quiet_library_threads
+from spmd.paths import Output, claim, regular_file
+from spmd.signals import STOPPED
+from spmd.signals import serve as serve_signals
 
-from spmd.config import DTYPES, OneLineErrorParser, finite, integer, nonempty
-from spmd.errors import UserError, one_line_errors, quiet_library_threads
-
+if TYPE_CHECKING:  # imported where used: numpy starts threads, and main serves signals before any thread
+    import numpy as np
 
 DEFAULT_NEW_TOKENS = 64
+# The flags' ranges. A seed has training's: JAX keeps 32 bits of it (2**32 would draw as 0).
+BOUNDS = {"max_new_tokens": Bounds(at_least=1), "temperature": Bounds(at_least=0), "top_k": Bounds(at_least=0),
+          "top_p": Bounds(above=0, at_most=1), "batch_size": Bounds(at_least=1),
+          "seed": next(f.metadata["bounds"] for f in dataclasses.fields(TrainConfig) if f.name == "seed")}
 
 
 def generate_parser() -> OneLineErrorParser:
@@ -39,10 +48,12 @@ def generate_parser() -> OneLineErrorParser:
     parser.add_argument("--top-k", type=integer, default=0, help="sample from the k most likely tokens (0: all)")
     parser.add_argument("--top-p", type=finite, default=1.0, help="sample from the smallest set of tokens whose "
                         "probability reaches p (1: all)")
-    parser.add_argument("--seed", type=integer, default=0, help="seed of the draws (the same text on any mesh)")
+    parser.add_argument("--seed", type=integer, default=0,
+                        help="seed of the draws, 0 to 2**32 - 1 (the same text on any mesh)")
     parser.add_argument("--stop", action="append", type=nonempty, default=[], help="end a completion at this text")
     parser.add_argument("--batch-size", type=integer, default=8, help="prompts decoded together (8)")
-    parser.add_argument("--output", type=nonempty, help="write one JSON record per prompt to this .jsonl file")
+    parser.add_argument("--output", type=nonempty,
+                        help="write one JSON record per prompt to this .jsonl file (or to a stream: /dev/stdout, a FIFO)")
     parser.add_argument("--dtype", choices=DTYPES, help="compute dtype, and the key/value cache's (default: the run's)")
     return parser
 
@@ -60,7 +71,6 @@ def add_model_source(parser: OneLineErrorParser) -> None:
 def model_source(args):
     """The run's config, its checkpoint (None: --init-from) and its tokenizer file (None:
     bytes), checked before JAX starts."""
-    from spmd.config import TrainConfig, validate
     from spmd.weights import check_source_flags, checkpoint_config
 
     if bool(args.checkpoint) == bool(args.init_from):
@@ -83,28 +93,51 @@ def model_source(args):
 
 def on_mesh(cfg, args, **overrides):
     """The run's config on `--mesh`, with `overrides` (checked)."""
-    from spmd.config import validate
-
     return validate(dataclasses.replace(cfg, mesh=args.mesh, cpu_devices=args.cpu_devices, **overrides))
+
+
+def check_bounds(args, bounds: dict[str, Bounds]) -> None:
+    """Each flag of `bounds` that was given holds its bounds."""
+    for name, b in bounds.items():
+        value = getattr(args, name)
+        if value is not None and not b.holds(value):
+            raise UserError(f"{flag_of(name)} must be {b}, got {value}")
 
 
 def trained_context(cfg, checkpoint) -> int:
     """The longest sequence the model was trained on: the run's --seq, or config.json's
-    max_position_embeddings."""
+    max_position_embeddings (checked)."""
+    from spmd.hf import max_positions
+
     if checkpoint is not None:
         return int(checkpoint.meta["config"]["seq"])
-    hf = json.loads((Path(cfg.init_from) / "config.json").read_text())
-    return int(hf.get("max_position_embeddings") or 2048)
+    return max_positions(cfg.init_from)
+
+
+def new_tokens(encoded: list[np.ndarray], context: int, asked: int | None) -> int:
+    """How many tokens to generate: `asked` (--max-new-tokens), or the default within the
+    context; a prompt that leaves no room in the context is refused, naming it."""
+    longest = max(range(len(encoded)), key=lambda i: len(encoded[i]))
+    length = len(encoded[longest])
+    if length >= context:
+        raise UserError(f"prompt {longest + 1} is too long: {length} tokens, and the model's trained context is "
+                        f"{context} tokens (room is needed for at least one new token); shorten it")
+    if asked is None:
+        return min(DEFAULT_NEW_TOKENS, context - length)
+    if length + asked > context:
+        raise UserError(f"--max-new-tokens {asked}: with the longest prompt ({length} tokens) that is beyond the "
+                        f"model's trained context of {context} tokens; give at most {context - length}")
+    return asked
 
 
 def read_prompts(args) -> list[str]:
     prompts = list(args.prompt)
+    if "" in prompts:
+        raise UserError("argument --prompt: the value is empty")
     if args.prompts:
         from spmd.corpus import jsonl_texts
 
-        path = Path(args.prompts)
-        if not path.is_file():
-            raise UserError(f"--prompts {args.prompts}: no such file")
+        path = regular_file(args.prompts, "--prompts")
         prompts += jsonl_texts(path, "prompt", "--prompts", field_flag=None)
         if not prompts:
             raise UserError(f"--prompts {args.prompts} holds no prompt")
@@ -113,82 +146,62 @@ def read_prompts(args) -> list[str]:
     return prompts
 
 
-def check(args) -> None:
-    if args.max_new_tokens is not None and args.max_new_tokens < 1:
-        raise UserError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
-    if args.temperature < 0:
-        raise UserError(f"--temperature must be at least 0, got {args.temperature}")
-    if not 0 < args.top_p <= 1:
-        raise UserError(f"--top-p must be in (0, 1], got {args.top_p}")
-    if args.top_k < 0:
-        raise UserError(f"--top-k must be at least 0, got {args.top_k}")
-    if args.batch_size < 1:
-        raise UserError(f"--batch-size must be at least 1, got {args.batch_size}")
-    if args.seed < 0:
-        raise UserError(f"--seed must be at least 0, got {args.seed}")
+def claim_output(args, checkpoint, tokenizer: str | None):
+    """--output, checked before any work: never over what is read (the prompts, the
+    checkpoint's run, the model's directory, the tokenizer), never replacing a special file."""
+    if not args.output:
+        return None
+    inputs = {"--prompts": args.prompts, "--checkpoint": checkpoint.run_dir if checkpoint else None,
+              "--init-from": args.init_from, "the tokenizer": tokenizer}
+    return claim([Output("--output", args.output)], inputs)["--output"]
 
 
 def main(argv=None) -> int:
+    serve_signals("stopped; nothing was written", STOPPED)  # first, before any thread: Ctrl-C ends in one line
     parser = generate_parser()
     restore = quiet_library_threads()
     try:
         with one_line_errors():
             args = parser.parse_args(argv)
-            check(args)
+            check_bounds(args, BOUNDS)
             prompts = read_prompts(args)
-            if args.output:
-                from spmd.paths import check_writable_file
-
-                check_writable_file(args.output, "--output")
             cfg, checkpoint, tokenizer_path = model_source(args)
+            output = claim_output(args, checkpoint, tokenizer_path)
             cfg = on_mesh(cfg, args, moe_dispatch="dropless", dtype=args.dtype or cfg.dtype)
-            from spmd.corpus import load_tokenizer
+            from spmd.corpus import check_vocab, load_tokenizer
 
             tokenizer = load_tokenizer(tokenizer_path)
-            encoded = [np.asarray(ids, np.int32) for ids in tokenizer.encode(prompts)]
-            if any(len(ids) == 0 for ids in encoded):
-                raise UserError("a prompt is empty (no tokens)")
-            context = trained_context(cfg, checkpoint)
-            longest = max(len(ids) for ids in encoded)
-            if args.max_new_tokens is None:
-                args.max_new_tokens = max(1, min(DEFAULT_NEW_TOKENS, context - longest))
-            if longest + args.max_new_tokens > context:
-                raise UserError(f"--max-new-tokens {args.max_new_tokens}: with the longest prompt ({longest} tokens) "
-                                f"that is beyond the model's trained context of {context} tokens")
-            run = Generation(cfg, checkpoint, args)
+            check_vocab(tokenizer, model_config(cfg).vocab, "the tokenizer")
+            encoded = [ids.astype("int32") for ids in tokenizer.encode(prompts)]
+            empty = [i + 1 for i, ids in enumerate(encoded) if len(ids) == 0]
+            if empty:
+                raise UserError(f"prompt {empty[0]} is empty (no tokens)")
+            args.max_new_tokens = new_tokens(encoded, trained_context(cfg, checkpoint), args.max_new_tokens)
+            run = Generation(cfg, checkpoint, args, encoded)
         results = run.complete(encoded, tokenizer, prompts)
     finally:
         restore()
+    say = sys.stderr if output and output.to_stdout else sys.stdout  # --output /dev/stdout: stdout is the records'
     for i, (prompt, r) in enumerate(zip(prompts, results)):
-        print(f"--- {i + 1}: {len(r['prompt_tokens'])} + {len(r['completion_tokens'])} tokens\n{prompt}{r['completion']}")
+        print(f"--- {i + 1}: {len(r['prompt_tokens'])} + {len(r['completion_tokens'])} tokens\n"
+              f"{prompt}{r['completion']}", file=say)
     for line in run.report:
-        print(line)
-    if args.output:
-        return write_output(args.output, [{"prompt": prompt} | r for prompt, r in zip(prompts, results)])
-    return 0
-
-
-def write_output(path: str, records: list[dict]) -> int:
-    """All records or nothing: written under a temporary name, then renamed."""
-    from spmd.errors import EXIT_OUTPUT_FAILED, why_io_failed
-    from spmd.paths import temporary_name
-
-    tmp = temporary_name(Path(path))
-    try:
-        tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
-        tmp.replace(path)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        print(f"error: writing --output {path} failed ({why_io_failed(exc)}); nothing was written", file=sys.stderr)
-        return EXIT_OUTPUT_FAILED
+        print(line, file=say)
+    if output:
+        records = [{"prompt": prompt} | r for prompt, r in zip(prompts, results)]
+        try:
+            output.write(lambda f: f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode()))
+        except OSError as exc:
+            print(f"error: {output.failed(exc)}", file=sys.stderr, flush=True)
+            return EXIT_OUTPUT_FAILED
     return 0
 
 
 class Generation:
     """The model on its mesh, and the decoders compiled for each shape."""
 
-    def __init__(self, cfg, checkpoint, args):
-        from spmd.decode import Sampling
+    def __init__(self, cfg, checkpoint, args, encoded: list[np.ndarray]):
+        from spmd.decode import Sampling, bucket
         from spmd.mesh import emulate_cpu_devices
 
         emulate_cpu_devices(cfg.mesh_spec.sizes, cfg.cpu_devices)
@@ -204,11 +217,31 @@ class Generation:
         self.args, self.decoders, self.report, self.dtype = args, {}, [], cfg.dtype
         self.sampling = Sampling(args.temperature, args.top_k, args.top_p)
         shards = self.layout.batch_shards
-        self.batch = -(-args.batch_size // shards) * shards  # whole rows for every batch shard
+        self.rows = min(args.batch_size, len(encoded))  # no batch beyond the prompts: rows of padding cost memory
+        self.batch = -(-self.rows // shards) * shards  # whole rows for every batch shard
+        # The largest shape's programs, compiled before the weights are placed: XLA's peak decides the fit.
+        self.check_fit(self.decoder(bucket(max(map(len, encoded)))))
         started = time.perf_counter()
         self.params = load_params(cfg, self.layout, checkpoint)
         self.report.append(f"model {cfg.model_name} on {self.layout.describe()}, placed in "
                            f"{time.perf_counter() - started:.1f} s")
+
+    def check_fit(self, decoder) -> None:
+        """Refuse what will not fit the devices' memory (emulated CPU devices share the
+        host's), rather than run into an out-of-memory error, as training does."""
+        from spmd.hardware import device_memory
+        from spmd.report import human_bytes
+
+        memory = device_memory(self.layout.mesh.local_devices)
+        stats = [s for s in (decoder.prefill.memory_analysis(), decoder.generate.memory_analysis()) if s is not None]
+        peak = max((s.argument_size_in_bytes + s.output_size_in_bytes - s.alias_size_in_bytes + s.temp_size_in_bytes
+                    for s in stats), default=0)
+        if memory is not None and peak > memory[0]:
+            cache = human_bytes(decoder.cache_bytes_per_device())
+            raise UserError(f"generating needs {human_bytes(peak)} per device at its peak (a key/value cache of "
+                            f"{self.batch} x {decoder.length} tokens takes {cache}), more than the "
+                            f"{human_bytes(memory[0])} of {memory[1]}; give a smaller --batch-size or "
+                            "--max-new-tokens, or use more devices")
 
     def decoder(self, prompt_len: int):
         from spmd.decode import Decoder
@@ -222,6 +255,7 @@ class Generation:
 
     def complete(self, encoded: list[np.ndarray], tokenizer, prompts: list[str]) -> list[dict]:
         import jax
+        import numpy as np
 
         from spmd.decode import bucket, left_padded
 
@@ -229,8 +263,8 @@ class Generation:
         order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))  # similar lengths share a bucket
         results: dict[int, dict] = {}
         timing = {"prefill_s": 0.0, "decode_s": 0.0, "prompt_tokens": 0, "new_tokens": 0, "first": []}
-        for start in range(0, len(order), self.args.batch_size):
-            chosen = order[start:start + self.args.batch_size]
+        for start in range(0, len(order), self.rows):
+            chosen = order[start:start + self.rows]
             length = bucket(max(len(encoded[i]) for i in chosen))
             decoder = self.decoder(length)
             tokens, pads = left_padded([encoded[i] for i in chosen], self.batch, length)

@@ -83,3 +83,18 @@ def host_memory_bytes() -> int:
     except OSError:
         return total
     return min(total, int(limit)) if limit.isdigit() else total
+
+
+def device_memory(devices) -> tuple[float, str] | None:
+    """What each of `devices` (one process's, of one kind) can hold, and whose memory that
+    is: emulated CPU devices share the host's; an accelerator has its allocator's limit,
+    else its table entry's memory. None: not known."""
+    device = devices[0]
+    if device.platform == "cpu":
+        count = len(devices)
+        return host_memory_bytes() / count, f"this host's memory, shared by {count} CPU device{'s' * (count != 1)}"
+    limit = (device.memory_stats() or {}).get("bytes_limit")
+    if limit:
+        return float(limit), f"{device.device_kind}'s memory"
+    hardware = detect(device.device_kind)
+    return (hardware.memory_bytes(len(devices)), f"{hardware.name}'s memory") if hardware else None

@@ -19,108 +19,182 @@ from __future__ import annotations
 import functools
 import json
 import shutil
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import numpy as np
 
 from models import hf_layout
-from models.llama_hf import Tensor, UnsupportedConfig
-from spmd.errors import UserError
+from models.llama_hf import MAX_CONFIG_BYTES, Tensor
+from spmd.errors import UserError, file_kind
+from spmd.hardware import device_memory
+from spmd.report import human_bytes
 from spmd.safetensors import Damaged, SafeTensors, Writer
+from spmd.schema import (ANY, MAPPING, REGULAR, STRING, Field, Invalid, check, list_of, mapping_of, not_a_file,
+                         read_json)
 
 FLOATS = ("F64", "F32", "F16", "BF16")
 INDEX = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")  # copied with a model
 GENERATION_CONFIG = "generation_config.json"
 SINGLE = "model.safetensors"
+# What the files beside the weights must hold. An index: where each tensor is (other keys
+# refused); a tokenizer.json: its model (the rest is the tokenizers library's to read).
+MAX_INDEX_BYTES = 100 << 20  # as a safetensors header's limit; real indexes are under 1 MB
+MAX_TOKENIZER_BYTES = 1 << 30
+ARCHITECTURES = Field("architectures", list_of(STRING, "class names", length=1))  # every config.json's
+INDEX_FIELDS = (Field("weight_map", mapping_of(ANY, "file names")), Field("metadata", MAPPING, default=None))
+TOKENIZER_FIELDS = (Field("model", MAPPING),)
 
 
-def _json(path: Path, what: str):
+def _json(path: Path, what: str, limit: int):
     try:
-        return json.loads(path.read_bytes().decode("utf-8"))
-    except FileNotFoundError:
-        raise UserError(f"{what}: {path.name} is missing") from None
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise UserError(f"{what}: {path} is not valid JSON") from None
-    except OSError as exc:
-        raise UserError(f"{what}: {path} cannot be read ({exc.strerror})") from None
+        return read_json(path, limit)
+    except Invalid as exc:
+        raise UserError(f"{what}: {path.name} {exc}") from None
+
+
+def _what_directory(directory: str, what: str) -> str:
+    """`what directory`, checked to be a directory."""
+    what = f"{what} {directory}"
+    kind = file_kind(Path(directory))
+    if kind == "missing":
+        raise UserError(f"{what} does not exist")
+    if kind != "a directory":
+        raise UserError(f"{what} {not_a_file(kind, 'a directory')}")
+    return what
 
 
 @functools.lru_cache(maxsize=8)
-def read_config(directory: str, what: str = "--init-from"):
-    """The model config of a Hugging Face directory's config.json (checked: refused with
-    the field that cannot be reproduced)."""
-    where = Path(directory)
-    what = f"{what} {directory}"
-    if not where.is_dir():
-        raise UserError(f"{what} is not a directory" if where.exists() else f"{what} does not exist")
-    if not (where / "config.json").is_file():
+def _config_json(directory: str, what: str) -> tuple[dict, object]:
+    """config.json checked against its family's schema: (its values, our model config)."""
+    what = _what_directory(directory, what)
+    path = Path(directory) / "config.json"
+    if file_kind(path) == "missing":
         raise UserError(f"{what} has no config.json (give a Hugging Face model directory)")
-    hf = _json(where / "config.json", what)
-    if not isinstance(hf, dict):
-        raise UserError(f"{what}: config.json must hold a mapping")
+    hf = _json(path, what, MAX_CONFIG_BYTES)
     try:
-        architectures = hf.get("architectures")
-        return hf_layout(architectures=architectures if isinstance(architectures, list) else None).config_from_hf(hf)
-    except UnsupportedConfig as exc:
+        check(hf, (ARCHITECTURES,), others=None)  # which family's schema reads the rest
+        layout = hf_layout(architectures=hf["architectures"])
+        return layout.config_values(hf), layout.config_from_hf(hf)
+    except Invalid as exc:
         raise UserError(f"{what}: config.json {exc}") from None
 
 
+def read_config(directory: str, what: str = "--init-from"):
+    """The model config of a Hugging Face directory's config.json (checked: refused with
+    the field that cannot be reproduced)."""
+    return _config_json(str(directory), what)[1]
+
+
+def max_positions(directory: str, what: str = "--init-from") -> int:
+    """config.json's max_position_embeddings: the longest context the model was made for
+    (a positive integer; 2048 when config.json does not say)."""
+    return _config_json(str(directory), what)[0]["max_position_embeddings"]
+
+
 class Directory:
-    """A Hugging Face model directory, checked whole before anything is read: every
-    tensor the model needs is in a file that exists, is whole and says the right shape."""
+    """A Hugging Face model directory, checked whole before anything is read: config.json,
+    the index and every header pass their schemas; the tensors the files hold are exactly
+    those the config needs (counted first, so a config's depth is checked against the files
+    before any per-layer work), each whole and of the right shape."""
 
     def __init__(self, directory: str | Path, what: str = "--init-from"):
         self.path = Path(directory)
         self.what = f"{what} {directory}"
         self.cfg = read_config(str(directory), what)
-        self.tensors = hf_layout(self.cfg).tensors(self.cfg)
-        self.files: dict[str, SafeTensors] = {}
-        self.where = self._locate()
+        layout = hf_layout(self.cfg)
+        held = self._held()  # published name -> file
+        count, fields = layout.tensor_count(self.cfg)
+        copies = {name: of for name, of in layout.copies(self.cfg).items() if name in held}
+        if count > len(held) - len(copies):
+            raise UserError(f"{self.what}: config.json describes {count} tensors ({fields}); the files hold "
+                            f"{len(held) - len(copies)}")
+        self.tensors = layout.tensors(self.cfg)
+        self.where = self._locate(held, copies)
         self._check_shapes()
 
-    def _locate(self) -> dict[str, str]:
-        if (self.path / INDEX).is_file():
-            index = _json(self.path / INDEX, self.what)
-            weight_map = index.get("weight_map") if isinstance(index, dict) else None
-            if not isinstance(weight_map, dict):
-                raise UserError(f"{self.what}: {INDEX} has no weight_map")
-        elif (self.path / SINGLE).is_file():
-            weight_map = None
-        else:
-            raise UserError(f"{self.what} has neither {SINGLE} nor {INDEX}")
-        where = {}
-        for t in self.tensors:
-            for i in range(self.cfg.layers if t.stacked else 1):
-                for name in t.names(i):
-                    file = SINGLE if weight_map is None else weight_map.get(name)
-                    if file is None:
-                        raise UserError(f"{self.what}: {INDEX} does not list tensor {name}")
-                    where[name] = self._file(file, name)
-        return where
+    def _held(self) -> dict[str, str]:
+        """Every tensor the directory's files hold, and its file: the index's weight_map
+        (checked against each shard's header) or the one file's header."""
+        self.files: dict[str, SafeTensors] = {}
+        self.indexed = file_kind(self.path / INDEX) != "missing"
+        if not self.indexed:
+            if file_kind(self.path / SINGLE) == "missing":
+                raise UserError(f"{self.what} has neither {SINGLE} nor {INDEX}")
+            return dict.fromkeys(self._open(SINGLE, "the model").names(), SINGLE)
+        index = _json(self.path / INDEX, self.what, MAX_INDEX_BYTES)
+        try:
+            weight_map = check(index, INDEX_FIELDS, others="is not a field of an index")["weight_map"]
+        except Invalid as exc:
+            raise UserError(f"{self.what}: {INDEX} {exc}") from None
+        held = {name: self._shard_name(name, file) for name, file in weight_map.items()}
+        first = {}  # file -> a tensor it holds, for the message if it is missing
+        for name, file in held.items():
+            first.setdefault(file, name)
+        for file in sorted(first):
+            for name in self._open(file, first[file]).names():
+                if held.get(name) != file:
+                    raise UserError(f"{self.what}: shard {file} holds tensor {name}, which {INDEX} "
+                                    + (f"places in {held[name]}" if name in held else "does not list"))
+        for name, file in held.items():
+            if name not in self.files[file]:
+                raise UserError(f"{self.what}: tensor {name} is not in {file}")
+        return held
 
-    def _file(self, file: str, needed_for: str) -> str:
-        if file not in self.files:
-            path = self.path / file
-            if Path(file).name != file:
-                raise UserError(f"{self.what}: {INDEX} names a file outside the directory ({file!r})")
-            if not path.is_file():
-                raise UserError(f"{self.what}: shard {file} is missing (it holds {needed_for})")
-            try:
-                self.files[file] = SafeTensors(path)
-            except Damaged as exc:
-                raise UserError(f"{self.what}: {exc}") from None
-            except OSError as exc:
-                raise UserError(f"{self.what}: {file} cannot be read ({exc.strerror})") from None
-        return file
+    def _shard_name(self, tensor: str, file) -> str:
+        """An index's file name, normalized; it must name a file inside the directory (a
+        subdirectory is fine; a symlink is followed wherever it points, as the Hugging Face
+        cache's snapshot directories link to their blobs)."""
+        where = f"{self.what}: {INDEX} weight_map.{tensor}"
+        if not isinstance(file, str) or not file.strip() or "\0" in file:
+            raise UserError(f"{where}: must be a file name (got {file!r})")
+        parts = PurePosixPath(file)
+        if parts.is_absolute() or ".." in parts.parts:
+            raise UserError(f"{where}: {file!r} names a file outside the directory")
+        return str(parts)
+
+    def _open(self, file: str, holds: str) -> SafeTensors:
+        kind = file_kind(self.path / file)
+        if kind == "missing":
+            raise UserError(f"{self.what}: shard {file} is missing (it holds {holds})")
+        if kind != REGULAR:
+            raise UserError(f"{self.what}: {file} {not_a_file(kind)}")
+        try:
+            self.files[file] = SafeTensors(self.path / file)
+        except Damaged as exc:
+            raise UserError(self._damaged(exc)) from None
+        except OSError as exc:
+            raise UserError(f"{self.what}: {file} cannot be read ({exc.strerror})") from None
+        return self.files[file]
+
+    def _damaged(self, exc: Exception) -> str:
+        """The message of a damaged file, named inside the directory (the directory is named first)."""
+        return f"{self.what}: " + str(exc).removeprefix(f"{self.path}/")
+
+    def _locate(self, held: dict[str, str], copies: dict[str, str]) -> dict[str, str]:
+        """Where each tensor the model needs is; refused: one the files lack, and one the
+        model has no place for (a copy only if it differs from what it copies)."""
+        needed = [name for t in self.tensors for i in range(self.cfg.layers if t.stacked else 1) for name in t.names(i)]
+        for name in needed:
+            if name not in held:
+                raise UserError(f"{self.what}: " + (f"{INDEX} does not list tensor {name}" if self.indexed else
+                                                    f"tensor {name} is not in {SINGLE}"))
+        known = set(needed)
+        for name in (name for name in held if name not in known):
+            of = copies.get(name)
+            if of is None:
+                raise UserError(f"{self.what}: {held[name]} holds tensor {name}, which the model of config.json "
+                                "has no place for")
+            if not self.files[held[name]].same(name, self.files[held[of]], of):
+                raise UserError(f"{self.what}: tensor {name} differs from {of}, which config.json ties it to "
+                                "(tie_word_embeddings true); set it false to use this head")
+        return {name: held[name] for name in needed}
 
     def _check_shapes(self) -> None:
         for t in self.tensors:
             for i in range(self.cfg.layers if t.stacked else 1):
                 for name, shape in zip(t.names(i), t.shapes):
                     file = self.files[self.where[name]]
-                    if name not in file:
-                        raise UserError(f"{self.what}: tensor {name} is not in {file.path.name}")
                     if file.dtype(name) not in FLOATS:
                         raise UserError(f"{self.what}: tensor {name} holds {file.dtype(name)}, not floating point")
                     if file.shape(name) != shape:
@@ -132,15 +206,38 @@ class Directory:
         try:
             parts = [self.files[self.where[name]].read(name).astype(np.float32) for name in t.names(i)]
         except (Damaged, OSError) as exc:
-            raise UserError(f"{self.what}: {exc}") from None
+            raise UserError(self._damaged(exc)) from None
         return t.to_ours(parts)
 
 
-
-def tokenizer_of(directory: str | Path) -> str | None:
-    """A Hugging Face directory's tokenizer.json, if it has one."""
+def tokenizer_of(directory: str | Path, what: str = "--init-from") -> str | None:
+    """A Hugging Face directory's tokenizer.json, if it has one (checked: a file, JSON with
+    a tokenizer model)."""
     path = Path(directory) / "tokenizer.json"
-    return str(path) if path.is_file() else None
+    if file_kind(path) == "missing":
+        return None
+    _companion(path, f"{what} {directory}", TOKENIZER_FIELDS, MAX_TOKENIZER_BYTES)
+    return str(path)
+
+
+def companions(directory: str | Path, what: str) -> dict[str, Path]:
+    """The tokenizer and generation files of a model directory that a copy of the model
+    takes along, each checked (a regular file holding a JSON mapping); absent ones left out."""
+    found = {}
+    for name in (*TOKENIZER_FILES, GENERATION_CONFIG):
+        path = Path(directory) / name
+        if file_kind(path) != "missing":
+            _companion(path, f"{what} {directory}", TOKENIZER_FIELDS if name == "tokenizer.json" else (),
+                       MAX_TOKENIZER_BYTES)
+            found[name] = path
+    return found
+
+
+def _companion(path: Path, what: str, fields, limit: int) -> None:
+    try:
+        check(_json(path, what, limit), fields, others=None)
+    except Invalid as exc:
+        raise UserError(f"{what}: {path.name} {exc}") from None
 
 
 # ------------------------------------------------------------------ loading
@@ -150,6 +247,7 @@ def load_params(directory: Directory, layout) -> dict:
     import jax
     from flax import traverse_util
 
+    _check_fits(directory, layout)
     shardings = traverse_util.flatten_dict(layout.shardings(layout.rules.params))
     shapes = traverse_util.flatten_dict(layout.skeleton.shapes)
     placed = {}
@@ -165,6 +263,24 @@ def load_params(directory: Directory, layout) -> dict:
             stacked = _set_layer(stacked, _place(directory.layer(t, i), per_layer), np.unravel_index(i, shape[:lead]))
         placed[t.ours] = stacked
     return traverse_util.unflatten_dict(placed)
+
+
+def _check_fits(directory: Directory, layout) -> None:
+    """Refuse a model whose float32 parameters could not fit the devices that would hold
+    them (emulated CPU devices share the host's memory) even split evenly over all of them,
+    before any is allocated: what surely cannot fit, not a plan of the peak."""
+    import jax
+
+    devices = [d for d in layout.mesh.devices.flat if d.process_index == jax.process_index()]
+    known = device_memory(devices)
+    if known is None:
+        return
+    each, of = known
+    total, count = directory.cfg.num_params() * 4, layout.mesh.devices.size
+    if total / count > each:
+        split = f", {human_bytes(total / count)} on each of {count} devices" if count > 1 else ""
+        raise UserError(f"{directory.what}: the model's {directory.cfg.num_params():,} parameters take "
+                        f"{human_bytes(total)} in float32{split}, more than the {human_bytes(each)} of {of}")
 
 
 def _padded(spec, ndim: int) -> tuple:
@@ -289,9 +405,8 @@ def save_pretrained(out: str | Path, params: dict, model_cfg, dtype: str = "floa
     Hugging Face directory `out`, with the tokenizer files of `tokenizer_from` (a model
     directory). -> the files written"""
     out = Path(out)
+    copies = companions(tokenizer_from, "tokenizer_from") if tokenizer_from else {}
     out.mkdir(parents=True, exist_ok=False)
-    copies = {name: Path(tokenizer_from) / name for name in (*TOKENIZER_FILES, GENERATION_CONFIG)
-              if tokenizer_from and (Path(tokenizer_from) / name).is_file()}
     return write_hf(out, params, model_cfg, dtype, max_shard_bytes, copies)
 
 

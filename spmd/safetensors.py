@@ -16,6 +16,8 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from spmd.schema import NATURAL, STRING, Field, Invalid, check, list_of, loads, mapping_of
+
 DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
           "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
 NAMES = {np.dtype(t): name for name, t in DTYPES.items()}
@@ -46,6 +48,24 @@ class SafeTensors:
         """The tensor's dtype as the file names it (F32, BF16, ...)."""
         return self.entries[name]["dtype"]
 
+    def same(self, name: str, other: SafeTensors, other_name: str, chunk: int = 1 << 24) -> bool:
+        """Whether tensor `name` and `other`'s `other_name` hold the same dtype, shape and
+        bytes (compared a chunk at a time: neither is read whole)."""
+        a, b = self.entries[name], other.entries[other_name]
+        if (a["dtype"], a["shape"]) != (b["dtype"], b["shape"]):
+            return False
+        start_a, start_b = self.data_start + a["data_offsets"][0], other.data_start + b["data_offsets"][0]
+        left = a["data_offsets"][1] - a["data_offsets"][0]
+        with open(self.path, "rb") as fa, open(other.path, "rb") as fb:
+            fa.seek(start_a)
+            fb.seek(start_b)
+            while left:
+                n = min(chunk, left)
+                if fa.read(n) != fb.read(n):
+                    return False
+                left -= n
+        return True
+
     def read(self, name: str) -> np.ndarray:
         """The tensor's bytes, read from the file into a new array (nothing stays mapped)."""
         entry = self.entries[name]
@@ -62,6 +82,13 @@ class SafeTensors:
         return out
 
 
+# The header's schema: each tensor's entry, and the optional string-to-string metadata.
+ENTRY = (Field("dtype", STRING, choices=tuple(DTYPES)),
+         Field("shape", list_of(NATURAL, "non-negative integers")),
+         Field("data_offsets", list_of(NATURAL, "non-negative integers", length=2)))
+METADATA = Field("__metadata__", mapping_of(STRING, "strings"), default=None, nullable=True)
+
+
 def _read_header(path: Path) -> tuple[dict, int]:
     size = path.stat().st_size
     with open(path, "rb") as f:
@@ -71,29 +98,40 @@ def _read_header(path: Path) -> tuple[dict, int]:
         length = int.from_bytes(prefix, "little")
         if length > MAX_HEADER or 8 + length > size:
             raise Damaged(f"{path} is truncated or not safetensors (a header of {length} bytes in a file of {size})")
-        try:
-            header = json.loads(f.read(length).decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            raise Damaged(f"{path}: the header is not JSON; the file is damaged or not safetensors") from None
-    if not isinstance(header, dict):
-        raise Damaged(f"{path}: the header is not a mapping")
-    header.pop("__metadata__", None)
-    data = size - 8 - length
-    ends = 0
-    for name, entry in header.items():
-        try:
-            begin, end = entry["data_offsets"]
-            shape, dtype = [int(n) for n in entry["shape"]], entry["dtype"]
-            nbytes = math.prod(shape) * np.dtype(DTYPES[dtype]).itemsize
-        except (KeyError, TypeError, ValueError):
-            raise Damaged(f"{path}: tensor {name}'s entry is malformed ({entry!r})") from None
-        if not 0 <= begin <= end or end - begin != nbytes or min(shape, default=0) < 0:
-            raise Damaged(f"{path}: tensor {name} has {end - begin} bytes for shape {shape} of {dtype}")
-        ends = max(ends, end)
-        entry["shape"] = shape
-    if ends > data:
-        raise Damaged(f"{path} is truncated: its tensors need {ends} bytes of data, the file has {data}")
+        text = f.read(length)
+    try:
+        header = loads(text)
+        if not isinstance(header, dict):
+            raise Invalid("", "is not a mapping")
+        METADATA.check(header.pop("__metadata__", None))
+        for name, entry in header.items():
+            check(entry, ENTRY, f"tensor {name} ", others="is not a field of a tensor's entry")
+    except Invalid as exc:
+        raise Damaged(f"{path}: {exc}" if exc.field else f"{path}: the header {exc}; the file is damaged or not "
+                      "safetensors") from None
+    _check_offsets(path, header, size - 8 - length)
     return header, 8 + length
+
+
+def _check_offsets(path: Path, header: dict, data: int) -> None:
+    """Each tensor's bytes fit its shape, and the tensors tile the data: in order, neither
+    overlapping nor leaving gaps, ending where the file ends (as the reference reader)."""
+    end, last = 0, None
+    for name, entry in sorted(header.items(), key=lambda item: item[1]["data_offsets"]):
+        begin, stop = entry["data_offsets"]
+        nbytes = math.prod(entry["shape"]) * np.dtype(DTYPES[entry["dtype"]]).itemsize
+        if stop - begin != nbytes:
+            raise Damaged(f"{path}: tensor {name} has {stop - begin} bytes (data_offsets {[begin, stop]}) for shape "
+                          f"{entry['shape']} of {entry['dtype']} ({nbytes} bytes)")
+        if begin != end:
+            after = f"tensor {last} ends" if last else "the data begins"
+            raise Damaged(f"{path}: tensor {name} begins at byte {begin} of the data, where {after} at {end} "
+                          "(tensors must be contiguous, not overlapping)")
+        end, last = stop, name
+    if end > data:
+        raise Damaged(f"{path} is truncated: its tensors need {end} bytes of data, the file has {data}")
+    if end < data:
+        raise Damaged(f"{path} has {data - end} bytes after its last tensor; the file is damaged or not safetensors")
 
 
 class Writer:

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 SIGNALS = {signal.SIGINT, signal.SIGTERM}
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 0}  # Ctrl-C as a shell reports it; a scheduler's stop is no failure
+STOPPED = {signal.SIGINT: 130, signal.SIGTERM: 143}  # a command that, stopped, has produced nothing: both fail
 
 _served: Interrupts | None = None
 
@@ -25,10 +26,11 @@ _served: Interrupts | None = None
 class Interrupts:
     """The process's SIGINT and SIGTERM, served by one thread. Until the training loop
     takes them (`handler`), a signal ends the process: the `cleanups` run, one line is
-    printed, and the exit code is 130 (SIGINT) or 0 (SIGTERM)."""
+    printed, and the process exits with its code in `exit_codes`."""
 
-    def __init__(self, stopped: str):
+    def __init__(self, stopped: str, exit_codes: dict[int, int] = EXIT_CODES):
         self.stopped = stopped  # what the line says after the signal's name
+        self.exit_codes = exit_codes
         self.handler: Callable[[int], None] | None = None
         self.cleanups: list[Callable[[], None]] = []
         self._stderr = os.dup(2)  # a held-back stderr (spmd.errors) must not swallow the line
@@ -45,10 +47,11 @@ class Interrupts:
             for cleanup in self.cleanups:
                 cleanup()
             self.say(f"{signal.Signals(signum).name}: {self.stopped}")
-            os._exit(EXIT_CODES[signum])
+            os._exit(self.exit_codes[signum])
 
 
-def serve(stopped: str = "stopped during start-up, before the first step; nothing was written") -> Interrupts:
+def serve(stopped: str = "stopped during start-up, before the first step; nothing was written",
+          exit_codes: dict[int, int] = EXIT_CODES) -> Interrupts:
     """From now on this process's SIGINT and SIGTERM are served by `Interrupts` (call it
     first thing in a command's main, before threads exist: they inherit the blocked mask)."""
     global _served
@@ -56,7 +59,7 @@ def serve(stopped: str = "stopped during start-up, before the first step; nothin
         threads = f"/proc/{os.getpid()}/task"
         if os.path.isdir(threads) and len(os.listdir(threads)) > 1:  # e.g. OpenBLAS's, started by importing numpy
             raise RuntimeError("spmd.signals.serve() must run before any thread starts")
-        _served = Interrupts(stopped)
+        _served = Interrupts(stopped, exit_codes)
         signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
         threading.Thread(target=_served._serve, name="spmd-signals", daemon=True).start()
     return _served

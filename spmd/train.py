@@ -19,7 +19,7 @@ from spmd.config import TrainConfig, find_config, model_config, parse_args
 from spmd.distributed import initialize, processes
 from spmd.errors import EXIT_OUTPUT_FAILED, OutputFailed, UserError, first_line, one_line_errors, quiet_library_threads
 from spmd.mesh import emulate_cpu_devices
-from spmd.paths import LOCK_NAME, DirectoryLock, check_outputs_apart, check_writable_dir, check_writable_file
+from spmd.paths import LOCK_NAME, DirectoryLock, Output, claim
 from spmd.signals import serve as serve_signals
 from spmd.signals import served
 
@@ -72,35 +72,31 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def check_outputs(cfg: TrainConfig, config_file: str | None = None) -> None:
-    """Before anything runs: each output can be written, and none is an input
-    (a metrics file equal to --data would overwrite the training data)."""
+    """Before anything runs: each output can be written, none is an input (a metrics
+    file equal to --data would overwrite the training data), and none is another's."""
     from spmd.checkpoint import locate
 
-    if cfg.out:
-        check_writable_dir(cfg.out, "--out")
-    if cfg.metrics_file:
-        made_with_out = cfg.out and not Path(cfg.out).exists() and \
-            Path(cfg.metrics_file).absolute().parent == Path(cfg.out).absolute()
-        if not made_with_out:  # else its directory is --out's, checked above
-            check_writable_file(cfg.metrics_file, "--metrics-file")
-    profile_dir = cfg.profile_dir if cfg.profile_steps else None
-    for flag, directory in (("--tensorboard", cfg.tensorboard), ("--profile-dir", profile_dir)):
-        if not directory:
-            continue
-        check_writable_dir(directory, flag)
-        if cfg.out and Path(directory).resolve().is_relative_to(Path(cfg.out).resolve()):  # --out: checkpoints only
-            raise UserError(f"{flag} {directory} would write into --out {cfg.out}, which holds only checkpoints; "
-                            "choose a directory beside it")
     resumed_run = str(locate(cfg.resume)[0]) if cfg.resume else None
-    writes_on = bool(cfg.out and resumed_run) and Path(cfg.out).resolve() == Path(resumed_run).resolve()
-    check_outputs_apart(
-        {"--out": cfg.out, "--metrics-file": cfg.metrics_file, "--tensorboard": cfg.tensorboard,
-         "--profile-dir": profile_dir},
+    out = Path(cfg.out).resolve() if cfg.out else None
+    writes_on = bool(out and resumed_run) and out == Path(resumed_run).resolve()
+    metrics_in_out = bool(out and cfg.metrics_file) and Path(cfg.metrics_file).resolve().parent == out
+    if metrics_in_out and Path(cfg.metrics_file).name == LOCK_NAME:
+        raise UserError(f"--metrics-file {cfg.metrics_file} is the lock file of --out {cfg.out}; choose another name")
+    claim(
+        [Output("--out", cfg.out, directory=True, holds="checkpoints"),
+         # Written beside the checkpoints when it sits in --out, made with it.
+         Output("--metrics-file", cfg.metrics_file, parents=metrics_in_out, reopened=True),
+         Output("--tensorboard", cfg.tensorboard, directory=True),
+         Output("--profile-dir", cfg.profile_dir if cfg.profile_steps else None, directory=True)],
         {"--data": cfg.data, "--tokenizer": cfg.tokenizer, "--config": config_file, "--resume": resumed_run,
          "--init-from": cfg.init_from},
-        # A run may write on into the directory it resumes (the metrics file with it).
-        allowed={("--out", "--resume"): writes_on, ("--metrics-file", "--resume"): writes_on},
-    )
+        # A run may write on into the directory it resumes (the metrics file with it); a
+        # trace may go with the scalars (TensorBoard's layout: DIR/plugins/profile).
+        allowed={("--profile-dir", "--tensorboard"), *([("--out", "--resume"), ("--metrics-file", "--resume")]
+                                                        if writes_on else []),
+                 *([("--metrics-file", "--out")] if metrics_in_out else [])})
+    if cfg.out:
+        DirectoryLock(cfg.out).check()
 
 
 def _silent(line: str) -> None:
@@ -193,18 +189,17 @@ def _restore(source, step: int, meta: dict, program) -> dict:
 
 
 def check_fit(plan) -> None:
-    """Refuse a step that the plan says will not fit the devices' memory (emulated CPU
-    devices share the host's), rather than run into an out-of-memory error."""
-    from spmd.hardware import host_memory_bytes
+    """Refuse a step that will not fit the memory of the devices that run it (emulated
+    CPU devices share the host's), rather than run into an out-of-memory error. Their
+    peak is XLA's for them; `--hardware` plans for other devices and decides nothing here."""
+    from spmd.hardware import device_memory
     from spmd.report import human_bytes
 
-    devices = plan.layout.mesh.local_devices
-    usable, of = plan.usable, plan.hardware.name if plan.hardware else ""
-    if usable is None and devices[0].platform == "cpu":
-        usable, of = host_memory_bytes() / len(devices), f"this host's memory, shared by {len(devices)} CPU devices"
-    if usable is not None and plan.peak > usable:
-        raise UserError(f"the step needs {human_bytes(plan.peak)} per device at its peak, more than the "
-                        f"{human_bytes(usable)} of {of}; use more devices, a smaller --batch or --seq, "
+    memory = device_memory(plan.layout.mesh.local_devices)
+    peak = plan.xla["peak"] if plan.xla else sum(plan.theory_memory.values())
+    if memory is not None and peak > memory[0]:
+        raise UserError(f"the step needs {human_bytes(peak)} per device at its peak, more than the "
+                        f"{human_bytes(memory[0])} of {memory[1]}; use more devices, a smaller --batch or --seq, "
                         "--grad-accum or --remat full (or --ignore-fit to try anyway)")
 
 

@@ -1,6 +1,6 @@
-"""Every option of every command (train, plan, export, corpus, launch), given a bad value: one `error:` line naming the option,
-exit code 2, no traceback, and nothing written (the working directory and the inputs are
-the same after as before).
+"""Every option of every command (train, plan, export, corpus, launch, generate, eval), given a
+bad value: one `error:` line naming the option, exit code 2, no traceback, and nothing
+written (the working directory and the inputs are the same after as before).
 
 The table is made from the commands' own parsers, so an option added later is covered
 without a new line here: for each, a value out of its range, of the wrong type, not
@@ -11,6 +11,7 @@ finite, and empty. Hand-written cases add the values that only make sense for on
 import argparse
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +20,11 @@ import pytest
 
 from spmd.config import Bounds, TrainConfig, finite, integer, nonempty, train_parser
 from spmd.corpus import corpus_parser
+from spmd.eval import BOUNDS as EVAL_BOUNDS
+from spmd.eval import eval_parser
 from spmd.export import byte_size, export_parser
+from spmd.generate import BOUNDS as GENERATE_BOUNDS
+from spmd.generate import generate_parser
 from spmd.launch import MAX_PROCESSES, launch_parser
 from spmd.plan import plan_flags
 from helpers import snapshot
@@ -30,7 +35,7 @@ DRIVER = Path(__file__).with_name("cli_driver.py")
 BOUNDS = {f.name: f.metadata["bounds"] for f in dataclasses.fields(TrainConfig)} | {
     # The other commands' own numbers.
     "devices": Bounds(at_least=1), "step": Bounds(at_least=0), "nproc": Bounds(at_least=1, at_most=MAX_PROCESSES),
-    "port": Bounds(at_least=1, at_most=65535), "grace": Bounds(at_least=0)}
+    "port": Bounds(at_least=1, at_most=65535), "grace": Bounds(at_least=0)} | GENERATE_BOUNDS | EVAL_BOUNDS
 
 
 def _out_of_range(dest: str, kind) -> list[str]:
@@ -73,7 +78,7 @@ def generated(parser: argparse.ArgumentParser, required: list[str] = (), tail: l
         elif action.type is byte_size:
             values |= {"wrong type": "5 parsecs", "zero": "0GB", "negative": "-5GB"}
         else:
-            assert action.type is nonempty, f"{flag}: every option's type is checked"
+            assert action.type in (nonempty, str), f"{flag}: every option's type is checked"  # str: a prompt
         for i, v in enumerate(_out_of_range(action.dest, action.type)):
             values[f"out of range {i}"] = v
         for what, value in values.items():
@@ -132,6 +137,26 @@ TRAIN = {
                                            "would write over the input --data"),
     "tensorboard inside out": (["--out", "run", "--tensorboard", "run"],
                                "--tensorboard run would write into --out run"),
+    # Outputs that coincide: refused before compiling (the working directory stays empty).
+    "tensorboard is the metrics file": (["--tensorboard", "m.jsonl", "--metrics-file", "m.jsonl"],
+                                        "--tensorboard m.jsonl and --metrics-file m.jsonl are the same path"),
+    "profile dir is the metrics file": (["--profile-steps", "1:1", "--profile-dir", "m", "--metrics-file", "m"],
+                                        "--profile-dir m and --metrics-file m are the same path"),
+    "tensorboard inside the metrics file": (["--metrics-file", "m", "--tensorboard", "m/tb"],
+                                            "--tensorboard m/tb would write into --metrics-file m, a file"),
+    "metrics file is out": (["--out", "run", "--metrics-file", "run"],
+                            "--metrics-file run would write into --out run, which holds only checkpoints"),
+    "metrics file deep in out": (["--out", "run", "--metrics-file", "run/logs/m.jsonl"],
+                                 "would write into --out run, which holds only checkpoints"),
+    "metrics file is the lock": (["--out", "{folder}", "--metrics-file", "{folder}/.spmd-lock"],
+                                 "is the lock file of --out"),
+    "lock file is a directory": (["--out", "{locked}"], "holds a directory named .spmd-lock"),
+    "lock file is a link": (["--out", "{linked_lock}"], "holds a symbolic link named .spmd-lock"),
+    "metrics file under a file": (["--metrics-file", "{file}/m.jsonl"], "file.txt is a file, not a directory"),
+    "metrics file links to the data": (["--data", "{corpus}", "--metrics-file", "{data_link}"],
+                                       "would write over the input --data"),
+    "metrics file is a hard link of the data": (["--data", "{corpus}", "--metrics-file", "{data_hard_link}"],
+                                                "would write over the input --data"),
 }
 PLAN = {
     "devices 0": (["--devices", "0"], "--devices must be positive"),
@@ -153,8 +178,15 @@ def _files(tmp: Path) -> dict[str, str]:
         (tmp / name).write_text(text)
     (tmp / "binary.yaml").write_bytes(bytes(range(256)))
     (tmp / "folder").mkdir()
+    (tmp / "locked" / ".spmd-lock").mkdir(parents=True)  # where a run records its holder
+    (tmp / "linked").mkdir()
+    (tmp / "linked" / ".spmd-lock").symlink_to(tmp / "file.txt")
+    (tmp / "data_link").symlink_to(tmp / "corpus.txt")
+    os.link(tmp / "corpus.txt", tmp / "data_hard_link")
     return {f"{{{key}}}": str(tmp / name) for key, (name, _) in files.items()} | {
-        "{binary}": str(tmp / "binary.yaml"), "{folder}": str(tmp / "folder")}
+        "{binary}": str(tmp / "binary.yaml"), "{folder}": str(tmp / "folder"), "{locked}": str(tmp / "locked"),
+        "{linked_lock}": str(tmp / "linked"),
+        "{data_link}": str(tmp / "data_link"), "{data_hard_link}": str(tmp / "data_hard_link")}
 
 
 def _plan_parser() -> argparse.ArgumentParser:
@@ -170,6 +202,8 @@ COMMANDS = {
     "spmd.export": (export_parser(), {}, ["--checkpoint", "{folder}", "--out", "exported"], []),
     "spmd.corpus": (corpus_parser(), {}, ["--data", "{corpus}", "--out", "tokens.npy"], []),
     "spmd.launch": (launch_parser(), {}, ["--nproc", "2"], ["--", "true"]),
+    "spmd.generate": (generate_parser(), {}, ["--checkpoint", "{folder}", "--prompt", "hi"], []),
+    "spmd.eval": (eval_parser(), {}, ["--checkpoint", "{folder}", "--data", "{corpus}"], []),
 }
 
 
@@ -209,7 +243,7 @@ def test_every_option_of_every_command_is_covered():
         named = {arg.split("=")[0] for m, argv, fragment in CASES.values() if m == module for arg in argv
                  if arg.split("=")[0] == fragment}
         assert flags <= named, (module, flags - named)
-    assert len(CASES) > 450  # two to six bad values for each option of the five commands, and the hand-written ones
+    assert len(CASES) > 550  # two to six bad values for each option of the seven commands, and the hand-written ones
 
 
 @pytest.mark.parametrize("case", CASES)

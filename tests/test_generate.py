@@ -3,12 +3,21 @@
 Greedy decoding must give exactly the tokens of recomputing the whole sequence for each
 new token, on one device and on meshes, and transformers' own greedy continuations of the
 golden models (tests/hf). Sampling must follow temperature, top-k and top-p, and give the
-same text on any mesh.
+same text on any mesh. The commands: bad input and outputs that cannot be claimed give one
+line before any work, --output streams to a FIFO or stdout and never replaces a special
+file, and a signal stops them in one line.
 """
 
+import contextlib
 import json
+import os
+import re
+import signal
+import socket
+import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -16,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import one_error_line
+from helpers import one_error_line, snapshot
 
 from models import PRESETS, Llama
 from spmd.config import TrainConfig, validate
@@ -206,33 +215,187 @@ CASES = {
     "no prompt": (["--checkpoint", "{run}"], "no prompt"),
     "empty prompts file": (["--checkpoint", "{run}", "--prompts", "{empty}"], "holds no prompt"),
     "beyond the context": (["--checkpoint", "{run}", "--prompt", "hi", "--max-new-tokens", "40"],
-                           "beyond the model's trained context of 32 tokens"),
+                           "beyond the model's trained context of 32 tokens; give at most 30"),
     "no new tokens": (["--checkpoint", "{run}", "--prompt", "hi", "--max-new-tokens", "0"],
                       "--max-new-tokens must be at least 1"),
     "negative temperature": (["--checkpoint", "{run}", "--prompt", "hi", "--temperature", "-0.5"],
                              "--temperature must be at least 0"),
-    "top-p zero": (["--checkpoint", "{run}", "--prompt", "hi", "--top-p", "0"], "--top-p must be in (0, 1]"),
-    "top-p above one": (["--checkpoint", "{run}", "--prompt", "hi", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
+    "top-p zero": (["--checkpoint", "{run}", "--prompt", "hi", "--top-p", "0"],
+                   "--top-p must be positive and at most 1"),
+    "top-p above one": (["--checkpoint", "{run}", "--prompt", "hi", "--top-p", "1.5"],
+                        "--top-p must be positive and at most 1"),
     "no checkpoint": (["--checkpoint", "no/such/run", "--prompt", "hi"], "--checkpoint no/such/run does not exist"),
     "heads do not divide": (["--checkpoint", "{run}", "--prompt", "hi", "--mesh", "tp=16"],
                             "tp=16 must divide heads=8"),
     "two sources": (["--checkpoint", "{run}", "--init-from", "{run}", "--prompt", "hi"], "give one of"),
+    # --output never over what is read (the checkpoint's run, the prompts, the model's directory).
+    "output over the prompts": (["--checkpoint", "{run}", "--prompts", "{prompts}", "--output", "{prompts}"],
+                                "would write over the input --prompts"),
+    "output over a checkpoint's file": (["--checkpoint", "{run}", "--prompt", "hi", "--output", "{checkpoint_file}"],
+                                        "would write over the input --checkpoint"),
+    "output inside the run": (["--checkpoint", "{run}/30", "--prompt", "hi", "--output", "{run}/out.jsonl"],
+                              "would write over the input --checkpoint"),
+    "output over the model's config": (["--init-from", "{gqa}", "--prompt", "hi", "--output", "{gqa}/config.json"],
+                                       "would write over the input --init-from"),
+    "output under a file": (["--checkpoint", "{run}", "--prompt", "hi", "--output", "{prompts}/out.jsonl"],
+                            "prompts.jsonl is a file, not a directory"),
+    "output is a directory": (["--checkpoint", "{run}", "--prompt", "hi", "--output", "{gqa}"],
+                              "is a directory, not a file"),
+    "prompts is a directory": (["--checkpoint", "{run}", "--prompts", "{run}"], "is a directory, not a regular file"),
+    "prompts is a FIFO": (["--checkpoint", "{run}", "--prompts", "{fifo}"], "is a FIFO, not a regular file"),
+    "seed beyond 64 bits": (["--checkpoint", "{run}", "--prompt", "hi", "--seed", str(2**64 + 5)],
+                            "--seed must be at least 0 and at most "),
+    "empty prompt": (["--checkpoint", "{run}", "--prompt", ""], "argument --prompt: the value is empty"),
+    "prompt as long as the context": (["--checkpoint", "{run}", "--prompt", "x" * 32],
+                                      "prompt 1 is too long: 32 tokens, and the model's trained context is 32"),
+    "prompt longer than the context, new tokens given": (
+        ["--checkpoint", "{run}", "--prompt", "hi", "--prompt", "y" * 40, "--max-new-tokens", "4"],
+        "prompt 2 is too long: 40 tokens"),
+    "tokenizer beyond the vocabulary": (["--init-from", "{big_tokenizer}", "--prompt", "hi"],
+                                        "the tokenizer tokenizer.json has 140 tokens, more than the model's vocabulary "
+                                        "of 128"),
+    "max positions not a number": (["--init-from", "{positions_abc}", "--prompt", "hi"], "max_position_embeddings"),
+    "max positions negative": (["--init-from", "{positions_negative}", "--prompt", "hi"], "max_position_embeddings"),
+    "max positions fractional": (["--init-from", "{positions_fraction}", "--prompt", "hi"], "max_position_embeddings"),
+    # A cache four times this host's memory: refused from XLA's plan, before the weights are placed.
+    "batch beyond the memory": (["--init-from", "{long_context}", "--prompts", "{many}", "--batch-size", "1000000",
+                                 "--max-new-tokens", "{new}"], "generating needs"),
     "eval: no checkpoint": (["--checkpoint", "no/such/run", "--data", "{text}"], "does not exist"),
     "eval: no data": (["--checkpoint", "{run}"], "the following arguments are required: --data"),
 }
+PROMPTS_FOR_THE_FIT = 10_000
+CACHE_BYTES_PER_TOKEN = 2 * 2 * 2 * 8 * 4  # llama-gqa: keys and values x 2 layers x 2 kv heads x 8 dims x float32
+
+
+def _model_dir(root: Path, name: str, positions=256, extra_tokens: int = 0) -> str:
+    """A copy of the llama-gqa golden with its config's max_position_embeddings set, and
+    `extra_tokens` more tokens in its tokenizer."""
+    import shutil
+
+    import tokenizers
+
+    folder = root / name
+    shutil.copytree(GOLDENS / "llama-gqa", folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"max_position_embeddings": positions}))
+    if extra_tokens:
+        tokenizer = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+        tokenizer.add_tokens([f"<extra{i}>" for i in range(extra_tokens)])
+        tokenizer.save(str(folder / "tokenizer.json"))
+    return str(folder)
 
 
 def test_bad_input_gives_one_error_line_and_exit_2(run_dir, tmp_path):
+    from spmd.hardware import host_memory_bytes
+
+    new = -(-4 * host_memory_bytes() // (PROMPTS_FOR_THE_FIT * CACHE_BYTES_PER_TOKEN))
+    assert new < 2**30, "a host this large needs more prompts here"
     (tmp_path / "empty.jsonl").write_text("\n")
-    files = {"run": str(run_dir / "run"), "empty": str(tmp_path / "empty.jsonl"), "text": str(run_dir / "text.txt")}
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "the cat"}\n')
+    (tmp_path / "many.jsonl").write_text('{"prompt": "hello"}\n' * PROMPTS_FOR_THE_FIT)
+    os.mkfifo(tmp_path / "fifo")
+    files = {"run": str(run_dir / "run"), "empty": str(tmp_path / "empty.jsonl"), "text": str(run_dir / "text.txt"),
+             "prompts": str(tmp_path / "prompts.jsonl"), "many": str(tmp_path / "many.jsonl"),
+             "fifo": str(tmp_path / "fifo"), "checkpoint_file": str(run_dir / "run" / "30" / "_CHECKPOINT_METADATA"),
+             "gqa": _model_dir(tmp_path, "gqa"), "big_tokenizer": _model_dir(tmp_path, "big", extra_tokens=20),
+             "positions_abc": _model_dir(tmp_path, "abc", "abc"), "positions_negative": _model_dir(tmp_path, "neg", -5),
+             "positions_fraction": _model_dir(tmp_path, "frac", 64.7),
+             "long_context": _model_dir(tmp_path, "long", new + 64), "new": str(new)}
     batch = []
     for i, (name, (argv, _)) in enumerate(CASES.items()):
-        (tmp_path / str(i)).mkdir()
+        (tmp_path / "work" / str(i)).mkdir(parents=True)
         module = "spmd.eval" if name.startswith("eval:") else "spmd.generate"
-        batch.append({"module": module, "cwd": str(tmp_path / str(i)), "argv": [a.format(**files) for a in argv]})
+        batch.append({"module": module, "cwd": str(tmp_path / "work" / str(i)),
+                      "argv": [a.format(**files) for a in argv]})
+    before = snapshot(run_dir), snapshot(tmp_path)
     done = subprocess.run([sys.executable, str(DRIVER)], input=json.dumps(batch), capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr
     for (name, (_, fragment)), result in zip(CASES.items(), json.loads(done.stdout)):
         assert result["code"] == 2, (name, result)
-        assert fragment in one_error_line(result["stderr"]), name
+        line = one_error_line(result["stderr"])
+        assert fragment in line, (name, line)
+        if name.startswith("max positions") or name.startswith("prompt"):
+            assert "--max-new-tokens" not in line, (name, line)  # not blamed on a flag nobody gave
+    assert (snapshot(run_dir), snapshot(tmp_path)) == before  # nothing written, the inputs as they were
+
+
+def _mknod(path: Path, major: int, minor: int) -> None:
+    """A character device node of our own, in a temporary directory (never /dev's)."""
+    try:
+        os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(major, minor))
+    except PermissionError:
+        pytest.skip("making a device node needs root")
+
+
+def test_output_streams_to_a_fifo_stdout_or_the_null_device_and_never_replaces_a_special_file(run_dir, tmp_path):
+    _mknod(tmp_path / "full", 1, 7)  # /dev/full: every write fails with ENOSPC
+    _mknod(tmp_path / "null", 1, 3)
+    os.mkfifo(tmp_path / "fifo")
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(str(tmp_path / "socket"))
+    kinds = {name: stat.S_IFMT((tmp_path / name).stat().st_mode) for name in ("full", "null", "fifo", "socket")}
+    cases = {"full": ("full", 2), "socket": ("socket", 2), "null": ("null", 0), "fifo": ("fifo", 0),
+             "stdout": ("/dev/stdout", 0)}
+    batch = [{"module": "spmd.generate", "cwd": str(tmp_path), "argv": [
+        "--checkpoint", str(run_dir / "run"), "--prompt", "the cat", "--max-new-tokens", "4", "--output", output]}
+        for output, _ in cases.values()]
+    with open(tmp_path / "read.jsonl", "wb") as read:
+        reader = subprocess.Popen(["cat", str(tmp_path / "fifo")], stdout=read)  # the FIFO's reader, waiting
+        done = subprocess.run([sys.executable, str(DRIVER)], input=json.dumps(batch), capture_output=True, text=True,
+                              timeout=300)
+        reader.wait(timeout=60)
+    assert done.returncode == 0, done.stderr
+    results = dict(zip(cases, json.loads(done.stdout)))
+    for name, (_, code) in cases.items():
+        assert results[name]["code"] == code, (name, results[name])
+    assert one_error_line(results["full"]["stderr"]).startswith(
+        "error: --output full is a character device (1:7), not a regular file")
+    assert "--output socket is a socket, not a regular file" in one_error_line(results["socket"]["stderr"])
+    assert {name: stat.S_IFMT((tmp_path / name).stat().st_mode) for name in kinds} == kinds  # none replaced
+    record = json.loads((tmp_path / "read.jsonl").read_text())
+    assert record["prompt"] == "the cat" and len(record["completion_tokens"]) == 4
+    # Its stdout is the records alone (the text and the report go to stderr), ready for a pipe.
+    assert json.loads(results["stdout"]["stdout"]) == record
+    assert "--- 1: 7 + 4 tokens" in results["stdout"]["stderr"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo", "full", "null", "read.jsonl", "socket"]
+
+
+def _serving_signals(pid: int) -> bool:
+    """Whether the process blocks SIGINT and SIGTERM in its main thread (spmd.signals serves them)."""
+    with contextlib.suppress(OSError):
+        blocked = int(re.search(r"^SigBlk:\s*([0-9a-f]+)", Path(f"/proc/{pid}/status").read_text(), re.M)[1], 16)
+        return all(blocked >> (sig - 1) & 1 for sig in (signal.SIGINT, signal.SIGTERM))
+    return False
+
+
+def _threads(pid: int) -> int:
+    with contextlib.suppress(OSError):
+        return len(os.listdir(f"/proc/{pid}/task"))
+    return 0
+
+
+def _stopped(command: list[str], signum: int, ready) -> tuple[int, str, str]:
+    """Run `command`, send it `signum` once `ready(pid)`; -> (exit code, stdout, stderr)."""
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not ready(proc.pid):
+            assert proc.poll() is None and time.monotonic() < deadline, "it ended before the signal"
+            time.sleep(0.002)
+        proc.send_signal(signum)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    return proc.returncode, out, err
+
+
+def test_a_signal_stops_generate_in_one_line(run_dir, tmp_path):
+    command = [sys.executable, "-m", "spmd.generate", "--checkpoint", str(run_dir / "run"), "--prompt", "the cat",
+               "--max-new-tokens", "4", "--output", str(tmp_path / "out.jsonl")]
+    # Ctrl-C once JAX's threads run (the model is being placed, compiled or decoded).
+    assert _stopped(command, signal.SIGINT, lambda pid: _threads(pid) > 4) == \
+        (130, "", "SIGINT: stopped; nothing was written\n")
+    # SIGTERM as soon as the signals are served: a failure too (143), in one line.
+    assert _stopped(command, signal.SIGTERM, _serving_signals) == (143, "", "SIGTERM: stopped; nothing was written\n")
+    assert list(tmp_path.iterdir()) == []

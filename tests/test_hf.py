@@ -7,6 +7,7 @@ experts, top-2), each with transformers' float32 logits for fixed tokens. No tor
 network here.
 """
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -60,8 +61,6 @@ def nnx_state(model):
 def test_the_tied_golden_needs_rope_scaling():
     """Without Llama 3.1's rope scaling the tied golden agrees only at the first positions
     (where every angle is small), so the golden tests the scaling."""
-    import dataclasses
-
     from flax import nnx
 
     from spmd.skeleton import model_skeleton
@@ -85,8 +84,12 @@ def test_config_json_in_both_forms_and_back():
         assert config_from_hf(config_to_hf(cfg)) == cfg
     for name, cfg in PRESETS.items():  # which presets export to Hugging Face: all but our own MoE shapes
         assert (supported(cfg) is None) == (name not in ("moe-tiny", "deepseek-moe-16b-like", "deepseek-v3-like")), name
-        if supported(cfg) is None:
-            assert config_from_hf(config_to_hf(cfg)) == cfg
+        if supported(cfg) is None:  # an exported MoE model comes back to train as transformers does
+            imported = cfg if cfg.moe is None else dataclasses.replace(
+                cfg, moe=dataclasses.replace(cfg.moe, balance_loss="pooled", z_loss_weight=0.0))
+            assert config_from_hf(config_to_hf(cfg)) == imported
+    mixtral = config_from_hf(json.loads((GOLDENS / "mixtral" / "config.json").read_text())).moe
+    assert (mixtral.balance_loss, mixtral.aux_loss_weight, mixtral.z_loss_weight) == ("pooled", 0.001, 0.0)
 
 
 def _run(*argv, cwd=None) -> subprocess.CompletedProcess:

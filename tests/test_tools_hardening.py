@@ -85,6 +85,8 @@ CASES = {
     "export: out in a read-only dir": ("spmd.export", ["--checkpoint", "{run}", "--out", "{ro}/inner"],
                                        "its directory"),
     "export: out not ours": ("spmd.export", ["--checkpoint", "{run}", "--out", "{theirs}/e"], "Permission denied"),
+    "export: out is a FIFO": ("spmd.export", ["--checkpoint", "{run}", "--out", "{fifo}"],
+                              "fifo is a FIFO, not a directory"),
     "export: out not empty": ("spmd.export", ["--checkpoint", "{run}", "--out", "{full}"], "is not empty"),
     "export: out is the checkpoint": ("spmd.export", ["--checkpoint", "{run}", "--out", "{run}"],
                                       "would write over the input --checkpoint"),
@@ -143,11 +145,12 @@ def _inputs(tmp: Path, run: Path) -> dict[str, str]:
     for folder in ("dir.npy", "empty", "full", "ro/inner", "theirs"):
         (tmp / folder).mkdir(parents=True)
     (tmp / "full" / "keep.txt").write_text("mine")
+    os.mkfifo(tmp / "fifo")
     os.chown(tmp / "theirs", 12345, 12345)  # a user the namespace does not map: no writes for us
     names = {"corpus": "corpus.txt", "file": "file.txt", "text": "text", "tokens": "tokens.npy",
              "ints_parquet": "ints.parquet", "lists_parquet": "lists.parquet", "bytes_parquet": "bytes.parquet",
              "nulls_parquet": "nulls.parquet", "number_jsonl": "number.jsonl", "null_jsonl": "null.jsonl",
-             "array_jsonl": "array.jsonl", "dir_npy": "dir.npy", "empty": "empty", "full": "full", "ro": "ro",
+             "array_jsonl": "array.jsonl", "dir_npy": "dir.npy", "empty": "empty", "full": "full", "ro": "ro", "fifo": "fifo",
              "theirs": "theirs"}
     return {key: str(tmp / name) for key, name in names.items()} | {"run": str(run)}
 
@@ -232,7 +235,7 @@ def test_corpus_on_a_full_disk_leaves_no_temporary_and_says_one_line(tmp_path):
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "exit 5"  # the disk's contents follow the exit code: nothing, not even new/
     assert one_error_line((tmp_path / "err.txt").read_text()) == \
-        "error: cannot write --out disk/new/t.npy: No space left on device; nothing was written"
+        "error: writing --out disk/new/t.npy failed (No space left on device); nothing was written"
     assert (tmp_path / "out.txt").read_text() == ""
 
 
