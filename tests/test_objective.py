@@ -16,11 +16,13 @@ import numpy as np
 import optax
 import pytest
 
+from conftest import train_run
 from spmd.config import TrainConfig, model_config, validate
 from spmd.errors import UserError
 from spmd.layout import make_layout
 from spmd.optim import make_optimizer, schedule
 from spmd.step import AuxLosses, _loss, aux_losses
+from test_parity import LOSS_RTOL
 
 MIXTRAL = Path(__file__).parent / "hf" / "mixtral"
 
@@ -47,6 +49,18 @@ def test_an_imported_moe_model_trains_with_its_own_balance_loss():
     np.testing.assert_allclose(float(metrics["aux_loss"]), golden["aux_loss"], rtol=1e-5)
     np.testing.assert_allclose(float(objective), golden["cross_entropy"] + golden["router_aux_loss_coef"]
                                * golden["aux_loss"], rtol=1e-5)
+
+
+def test_the_pooled_balance_loss_is_the_same_on_any_layout():
+    """Pooled over the global batch and every layer, in GPipe stages (whose layers'
+    statistics come back to the loss outside the stages) with experts over ep: one
+    device's numbers."""
+    pooled = dict(model="moe-tiny", layers=4, balance_loss="pooled", aux_loss_weight=0.1)
+    one, run = train_run("", 1, cached=False, **pooled), train_run("pp=2,ep=2", 4, cached=False, **pooled)
+    for name in ("loss", "aux_loss"):
+        np.testing.assert_allclose(run.metrics[name], one.metrics[name], rtol=LOSS_RTOL)
+    # top-k (2) when balanced, where the per-sequence form is 1: the pooled form was trained.
+    assert np.all(one.metrics["aux_loss"] > 1.9)
 
 
 def test_the_pooled_balance_loss_is_refused_where_a_stage_cannot_form_it():
