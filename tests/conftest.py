@@ -128,3 +128,9 @@ def train_run(mesh: str, devices: int, *, cached: bool = True, **overrides) -> R
 @pytest.fixture(scope="session")
 def reference() -> Run:
     return train_run("", 1)
+
+
+def pytest_collection_modifyitems(items):
+    """The README's commands first: the longest test (minutes of one-command processes)
+    starts at once beside the rest, instead of running alone at the end."""
+    items.sort(key=lambda item: item.module.__name__ != "test_readme")

@@ -1,0 +1,135 @@
+"""Every `python -m spmd.…` command that README.md shows runs as written, in the README's
+order, in one working directory: what one example makes (runs/a) the next one reads.
+
+The files a reader is assumed to have are stand-ins made here: `Llama-3.2-1B` is the
+golden Llama of tests/hf (with its tokenizer), the .jsonl files and `corpus/` are small
+text. One thing is changed: step counts (`--steps`, `--save-every`, `--eval-every` and a
+step directory in `--resume`) are a hundredth of what is written, and a run that names no
+`--steps` takes 3 instead of its default 300, because every step is the same program and
+the flags, the layout, the files and the fit are what a command checks before its first
+step. Commands that need an accelerator's memory are expected to be refused on this
+CPU-only host in one line, by the fit check, which is what a reader here would see.
+"""
+
+import json
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.xdist_group("readme")
+
+ROOT = Path(__file__).parent.parent
+DRIVER = Path(__file__).with_name("cli_driver.py")
+SCALED = ("--steps", "--save-every", "--eval-every")
+# Commands (by a fragment of their text) that ask for more memory than this host has.
+REFUSED_HERE = {
+    "--config mesh_configs/llama3-8b-8xh100.yaml --steps": "the step needs",
+    "--model llama3-8b --mesh fsdp=8 --dtype bfloat16": "the step needs",
+    "--model llama3.2-1b --data tokens.npy": "the step needs",
+}
+
+
+def readme_commands() -> list[str]:
+    """The README's command lines that start with `python -m spmd.` (continuation lines
+    joined, trailing comments and [optional] parts dropped)."""
+    commands, current = [], None
+    for line in (ROOT / "README.md").read_text().splitlines():
+        text = line.strip()
+        if current is not None:
+            current += " " + text.rstrip("\\").strip()
+        elif text.startswith("python -m spmd."):
+            current = text.rstrip("\\").strip()
+        else:
+            continue
+        if not text.endswith("\\"):
+            current = re.sub(r"\s+#.*$", "", current)
+            commands.append(re.sub(r"\s*\[[^]]*\]", "", current).strip())
+            current = None
+    return commands
+
+
+def scaled(argv: list[str]) -> list[str]:
+    out = list(argv)
+    for i, arg in enumerate(out[:-1]):
+        if arg in SCALED:
+            out[i + 1] = str(max(1, int(out[i + 1]) // 100))
+        elif arg == "--resume" and re.search(r"/[0-9]+$", out[i + 1]):
+            head, step = out[i + 1].rsplit("/", 1)
+            out[i + 1] = f"{head}/{int(step) // 100}"
+    if out[2] == "spmd.train" and "--steps" not in out:
+        out += ["--steps", "3"]
+    return out
+
+
+def stand_ins(work: Path) -> None:
+    shutil.copytree(ROOT / "tests" / "hf" / "llama-gqa", work / "Llama-3.2-1B")
+    shutil.copy(ROOT / "tests" / "hf" / "llama-gqa" / "tokenizer.json", work / "tokenizer.json")
+    (work / "mesh_configs").symlink_to(ROOT / "mesh_configs")
+    text = "the quick brown fox jumps over the lazy dog. a stitch in time saves nine. "
+    for name in ("notes.jsonl", "held_out.jsonl"):
+        (work / name).write_text("".join(json.dumps({"text": text * 8}) + "\n" for _ in range(40)))
+    (work / "prompts.jsonl").write_text(json.dumps({"prompt": "the quick brown"}) + "\n"
+                                        + json.dumps({"prompt": "a stitch"}) + "\n")
+    (work / "corpus").mkdir()
+    for i in range(3):
+        (work / "corpus" / f"{i}.txt").write_text(text * 50)
+
+
+# Commands that read what an earlier one made: kept in one driver, in the README's order.
+CHAINED = re.compile(r"runs/|tokens\.npy|exported|Llama-3\.2-1B-ft")
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """Every command, run by two drivers at once (one fork per command): the chained
+    commands and half of the others in one, the rest in the other."""
+    work = tmp_path_factory.mktemp("readme")
+    stand_ins(work)
+    commands = readme_commands()
+    loose = [c for c in commands if not CHAINED.search(c)]
+    parts = [[c for c in commands if CHAINED.search(c)] + loose[::2], loose[1::2]]
+    logs = tmp_path_factory.mktemp("drivers")
+    drivers = []
+    for i, part in enumerate(parts):
+        (logs / f"{i}.in").write_text(json.dumps([_case(command, work) for command in part]))
+        with open(logs / f"{i}.in") as given, open(logs / f"{i}.out", "w") as out, open(logs / f"{i}.err", "w") as err:
+            drivers.append(subprocess.Popen([sys.executable, str(DRIVER)], stdin=given, stdout=out, stderr=err))
+    found = {}
+    for i, (driver, part) in enumerate(zip(drivers, parts)):
+        assert driver.wait(timeout=1200) == 0, (logs / f"{i}.err").read_text()[-3000:]
+        found |= dict(zip(part, json.loads((logs / f"{i}.out").read_text())))
+    return found
+
+
+def _case(command: str, work: Path) -> dict:
+    argv = scaled(shlex.split(command))
+    if argv[2] == "spmd.launch":  # the launched command is a train run: its steps too
+        split = argv.index("--")
+        argv = argv[:split + 1] + scaled(argv[split + 1:])
+    return {"module": argv[2], "argv": argv[3:], "cwd": str(work)}
+
+
+def test_the_readme_shows_every_command():
+    commands = readme_commands()
+    modules = {shlex.split(c)[2] for c in commands}
+    assert modules >= {"spmd.train", "spmd.plan", "spmd.export", "spmd.generate", "spmd.eval", "spmd.corpus",
+                       "spmd.launch"}, modules
+    assert len(commands) >= 35
+
+
+def test_every_readme_command_runs_as_written(results):
+    failed = []
+    for command, result in results.items():
+        refusal = next((why for fragment, why in REFUSED_HERE.items() if fragment in command), None)
+        if refusal:
+            ok = result["code"] == 2 and result["stderr"].strip().startswith("error: ") and refusal in result["stderr"]
+        else:
+            ok = result["code"] == 0
+        if not ok:
+            failed.append(f"{command}\n  exit {result['code']}: {result['stderr'].strip()[-600:]}")
+    assert not failed, "\n".join(failed)
