@@ -19,7 +19,6 @@ or null is refused, naming the file and the line or row (nothing is converted).
 from __future__ import annotations
 
 import functools
-import json
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -29,6 +28,7 @@ import numpy as np
 from spmd.config import TOKEN_DTYPES, OneLineErrorParser, nonempty
 from spmd.errors import EXIT_OUTPUT_FAILED, UserError, file_kind, one_line_errors
 from spmd.paths import Output, claim, regular_file
+from spmd.schema import Invalid, loads
 
 TEXT_SUFFIXES = (".txt", ".text", ".md")
 SUFFIXES = {**dict.fromkeys(TEXT_SUFFIXES, "text"), ".jsonl": "jsonl", ".parquet": "parquet",
@@ -143,9 +143,12 @@ def data_files(path: str) -> tuple[str, list[Path]]:
     if root.is_file():
         files = [root]
     else:
-        files = sorted(p for p in root.rglob("*") if p.is_file() and not any(
+        found = sorted(p for p in root.rglob("*") if p.suffix in SUFFIXES and not any(
             part.startswith(".") for part in p.relative_to(root).parts))
-        files = [p for p in files if p.suffix in SUFFIXES]
+        odd = [p for p in found if not (p.is_file() or p.is_dir())]  # a FIFO would block, a loop never ends
+        if odd:
+            raise UserError(f"--data {path}: {odd[0]} is {file_kind(odd[0])}, not a data file")
+        files = [p for p in found if p.is_file()]
     if not files:
         raise UserError(f"--data {path}: no data files ({', '.join(sorted(SUFFIXES))})")
     kinds = {SUFFIXES.get(p.suffix, "text") for p in files}  # a single file of any name is text
@@ -184,10 +187,10 @@ def jsonl_texts(file: Path, field: str, flag: str = "--data", field_flag: str | 
     for number, line in enumerate(_read_text(file, flag).splitlines(), 1):
         if not line.strip():
             continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            raise UserError(f"{flag} {file}, line {number}: not valid JSON") from None
+        try:  # strictly: a key given twice, NaN or Infinity is no record either
+            record = loads(line.encode())
+        except Invalid as exc:
+            raise UserError(f"{flag} {file}, line {number}: {exc}") from None
         if not isinstance(record, dict) or field not in record:
             raise UserError(f"{flag} {file}, line {number}: no text field {field!r}{hint}")
         text = record[field]
@@ -399,4 +402,8 @@ def write_npy(f, tokens: np.ndarray) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # a partial token file is removed on the way out (spmd.paths)
+        print("SIGINT: stopped; nothing was written", file=sys.stderr)
+        sys.exit(130)

@@ -145,7 +145,10 @@ def check(args):
     cfg, checkpoint = checkpoint_config(args.checkpoint, args.step)
 
     out = Path(args.out).resolve()
-    claim([Output("--out", args.out, directory=True)], {"--checkpoint": checkpoint.run_dir})
+    config = checkpoint.meta.get("config", {})  # --format hf copies the run's tokenizer files from these
+    claim([Output("--out", args.out, directory=True)], {
+        "--checkpoint": checkpoint.run_dir, "the run's --init-from": config.get("init_from"),
+        "the run's tokenizer": config.get("tokenizer")})
     if out.exists() and any(out.iterdir()):
         raise UserError(f"--out {args.out} is not empty; give a new or empty directory")
     if out.exists():  # the export is written beside it, then renamed over it

@@ -171,7 +171,10 @@ def main(argv=None) -> int:
             from spmd.corpus import check_vocab, load_tokenizer
 
             tokenizer = load_tokenizer(tokenizer_path)
-            check_vocab(tokenizer, model_config(cfg).vocab, "the tokenizer")
+            vocab = model_config(cfg).vocab
+            check_vocab(tokenizer, vocab, "the tokenizer")
+            if args.top_k > vocab:
+                raise UserError(f"--top-k {args.top_k} is more than the model's vocabulary of {vocab} tokens")
             encoded = [ids.astype("int32") for ids in tokenizer.encode(prompts)]
             empty = [i + 1 for i, ids in enumerate(encoded) if len(ids) == 0]
             if empty:

@@ -78,7 +78,8 @@ class Claimed:
         made for it and the temporary are removed if anything fails, and a temporary
         left by a killed process is removed by the next write. A stream is written in place."""
         if self.fd is not None:
-            sys.stdout.flush()
+            if sys.stdout:
+                sys.stdout.flush()
             # A FIFO's descriptor is closed once written (its reader sees the end); stdout stays open.
             with os.fdopen(os.dup(self.fd) if self.fd in (1, 2) else self.fd, "wb") as f:
                 produce(f)
@@ -123,6 +124,12 @@ def claim(outputs: Sequence[Output], inputs: Mapping[str, str | Path | None] = {
             if not outer.directory and _within(o.path, outer.path):
                 raise UserError(f"{o.flag} {o.path} would write into {outer.flag} {outer.path}, a file; give each "
                                 "output its own path")
+    runs = [_resolved(o.path) for o in given if o.holds]  # the command's own run directory (train's --out)
+    for o in given:
+        run = None if o.holds else _run_directory_around(o.path)
+        if run is not None and run not in runs and not any(run in r.parents for r in runs):
+            raise UserError(f"{o.flag} {o.path} would write into the spmd run {run}, whose directory holds only "
+                            "its checkpoints; choose a path outside it")
     for o in given:
         if claimed[o.flag].stream is None:
             _check_writable(o)
@@ -136,14 +143,31 @@ def _resolved(path: str) -> Path:
 
 
 def _within(path: str, inp: str) -> bool:
-    """Whether the output is `inp`, or sits inside it (links resolved; a hard link, or
-    the stdout of a shell's redirection, by the file itself)."""
+    """Whether the output is `inp`, or sits inside it: by name with links resolved, and by
+    identity (a hard link, the stdout of a shell's redirection, a directory bind-mounted
+    at another path)."""
     out_path, in_path = _resolved(path), _resolved(inp)
     if out_path == in_path or in_path in out_path.parents:
         return True
-    with contextlib.suppress(OSError):
-        return os.path.samestat(os.stat(path), os.stat(inp))
+    try:
+        target = os.stat(inp)
+    except OSError:
+        return False
+    for place in (out_path, *out_path.parents):
+        with contextlib.suppress(OSError):
+            if os.path.samestat(os.stat(place), target):
+                return True
     return False
+
+
+def _run_directory_around(path: str) -> Path | None:
+    """The spmd run directory (it holds a run's lock file) or checkpoint step directory
+    (`<step>/meta`) that `path` is, or sits inside, if any: a file written there makes
+    the run refuse to resume, or lands in a checkpoint."""
+    for place in (_resolved(path), *_resolved(path).parents):
+        if (place / LOCK_NAME).is_file() or place.name.isdigit() and (place / "meta").exists():
+            return place
+    return None
 
 
 def _kind(o: Output) -> Claimed:
@@ -156,7 +180,9 @@ def _kind(o: Output) -> Claimed:
         return Claimed(o.flag, o.path, _resolved(o.path))
     except OSError as exc:
         raise UserError(f"{o.flag} {o.path} cannot be used: {exc.strerror}") from None
-    own = next((fd for fd in (1, 2) if _same_as_fd(st, fd)), None)
+    # (fd 1 or 2 closed when the command started: Python has no such stream, and the number
+    # may since belong to a file the process opened.)
+    own = next((fd for fd, stream in ((1, sys.stdout), (2, sys.stderr)) if stream and _same_as_fd(st, fd)), None)
     if o.directory:
         if not stat.S_ISDIR(st.st_mode):
             what = "a file" if stat.S_ISREG(st.st_mode) else file_kind(o.path)

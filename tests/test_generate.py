@@ -246,6 +246,8 @@ CASES = {
     "seed beyond 64 bits": (["--checkpoint", "{run}", "--prompt", "hi", "--seed", str(2**64 + 5)],
                             "--seed must be at least 0 and at most "),
     "empty prompt": (["--checkpoint", "{run}", "--prompt", ""], "argument --prompt: the value is empty"),
+    "top-k beyond the vocabulary": (["--checkpoint", "{run}", "--prompt", "hi", "--temperature", "1", "--top-k",
+                                     str(10**30)], "is more than the model's vocabulary of 256 tokens"),
     "prompt as long as the context": (["--checkpoint", "{run}", "--prompt", "x" * 32],
                                       "prompt 1 is too long: 32 tokens, and the model's trained context is 32"),
     "prompt longer than the context, new tokens given": (

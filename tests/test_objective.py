@@ -107,7 +107,10 @@ def test_an_imported_moe_model_trained_with_a_bias_is_served(tmp_path):
     from spmd.train import train
     from spmd.weights import checkpoint_config, restore_params
 
-    cfg = validate(TrainConfig(init_from=str(MIXTRAL), mesh="", router_bias_rate=0.01, batch=4, seq=16, steps=2,
+    import shutil
+
+    source = shutil.copytree(MIXTRAL, tmp_path / "mixtral")
+    cfg = validate(TrainConfig(init_from=str(source), mesh="", router_bias_rate=0.01, batch=4, seq=16, steps=2,
                                warmup=0, out=str(tmp_path / "run")))
     train(cfg, make_layout(cfg, jax.devices()[:1]), log=lambda _: None)
     served, checkpoint = checkpoint_config(str(tmp_path / "run"))
@@ -119,3 +122,8 @@ def test_an_imported_moe_model_trained_with_a_bias_is_served(tmp_path):
     assert (done.returncode, done.stderr.count("\n")) == (2, 1), done.stderr
     assert "has no selection bias; the default format keeps it" in done.stderr
     assert not (tmp_path / "hf").exists()
+    # The directory the run started from is an input of its export (its tokenizer files are copied).
+    done = subprocess.run([sys.executable, "-m", "spmd.export", "--checkpoint", str(tmp_path / "run"), "--out",
+                           str(source / "e")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "would write over the run's --init-from" in done.stderr, done.stderr
+    assert not (source / "e").exists()

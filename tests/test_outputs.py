@@ -172,3 +172,26 @@ def test_outputs_that_coincide_are_refused_and_a_trace_may_join_the_scalars(tmp_
     with pytest.raises(UserError, match="which holds only checkpoints"):
         check(out=tb, profile_steps="1:1", profile_dir=f"{tb}/trace")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_no_output_goes_into_a_run_or_a_step_directory_or_through_another_name_of_an_input(folder):
+    """A file written into a run's directory makes the run refuse to resume (or lands in a
+    checkpoint): refused for every command's outputs, whoever's run it is. An input seen
+    through another name (a bind mount) is still the input."""
+    run = folder / "run"
+    (run / "3" / "meta").mkdir(parents=True)
+    (run / ".spmd-lock").write_text("pid 1 on elsewhere\n")
+    for out, where in ((run / "t.npy", run), (run / "3" / "t.npy", run / "3")):
+        done = subprocess.run([*CORPUS, str(out)], cwd=folder, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and f"would write into the spmd run {where}," in one_error_line(done.stderr)
+    with pytest.raises(UserError, match=f"--metrics-file {run}/m.jsonl would write into the spmd run {run},"):
+        check_outputs(TrainConfig(out=str(folder / "mine"), metrics_file=str(run / "m.jsonl")))
+    assert sorted(p.name for p in run.rglob("*")) == [".spmd-lock", "3", "meta"]
+
+    (folder / "data").mkdir()
+    (folder / "data" / "corpus.txt").write_text("some text " * 100)
+    (folder / "alias").mkdir()
+    done = subprocess.run(["unshare", "-rm", "sh", "-c", f"mount --bind data alias && exec {' '.join(CORPUS[:3])} "
+                           "--data data --out alias/t.npy"], cwd=folder, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "would write over the input --data data" in one_error_line(done.stderr)
+    assert sorted(p.name for p in (folder / "data").iterdir()) == ["corpus.txt"]

@@ -50,6 +50,12 @@ CASES = {
                            "null.jsonl, line 2: the text field 'text' is null"),
     "corpus: jsonl array": ("spmd.corpus", ["--data", "{array_jsonl}", "--out", "t.npy"],
                             "array.jsonl, line 2: the text field 'text' is an array"),
+    "corpus: jsonl NaN": ("spmd.corpus", ["--data", "{nan_jsonl}", "--out", "t.npy"],
+                          "nan.jsonl, line 1: x: must be finite (got nan)"),
+    "corpus: jsonl key twice": ("spmd.corpus", ["--data", "{twice_jsonl}", "--out", "t.npy"],
+                                "twice.jsonl, line 1: text: is given twice"),
+    "corpus: data folder holding a FIFO": ("spmd.corpus", ["--data", "{with_fifo}", "--out", "t.npy"],
+                                           "b.txt is a FIFO, not a data file"),
     "corpus: out is a directory": ("spmd.corpus", ["--data", "{corpus}", "--out", "{dir_npy}"], "is a directory"),
     "corpus: out under a file": ("spmd.corpus", ["--data", "{corpus}", "--out", "{file}/t.npy"],
                                  "is a file, not a directory"),
@@ -142,6 +148,11 @@ def _inputs(tmp: Path, run: Path) -> dict[str, str]:
     pq.write_table(pa.table({"text": pa.array(["ab", None], pa.string())}), tmp / "nulls.parquet")
     for name, value in (("number", 5), ("null", None), ("array", ["a"])):
         (tmp / f"{name}.jsonl").write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"text": value}) + "\n")
+    (tmp / "nan.jsonl").write_text('{"text": "a", "x": NaN}\n')
+    (tmp / "twice.jsonl").write_text('{"text": "a", "text": "b"}\n')
+    (tmp / "with_fifo").mkdir()
+    (tmp / "with_fifo" / "a.txt").write_text("a document")
+    os.mkfifo(tmp / "with_fifo" / "b.txt")  # read, it would block the command
     for folder in ("dir.npy", "empty", "full", "ro/inner", "theirs"):
         (tmp / folder).mkdir(parents=True)
     (tmp / "full" / "keep.txt").write_text("mine")
@@ -151,7 +162,7 @@ def _inputs(tmp: Path, run: Path) -> dict[str, str]:
              "ints_parquet": "ints.parquet", "lists_parquet": "lists.parquet", "bytes_parquet": "bytes.parquet",
              "nulls_parquet": "nulls.parquet", "number_jsonl": "number.jsonl", "null_jsonl": "null.jsonl",
              "array_jsonl": "array.jsonl", "dir_npy": "dir.npy", "empty": "empty", "full": "full", "ro": "ro", "fifo": "fifo",
-             "theirs": "theirs"}
+             "theirs": "theirs", "nan_jsonl": "nan.jsonl", "twice_jsonl": "twice.jsonl", "with_fifo": "with_fifo"}
     return {key: str(tmp / name) for key, name in names.items()} | {"run": str(run)}
 
 
