@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 
 from spmd.config import TrainConfig, validate  # noqa: E402
-from spmd.layout import make_layout  # noqa: E402
+from spmd.parallel.layout import make_layout  # noqa: E402
 from spmd.train import train  # noqa: E402
 
 STEPS = 100

@@ -21,16 +21,16 @@ def main():
     parser.add_argument("--dir", default=None)
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
-    from spmd.mesh import emulate_cpu_devices, parse_mesh
+    from spmd.parallel.mesh import emulate_cpu_devices, parse_mesh
 
     emulate_cpu_devices(parse_mesh(args.mesh), None)
     import jax
 
     from models import PRESETS
-    from spmd.checkpoint import Checkpoints, make_meta
+    from spmd.formats.checkpoint import Checkpoints, make_meta
     from spmd.config import TrainConfig, validate
-    from spmd.layout import make_layout
-    from spmd.step import build_program
+    from spmd.parallel.layout import make_layout
+    from spmd.parallel.step import build_program
 
     PRESETS["bench-100m"] = dataclasses.replace(PRESETS["small"], vocab=32000, embed=768, layers=6, heads=12,
                                                 kv_heads=4, head_dim=64, mlp=3072)

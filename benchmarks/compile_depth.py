@@ -16,8 +16,8 @@ import jax
 def compile_seconds(mesh: str, layers: int) -> float:
     from models import PRESETS
     from spmd.config import TrainConfig, validate
-    from spmd.layout import make_layout
-    from spmd.step import build_program
+    from spmd.parallel.layout import make_layout
+    from spmd.parallel.step import build_program
 
     name = f"tiny-{layers}-layers"
     PRESETS[name] = dataclasses.replace(PRESETS["tiny"], layers=layers)
@@ -32,7 +32,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mesh", default="dp=2,fsdp=2,tp=2")
     args = parser.parse_args()
-    from spmd.mesh import emulate_cpu_devices, parse_mesh
+    from spmd.parallel.mesh import emulate_cpu_devices, parse_mesh
 
     emulate_cpu_devices(parse_mesh(args.mesh), None)
     jax.config.update("jax_enable_compilation_cache", False)

@@ -7,7 +7,7 @@ For the text and token-file sources (and the synthetic chain, for comparison), o
 measures, per source:
 - `build`: the host time to build a step's global batch (what the loop's prefetch
   thread does, timed alone between steps), against the compiled step's time;
-- `waited`: the time the trainer's loop (`spmd.loop`, prefetching as it does) spent
+- `waited`: the time the trainer's loop (`spmd.run.loop`, prefetching as it does) spent
   waiting for its batches, against the loop's step time. This is what data loading
   costs a run; goal: under 2%.
 Text is tokenized once at start-up; that time is printed apart, with the token file's.
@@ -54,9 +54,9 @@ def main() -> None:
     import numpy as np
 
     from spmd.config import TrainConfig, validate
-    from spmd.corpus import token_stream
-    from spmd.data import make_source
-    from spmd.layout import make_layout
+    from spmd.data.corpus import token_stream
+    from spmd.data.synthetic import make_source
+    from spmd.parallel.layout import make_layout
 
     tmp = Path(tempfile.mkdtemp(prefix="spmd-data-bench-"))
     corpus = make_corpus(tmp)
@@ -89,8 +89,8 @@ def _build_and_step(cfg, layout, source, steps: int) -> tuple[float, float]:
     """Median seconds to build a batch on the host, and to run the compiled step on it."""
     import jax
 
-    from spmd.data import global_batch
-    from spmd.step import build_program
+    from spmd.data.synthetic import global_batch
+    from spmd.parallel.step import build_program
 
     program = build_program(cfg, layout)
     step = program.compile_step()
@@ -113,11 +113,11 @@ def _build_and_step(cfg, layout, source, steps: int) -> tuple[float, float]:
 def _loop_wait(cfg, layout) -> tuple[float, float, float]:
     """The trainer's own loop: mean seconds per step spent waiting for the next batch,
     mean step time (its records), and rows this process read per step."""
-    import spmd.loop
+    import spmd.run.loop
     from spmd.train import prepare
 
     waited = []
-    real_next = spmd.loop.Prefetcher.next
+    real_next = spmd.run.loop.Prefetcher.next
 
     def timed_next(self):
         t0 = time.perf_counter()
@@ -125,12 +125,12 @@ def _loop_wait(cfg, layout) -> tuple[float, float, float]:
         waited.append(time.perf_counter() - t0)
         return batch
 
-    spmd.loop.Prefetcher.next = timed_next
+    spmd.run.loop.Prefetcher.next = timed_next
     try:
         run = prepare(cfg, layout, log=lambda _: None)
         result = run.loop()
     finally:
-        spmd.loop.Prefetcher.next = real_next
+        spmd.run.loop.Prefetcher.next = real_next
     steady = slice(1, None)  # the first step waits for the prefetch thread's start
     step_s = statistics.mean(r["step_time_s"] for r in result.records[steady])
     return statistics.mean(waited[steady]), step_s, run.source.rows_read / cfg.steps

@@ -1,4 +1,4 @@
-"""Decoding speed with the key/value cache (spmd.decode), in one run:
+"""Decoding speed with the key/value cache (spmd.inference.decode), in one run:
 
 1. decode tokens/s with the cache / tokens/s recomputing the whole sequence for each new
    token (the same model, batch and lengths, both one compiled scan over the new tokens);
@@ -24,7 +24,7 @@ def main():
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    from spmd.mesh import emulate_cpu_devices, parse_mesh
+    from spmd.parallel.mesh import emulate_cpu_devices, parse_mesh
 
     emulate_cpu_devices(parse_mesh(args.mesh), None)
     import jax
@@ -34,8 +34,8 @@ def main():
 
     from models import PRESETS, Llama
     from spmd.config import TrainConfig, validate
-    from spmd.decode import Decoder, Sampling, left_padded
-    from spmd.layout import make_layout
+    from spmd.inference.decode import Decoder, Sampling, left_padded
+    from spmd.parallel.layout import make_layout
 
     layout = make_layout(validate(TrainConfig(model=args.model, mesh=args.mesh)), for_training=False)
     params = nnx.to_pure_dict(nnx.state(Llama(PRESETS[args.model], rngs=nnx.Rngs(0)), nnx.Param))

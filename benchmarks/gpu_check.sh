@@ -6,11 +6,11 @@
 #   NO_INSTALL=1 MODEL=small SEQ=128 BATCH=4 PARITY_SEQ=256 bash benchmarks/gpu_check.sh   # its logic, on a CPU
 #
 # 0. JAX sees the GPU (else `pip install -e ".[cuda12]"`, which needs the package index),
-#    and every flag of spmd.xla_flags is known to this jaxlib (tests/test_xla_flags.py).
+#    and every flag of spmd.run.xla_flags is known to this jaxlib (tests/test_xla_flags.py).
 # 1. Parity in bfloat16 of the cudnn kernel against the chunked one (and the xla one), forward
 #    and gradients, on one GPU (benchmarks/attention_parity.py).
 # 2. MFU of llama3.2-1b, seq 2048, batch 16, bfloat16 on one GPU (benchmarks/mfu.py), with
-#    spmd.xla_flags' flags and without. Batch 16 fits: `python -m spmd.plan --model
+#    spmd.run.xla_flags' flags and without. Batch 16 fits: `python -m spmd.plan --model
 #    llama3.2-1b --seq 2048 --batch 16 --dtype bfloat16 --mesh dp=1 --hardware h200` plans a
 #    peak of 108.9 GiB of the H200's 131 GiB even with the scores materialized (xla kernel).
 set -uo pipefail

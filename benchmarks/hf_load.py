@@ -1,5 +1,5 @@
 """How much host memory loading a Hugging Face checkpoint takes, and how long placing it on
-a mesh takes: `spmd.hf.load_params` reads one layer of one parameter at a time and places
+a mesh takes: `spmd.formats.hf.load_params` reads one layer of one parameter at a time and places
 each device's slice, so the host's share should stay near the largest published tensor,
 not grow with the model.
 
@@ -33,8 +33,8 @@ def write_checkpoint(directory: Path) -> tuple[int, int]:
     """A random model in `directory`; -> (checkpoint bytes, largest tensor's bytes)."""
     import ml_dtypes
 
-    from models.llama_hf import config_from_hf, tensors
-    from spmd.safetensors import Writer
+    from models.llama.hf import config_from_hf, tensors
+    from spmd.formats.safetensors import Writer
 
     cfg = config_from_hf(CONFIG)
     entries = [(name, shape) for t in tensors(cfg) for i in range(cfg.layers if t.stacked else 1)
@@ -92,7 +92,7 @@ def main():
     parser.add_argument("--mesh", default="fsdp=4,tp=2")
     parser.add_argument("--dir", default=None)
     args = parser.parse_args()
-    from spmd.mesh import emulate_cpu_devices, parse_mesh
+    from spmd.parallel.mesh import emulate_cpu_devices, parse_mesh
 
     emulate_cpu_devices(parse_mesh(args.mesh), None)
     import dataclasses
@@ -100,8 +100,8 @@ def main():
     import jax
 
     from spmd.config import TrainConfig
-    from spmd.hf import Directory, load_params
-    from spmd.layout import make_layout
+    from spmd.formats.hf import Directory, load_params
+    from spmd.parallel.layout import make_layout
 
     root = Path(args.dir or tempfile.mkdtemp(prefix="spmd-hf-bench-"))
     root.mkdir(parents=True, exist_ok=True)

@@ -16,7 +16,7 @@ import time
 def bare_step_seconds(program, layout, cfg, steps: int, in_flight_limit: int) -> float:
     import jax
 
-    from spmd.data import MarkovSource, global_batch
+    from spmd.data.synthetic import MarkovSource, global_batch
 
     with jax.set_mesh(layout.mesh):
         state = program.init(jax.random.key(0))
@@ -30,7 +30,7 @@ def bare_step_seconds(program, layout, cfg, steps: int, in_flight_limit: int) ->
     in_flight = []
     for _ in range(steps):
         state, metrics = step(state, batch)
-        # The same bound on steps in flight as the trainer (XLA:CPU needs it; see spmd.loop).
+        # The same bound on steps in flight as the trainer (XLA:CPU needs it; see spmd.run.loop).
         in_flight.append(metrics["loss"])
         if len(in_flight) > in_flight_limit:
             in_flight.pop(0).block_until_ready()
@@ -49,13 +49,13 @@ def main():
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
 
-    from spmd.mesh import emulate_cpu_devices, parse_mesh
+    from spmd.parallel.mesh import emulate_cpu_devices, parse_mesh
 
     emulate_cpu_devices(parse_mesh(args.mesh), None)
     from spmd.config import TrainConfig, validate
-    from spmd.layout import make_layout
-    from spmd.step import build_program
-    from spmd.loop import MAX_STEPS_IN_FLIGHT
+    from spmd.parallel.layout import make_layout
+    from spmd.parallel.step import build_program
+    from spmd.run.loop import MAX_STEPS_IN_FLIGHT
     from spmd.train import train
 
     cfg = validate(TrainConfig(mesh=args.mesh, model=args.model, batch=args.batch, seq=args.seq,

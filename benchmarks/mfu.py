@@ -7,7 +7,7 @@ splits it, times each device's tokens of a microbatch), in the same dtype, run o
 device of the mesh at once (emulated devices share the host's cores, as in the step) and
 timed in the same process. That ratio is a roofline fraction.
 
-FLOPs are the log line's (spmd.hardware.train_flops_per_token): 6 x the parameters a token
+FLOPs are the log line's (spmd.base.hardware.train_flops_per_token): 6 x the parameters a token
 multiplies with + causal attention 6 x layers x heads x head_dim x seq; recomputation
 (--remat) is not counted. Only steady-state steps are timed: after compiling and
 --warmup-steps steps, --steps steps are dispatched back to back and waited for once at the
@@ -15,14 +15,14 @@ end. Rounds of step and matmul windows alternate (this machine's speed drifts), 
 median ratio is printed.
 
 The run is built as spmd.train builds it (options are the trainer's; the XLA flags of
-spmd.xla_flags are set as the trainer sets them, --no-xla-flags to leave them out):
+spmd.run.xla_flags are set as the trainer sets them, --no-xla-flags to leave them out):
 
     python benchmarks/mfu.py --model llama3.2-1b --seq 2048 --batch 16 --dtype bfloat16
     python benchmarks/mfu.py --model small --mesh fsdp=2,tp=2 --seq 256 --batch 8 --steps 5
 
 Defaults here: --mesh dp=1 on the CPU (dp=-1 elsewhere), --steps 10. Keep --steps modest on
 emulated CPU devices: a deep queue of steps in flight has deadlocked XLA:CPU's collectives
-(see spmd.loop.MAX_STEPS_IN_FLIGHT), at about 200.
+(see spmd.run.loop.MAX_STEPS_IN_FLIGHT), at about 200.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import time
 def add_extras(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="alternating timed windows; the median is printed")
     parser.add_argument("--warmup-steps", type=int, default=2, help="steps run before timing (after compiling)")
-    parser.add_argument("--no-xla-flags", action="store_true", help="do not set spmd.xla_flags' flags")
+    parser.add_argument("--no-xla-flags", action="store_true", help="do not set spmd.run.xla_flags' flags")
 
 
 def with_defaults(argv: list[str], backend: str) -> list[str]:
@@ -106,10 +106,10 @@ def step_seconds(step, state, batches, steps: int):
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    from spmd import xla_flags
+    from spmd.run import xla_flags
     from spmd.config import model_config, parse_with_extras
-    from spmd.errors import one_line_errors
-    from spmd.mesh import emulate_cpu_devices
+    from spmd.base.errors import one_line_errors
+    from spmd.parallel.mesh import emulate_cpu_devices
 
     backend = xla_flags.backend_before_start()
     with one_line_errors():
@@ -120,12 +120,12 @@ def main(argv: list[str] | None = None) -> None:
         emulate_cpu_devices(cfg.mesh_spec.sizes, cfg.cpu_devices)
         import jax
 
-        from spmd import kernels
-        from spmd.data import global_batch, make_source
-        from spmd.hardware import detect, train_flops_per_token
-        from spmd.layout import make_layout
-        from spmd.skeleton import DTYPES
-        from spmd.step import build_program
+        from spmd.parallel import kernels
+        from spmd.data.synthetic import global_batch, make_source
+        from spmd.base.hardware import detect, train_flops_per_token
+        from spmd.parallel.layout import make_layout
+        from spmd.parallel.skeleton import DTYPES
+        from spmd.parallel.step import build_program
 
         layout = make_layout(cfg)
     model_cfg = layout.skeleton.model_cfg
@@ -135,14 +135,14 @@ def main(argv: list[str] | None = None) -> None:
     for line in flag_lines:
         print(line)
     if extras.no_xla_flags:
-        print("XLA flags of spmd.xla_flags: not set (--no-xla-flags)")
+        print("XLA flags of spmd.run.xla_flags: not set (--no-xla-flags)")
     print(f"model {cfg.model_name} ({model_cfg.num_params() / 1e6:,.1f}M parameters), batch {cfg.batch} x seq "
           f"{cfg.seq}, {cfg.dtype}, remat {cfg.remat}, attention kernel {kernels.describe(cfg.attention_kernel, device)}; mesh "
           f"{layout.describe()} on {devices} {device.platform} device(s) ({device.device_kind}); jax {jax.__version__}")
     per_token = train_flops_per_token(model_cfg, cfg.seq)
     per_step_device = per_token * cfg.batch * cfg.seq / devices
     print(f"model FLOPs per token {per_token:.4g} = 6 x matmul parameters + causal attention 6 x layers x heads x "
-          f"head_dim x seq, recomputation excluded (spmd.hardware.train_flops_per_token, as the log line); "
+          f"head_dim x seq, recomputation excluded (spmd.base.hardware.train_flops_per_token, as the log line); "
           f"{per_step_device:.4g} per step per device")
 
     started = time.perf_counter()

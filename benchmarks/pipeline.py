@@ -4,18 +4,18 @@ activation memory against 1F1B's at m = 4p, and zb-v's rings against 1F1B's.
 For each schedule the train step is compiled on p emulated CPU devices (pp only, so
 every device runs one stage) and on one device without a pipeline. Executed compute is
 the FLOPs of every matrix product inside the compiled step's loops (the stages' ticks and
-layer scans), times how often its loop runs (`spmd.hlo.dot_flops`), summed over the p
+layer scans), times how often its loop runs (`spmd.planner.hlo.dot_flops`), summed over the p
 devices; useful compute is the same count for the one-device step (its layer scan). Their
 ratio should be 1 / (1 - bubble) = (v*m + p - 1) / (v*m); zb-v's
 ((2m+2p-2)(f+b) + 2m w) / (2m(f+b+w)), f, b, w a chunk's forward, input-gradient and
-weight-gradient dot FLOPs (spmd.zero_bubble.chunk_dot_flops; zb-v runs with 2 layers a
+weight-gradient dot FLOPs (spmd.planner.hlo.chunk_dot_flops; zb-v runs with 2 layers a
 chunk, 4p layers, so that a chunk's layer scan stays a loop). Left out on both sides: what
 runs outside loops (embedding, output head), and 1F1B's head, which sits in a branch that
 only the last stage takes.
 
 Memory: XLA's temporaries per device, each schedule's over 1F1B's on the same layout.
 `kept`: the activations a stage keeps, in microbatches through all its layers
-(spmd.pipeline.Schedule.kept_microbatches: GPipe m + p - 1, circular (v*m + p - 1)/v,
+(spmd.parallel.pipeline.Schedule.kept_microbatches: GPipe m + p - 1, circular (v*m + p - 1)/v,
 1F1B 2p - 1, interleaved 1F1B (2vp - 1)/v, zb-v its longest ring, (5p - 2)/2 chunks of the
 matmuls' inputs); `+tick`: with the tick's activations,
 built apart before they are filed (1/v more), and its ratio to 1F1B's: the ratio of the
@@ -36,13 +36,14 @@ import jax  # noqa: E402
 jax.config.update("jax_num_cpu_devices", 8)
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from spmd import hlo  # noqa: E402
+from spmd.planner import hlo  # noqa: E402
 from spmd.config import TrainConfig, validate  # noqa: E402
-from spmd.layout import make_layout  # noqa: E402
-from spmd.pipeline import Schedule  # noqa: E402
-from spmd.step import _stage_parts, build_program  # noqa: E402
-from spmd.pipeline import _split_vjp  # noqa: E402
-from spmd.zero_bubble import chunk_dot_flops, executed_over_useful, split_backward, timetable  # noqa: E402
+from spmd.parallel.layout import make_layout  # noqa: E402
+from spmd.parallel.pipeline import Schedule  # noqa: E402
+from spmd.parallel.step import _stage_parts, build_program  # noqa: E402
+from spmd.parallel.pipeline import _split_vjp  # noqa: E402
+from spmd.parallel.zero_bubble import executed_over_useful, split_backward, timetable  # noqa: E402
+from spmd.planner.hlo import chunk_dot_flops  # noqa: E402
 
 BASE = dict(model="small", layers=8, seq=128, remat="none")
 

@@ -18,8 +18,8 @@ import jax  # noqa: E402
 jax.config.update("jax_num_cpu_devices", 64)
 
 from spmd.config import TrainConfig, validate  # noqa: E402
-from spmd.layout import make_layout  # noqa: E402
-from spmd.plan import make_plan  # noqa: E402
+from spmd.parallel.layout import make_layout  # noqa: E402
+from spmd.planner.plan import make_plan  # noqa: E402
 
 TINY = dict(model="tiny", batch=32, seq=32)
 LAYOUTS = [

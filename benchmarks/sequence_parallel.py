@@ -19,9 +19,9 @@ import jax  # noqa: E402
 jax.config.update("jax_num_cpu_devices", 8)
 
 from spmd.config import TrainConfig, validate  # noqa: E402
-from spmd.layout import make_layout  # noqa: E402
-from spmd.plan import make_plan  # noqa: E402
-from spmd.report import human_bytes  # noqa: E402
+from spmd.parallel.layout import make_layout  # noqa: E402
+from spmd.planner.plan import make_plan  # noqa: E402
+from spmd.planner.report import human_bytes  # noqa: E402
 
 
 def main() -> int:

@@ -1,7 +1,7 @@
 """Logical-axis annotations for activations.
 
 Models name activation dimensions with logical names only. Whoever runs the model
-(spmd.step) decides what those names mean by setting flax's logical axis rules and a
+(spmd.parallel.step) decides what those names mean by setting flax's logical axis rules and a
 mesh; without them this is the identity, so a model runs unchanged on one device.
 """
 
@@ -104,7 +104,7 @@ class Storage:
 
 @contextlib.contextmanager
 def storage(where: Storage):
-    """Tell `weight` where parameters and gradients are stored (set by spmd.step)."""
+    """Tell `weight` where parameters and gradients are stored (set by spmd.parallel.step)."""
     token = _STORAGE.set(where)
     try:
         yield

@@ -1,5 +1,5 @@
 """Causal attention for one device, its kernels, and the hook through which a trainer
-swaps in a kernel or a sequence-parallel implementation (spmd.context) without the model
+swaps in a kernel or a sequence-parallel implementation (spmd.parallel.context) without the model
 knowing.
 
 Masks compare positions, not indices, so the sequence may arrive in any order (a
@@ -67,6 +67,7 @@ SPLASH_BLOCKS = (512, 256, 128)  # block sizes splash attention tiles the sequen
 
 def splash_attention(q, k, v, q_positions, k_positions, interpret: bool = False):
     """`interpret`: run the Pallas kernel in its interpreter (any backend; for tests)."""
+    # Imported here: the TPU kernels' modules are not needed, and not imported, elsewhere.
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernels
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 

@@ -3,7 +3,7 @@ and a backward pass that recomputes each block's scores instead of keeping them,
 memory grows linearly in the sequence (no seq x seq score matrix is ever whole).
 
 Its pieces serve two callers: `attention` (one device, or one device's heads and rows)
-and ring attention across sp (spmd.context), which merges per-chunk results with
+and ring attention across sp (spmd.parallel.context), which merges per-chunk results with
 `merge` by their log-sum-exp. The mask compares positions, as models.attention does.
 
 Shapes: q (batch, s, kv_heads, groups, head_dim); k, v (batch, t, kv_heads, head_dim);

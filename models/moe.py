@@ -30,7 +30,7 @@ Bias, placement and the measured load are `RouterState` variables beside the wei
 served model keeps only the bias, as a weight (`Routing.bias_weight`).
 
 Moving tokens between devices is not written here: the expert computation goes through
-`experts_ffn`, which a trainer may swap (`expert_implementation`, see spmd.experts) for
+`experts_ffn`, which a trainer may swap (`expert_implementation`, see spmd.parallel.experts) for
 one that sends tokens to the devices holding their experts.
 """
 
@@ -281,7 +281,7 @@ def single_device_experts(x, choice: Choice, gate_up, down, capacity: int | None
 
 # Each choice's rank among its sequence's choices of its expert (capacity mode):
 # capacity_slots(expert, positions, experts); a trainer that splits sequences swaps in a
-# ranking across the pieces (`slots_implementation`, see spmd.context).
+# ranking across the pieces (`slots_implementation`, see spmd.parallel.context).
 capacity_slots = Swappable("slots", _slots)
 slots_implementation = capacity_slots.use
 

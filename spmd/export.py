@@ -7,7 +7,7 @@ fine-tuning elsewhere.
 The parameters are read straight into the layout of `--mesh` (default: the mesh that
 wrote them). The default format is one Orbax PyTree, `OUT/params`, beside `OUT/model.json`
 (model name, step, parameter shapes); reading them back needs no optimizer state. `--format
-hf` writes a Hugging Face directory (spmd.hf: config.json, safetensors files with their
+hf` writes a Hugging Face directory (spmd.formats.hf: config.json, safetensors files with their
 index, and the tokenizer files of the run), gathering one layer of one parameter at a time.
 
 `--out` is checked before anything is read: a new directory, or an empty one, that can
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import errno
 import os
 import re
@@ -29,10 +28,14 @@ import shutil
 import sys
 from pathlib import Path
 
-from spmd.config import OneLineErrorParser, integer, nonempty
-from spmd.errors import (EXIT_OUTPUT_FAILED, UserError, held_stderr, one_line_errors, quiet_library_threads,
+from spmd.base.cli import OneLineErrorParser, integer, nonempty
+from spmd.base.errors import (EXIT_OUTPUT_FAILED, UserError, held_stderr, one_line_errors, quiet_library_threads,
                          why_io_failed)
-from spmd.paths import Output, check_writable_dir, claim, remove_stale_temporaries, temporary_name
+from spmd.base.paths import Output, check_writable_dir, claim, remove_stale_temporaries, temporary_name
+from spmd.formats.checkpoint import export_params
+from spmd.formats.hf import write_hf
+from spmd.run.export import hf_parts, restored
+from spmd.run.weights import check_source_flags, checkpoint_config
 
 
 def export_parser() -> OneLineErrorParser:
@@ -80,15 +83,13 @@ def main(argv=None) -> int:
         with one_line_errors():
             args = parser.parse_args(argv)
             out, cfg, checkpoint = check(args)
-            params, cfg = read(args, cfg, checkpoint)
+            params, cfg = restored(cfg, checkpoint, args.mesh, args.cpu_devices)
             meta = checkpoint.meta
             if args.format == "hf":
                 model_cfg, tokenizer_files = hf_parts(cfg, meta)
         if args.format == "hf":
             write(out, args.out, lambda tmp: write_hf_export(tmp, params, model_cfg, args, tokenizer_files))
         else:
-            from spmd.checkpoint import export_params
-
             write(out, args.out, lambda tmp: export_params(tmp, params, meta))
     finally:
         restore()
@@ -97,38 +98,7 @@ def main(argv=None) -> int:
     return 0
 
 
-def hf_parts(cfg, meta: dict):
-    """The model config of a checkpoint's run, checked to have a Hugging Face layout, and
-    the tokenizer files to copy beside it: those of the run's tokenizer.json (its
-    directory's tokenizer_config.json and special_tokens_map.json with it), else those
-    of the directory the run started from."""
-    from models import hf_layout
-    from spmd.hf import GENERATION_CONFIG, TOKENIZER_FILES, companions
-    from spmd.config import model_config
-
-    model_cfg = model_config(cfg)
-    if cfg.router_bias_weight:
-        raise UserError(f"--format hf: model {cfg.model_name} was trained with --router-bias-rate, and the Hugging "
-                        "Face Mixtral layout has no selection bias; the default format keeps it")
-    why_not = hf_layout(model_cfg).supported(model_cfg)
-    if why_not:
-        raise UserError(f"--format hf: model {cfg.model_name} has no Hugging Face layout ({why_not})")
-    config = meta.get("config", {})
-    init_from, tokenizer = config.get("init_from"), config.get("tokenizer")
-    # Each file copied is checked first (a regular file holding JSON): one that is a
-    # directory or damaged is refused, not skipped.
-    started = companions(init_from, "the run's --init-from") if init_from else {}
-    files = {name: path for name, path in started.items() if name == GENERATION_CONFIG or not tokenizer}
-    if tokenizer and tokenizer.endswith(".json"):
-        beside = companions(Path(tokenizer).parent, "the run's tokenizer directory")
-        files |= {name: path for name, path in beside.items() if name in TOKENIZER_FILES}
-        files["tokenizer.json"] = Path(tokenizer)
-    return model_cfg, files
-
-
 def write_hf_export(tmp: Path, params, model_cfg, args, tokenizer_files: dict) -> None:
-    from spmd.hf import write_hf
-
     tmp.mkdir()
     write_hf(tmp, params, model_cfg, HF_DTYPES[args.dtype], bytes_of(args.max_shard_size), tokenizer_files)
 
@@ -137,8 +107,6 @@ def check(args):
     """Everything that can be checked before reading the checkpoint: the flags' ranges,
     the checkpoint (its step and its run's config), and that `--out` can be written and
     is no input. -> (out, the run's config, the checkpoint)"""
-    from spmd.weights import check_source_flags, checkpoint_config
-
     check_source_flags(args.step, args.cpu_devices)
     if args.format != "hf" and (args.dtype != "float32" or args.max_shard_size != DEFAULT_SHARD):
         raise UserError("--dtype and --max-shard-size apply to --format hf")
@@ -158,21 +126,6 @@ def check(args):
             raise UserError(f"--out {args.out}: its directory {out.parent} cannot be written (the export is "
                             "written there under a temporary name, then renamed)") from None
     return out, cfg, checkpoint
-
-
-def read(args, cfg, checkpoint):
-    """The checkpoint's parameters on `--mesh` (default: the mesh that wrote them), with
-    the run's config for that mesh."""
-    from spmd.config import validate
-    from spmd.mesh import emulate_cpu_devices
-    from spmd.weights import restore_params
-
-    cfg = validate(dataclasses.replace(cfg, mesh=args.mesh or cfg.mesh))
-    emulate_cpu_devices(cfg.mesh_spec.sizes, args.cpu_devices)  # before Orbax starts JAX
-
-    from spmd.layout import make_layout
-
-    return restore_params(checkpoint, cfg, make_layout(cfg, for_training=False)), cfg
 
 
 def write(out: Path, flag_value: str, produce) -> None:

@@ -22,8 +22,8 @@ import sys
 import time
 from collections.abc import Sequence
 
-from spmd.config import OneLineErrorParser, finite, integer
-from spmd.errors import UserError, one_line_errors
+from spmd.base.cli import OneLineErrorParser, finite, integer
+from spmd.base.errors import UserError, one_line_errors
 
 # A fixed bound, the same on every machine: every process is a whole JAX runtime (a few
 # hundred MB and its own threads), so no single machine runs a thousand of them usefully,

@@ -15,7 +15,7 @@ import tempfile
 
 MODULES = ("spmd.train", "spmd.plan", "spmd.export", "spmd.launch", "spmd.corpus", "spmd.generate", "spmd.eval")
 # What the commands import on their way (the models, Orbax, the layout): loaded once here.
-PRELOAD = ("models", "spmd.layout", "spmd.checkpoint", "spmd.loop", "spmd.step", "spmd.data")
+PRELOAD = ("models", "spmd.parallel.layout", "spmd.formats.checkpoint", "spmd.run.loop", "spmd.parallel.step", "spmd.data.synthetic")
 
 
 def run(module, argv: list[str], cwd: str) -> dict:

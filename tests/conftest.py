@@ -34,11 +34,11 @@ import functools  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from spmd.balance import REBALANCE_EVERY  # noqa: E402
+from spmd.parallel.balance import REBALANCE_EVERY  # noqa: E402
 from spmd.config import TrainConfig, validate  # noqa: E402
-from spmd.data import MarkovSource, global_batch  # noqa: E402
-from spmd.layout import make_layout  # noqa: E402
-from spmd.step import build_program  # noqa: E402
+from spmd.data.synthetic import MarkovSource, global_batch  # noqa: E402
+from spmd.parallel.layout import make_layout  # noqa: E402
+from spmd.parallel.step import build_program  # noqa: E402
 
 # Small enough to compile in a few seconds, large enough for every layout of the matrix.
 PARITY = dict(model="tiny", batch=32, seq=32, steps=4, lr=3e-3, warmup=1)
@@ -75,7 +75,7 @@ class Run:
     program: object
     cfg: TrainConfig
     compiled: object  # the compiled train step
-    router: dict | None = None  # the MoE layers' router state at the end (spmd.balance), if kept
+    router: dict | None = None  # the MoE layers' router state at the end (spmd.parallel.balance), if kept
 
 
 @functools.lru_cache(maxsize=None)

@@ -15,12 +15,12 @@ from conftest import assert_params_match, train_run
 from helpers import one_error_line
 from models import flash
 from models.attention import causal_attention, cudnn_attention, splash_attention
-from spmd import kernels
+from spmd.parallel import kernels
 from spmd.config import TrainConfig, validate
-from spmd.context import zigzag_order
-from spmd.layout import make_layout
-from spmd.mesh import build_mesh
-from spmd.step import build_program
+from spmd.parallel.context import zigzag_order
+from spmd.parallel.layout import make_layout
+from spmd.parallel.mesh import build_mesh
+from spmd.parallel.step import build_program
 
 pytestmark = pytest.mark.xdist_group("layouts")  # the parity runs share conftest's compiled reference
 

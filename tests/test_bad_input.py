@@ -18,7 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from spmd.config import Bounds, TrainConfig, finite, integer, nonempty, train_parser
+from spmd.base.cli import finite, integer, nonempty
+from spmd.base.schema import Bounds
+from spmd.config import TrainConfig, train_parser
 from spmd.corpus import corpus_parser
 from spmd.eval import BOUNDS as EVAL_BOUNDS
 from spmd.eval import eval_parser

@@ -12,14 +12,14 @@ from flax import nnx
 
 from conftest import assert_params_match, train_run
 from models.moe import MoE, MoEConfig, Routing, swiglu_experts
-from spmd import balance
+from spmd.parallel import balance
 from spmd.config import TrainConfig, validate
-from spmd.layout import make_layout
-from spmd.plan import make_plan
-from spmd.data import MarkovSource, global_batch
-from spmd.step import build_program
+from spmd.parallel.layout import make_layout
+from spmd.planner.plan import make_plan
+from spmd.data.synthetic import MarkovSource, global_batch
+from spmd.parallel.step import build_program
 from spmd.train import train
-from spmd.weights import checkpoint_config, restore_params
+from spmd.run.weights import checkpoint_config, restore_params
 from test_parity import LOSS_RTOL
 
 pytestmark = pytest.mark.xdist_group("balance")
@@ -173,7 +173,7 @@ def test_a_run_with_copies_and_bias_resumes_on_another_ep_size_and_serves_as_tra
         return train(cfg, make_layout(cfg, jax.devices()[:devices]), log=lambda _: None)
 
     records, trained = run("ep=4", 4, out=str(tmp_path), save_every=4)
-    from spmd.errors import UserError
+    from spmd.base.errors import UserError
 
     with pytest.raises(UserError, match="trained with --redundant-experts 2; this run has --redundant-experts 4, "
                                         "whose expert slots differ: give --redundant-experts 2"):
@@ -204,8 +204,8 @@ def test_a_run_with_copies_and_bias_resumes_on_another_ep_size_and_serves_as_tra
 def test_a_learned_bias_has_no_hugging_face_layout():
     """Mixtral's layout chooses experts by score alone: exporting a bias to it is refused
     before anything is read (one `error:` line, exit 2, in the CLI)."""
-    from spmd.errors import UserError
-    from spmd.export import hf_parts
+    from spmd.base.errors import UserError
+    from spmd.run.export import hf_parts
 
     cfg = validate(TrainConfig(model="moe-tiny", router_bias_weight=True))
     with pytest.raises(UserError, match="has no selection bias; the default format keeps it"):

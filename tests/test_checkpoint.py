@@ -6,13 +6,13 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-import spmd.step
-from spmd.checkpoint import Checkpoints
+import spmd.parallel.step
+from spmd.formats.checkpoint import Checkpoints
 from spmd.config import TrainConfig, validate
 from spmd.export import main as export_main
-from spmd.layout import make_layout
-from spmd.optim import schedule
-from spmd.skeleton import model_skeleton
+from spmd.parallel.layout import make_layout
+from spmd.parallel.optim import schedule
+from spmd.parallel.skeleton import model_skeleton
 from spmd.train import prepare, train
 
 BASE = dict(mesh="dp=2,fsdp=2,tp=2", batch=16, seq=32, steps=8, lr=3e-3, warmup=2, log_every=4)
@@ -73,8 +73,8 @@ def test_export_writes_parameters_readable_without_the_optimizer(uninterrupted, 
 @pytest.fixture
 def poisoned_loss(monkeypatch):
     """Make the loss non-finite on the batches of steps 2 and 3 (whose data are fixed)."""
-    real = spmd.step._loss
-    from spmd.data import MarkovSource
+    real = spmd.parallel.step._loss
+    from spmd.data.synthetic import MarkovSource
 
     source = MarkovSource(256, seed=0)
     marks = [int(source.rows(step, 0, 1, 33)[0, 0]) * 1000 + int(source.rows(step, 0, 1, 33)[0, 1])
@@ -87,7 +87,7 @@ def poisoned_loss(monkeypatch):
         poison = lambda x: jnp.where(hit, jnp.nan, x)  # noqa: E731
         return poison(value), metrics | {"loss": poison(metrics["loss"])}
 
-    monkeypatch.setattr(spmd.step, "_loss", loss)
+    monkeypatch.setattr(spmd.parallel.step, "_loss", loss)
 
 
 def test_on_nan_skip_drops_the_update_and_goes_on(poisoned_loss):

@@ -28,12 +28,12 @@ import numpy as np
 import pytest
 import tensorstore as ts
 
-from spmd.checkpoint import Checkpoints, check_resumable, read_meta
-from spmd.checksum import array_checksum, checksums
+from spmd.formats.checkpoint import Checkpoints, check_resumable, read_meta
+from spmd.formats.checksum import array_checksum, checksums
 from spmd.config import TrainConfig, validate
-from spmd.errors import UserError
-from spmd.layout import make_layout
-from spmd.step import build_program
+from spmd.base.errors import UserError
+from spmd.parallel.layout import make_layout
+from spmd.parallel.step import build_program
 from helpers import one_error_line, snapshot
 
 pytestmark = pytest.mark.xdist_group("integrity")  # the tests share one saved run
@@ -102,7 +102,7 @@ def _mix(h: np.ndarray) -> np.ndarray:
 
 
 def _reference_checksum(host: np.ndarray) -> int:
-    """spmd.checksum's definition, on the host: sum of mix(bits ^ mix(flat index)) in uint32."""
+    """spmd.formats.checksum's definition, on the host: sum of mix(bits ^ mix(flat index)) in uint32."""
     bits = host.view({2: np.uint16, 4: np.uint32}[host.itemsize]).astype(np.uint32).ravel()
     return int(np.sum(_mix(bits ^ _mix(np.arange(bits.size, dtype=np.uint32))), dtype=np.uint32))
 

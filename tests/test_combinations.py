@@ -6,10 +6,10 @@ import re
 
 import pytest
 
-from spmd.checks import FEATURES, REFUSED, check_layout
+from spmd.parallel.checks import FEATURES, REFUSED, check_layout
 from spmd.config import TrainConfig, validate
-from spmd.errors import UserError
-from spmd.mesh import AXES, resolve_mesh
+from spmd.base.errors import UserError
+from spmd.parallel.mesh import AXES, resolve_mesh
 
 README = pathlib.Path(__file__).parents[1] / "README.md"
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from conftest import assert_params_match, train_run
-from spmd.plan import make_plan
+from spmd.planner.plan import make_plan
 from test_parity import LOSS_RTOL
 
 pytestmark = pytest.mark.xdist_group("composition")

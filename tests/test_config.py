@@ -6,9 +6,9 @@ import jax
 import pytest
 
 from spmd.config import parse_args
-from spmd.errors import UserError
-from spmd.mesh import parse_mesh, resolve_mesh
-from spmd.rules import make_rules, spec_for
+from spmd.base.errors import UserError
+from spmd.parallel.mesh import parse_mesh, resolve_mesh
+from spmd.parallel.rules import make_rules, spec_for
 
 ROOT = pathlib.Path(__file__).parents[1]
 
@@ -54,7 +54,7 @@ def test_zero_stage_selects_what_dp_splits(zero, params, grads, opt):
 
 
 def test_scale_lr_applies_the_linear_scaling_rule():
-    from spmd.optim import learning_rate
+    from spmd.parallel.optim import learning_rate
 
     assert learning_rate(parse_args(["--lr", "0.001", "--batch", "512", "--scale-lr"])) == 0.001 * 512 / 256
     assert learning_rate(parse_args(["--lr", "0.001", "--batch", "512"])) == 0.001

@@ -3,8 +3,8 @@
 import jax
 import numpy as np
 
-from spmd.data import MarkovSource, global_batch
-from spmd.mesh import build_mesh, resolve_mesh
+from spmd.data.synthetic import MarkovSource, global_batch
+from spmd.parallel.mesh import build_mesh, resolve_mesh
 
 
 def _sharding(mesh_sizes):

@@ -7,7 +7,7 @@ import re
 import subprocess
 import sys
 
-from spmd.data import MarkovSource
+from spmd.data.synthetic import MarkovSource
 
 
 def test_default_run_reaches_the_synthetic_floor(tmp_path):

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spmd.checkpoint import finalized_steps
+from spmd.formats.checkpoint import finalized_steps
 from spmd.launch import free_port, process_env
 from helpers import in_namespace, one_error_line
 
@@ -178,9 +178,9 @@ def test_a_step_that_does_not_fit_is_refused_before_anything_is_allocated(tmp_pa
 
 def test_a_non_finite_update_is_dropped_even_when_loss_and_gradient_are_finite():
     from spmd.config import TrainConfig, validate
-    from spmd.data import MarkovSource, global_batch
-    from spmd.layout import make_layout
-    from spmd.step import build_program
+    from spmd.data.synthetic import MarkovSource, global_batch
+    from spmd.parallel.layout import make_layout
+    from spmd.parallel.step import build_program
 
     cfg = validate(TrainConfig(mesh="", batch=4, seq=16, steps=2))
     layout = make_layout(cfg, jax.devices()[:1])

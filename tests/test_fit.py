@@ -9,7 +9,7 @@ import sys
 import pytest
 from helpers import one_error_line
 
-from spmd.hardware import GIB, get, host_memory_bytes
+from spmd.base.hardware import GIB, get, host_memory_bytes
 
 pytestmark = pytest.mark.xdist_group("fit")
 

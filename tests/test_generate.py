@@ -1,4 +1,4 @@
-"""Decoding with a key/value cache (spmd.decode, spmd.generate) and spmd.eval.
+"""Decoding with a key/value cache (spmd.inference.decode, spmd.generate) and spmd.eval.
 
 Greedy decoding must give exactly the tokens of recomputing the whole sequence for each
 new token, on one device and on meshes, and transformers' own greedy continuations of the
@@ -29,9 +29,9 @@ from helpers import one_error_line, snapshot
 
 from models import PRESETS, Llama
 from spmd.config import TrainConfig, validate
-from spmd.decode import Decoder, Sampling, bucket, filtered, left_padded, sample
-from spmd.hf import Directory, load_params
-from spmd.layout import make_layout
+from spmd.inference.decode import Decoder, Sampling, bucket, filtered, left_padded, sample
+from spmd.formats.hf import Directory, load_params
+from spmd.parallel.layout import make_layout
 
 pytestmark = pytest.mark.xdist_group("generate")
 
@@ -288,7 +288,7 @@ def _model_dir(root: Path, name: str, positions=256, extra_tokens: int = 0) -> s
 
 
 def test_bad_input_gives_one_error_line_and_exit_2(run_dir, tmp_path):
-    from spmd.hardware import host_memory_bytes
+    from spmd.base.hardware import host_memory_bytes
 
     new = -(-4 * host_memory_bytes() // (PROMPTS_FOR_THE_FIT * CACHE_BYTES_PER_TOKEN))
     assert new < 2**30, "a host this large needs more prompts here"
@@ -364,7 +364,7 @@ def test_output_streams_to_a_fifo_stdout_or_the_null_device_and_never_replaces_a
 
 
 def _serving_signals(pid: int) -> bool:
-    """Whether the process blocks SIGINT and SIGTERM in its main thread (spmd.signals serves them)."""
+    """Whether the process blocks SIGINT and SIGTERM in its main thread (spmd.base.signals serves them)."""
     with contextlib.suppress(OSError):
         blocked = int(re.search(r"^SigBlk:\s*([0-9a-f]+)", Path(f"/proc/{pid}/status").read_text(), re.M)[1], 16)
         return all(blocked >> (sig - 1) & 1 for sig in (signal.SIGINT, signal.SIGTERM))

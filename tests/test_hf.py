@@ -21,9 +21,9 @@ import pytest
 from helpers import one_error_line
 
 from models import PRESETS
-from models.llama_hf import config_from_hf, config_to_hf, supported
+from models.llama.hf import config_from_hf, config_to_hf, supported
 from spmd.hf import from_pretrained
-from spmd.safetensors import SafeTensors, Writer
+from spmd.formats.safetensors import SafeTensors, Writer
 
 pytestmark = pytest.mark.xdist_group("hf")
 
@@ -63,7 +63,7 @@ def test_the_tied_golden_needs_rope_scaling():
     (where every angle is small), so the golden tests the scaling."""
     from flax import nnx
 
-    from spmd.skeleton import model_skeleton
+    from spmd.parallel.skeleton import model_skeleton
 
     folder = GOLDENS / "llama-tied-rope"
     model = from_pretrained(folder)

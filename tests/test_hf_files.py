@@ -1,8 +1,8 @@
-"""Every file a Hugging Face directory holds passes its schema (spmd.schema) before any
+"""Every file a Hugging Face directory holds passes its schema (spmd.base.schema) before any
 per-layer work or allocation: each bad directory below is a copy of a golden (tests/hf/)
 broken in one way, refused with one line that names the file, the field and the value.
 
-Most cases call spmd.hf.Directory in this process (milliseconds each); those that would
+Most cases call spmd.formats.hf.Directory in this process (milliseconds each); those that would
 hang or allocate without the checks run as commands, in one subprocess with a timeout, so
 a regression fails by timing out instead of holding the suite.
 """
@@ -20,10 +20,11 @@ import pytest
 from helpers import one_error_line
 
 from models import PRESETS, hf_layout
-from models.llama_hf import supported, tensor_count
-from spmd.errors import UserError
-from spmd.hf import Directory, companions, from_pretrained, max_positions, tokenizer_of
-from spmd.safetensors import SafeTensors, Writer
+from models.llama.hf import supported, tensor_count
+from spmd.base.errors import UserError
+from spmd.formats.hf import Directory, companions, max_positions, tokenizer_of
+from spmd.hf import from_pretrained
+from spmd.formats.safetensors import SafeTensors, Writer
 
 pytestmark = pytest.mark.xdist_group("hf")
 
@@ -214,7 +215,7 @@ BAD = {
                               "config.json rope_parameters.factor: is missing"),
     "rope field unknown": (TIED, rope(rope_type="default"),
                            "rope_parameters.factor: is not a field of rope_type default"),
-    # 8: max_position_embeddings (read by generate through spmd.hf.max_positions)
+    # 8: max_position_embeddings (read by generate through spmd.formats.hf.max_positions)
     "max positions a string": (TIED, config(max_position_embeddings="abc"),
                                "config.json max_position_embeddings: must be a positive integer (got 'abc')"),
     "max positions negative": (TIED, config(max_position_embeddings=-5), "(got -5)"),
@@ -397,7 +398,7 @@ def test_a_model_larger_than_the_host_is_refused_before_allocating(tmp_path):
     """A tied one-layer model whose embedding alone is twice this host's memory in
     float32, in a sparse file (its bytes are never written, so it costs no disk): every
     header and shape is right, and from_pretrained refuses it before allocating."""
-    from spmd.hardware import host_memory_bytes
+    from spmd.base.hardware import host_memory_bytes
 
     embed = 1 << 16
     vocab = -(-host_memory_bytes() // (2 * embed))  # float16 in the file: as many bytes as the host has
@@ -420,7 +421,7 @@ def test_a_model_larger_than_the_host_is_refused_before_allocating(tmp_path):
         offset = head[name]["data_offsets"][1]
     write_header(d / "model.safetensors", json.dumps(head), b"")
     os.truncate(d / "model.safetensors", (d / "model.safetensors").stat().st_size + offset)
-    script = f"from spmd.hf import from_pretrained\nfrom spmd.errors import UserError\ntry:\n" \
+    script = f"from spmd.hf import from_pretrained\nfrom spmd.base.errors import UserError\ntry:\n" \
              f"    from_pretrained({str(d)!r})\nexcept UserError as exc:\n    print(exc)\n"
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

@@ -6,7 +6,7 @@ import jax
 import pytest
 
 from conftest import train_run
-from spmd import hlo, traffic
+from spmd.planner import hlo, traffic
 
 
 def _param_bytes(run) -> int:

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from models import PRESETS, Llama, Routing
-from spmd.skeleton import model_skeleton
+from spmd.parallel.skeleton import model_skeleton
 
 # Published parameter counts of the real models.
 KNOWN_PARAMS = {

@@ -18,10 +18,10 @@ import pytest
 
 from conftest import train_run
 from spmd.config import TrainConfig, model_config, validate
-from spmd.errors import UserError
-from spmd.layout import make_layout
-from spmd.optim import make_optimizer, schedule
-from spmd.step import AuxLosses, _loss, aux_losses
+from spmd.base.errors import UserError
+from spmd.parallel.layout import make_layout
+from spmd.parallel.optim import make_optimizer, schedule
+from spmd.parallel.step import AuxLosses, _loss, aux_losses
 from test_parity import LOSS_RTOL
 
 MIXTRAL = Path(__file__).parent / "hf" / "mixtral"
@@ -39,7 +39,7 @@ def test_an_imported_moe_model_trains_with_its_own_balance_loss():
     preset = validate(TrainConfig(model="moe-tiny"))
     assert aux_losses(preset) == AuxLosses("sequence", 0.01, 0.001)
 
-    from spmd.hf import Directory, load_params
+    from spmd.formats.hf import Directory, load_params
 
     layout = make_layout(cfg, jax.devices()[:1], for_training=False)
     params = load_params(Directory(str(MIXTRAL)), layout)
@@ -105,7 +105,7 @@ def test_an_imported_moe_model_trained_with_a_bias_is_served(tmp_path):
     eval and export read it; it failed on the imported model's saved architecture), and
     the Hugging Face export is refused in one line, leaving nothing."""
     from spmd.train import train
-    from spmd.weights import checkpoint_config, restore_params
+    from spmd.run.weights import checkpoint_config, restore_params
 
     import shutil
 

@@ -1,4 +1,4 @@
-"""One way to claim an output (spmd.paths.claim), seen through the commands: a regular file
+"""One way to claim an output (spmd.base.paths.claim), seen through the commands: a regular file
 is written whole, a FIFO, the null device or the command's own stdout takes a stream, and
 any other special file is refused in one line and left as it was: never replaced.
 
@@ -21,8 +21,8 @@ import pytest
 from helpers import one_error_line
 
 from spmd.config import TrainConfig
-from spmd.corpus import load_tokenizer, token_stream
-from spmd.errors import UserError
+from spmd.data.corpus import load_tokenizer, token_stream
+from spmd.base.errors import UserError
 from spmd.train import check_outputs
 
 pytestmark = pytest.mark.xdist_group("outputs")

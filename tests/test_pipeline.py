@@ -9,15 +9,16 @@ import numpy as np
 import pytest
 
 from conftest import PARITY, assert_params_match, train_run
-from spmd import hlo
-from spmd.checkpoint import Checkpoints, make_meta
+from spmd.planner import hlo
+from spmd.formats.checkpoint import Checkpoints, make_meta
 from spmd.config import TrainConfig, validate
-from spmd.errors import UserError
-from spmd.layout import make_layout
-from spmd.skeleton import restack
-from spmd.plan import make_plan
-from spmd.step import _stage_parts, build_program
-from spmd.zero_bubble import chunk_dot_flops, executed_over_useful
+from spmd.base.errors import UserError
+from spmd.parallel.layout import make_layout
+from spmd.parallel.skeleton import restack
+from spmd.planner.plan import make_plan
+from spmd.parallel.step import _stage_parts, build_program
+from spmd.parallel.zero_bubble import executed_over_useful
+from spmd.planner.hlo import chunk_dot_flops
 
 pytestmark = pytest.mark.xdist_group("pipeline")  # they share compiled runs (conftest)
 
@@ -73,7 +74,7 @@ def test_pipeline_matches_one_device(deep_reference, i):
 def test_evaluation_through_the_stages_gives_one_devices_loss(deep_reference):
     """Held-out loss of a 1F1B run (evaluated as GPipe: forward only) against one device's,
     each on its own final parameters, which agree as the parity test says."""
-    from spmd.data import MarkovSource, global_batch
+    from spmd.data.synthetic import MarkovSource, global_batch
 
     losses = []
     for run in (_run(2), deep_reference):  # 1F1B on pp=4, one device
@@ -146,8 +147,8 @@ def test_zb_v_timetable(p, m):
     """Every device runs one forward and one B per tick where any runs, each of its 2m
     W's after its B, and the rings are bounded whatever m is; the roofline's overhead is
     the executed-compute formula at f = b = w."""
-    from spmd.pipeline import Schedule
-    from spmd.zero_bubble import timetable
+    from spmd.parallel.pipeline import Schedule
+    from spmd.parallel.zero_bubble import timetable
 
     table = timetable(p, m)  # (it asserts forward <= B <= W for every chunk and microbatch)
     assert table["slots"] == (4 * p - 1, 5 * p - 2, 2 * p - 1)

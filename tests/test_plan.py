@@ -8,10 +8,10 @@ import sys
 import pytest
 
 from conftest import train_run
-from spmd import footprint, theory
+from spmd.planner import footprint, theory
 from spmd.config import TrainConfig, validate
-from spmd.layout import make_layout
-from spmd.plan import make_plan
+from spmd.parallel.layout import make_layout
+from spmd.planner.plan import make_plan
 
 pytestmark = pytest.mark.xdist_group("layouts")  # they share compiled runs (conftest)
 
@@ -74,7 +74,7 @@ def test_compiled_collectives_and_state_match_theory(mesh, devices, overrides):
     run = train_run(mesh, devices, **overrides)  # compiled once, shared with the parity tests
     plan = make_plan(run.cfg, run.layout, compiled=run.compiled)
     # Within 5% per collective and mesh axis (measured: equal to the byte). XLA:CPU
-    # emits each reduce-scatter as all-reduce + dynamic-slice; spmd.traffic counts it
+    # emits each reduce-scatter as all-reduce + dynamic-slice; spmd.planner.traffic counts it
     # as the reduce-scatter that XLA on GPU/TPU forms (the row says so).
     expected = [r for r in plan.rows if r.theory]
     assert expected
@@ -92,7 +92,7 @@ def test_compiled_collectives_and_state_match_theory(mesh, devices, overrides):
 def test_json_has_the_documented_keys():
     run = train_run("dp=2,fsdp=2,tp=2", 8)
     cfg = validate(dataclasses.replace(run.cfg, hardware="h100"))
-    from spmd import hardware
+    from spmd.base import hardware
 
     data = make_plan(cfg, run.layout, compiled=run.compiled, hardware=hardware.get("h100")).as_json()
     per_device = data["per_device"]
@@ -108,8 +108,9 @@ def test_json_has_the_documented_keys():
 def test_auto_finds_a_layout_where_pure_data_parallel_does_not_fit(monkeypatch):
     import jax
 
-    from spmd import hardware, plan
-    from spmd.plan import auto
+    from spmd.base import hardware
+    from spmd.planner import plan
+    from spmd.planner.plan import auto
 
     monkeypatch.setattr(plan, "AUTO_SHOWN", 2)  # confirm the best two, not five: fewer compiles
 

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from spmd.checkpoint import finalized_steps
+from spmd.formats.checkpoint import finalized_steps
 from helpers import snapshot
 
 FAST = ["--batch", "8", "--seq", "32", "--log-every", "1"]

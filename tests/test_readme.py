@@ -1,5 +1,7 @@
-"""Every `python -m spmd.…` command that README.md shows runs as written, in the README's
-order, in one working directory: what one example makes (runs/a) the next one reads.
+"""Every `python -m spmd.…` command that README.md and the pages of docs/ show runs as
+written, in one order (the README's, then the pages' in PAGES, each page's own order), in one
+working directory: what one example makes (runs/a) a later one reads. A command shown on
+two pages runs once, where it is first shown.
 
 The files a reader is assumed to have are stand-ins made here: `Llama-3.2-1B` is the
 golden Llama of tests/hf (with its tokenizer), the .jsonl files and `corpus/` are small
@@ -34,11 +36,29 @@ REFUSED_HERE = {
 }
 
 
+# README.md, then every page of docs/, in an order where a page that writes a file comes
+# before the pages that read it: checkpoints.md writes runs/a, which generation.md reads;
+# data.md writes tokens.npy, which clusters.md reads. (Within a page, its own order:
+# huggingface.md trains runs/ft, then exports it.)
+PAGES = ("README.md", "docs/training.md", "docs/planner.md", "docs/parallelism.md", "docs/moe.md",
+         "docs/pipelines.md", "docs/checkpoints.md", "docs/huggingface.md", "docs/generation.md",
+         "docs/data.md", "docs/clusters.md", "docs/performance.md", "docs/how-it-works.md",
+         "docs/architecture.md", "docs/README.md")
+# How many commands ran when they were all in README.md: the split into docs/ keeps every one.
+COMMANDS_BEFORE_THE_SPLIT = 39
+
+
 def readme_commands() -> list[str]:
-    """The README's command lines that start with `python -m spmd.` (continuation lines
-    joined, trailing comments and [optional] parts dropped)."""
+    """The command lines of every page in PAGES that start with `python -m spmd.`, in
+    PAGES order, each once (continuation lines joined, trailing comments and [optional]
+    parts dropped)."""
+    commands = [command for page in PAGES for command in page_commands(ROOT / page)]
+    return list(dict.fromkeys(commands))
+
+
+def page_commands(path: Path) -> list[str]:
     commands, current = [], None
-    for line in (ROOT / "README.md").read_text().splitlines():
+    for line in path.read_text().splitlines():
         text = line.strip()
         if current is not None:
             current += " " + text.rstrip("\\").strip()
@@ -114,12 +134,18 @@ def _case(command: str, work: Path) -> dict:
     return {"module": argv[2], "argv": argv[3:], "cwd": str(work)}
 
 
+def test_the_pages_are_all_run():
+    pages = {"README.md"} | {f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md")}
+    assert set(PAGES) == pages, "a page of docs/ is missing from PAGES (or PAGES names one that is gone)"
+
+
 def test_the_readme_shows_every_command():
     commands = readme_commands()
     modules = {shlex.split(c)[2] for c in commands}
     assert modules >= {"spmd.train", "spmd.plan", "spmd.export", "spmd.generate", "spmd.eval", "spmd.corpus",
                        "spmd.launch"}, modules
-    assert len(commands) >= 35
+    print(f"{len(commands)} commands from {len(PAGES)} pages")
+    assert len(commands) >= COMMANDS_BEFORE_THE_SPLIT, len(commands)
 
 
 def test_every_readme_command_runs_as_written(results):

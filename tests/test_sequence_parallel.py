@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from conftest import train_run
-from spmd.context import zigzag_order
-from spmd.plan import make_plan
+from spmd.parallel.context import zigzag_order
+from spmd.planner.plan import make_plan
 
 pytestmark = pytest.mark.xdist_group("layouts")  # they share compiled runs (conftest)
 

@@ -7,8 +7,8 @@ import numpy as np
 
 from conftest import init_config, initial_state, train_run
 from spmd.config import TrainConfig, validate
-from spmd.layout import bytes_per_device, make_layout
-from spmd.step import build_program
+from spmd.parallel.layout import bytes_per_device, make_layout
+from spmd.parallel.step import build_program
 
 pytestmark = pytest.mark.xdist_group("layouts")  # they share compiled runs (conftest)
 

@@ -269,7 +269,7 @@ def _exported_params(directory: Path):
     import jax
     import orbax.checkpoint as ocp
 
-    from spmd.skeleton import model_skeleton
+    from spmd.parallel.skeleton import model_skeleton
 
     target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), model_skeleton("tiny").shapes)
     with ocp.StandardCheckpointer() as checkpointer:

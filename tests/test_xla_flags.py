@@ -1,4 +1,4 @@
-"""spmd.xla_flags: the GPU flags exist in the installed jaxlib, the user's own settings win,
+"""spmd.run.xla_flags: the GPU flags exist in the installed jaxlib, the user's own settings win,
 the combining thresholds follow the model, and the CPU gets nothing."""
 
 import math
@@ -11,8 +11,8 @@ import jax
 import pytest
 
 from models import PRESETS, model_class
-from spmd import xla_flags
-from spmd.skeleton import model_skeleton
+from spmd.run import xla_flags
+from spmd.parallel.skeleton import model_skeleton
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -22,7 +22,7 @@ LATE_FLAGS = """
 import os
 import jax
 from models import PRESETS
-from spmd import xla_flags
+from spmd.run import xla_flags
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=3"
 xla_flags.configure("gpu", PRESETS["llama3.2-1b"], "bfloat16")
 print(len(jax.devices()), jax.devices()[0].platform)

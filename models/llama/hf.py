@@ -15,9 +15,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from models.llama import LlamaConfig, RopeScaling
+from models.llama.model import LlamaConfig, RopeScaling
 from models.moe import MoEConfig
-from spmd.schema import ANY, Bounds, BOOLEAN, INTEGER, LIST, MAPPING, NUMBER, STRING, Field, Invalid, Rule, check, enforce
+from spmd.base.schema import ANY, Bounds, BOOLEAN, INTEGER, LIST, MAPPING, NUMBER, STRING, Field, Invalid, Rule, check, enforce
 
 ARCHITECTURES = ("LlamaForCausalLM", "MixtralForCausalLM")
 MAX_CONFIG_BYTES = 1 << 20  # published configs are a few kB

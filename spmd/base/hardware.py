@@ -12,7 +12,7 @@ import os
 import tomllib
 from pathlib import Path
 
-from spmd.errors import UserError
+from spmd.base.errors import UserError
 
 TABLE = Path(__file__).with_name("hardware.toml")
 GIB = 2**30

@@ -35,8 +35,8 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
-from spmd.errors import UserError, file_kind, why_io_failed
-from spmd.signals import served
+from spmd.base.errors import UserError, file_kind, why_io_failed
+from spmd.base.signals import served
 
 LOCK_NAME = ".spmd-lock"
 # Character devices written as streams besides the process's own stdout and stderr: the
@@ -298,7 +298,7 @@ def _write_whole(out: Path, produce: Callable[[BinaryIO], None]) -> None:
     made = [p for p in (out.parent, *out.parent.parents) if not p.exists()]
     remove_stale_temporaries(out, hidden=True)
     tmp = temporary_name(out, hidden=True)
-    cleanup = lambda: tmp.unlink(missing_ok=True)  # noqa: E731 - also run by a signal's exit (spmd.signals)
+    cleanup = lambda: tmp.unlink(missing_ok=True)  # noqa: E731 - also run by a signal's exit (spmd.base.signals)
     if served():
         served().cleanups.append(cleanup)
     try:

@@ -18,7 +18,7 @@ import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from spmd.errors import file_kind
+from spmd.base.errors import file_kind
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,11 +182,11 @@ def _short(value) -> str:
 
 # ------------------------------------------------------------------ files
 
-REGULAR = "a regular file"  # spmd.errors.file_kind's word for one
+REGULAR = "a regular file"  # spmd.base.errors.file_kind's word for one
 
 
 def not_a_file(kind: str, wanted: str = "a file") -> str:
-    """How a message says that a path of `kind` (spmd.errors.file_kind's answer) cannot be
+    """How a message says that a path of `kind` (spmd.base.errors.file_kind's answer) cannot be
     read as `wanted`."""
     if kind == "missing":
         return "is missing"

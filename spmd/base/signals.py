@@ -1,5 +1,5 @@
 """SIGINT and SIGTERM: before training they end the run cleanly; during it they ask the
-loop to stop after a step and save (`spmd.loop.StopSignals`).
+loop to stop after a step and save (`spmd.run.loop.StopSignals`).
 
 Python runs a signal handler in the main thread, between two bytecodes: a Ctrl-C during
 a long XLA compile waits for the compile, then unwinds as a KeyboardInterrupt through
@@ -33,7 +33,7 @@ class Interrupts:
         self.exit_codes = exit_codes
         self.handler: Callable[[int], None] | None = None
         self.cleanups: list[Callable[[], None]] = []
-        self._stderr = os.dup(2)  # a held-back stderr (spmd.errors) must not swallow the line
+        self._stderr = os.dup(2)  # a held-back stderr (spmd.base.errors) must not swallow the line
 
     def say(self, line: str) -> None:
         os.write(self._stderr, (line + "\n").encode())
@@ -58,7 +58,7 @@ def serve(stopped: str = "stopped during start-up, before the first step; nothin
     if _served is None:
         threads = f"/proc/{os.getpid()}/task"
         if os.path.isdir(threads) and len(os.listdir(threads)) > 1:  # e.g. OpenBLAS's, started by importing numpy
-            raise RuntimeError("spmd.signals.serve() must run before any thread starts")
+            raise RuntimeError("spmd.base.signals.serve() must run before any thread starts")
         _served = Interrupts(stopped, exit_codes)
         signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
         threading.Thread(target=_served._serve, name="spmd-signals", daemon=True).start()
@@ -74,7 +74,7 @@ def served() -> Interrupts | None:
 class StopSignals:
     """SIGTERM or SIGINT asks the loop to stop after the current step (and save); a second
     SIGINT aborts at once. A command-line run's signals come from its signal thread
-    (spmd.signals); a library caller's through Python's handlers, while the loop runs."""
+    (spmd.base.signals); a library caller's through Python's handlers, while the loop runs."""
 
     def __init__(self):
         self.requested: str | None = None

@@ -19,16 +19,15 @@ or null is refused, naming the file and the line or row (nothing is converted).
 from __future__ import annotations
 
 import functools
-import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 
-from spmd.config import TOKEN_DTYPES, OneLineErrorParser, nonempty
-from spmd.errors import EXIT_OUTPUT_FAILED, UserError, file_kind, one_line_errors
-from spmd.paths import Output, claim, regular_file
-from spmd.schema import Invalid, loads
+from spmd.base.cli import TOKEN_DTYPES
+from spmd.base.errors import UserError, file_kind
+from spmd.base.paths import regular_file
+from spmd.base.schema import Invalid, loads
 
 TEXT_SUFFIXES = (".txt", ".text", ".md")
 SUFFIXES = {**dict.fromkeys(TEXT_SUFFIXES, "text"), ".jsonl": "jsonl", ".parquet": "parquet",
@@ -355,41 +354,6 @@ class TokenSource:
         return rows.astype(np.int32)
 
 
-def corpus_parser() -> OneLineErrorParser:
-    parser = OneLineErrorParser(prog="python -m spmd.corpus", description=main.__doc__.splitlines()[0])
-    parser.add_argument("--data", type=nonempty, required=True, help="text file or folder (.txt, .jsonl, .parquet)")
-    parser.add_argument("--tokenizer", type=nonempty,
-                        help="SentencePiece .model or Hugging Face tokenizer.json (default: bytes)")
-    parser.add_argument("--text-field", type=nonempty, default="text", help="JSONL/Parquet field holding the text")
-    parser.add_argument("--out", type=nonempty, required=True,
-                        help="the .npy file to write (its directory is made if needed)")
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m spmd.corpus --data DIR --out tokens.npy`: tokenize once, train from the file."""
-    parser = corpus_parser()
-    with one_line_errors():
-        args = parser.parse_args(argv)
-        # Before reading anything: tokenizing a large corpus to fail at the end is no use.
-        out = claim([Output("--out", args.out, parents=True)],
-                    {"--data": args.data, "--tokenizer": args.tokenizer})["--out"]
-        if out.stream is None and not args.out.endswith(".npy"):  # a file to train from, named as one
-            raise UserError("--out must name a .npy file")
-        if data_files(args.data)[0] == "tokens":
-            raise UserError(f"--data {args.data} holds token files already")
-        tokens = token_stream(args.data, load_tokenizer(args.tokenizer), args.text_field)
-    try:
-        out.write(functools.partial(write_npy, tokens=tokens))
-    except OSError as exc:
-        print(f"error: {out.failed(exc)}", file=sys.stderr, flush=True)
-        return EXIT_OUTPUT_FAILED
-    # The token file may be this command's stdout (--out /dev/stdout): the line then goes to stderr.
-    print(f"wrote {tokens.size:,} {tokens.dtype} tokens to {args.out}",
-          file=sys.stderr if out.to_stdout else sys.stdout)
-    return 0
-
-
 def write_npy(f, tokens: np.ndarray) -> None:
     """`tokens` as a .npy file. np.save's own write (ndarray.tofile) loses the reason of a
     failure (a full disk reads "N requested and M written"): the bytes go through the
@@ -399,11 +363,3 @@ def write_npy(f, tokens: np.ndarray) -> None:
     data = memoryview(np.ascontiguousarray(tokens)).cast("B")
     for start in range(0, len(data), 1 << 24):
         f.write(data[start:start + (1 << 24)])
-
-
-if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:  # a partial token file is removed on the way out (spmd.paths)
-        print("SIGINT: stopped; nothing was written", file=sys.stderr)
-        sys.exit(130)

@@ -13,6 +13,7 @@ import threading
 
 import jax
 import numpy as np
+from spmd.data.corpus import TokenSource, load_tokenizer, token_stream
 
 SUCCESSORS = 4  # each token can be followed by this many tokens
 
@@ -70,7 +71,6 @@ def make_source(cfg, vocab: int):
     """The run's data: `--data` read into a spmd.corpus.TokenSource, else the synthetic chain."""
     if not cfg.data:
         return MarkovSource(vocab, cfg.seed)
-    from spmd.corpus import TokenSource, load_tokenizer, token_stream
 
     stream = token_stream(cfg.data, load_tokenizer(cfg.tokenizer), cfg.text_field, cfg.token_dtype, vocab)
     return TokenSource(stream, cfg.seq + 1, cfg.batch, cfg.seed, cfg.eval_fraction if cfg.eval_every else 0.0,

@@ -9,7 +9,7 @@ as the latest.
 
 Restoring always goes through the target's abstract state: arrays are read straight into
 the shardings of the current mesh, whatever mesh wrote them, then checked against their
-checksums (spmd.checksum: the same on every mesh). A checkpoint that cannot be read or
+checksums (spmd.formats.checksum: the same on every mesh). A checkpoint that cannot be read or
 does not match is refused, naming the previous complete checkpoint to resume from.
 """
 
@@ -25,14 +25,15 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from flax import traverse_util
 
-from spmd.checksum import checksums
-from spmd.config import REPEATED_SCHEDULES, flag_of
-from spmd.errors import UserError
-from spmd.skeleton import STACKED_KEYS, is_stacked, restack
+from spmd.formats.checksum import checksums
+from spmd.base.cli import flag_of
+from spmd.parallel.pipeline import REPEATED_SCHEDULES
+from spmd.base.errors import UserError
+from spmd.parallel.skeleton import STACKED_KEYS, is_stacked, restack
 
 FORMAT = 1
 # The state's arrays ("routing": the MoE layers' router state, kept by runs that balance
-# experts, spmd.balance), and the JSON record.
+# experts, spmd.parallel.balance), and the JSON record.
 ARRAY_ITEMS = ("params", "opt_state", "routing")
 ITEMS = (*ARRAY_ITEMS, "meta")
 
@@ -44,7 +45,7 @@ def _shapes_of(params) -> dict[str, list[int]]:
 
 def stacked_repeats(config: dict) -> int:
     """How a run's config stores the stacked layers: (layers, ...) or, under a circular
-    pipeline, (repeats, layers / repeats, ...) (spmd.skeleton.restack)."""
+    pipeline, (repeats, layers / repeats, ...) (spmd.parallel.skeleton.restack)."""
     if config.get("pp_schedule") == "zb-v":
         return 2  # two chunks per stage, stored as circular's
     return config.get("pp_repeats", 1) if config.get("pp_schedule") in REPEATED_SCHEDULES else 1
@@ -100,7 +101,7 @@ class Checkpoints:
     def restore(self, step: int, abstract_state: dict, items=None, repeats: int = 1) -> dict:
         """Read `items` (default: all of `abstract_state` but the step, which is the
         checkpoint's) of checkpoint `step` into the shardings of `abstract_state`, whose
-        stacked layers are stored for `repeats` (spmd.skeleton.restack). A checkpoint whose
+        stacked layers are stored for `repeats` (spmd.parallel.skeleton.restack). A checkpoint whose
         layers are stored otherwise is read as it was saved, checked, then restacked once."""
         meta = self.meta(step)
         items = items or tuple(name for name in abstract_state if name != "step")
@@ -255,7 +256,7 @@ def check_compatible(meta: dict, cfg, params_shapes, where: Path) -> None:
 
 
 def keeps_router(config: dict) -> bool:
-    """Whether a run's MoE layers keep a router state (spmd.balance)."""
+    """Whether a run's MoE layers keep a router state (spmd.parallel.balance)."""
     return bool(config.get("router_bias_rate") or config.get("redundant_experts"))
 
 

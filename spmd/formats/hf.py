@@ -24,13 +24,16 @@ from pathlib import Path, PurePosixPath
 import numpy as np
 
 from models import hf_layout
-from models.llama_hf import MAX_CONFIG_BYTES, Tensor
-from spmd.errors import UserError, file_kind
-from spmd.hardware import device_memory
-from spmd.report import human_bytes
-from spmd.safetensors import Damaged, SafeTensors, Writer
-from spmd.schema import (ANY, MAPPING, REGULAR, STRING, Field, Invalid, check, list_of, mapping_of, not_a_file,
+from models.llama.hf import MAX_CONFIG_BYTES, Tensor
+from spmd.base.errors import UserError, file_kind
+from spmd.base.hardware import device_memory
+from spmd.planner.report import human_bytes
+from spmd.formats.safetensors import Damaged, SafeTensors, Writer
+from spmd.base.schema import (ANY, MAPPING, REGULAR, STRING, Field, Invalid, check, list_of, mapping_of, not_a_file,
                          read_json)
+from flax import traverse_util
+import jax
+import jax.numpy as jnp
 
 FLOATS = ("F64", "F32", "F16", "BF16")
 INDEX = "model.safetensors.index.json"
@@ -244,9 +247,6 @@ def _companion(path: Path, what: str, fields, limit: int) -> None:
 
 def load_params(directory: Directory, layout) -> dict:
     """The directory's parameters placed in `layout`'s parameter shardings (pure dict)."""
-    import jax
-    from flax import traverse_util
-
     _check_fits(directory, layout)
     shardings = traverse_util.flatten_dict(layout.shardings(layout.rules.params))
     shapes = traverse_util.flatten_dict(layout.skeleton.shapes)
@@ -269,8 +269,6 @@ def _check_fits(directory: Directory, layout) -> None:
     """Refuse a model whose float32 parameters could not fit the devices that would hold
     them (emulated CPU devices share the host's memory) even split evenly over all of them,
     before any is allocated: what surely cannot fit, not a plan of the peak."""
-    import jax
-
     devices = [d for d in layout.mesh.devices.flat if d.process_index == jax.process_index()]
     known = device_memory(devices)
     if known is None:
@@ -288,16 +286,11 @@ def _padded(spec, ndim: int) -> tuple:
 
 
 def _place(value: np.ndarray, sharding):
-    import jax
-
     return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
 
 
 @functools.cache
 def _zeros_fn(shape, sharding):
-    import jax
-    import jax.numpy as jnp
-
     return jax.jit(lambda: jnp.zeros(shape, jnp.float32), out_shardings=sharding)
 
 
@@ -307,8 +300,6 @@ def _zeros(shape, sharding):
 
 @functools.cache
 def _setter(sharding):
-    import jax
-
     return jax.jit(lambda stacked, value, index: stacked.at[index].set(value), out_shardings=sharding,
                    donate_argnums=0)
 
@@ -317,43 +308,12 @@ def _set_layer(stacked, value, index):
     return _setter(stacked.sharding)(stacked, value, tuple(int(i) for i in index))
 
 
-def from_pretrained(path: str | Path, mesh=None, dtype: str = "float32"):
-    """The model of a Hugging Face directory, its parameters on one device (`mesh` None),
-    or laid out on `mesh` (our flag's form, e.g. "fsdp=2,tp=2", or a jax Mesh with our axis
-    names) as training lays them out. Calling it on token ids (batch, seq) gives float32
-    logits (batch, seq, vocab)."""
-    import dataclasses
-
-    import jax
-    from flax import nnx
-
-    from spmd.config import TrainConfig
-    from spmd.layout import make_layout
-    from spmd.mesh import MeshSpec
-
-    directory = Directory(path, "from_pretrained")
-    devices = jax.devices()[:1]
-    mesh_text = "dp=1"
-    if isinstance(mesh, str):
-        spec = MeshSpec.parse(mesh)
-        mesh_text = mesh
-        devices = jax.devices() if spec.has_remaining else jax.devices()[:spec.devices]
-    elif mesh is not None:
-        mesh_text = ",".join(f"{name}={size}" for name, size in mesh.shape.items())
-        devices = list(mesh.devices.flat)
-    cfg = dataclasses.replace(TrainConfig(), mesh=mesh_text, architecture=directory.cfg, dtype=dtype)
-    layout = make_layout(cfg, devices, for_training=False)
-    return nnx.merge(layout.skeleton.graphdef, load_params(directory, layout))
-
-
 # ------------------------------------------------------------------ writing
 
 def write_hf(out: Path, params: dict, model_cfg, dtype, shard_bytes: int, copies: dict[str, Path]) -> list[str]:
     """Write `params` (our layout, on any mesh) as a Hugging Face directory in `out`:
     config.json, safetensors files of at most `shard_bytes` each (one tensor may exceed it)
     with their index, and `copies` (name in `out` -> file: the tokenizer's). -> files written"""
-    from flax import traverse_util
-
     layout = hf_layout(model_cfg)
     why_not = layout.supported(model_cfg)
     if why_not:
@@ -413,7 +373,5 @@ def save_pretrained(out: str | Path, params: dict, model_cfg, dtype: str = "floa
 def _gathered(array, layer: int | None) -> np.ndarray:
     """Layer `layer` of a stacked parameter (layers, ...), or an unstacked one, whole on
     this host, float32."""
-    import jax
-
     value = array if layer is None else array[layer]
     return np.asarray(jax.device_get(value), np.float32)

@@ -16,7 +16,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from spmd.schema import NATURAL, STRING, Field, Invalid, check, list_of, loads, mapping_of
+from spmd.base.schema import NATURAL, STRING, Field, Invalid, check, list_of, loads, mapping_of
 
 DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
           "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}

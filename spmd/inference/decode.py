@@ -26,10 +26,10 @@ from flax import nnx
 
 from models import model_class
 from models.llama import Decoding
-from spmd.layout import Layout
-from spmd.mesh import BATCH_AXES
-from spmd.rules import placed, spec_for
-from spmd.step import model_context
+from spmd.parallel.layout import Layout
+from spmd.parallel.mesh import BATCH_AXES
+from spmd.parallel.rules import placed, spec_for
+from spmd.parallel.step import model_context
 
 
 @dataclasses.dataclass(frozen=True)

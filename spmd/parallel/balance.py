@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from models.moe import initial_placement
+from spmd.parallel.skeleton import is_names
 
 EXPERTS = "experts"  # the logical name of the experts' dimension (models.moe)
 REBALANCE_EVERY = 50  # --rebalance-every's default
@@ -31,8 +33,6 @@ LOAD_DECAY = 0.9  # the measured load is a moving average: each step weighs 1 - 
 
 def expert_dims(names) -> dict:
     """For each parameter, the position of its experts' dimension (-1: none)."""
-    from spmd.skeleton import is_names
-
     return jax.tree.map(lambda n: n.index(EXPERTS) if EXPERTS in n else -1, names, is_leaf=is_names)
 
 
@@ -96,8 +96,6 @@ def _map_states(fn, tree):
 def initial(shapes) -> dict:
     """The router state as a model starts it (from its shapes): no bias, an even load, and
     slot j holding expert j % experts (models.moe.initial_placement)."""
-    from models.moe import initial_placement
-
     def start(state: dict) -> dict:
         n, slots = state["bias"].shape[-1], state["placement"].shape[-1]
         placement = jnp.broadcast_to(initial_placement(n, slots), state["placement"].shape)

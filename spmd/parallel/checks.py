@@ -1,7 +1,7 @@
 """Every check of a run against its mesh before anything is compiled, and the table of
 what combines with what.
 
-`check_layout` is the one entry point (spmd.layout builds on what it returns); each
+`check_layout` is the one entry point (spmd.parallel.layout builds on what it returns); each
 refusal is one `UserError` line. `FEATURES` names the parallel axes and the options that
 change a step's layout; every combination of them works but those in `REFUSED`, and a
 test holds the README's "What combines" section to these two tables.
@@ -15,11 +15,11 @@ from collections.abc import Callable, Mapping
 from flax import traverse_util
 
 from models import LlamaConfig
-from spmd.errors import UserError
-from spmd.mesh import AXES, BATCH_AXES, emulated_device_count
-from spmd.pipeline import Schedule
-from spmd.rules import Rules, axes_of, make_rules
-from spmd.skeleton import ModelSkeleton, is_names, restacked, skeleton_for
+from spmd.base.errors import UserError
+from spmd.parallel.mesh import AXES, BATCH_AXES, emulated_device_count
+from spmd.parallel.pipeline import Schedule
+from spmd.parallel.rules import Rules, axes_of, make_rules
+from spmd.parallel.skeleton import ModelSkeleton, is_names, restacked, skeleton_for
 
 # ------------------------------------------------------------------ what combines
 
@@ -38,7 +38,7 @@ FEATURES: dict[str, Callable] = {
 # Every combination of FEATURES combines, but these (each with why, as the user reads it):
 # none today. (Pipeline stages with sp and ep in capacity mode were refused, while XLA ranked the
 # choices along the sp-split sequence: its partitioner aborted, "Check failed:
-# partition_group_list ... spmd_partitioner_util.cc:497"; spmd.context ranks them now.)
+# partition_group_list ... spmd_partitioner_util.cc:497"; spmd.parallel.context ranks them now.)
 REFUSED: dict[frozenset, str] = {}
 
 

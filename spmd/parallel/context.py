@@ -31,8 +31,8 @@ from jax.ad_checkpoint import checkpoint_name
 from models.annotate import ACTIVATION
 from models import flash
 from models.attention import causal_attention
-from spmd.mesh import BATCH_AXES, inside_map, still_automatic
-from spmd.rules import SEQUENCE_AXIS
+from spmd.parallel.mesh import BATCH_AXES, inside_map, still_automatic
+from spmd.parallel.rules import SEQUENCE_AXIS
 
 AXIS = SEQUENCE_AXIS  # the rules table splits the sequence over it
 

@@ -33,8 +33,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from models.annotate import ACTIVATION
 from models.moe import Choice, from_buffers, grouped_experts, single_device_experts, swiglu_experts, to_buffers
-from spmd.mesh import BATCH_AXES, inside_map, still_automatic
-from spmd.rules import EXPERT_AXIS, SEQUENCE_AXIS
+from spmd.parallel.mesh import BATCH_AXES, inside_map, still_automatic
+from spmd.parallel.rules import EXPERT_AXIS, SEQUENCE_AXIS
 
 AXIS = EXPERT_AXIS  # the rules table splits the experts over it
 

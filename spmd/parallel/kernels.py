@@ -13,8 +13,8 @@ from __future__ import annotations
 import jax
 
 from models.attention import KERNELS, kernel_attention
-from spmd.errors import UserError
-from spmd.mesh import BATCH_AXES, inside_map, still_automatic
+from spmd.base.errors import UserError
+from spmd.parallel.mesh import BATCH_AXES, inside_map, still_automatic
 
 FUSED = ("cudnn", "splash")  # custom calls: run per device, in a map
 HEADS_AXIS = "tp"  # splits the kv slots of q, k and v (the rules table's kv_heads / heads)

@@ -1,7 +1,7 @@
 """One run's layout: mesh, rules and the model's shapes -> every sharding.
 
 Everything is derived from the abstract model (no arrays are created) and checked first
-(spmd.checks), so a layout that does not fit fails with one clear line, before anything
+(spmd.parallel.checks), so a layout that does not fit fails with one clear line, before anything
 is compiled.
 """
 
@@ -15,11 +15,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from spmd.checks import check_layout, kv_copies
-from spmd.mesh import BATCH_AXES, build_mesh, format_mesh
-from spmd.pipeline import Schedule
-from spmd.rules import Rules, spec_for, without_axes
-from spmd.skeleton import ModelSkeleton, is_names, restack
+from spmd.parallel.checks import check_layout, kv_copies
+from spmd.parallel.mesh import BATCH_AXES, build_mesh, format_mesh
+from spmd.parallel.pipeline import Schedule
+from spmd.parallel.rules import Rules, spec_for, without_axes
+from spmd.parallel.skeleton import ModelSkeleton, is_names, restack
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
@@ -55,13 +55,13 @@ class Layout:
 
     @property
     def kv_copies(self) -> int:
-        """Copies of each key/value head computed with (spmd.checks.kv_copies)."""
+        """Copies of each key/value head computed with (spmd.parallel.checks.kv_copies)."""
         return kv_copies(self.shape, self.skeleton.model_cfg)
 
     @property
     def accumulation_axes(self) -> tuple[str, ...]:
         """The batch axes whose gradient reduction gradient accumulation defers to once
-        per step (spmd.step): all of them, but ep where experts are split over it, since
+        per step (spmd.parallel.step): all of them, but ep where experts are split over it, since
         tokens must travel to their experts' devices in every microbatch."""
         split_experts = self.skeleton.model_cfg.moe is not None and self.shape["ep"] > 1
         return tuple(a for a in BATCH_AXES if not (split_experts and a == "ep"))

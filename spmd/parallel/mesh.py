@@ -14,7 +14,9 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 
-from spmd.errors import UserError
+from spmd.base.errors import UserError
+from jax.experimental import mesh_utils
+import jax
 
 AXES = ("pp", "dp", "fsdp", "ep", "sp", "tp")
 BATCH_AXES = ("dp", "fsdp", "ep")  # the axes that split the batch
@@ -117,8 +119,6 @@ def inside_map(mesh):
     """The mesh a `jax.shard_map` is written against here: inside another map (a
     pipeline stage), the context's abstract mesh, which marks the axes already manual;
     else `mesh`."""
-    import jax
-
     context = jax.sharding.get_abstract_mesh()
     return context if not context.empty and context.manual_axes else mesh
 
@@ -126,8 +126,6 @@ def inside_map(mesh):
 def still_automatic(axes) -> frozenset:
     """Of `axes`, those a `jax.shard_map` here may make manual: not those a surrounding
     map already made manual."""
-    import jax
-
     return frozenset(axes) - set(jax.sharding.get_abstract_mesh().manual_axes)
 
 
@@ -178,7 +176,6 @@ def emulate_cpu_devices(sizes: Mapping[str, int], cpu_devices: int | None, proce
     if wanted > MAX_EMULATED_DEVICES:
         raise UserError(f"the mesh asks for {wanted:,} emulated CPU devices; at most {MAX_EMULATED_DEVICES} can be "
                         "emulated (check the mesh's sizes)")
-    import jax
 
     if wanted > 1 or cpu_devices is not None:
         try:
@@ -201,8 +198,6 @@ def build_mesh(shape: Mapping[str, int], devices: Sequence | None = None, dcn: M
     `dcn` (e.g. {"dp": 2}): the factor of each axis that spans granules (TPU slices, else
     processes), which talk over the data-center network; the rest of every axis stays
     within a granule, on its fast links."""
-    import jax
-
     devices = list(jax.devices() if devices is None else devices)
     sizes = tuple(shape[a] for a in AXES)
     if math.prod(sizes) != len(devices):
@@ -210,7 +205,6 @@ def build_mesh(shape: Mapping[str, int], devices: Sequence | None = None, dcn: M
     auto = (jax.sharding.AxisType.Auto,) * len(AXES)
     if not dcn:
         return jax.make_mesh(sizes, AXES, axis_types=auto, devices=devices)
-    from jax.experimental import mesh_utils
 
     check_dcn(shape, dcn)
     across = tuple(dcn.get(a, 1) for a in AXES)

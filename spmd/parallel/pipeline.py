@@ -45,7 +45,7 @@ Schedules:
   residuals live at most 2(vp-1) ticks: a ring of 2vp - 1 chunk residuals, (2vp-1)/v
   microbatches through the stage's layers (1f1b's 2p - 1 at v = 1).
 - zb-v: two chunks per stage in a V, the backward split into input and weight gradients
-  (spmd.zero_bubble).
+  (spmd.parallel.zero_bubble).
 """
 
 from __future__ import annotations
@@ -56,11 +56,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from spmd.rules import STAGE_AXIS
+from spmd.parallel.rules import STAGE_AXIS
 
 AXIS = STAGE_AXIS  # the rules table splits the stacked layers over it
 BATCH_AXIS = "dp"  # also manual in the map: gradients are reduced over it once per step
 MANUAL_AXES = (AXIS, BATCH_AXIS)
+PP_SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved-1f1b", "zb-v")
+REPEATED_SCHEDULES = ("circular", "interleaved-1f1b")  # those with --pp-repeats chunks per stage
 WRITTEN_OUT = ("1f1b", "interleaved-1f1b", "zb-v")  # schedules that run their backward pass themselves
 
 
@@ -74,7 +76,7 @@ class Schedule:
     @classmethod
     def of(cls, cfg, stages: int) -> "Schedule":
         """The schedule a run's options ask for on `stages` pipeline stages."""
-        # zb-v: two chunks per stage, stored as circular's (spmd.zero_bubble)
+        # zb-v: two chunks per stage, stored as circular's (spmd.parallel.zero_bubble)
         repeats = 2 if cfg.pp_schedule == "zb-v" else cfg.pp_repeats
         return cls(cfg.pp_schedule, stages, cfg.microbatches or stages, repeats)
 
@@ -90,7 +92,7 @@ class Schedule:
     def bubble(self) -> float:
         """Share of the executed forward (and backward) stage work that is idle (computes
         on padding). zb-v: of its forwards and input gradients; its weight gradients
-        have none (spmd.zero_bubble.executed_over_useful)."""
+        have none (spmd.parallel.zero_bubble.executed_over_useful)."""
         p, useful = self.stages, self.repeats * self.microbatches
         if self.name == "zb-v":
             useful = self.microbatches
@@ -100,7 +102,7 @@ class Schedule:
     def compute_overhead(self) -> float:
         """Executed over useful stage compute: 1 / (1 - bubble); zb-v's weight gradients
         have no bubble, so with a chunk's forward, B and W alike (its matmuls, each once
-        per pass) 1 + 2(p-1)/(3m) (spmd.zero_bubble.executed_over_useful)."""
+        per pass) 1 + 2(p-1)/(3m) (spmd.parallel.zero_bubble.executed_over_useful)."""
         if self.name == "zb-v":
             return 1 + 2 * (self.stages - 1) / (3 * self.microbatches)
         return 1 / (1 - self.bubble)
@@ -197,7 +199,7 @@ def _stage_statistics(totals: dict, m: int) -> dict:
 def layer_statistics(per_stage: dict) -> dict:
     """(stages, chunks, layers per chunk, ...) statistics -> (layers, ...), in the order the
     stacked layers are stored (chunk-major: `stacked_spec`), which per-layer state updated
-    from them (the MoE layers' router, spmd.balance) follows."""
+    from them (the MoE layers' router, spmd.parallel.balance) follows."""
     return jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[3:]), per_stage)
 
 

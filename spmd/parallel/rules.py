@@ -29,7 +29,7 @@ from collections.abc import Mapping
 import jax
 
 from models.annotate import Storage
-from spmd.mesh import BATCH_AXES
+from spmd.parallel.mesh import BATCH_AXES
 
 Axes = str | tuple[str, ...] | None
 
@@ -45,12 +45,12 @@ TABLE: dict[str, tuple[Axes, Axes]] = {
     "mlp": ("tp", "tp"),
     "vocab": ("tp", "tp"),
     "experts": ("ep", "ep"),
-    "layers": ("pp", None),  # pipeline stages own contiguous layers (spmd.pipeline)
+    "layers": ("pp", None),  # pipeline stages own contiguous layers (spmd.parallel.pipeline)
 }
 
 # The axes the hand-written maps are manual over, as the table places them: pipeline stages
-# own layers (spmd.pipeline), ring attention passes the sequence's chunks (spmd.context),
-# experts' tokens travel to where the experts live (spmd.experts).
+# own layers (spmd.parallel.pipeline), ring attention passes the sequence's chunks (spmd.parallel.context),
+# experts' tokens travel to where the experts live (spmd.parallel.experts).
 STAGE_AXIS = TABLE["layers"][0]
 SEQUENCE_AXIS = TABLE["seq"][1]
 EXPERT_AXIS = TABLE["experts"][0]

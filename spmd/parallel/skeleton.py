@@ -13,9 +13,23 @@ from flax import nnx, traverse_util
 
 from models import FAMILIES, PRESETS, LlamaConfig, Routing, model_class
 from models.moe import RouterState
-from spmd.config import model_config
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def model_config(cfg):
+    """The model: --init-from's, or the preset with the run's overrides (depth, number of
+    experts, top-k)."""
+    if cfg.architecture is not None:
+        return cfg.architecture
+    model_cfg = PRESETS[cfg.model or "tiny"]
+    if cfg.layers is not None:
+        model_cfg = dataclasses.replace(model_cfg, layers=cfg.layers)
+    if model_cfg.moe is None:
+        return model_cfg
+    moe = dataclasses.replace(model_cfg.moe, **{k: v for k, v in (("experts", cfg.experts), ("top_k", cfg.top_k))
+                                                  if v is not None})
+    return dataclasses.replace(model_cfg, moe=moe)
 
 
 def is_names(x) -> bool:
@@ -40,7 +54,7 @@ class ModelSkeleton:
 
 
 def routing(cfg) -> Routing:
-    """How the run routes tokens: dispatch, and the balancing state it keeps (spmd.balance)."""
+    """How the run routes tokens: dispatch, and the balancing state it keeps (spmd.parallel.balance)."""
     moe = model_config(cfg).moe
     balanced = moe is not None and (cfg.router_bias_rate > 0 or cfg.redundant_experts > 0)
     slots = moe.experts + cfg.redundant_experts if balanced and cfg.redundant_experts else None
@@ -70,7 +84,7 @@ def model_skeleton(model: str | LlamaConfig, dtype: str = "float32", remat: str 
 
 def restacked(skeleton: ModelSkeleton, repeats: int) -> ModelSkeleton:
     """The skeleton with its stacked layers stored as (repeats, layers / repeats): the
-    circular schedule's layout (spmd.pipeline)."""
+    circular schedule's layout (spmd.parallel.pipeline)."""
     def names(n):
         return (None, *n) if n and n[0] == "layers" else n
 

@@ -27,19 +27,21 @@ from models.llama import REMAT_POLICIES
 from models.annotate import computed_copies, storage
 from models.attention import KERNELS, attention_implementation
 from models.moe import expert_implementation, slots_implementation
-from spmd import balance
-from spmd.config import model_config
-from spmd.context import make_attention, make_capacity_slots, zigzag_order
-from spmd.kernels import make_kernel
-from spmd.kernels import resolve as resolve_kernel
-from spmd.experts import make_experts
-from spmd.layout import Layout
-from spmd.mesh import BATCH_AXES
-from spmd.optim import applied_updates, make_optimizer, schedule
-from spmd.pipeline import MANUAL_AXES, from_microbatches, one_f_one_b, pipeline, to_microbatches
-from spmd.rules import spec_for
-from spmd.skeleton import DTYPES, is_names, routing
-from spmd.zero_bubble import zb_v
+from spmd.parallel import balance
+from spmd.parallel.skeleton import model_config
+from spmd.parallel.context import make_attention, make_capacity_slots, zigzag_order
+from spmd.parallel.kernels import make_kernel
+from spmd.parallel.kernels import resolve as resolve_kernel
+from spmd.parallel.experts import make_experts
+from spmd.parallel.layout import Layout
+from spmd.parallel.mesh import BATCH_AXES
+from spmd.parallel.optim import applied_updates, make_optimizer, schedule
+from spmd.parallel.pipeline import MANUAL_AXES, from_microbatches, one_f_one_b, pipeline, to_microbatches
+from spmd.parallel.rules import spec_for
+from spmd.parallel.skeleton import DTYPES, is_names, routing
+from spmd.parallel.zero_bubble import zb_v
+
+REMAT = tuple(REMAT_POLICIES)  # --remat's choices: none, full, dots
 
 
 class AuxLosses(NamedTuple):
@@ -69,7 +71,7 @@ def _loss(graphdef, params, rows: jax.Array, order: np.ndarray | None = None,
     router z-losses (`aux`) to what is minimized. Every metric is a mean
     over sequences, so means over equal microbatches compose. `order`: the columns' order
     for the model (a permutation of the positions); the mean is that of any order.
-    `router`: the MoE layers' router state, if the model keeps one (spmd.balance)."""
+    `router`: the MoE layers' router state, if the model keeps one (spmd.parallel.balance)."""
     model = nnx.merge(graphdef, params, router) if router else nnx.merge(graphdef, params)
     # Positions are constants (numpy), so that a kernel can see they are in order.
     inputs, targets, positions = rows[:, :-1], rows[:, 1:], np.arange(rows.shape[1] - 1)
@@ -111,7 +113,7 @@ def _moe_metrics(moe_stats: dict, balance_loss: str) -> dict:
 def _aux_weights_per_layer(aux: AuxLosses, moe_layers: int):
     """What each MoE layer's statistics add to what is minimized, per unit of the loss
     (`_objective` takes their means over the model's `moe_layers`): the per-sequence form
-    only, which is a sum of per-layer terms (spmd.config refuses the pooled form here)."""
+    only, which is a sum of per-layer terms (spmd.run.config refuses the pooled form here)."""
     scale = {"balance_loss": aux.aux_weight, "z_loss": aux.z_weight}
 
     def weights(stats: dict) -> dict:
@@ -140,7 +142,7 @@ def _stage_parts(graphdef, params, rows: jax.Array, in_stage, stacked: str, orde
     the stages and returns its output and its layers' statistics (MoE layers').
 
     The blocks are the stacked weights, with the MoE layers' router state if the model
-    keeps one (spmd.balance): the schedules differentiate whole chunks, so it rides in them
+    keeps one (spmd.parallel.balance): the schedules differentiate whole chunks, so it rides in them
     as float32 (exact for slot numbers), with a zero gradient (it only chooses experts);
     `_weights_of` takes it out of their gradients."""
     # Positions as a constant (numpy), which the stages' map may close over.
@@ -179,7 +181,7 @@ def _row_spec(layout: Layout) -> jax.P:
 
 def _pipelined_loss(graphdef, params, rows: jax.Array, layout: Layout, in_stage, order,
                     aux: AuxLosses, router=None) -> tuple[jax.Array, dict]:
-    """`_loss` with the stacked layers run as pipeline stages (spmd.pipeline); the
+    """`_loss` with the stacked layers run as pipeline stages (spmd.parallel.pipeline); the
     embedding, head and loss run outside, on rows split over the data axes and pp."""
     schedule, shards = layout.schedule, layout.batch_shards
     stacked = model_class(layout.skeleton.model_cfg).STACKED
@@ -195,7 +197,7 @@ def _pipelined_loss(graphdef, params, rows: jax.Array, layout: Layout, in_stage,
 def _one_f_one_b_grads(graphdef, params, rows: jax.Array, layout: Layout, in_stage, order,
                        aux: AuxLosses, router=None) -> tuple[dict, dict]:
     """Metrics and gradients of `_pipelined_loss` under the 1F1B schedule, which computes
-    the stages' gradients itself (spmd.pipeline.one_f_one_b); autodiff does the rest."""
+    the stages' gradients itself (spmd.parallel.pipeline.one_f_one_b); autodiff does the rest."""
     schedule, shards = layout.schedule, layout.batch_shards
     family = model_class(layout.skeleton.model_cfg)
     model_of, outer, inputs, targets, blocks, stage = _stage_parts(graphdef, params, rows, in_stage, family.STACKED,
@@ -242,7 +244,7 @@ def _step_metrics(metrics: dict, ep: int) -> dict:
 def model_context(layout: Layout, attention: str = "ring", local_axes: tuple[str, ...] = (),
                   data_axes: tuple[str, ...] | None = None, kernel: str = "xla") -> contextlib.ExitStack:
     """What the model runs under on `layout`: the rules its annotations read
-    (models.annotate), the attention `kernel` (spmd.kernels), and the parallel
+    (models.annotate), the attention `kernel` (spmd.parallel.kernels), and the parallel
     implementations swapped in for attention across sp (`attention`: ring or all-gather)
     and experts across the batch shards. `local_axes`:
     axes the values are local to (a vmap over batch shards, a map manual over them);
@@ -274,7 +276,7 @@ def init_compiler_options(layout: Layout) -> dict:
 
 class Program:
     """The compiled pieces of one training run on one layout (the decoding program,
-    spmd.decode.Decoder, has the same shape): built from the config and the layout, the
+    spmd.inference.decode.Decoder, has the same shape): built from the config and the layout, the
     jitted entry points `init(key) -> state`, `start(params) -> state`, `step(state, batch)
     -> (state, metrics)` and `evaluate(params, batch) -> loss`, and their AOT compilation."""
 
@@ -282,7 +284,7 @@ class Program:
         self.cfg, self.layout = cfg, layout
         self.kernel = resolve_kernel(cfg.attention_kernel, layout.mesh.devices.flat[0])
         self.graphdef = layout.skeleton.graphdef
-        # Expert copies (spmd.balance): their gradients are tied and clipped here, with a
+        # Expert copies (spmd.parallel.balance): their gradients are tied and clipped here, with a
         # norm that counts each expert once.
         self.copies = routing(cfg).slots is not None
         self.expert_dims = balance.expert_dims(layout.skeleton.names)
@@ -374,7 +376,7 @@ class Program:
         return new_state, metrics
 
     def rebalance(self, state: dict) -> dict:
-        """Expert copies placed anew from the measured load (spmd.balance.placement_for),
+        """Expert copies placed anew from the measured load (spmd.parallel.balance.placement_for),
         their weights and optimizer state moved to their slots. Reads the router state on
         the host: a sync, once every --rebalance-every steps."""
         router = jax.device_get(balance.states(state["routing"])[0])
@@ -400,7 +402,7 @@ class Program:
         return model_context(self.layout, self.cfg.attention, local_axes, data_axes, self.kernel)
 
     def _in_stage(self):
-        # Inside a stage the map is manual over pp and dp (spmd.pipeline): neither splits `batch` there.
+        # Inside a stage the map is manual over pp and dp (spmd.parallel.pipeline): neither splits `batch` there.
         return self._annotated(MANUAL_AXES, BATCH_AXES)
 
     @property

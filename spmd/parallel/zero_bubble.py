@@ -31,7 +31,7 @@ matmuls, inside the layer scan too) is staged into W, and W receives from B the 
 of the chain it needs (each matmul output's cotangent). Nothing is computed twice: B's
 and W's dot FLOPs add up to the unsplit backward's. Under a remat policy that recomputes
 the matmuls' inputs in the backward pass (full, dots) B would need them itself and W
-would be empty: zb-v asks for --remat none (spmd.config).
+would be empty: zb-v asks for --remat none (spmd.run.config).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ import numpy as np
 from jax._src import core
 from jax._src.interpreters import partial_eval as pe
 
-from spmd.pipeline import (AXIS, BATCH_AXIS, MANUAL_AXES, Schedule, _copies, _from_stage_0, _head, _no_statistics,
+from spmd.parallel.pipeline import (AXIS, BATCH_AXIS, MANUAL_AXES, Schedule, _copies, _from_stage_0, _head, _no_statistics,
                            _only_stage_0, _split_vjp, _stage_statistics, _statistics, _weighted_statistics,
                            layer_statistics, stacked_spec, stage_view)
 
@@ -199,7 +199,7 @@ def executed_over_useful(p: int, m: int, f: float = 1.0, b: float = 1.0, w: floa
 def zb_v(mesh, schedule: Schedule, stage_fn, head_fn, blocks, head, x: jax.Array, targets: jax.Array,
          rows: jax.P, statistics_weights=None):
     """Loss and gradients with the zb-v schedule; arguments and results as
-    `spmd.pipeline.one_f_one_b`'s (blocks stored as circular's with 2 chunks)."""
+    `spmd.parallel.pipeline.one_f_one_b`'s (blocks stored as circular's with 2 chunks)."""
     p, m = schedule.stages, schedule.microbatches
     table = timetable(p, m)
     b_slots, w_slots, bw_slots = table["slots"]
@@ -309,22 +309,3 @@ def zb_v(mesh, schedule: Schedule, stage_fn, head_fn, blocks, head, x: jax.Array
     # Device d's second chunk is stored on device p-1-d: its statistics go there.
     stats = jax.tree.map(lambda x: jnp.stack([x[:, 0], x[::-1, 1]], axis=1), stats)
     return loss, d_blocks, d_head, _from_stage_0(dx, mesh, rows), layer_statistics(stats)
-
-
-def chunk_dot_flops(stage_fn, chunk, x: jax.Array) -> tuple[float, float, float]:
-    """Dot FLOPs of a chunk's forward, B and W on microbatch x, each compiled alone, as a
-    step's are counted (`spmd.hlo.loop_dot_flops`: computations that run only in some
-    branch of a conditional, the attention kernel's causal blocks, aside): the per-chunk
-    costs f, b, w of `executed_over_useful`."""
-    from spmd import hlo
-
-    forward, backward_input, backward_weight, _ = split_backward(stage_fn, chunk, x)
-    (out, b_res, w_res) = jax.eval_shape(forward, chunk, x)  # shapes: nothing runs
-    ct = out
-    _, _, bw_res = jax.eval_shape(backward_input, chunk, b_res, ct)
-
-    def flops(fn, *args):
-        module = hlo.parse(jax.jit(fn).lower(*args).compile().as_text())
-        return hlo.dot_flops(module, skip=hlo.branch_computations(module))
-    return (flops(forward, chunk, x), flops(lambda *a: backward_input(*a)[:2], chunk, b_res, ct),
-            flops(backward_weight, bw_res, w_res))

@@ -2,7 +2,7 @@
 two moments, as the rules table splits them), the reduced gradient, the weights gathered
 for use, and the activations kept for the backward pass (by remat policy, attention kernel
 and pipeline schedule). spmd.plan sets these beside XLA's memory analysis; the
-collectives' theory is spmd.theory's, from the same walk over the parameters."""
+collectives' theory is spmd.planner.theory's, from the same walk over the parameters."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import jax
 import jax.numpy as jnp
 
 from models import flash
-from spmd import pipeline
-from spmd.layout import Layout
-from spmd.rules import axes_of
-from spmd.skeleton import DTYPES
-from spmd.theory import (Param, compute_table, expert_rows, live, params, spec_axes, tokens_per_device, uses,
+from spmd.parallel import pipeline
+from spmd.parallel.layout import Layout
+from spmd.parallel.rules import axes_of
+from spmd.parallel.skeleton import DTYPES
+from spmd.planner.theory import (Param, compute_table, expert_rows, live, params, spec_axes, tokens_per_device, uses,
                          ways)
 
 
@@ -50,7 +50,7 @@ def memory(cfg, layout: Layout) -> dict[str, float]:
             gradients += held(p, [a for a in spec_axes(p.names, rules.grads) if a != pipeline.BATCH_AXIS])
         else:
             gradients += held(p, spec_axes(p.names, rules.grads))
-    # The MoE layers' router state (spmd.balance), replicated: a few numbers per expert.
+    # The MoE layers' router state (spmd.parallel.balance), replicated: a few numbers per expert.
     router = sum(s.size * s.dtype.itemsize for s in jax.tree.leaves(layout.skeleton.router_shapes))
     return {
         "params": total(rules.params) + router,
@@ -75,7 +75,7 @@ def activation_bytes(cfg, layout: Layout, compute_bytes: int) -> float:
     # gate/up and hidden); "dots" keeps matmuls without batch dimensions; "full" only the
     # block input, and recomputes one layer at a time during the backward pass.
     # Scores: each query token's whole row, kept like an activation, by the xla kernel
-    # only. The chunked and fused kernels (models.flash, spmd.kernels), and ring attention
+    # only. The chunked and fused kernels (models.flash, spmd.parallel.kernels), and ring attention
     # across sp, recompute them in the backward pass a block pair at a time: float32
     # scores, weights and their gradient for one block of queries and keys, one layer.
     sp = layout.shape["sp"]
@@ -89,7 +89,7 @@ def activation_bytes(cfg, layout: Layout, compute_bytes: int) -> float:
     dense_layers = m.layers - m.moe_layers
     kept = dense_layers * per_layer
     if m.moe_layers:
-        # An MoE layer keeps, per row its experts run (spmd.experts), the row as received
+        # An MoE layer keeps, per row its experts run (spmd.parallel.experts), the row as received
         # and as returned and the two matmul outputs; per token the router's scores and
         # the shared expert like an MLP.
         rows = expert_rows(cfg, layout) / tokens

@@ -13,6 +13,10 @@ import dataclasses
 import math
 import re
 
+import jax
+
+from spmd.parallel.zero_bubble import split_backward
+
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 REDUCTIONS = ("all-reduce", "reduce-scatter")
 
@@ -213,3 +217,20 @@ def loop_dot_flops(module: HloModule) -> float:
     leaving out computations that run only in some branch of a `conditional`."""
     outside = set(module.instructions) - module.in_loops()
     return dot_flops(module, skip=branch_computations(module) | outside)
+
+
+def chunk_dot_flops(stage_fn, chunk, x: jax.Array) -> tuple[float, float, float]:
+    """Dot FLOPs of a chunk's forward, B and W on microbatch x, each compiled alone, as a
+    step's are counted (`loop_dot_flops`: computations that run only in some
+    branch of a conditional, the attention kernel's causal blocks, aside): the per-chunk
+    costs f, b, w of `executed_over_useful`."""
+    forward, backward_input, backward_weight, _ = split_backward(stage_fn, chunk, x)
+    (out, b_res, w_res) = jax.eval_shape(forward, chunk, x)  # shapes: nothing runs
+    ct = out
+    _, _, bw_res = jax.eval_shape(backward_input, chunk, b_res, ct)
+
+    def flops(fn, *args):
+        module = parse(jax.jit(fn).lower(*args).compile().as_text())
+        return dot_flops(module, skip=branch_computations(module))
+    return (flops(forward, chunk, x), flops(lambda *a: backward_input(*a)[:2], chunk, b_res, ct),
+            flops(backward_weight, bw_res, w_res))

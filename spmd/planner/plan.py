@@ -1,25 +1,27 @@
-"""`python -m spmd.plan`: before launch, what each device holds and what crosses the wire.
+"""The plan of a layout (`python -m spmd.plan`): before launch, what each device holds and
+what crosses the wire.
 
 It trains nothing and allocates no arrays: it compiles the real train step for abstract
 shapes on the requested mesh (on emulated CPU devices when the machine has fewer) and
 sets XLA's memory analysis and the collectives of the optimized HLO next to the theory
-of `spmd.theory`. With a hardware entry it predicts the step time (`spmd.roofline`);
+of `spmd.planner.theory`. With a hardware entry it predicts the step time (`spmd.planner.roofline`);
 `--auto` searches the layouts of a device count for the fastest that fit.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import math
-import sys
-from collections.abc import Sequence
 
-from spmd.config import REMAT, integer, parse_with_extras
-from spmd.errors import UserError
-from spmd.mesh import MAX_EMULATED_DEVICES, accelerator_plugin_installed, check_dcn
-from spmd.signals import serve as serve_signals
+from spmd.base.errors import UserError
+from spmd.parallel.mesh import accelerator_plugin_installed
+import jax
+from spmd.base import hardware
+from spmd.parallel.layout import make_layout
+from spmd.parallel.step import REMAT, build_program
+from spmd.planner import footprint, hlo, theory, traffic
+from spmd.planner.roofline import predict
+from spmd.planner.theory import by_op_and_axes
 
 SMALL_BYTES = 1024  # collectives moving less each time are scalars (loss, norms, MoE statistics): listed, not flagged
 AUTO_SHOWN = 5
@@ -131,10 +133,8 @@ class Plan:
 
 
 def compare(measured, expected) -> list[Row]:
-    """Measured traffic (spmd.traffic) and theory (spmd.theory) side by side, per (op, axes),
+    """Measured traffic (spmd.planner.traffic) and theory (spmd.planner.theory) side by side, per (op, axes),
     the largest first."""
-    from spmd.theory import by_op_and_axes
-
     theory = by_op_and_axes(expected)
     rows = {key: Row(*key, 0, 0.0, bytes_, False) for key, bytes_ in theory.items()}
     for t in measured:
@@ -147,10 +147,6 @@ def compare(measured, expected) -> list[Row]:
 
 def make_plan(cfg, layout, compiled=None, hardware=None, planned_on: str | None = None, program=None) -> Plan:
     """Compile the step for abstract shapes (unless given the compiled step) and compare."""
-    from spmd import footprint, hlo, theory, traffic
-    from spmd.roofline import predict
-    from spmd.step import build_program
-
     program = program or build_program(cfg, layout)
     if compiled is None:
         compiled = program.compile_step()
@@ -178,8 +174,6 @@ def make_plan(cfg, layout, compiled=None, hardware=None, planned_on: str | None 
 def plan_devices(count: int):
     """`count` devices to compile for: the real accelerators if there are enough, else
     emulated CPU devices (set up before JAX starts its backends). -> (devices, label)"""
-    import jax
-
     try:
         jax.config.update("jax_num_cpu_devices", max(count, 1))
     except RuntimeError:  # JAX already started (a notebook): use what it has
@@ -196,8 +190,6 @@ def plan_devices(count: int):
 
 
 def default_hardware(cfg, devices):
-    from spmd import hardware
-
     if cfg.hardware:
         return hardware.get(cfg.hardware)
     return hardware.detect(devices[0].device_kind)
@@ -220,10 +212,6 @@ def auto(cfg, devices, hardware, planned_on: str) -> tuple[list[Plan], str]:
     """Rank every candidate layout by its theoretical step time among those whose
     theoretical peak fits, then compile the best until five are confirmed by XLA.
     -> (plans, a line saying what was searched)"""
-    from spmd import footprint, theory
-    from spmd.layout import make_layout
-    from spmd.roofline import predict
-
     ranked, indivisible, too_big = [], 0, 0
     for c in candidates(cfg, len(devices), hardware.devices_per_node):
         try:
@@ -253,56 +241,3 @@ def auto(cfg, devices, hardware, planned_on: str) -> tuple[list[Plan], str]:
                         f"(dp/fsdp/tp, ZeRO 0-1, every remat) at batch {cfg.batch} x {cfg.seq}; "
                         "use more devices, a smaller batch or --grad-accum")
     return sorted(confirmed, key=lambda p: p.prediction.step_s), searched
-
-
-# ----------------------------------------------------------------------------- CLI
-
-def plan_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
-    parser.add_argument("--auto", action="store_true",
-                        help="search dp/fsdp/tp meshes, ZeRO stage and remat for the fastest layouts that fit")
-    parser.add_argument("--devices", type=integer, default=None,
-                        help="device count for --auto (default: the product of --mesh)")
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    from spmd import report
-
-    serve_signals("stopped; nothing was written")
-    try:
-        cfg, extras = parse_with_extras(argv, prog="python -m spmd.plan", add_extras=plan_flags,
-                                        description="Show per-device memory, collectives and a step-time "
-                                                    "estimate of a layout, before launch (trains nothing).")
-        spec = cfg.mesh_spec
-        count = spec.devices if extras.devices is None else extras.devices
-        if count < 1:
-            raise UserError(f"--devices must be positive, got {count}")
-        if count > MAX_EMULATED_DEVICES and not accelerator_plugin_installed():
-            raise UserError(f"planning for {count:,} devices would emulate them on the CPU; at most "
-                            f"{MAX_EMULATED_DEVICES} can be emulated")
-        if spec.has_remaining and not extras.devices and not extras.auto:
-            raise UserError("a mesh axis of -1 needs --devices N to plan for")
-        devices, planned_on = plan_devices(count)
-        hardware = default_hardware(cfg, devices)
-        if cfg.dcn:  # the emulated devices are one process: plan the mesh; which devices span DCN changes no bytes
-            check_dcn(spec.resolve(count), spec.dcn)
-            cfg = dataclasses.replace(cfg, dcn=None)
-        if extras.auto:
-            if hardware is None:
-                raise UserError("--auto needs --hardware (one of the entries in spmd/hardware.toml)")
-            plans, searched = auto(cfg, devices, hardware, planned_on)
-            print(json.dumps([p.as_json() for p in plans], indent=2) if extras.json
-                  else "\n".join([*report.auto_table(plans), searched]))
-            return 0
-        from spmd.layout import make_layout
-
-        plan = make_plan(cfg, make_layout(cfg, devices), hardware=hardware, planned_on=planned_on)
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        return 2
-    print(json.dumps(plan.as_json(), indent=2) if extras.json else "\n".join(report.plan_table(plan)))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -2,27 +2,13 @@
 
 from __future__ import annotations
 
-import sys
-
-
-def emit(line: str) -> None:
-    """Print one line with one write: the processes of a run may share a terminal or pipe,
-    and print's separate write of the newline lets their lines interleave."""
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    raise AssertionError
+from spmd.base.console import human_bytes
+from spmd.parallel import kernels
+from spmd.planner.roofline import OVERLAPPED_AXES, crosses_nodes
+from spmd.planner.traffic import mesh_axes
 
 
 def describe_run(cfg, layout, plan, data: str, compile_s: float) -> list[str]:
-    from spmd import kernels
-
     devices = layout.mesh.devices
     kind = devices.flat[0].device_kind
     skel = layout.skeleton
@@ -99,9 +85,6 @@ def verdict(plan) -> str:
 
 
 def roofline_lines(plan) -> list[str]:
-    from spmd.roofline import OVERLAPPED_AXES, crosses_nodes
-    from spmd.traffic import mesh_axes
-
     p, hw = plan.prediction, plan.hardware
     parts = []
     for axes, seconds in sorted(p.comm_s.items(), key=lambda kv: -kv[1]):

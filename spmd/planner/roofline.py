@@ -19,10 +19,10 @@ import dataclasses
 import math
 from collections.abc import Iterable, Mapping
 
-from spmd.hardware import Hardware, train_flops_per_token
-from spmd.pipeline import Schedule
-from spmd.mesh import AXES
-from spmd.traffic import mesh_axes
+from spmd.base.hardware import Hardware, train_flops_per_token
+from spmd.parallel.pipeline import Schedule
+from spmd.parallel.mesh import AXES
+from spmd.planner.traffic import mesh_axes
 
 OVERLAPPED_AXES = {"dp", "fsdp", "ep"}
 

@@ -1,5 +1,5 @@
 """What a layout should cost in collective bytes, from shapes, dtypes and shardings alone
-(DESIGN.md section 8; what each device holds is spmd.footprint's, from the same walk over
+(DESIGN.md section 8; what each device holds is spmd.planner.footprint's, from the same walk over
 the parameters).
 
 Nothing here compiles: `spmd.plan` sets these numbers next to what XLA compiled, and
@@ -30,7 +30,7 @@ all-reduce over N devices moves 2(N-1)/N of its buffer, an all-gather or reduce-
   buffers, dropless its padded blocks and their expert indices (int32). An expert's
   gradient is summed only over the batch axes that do not split the experts.
 
-Pipeline stages (spmd.pipeline; p stages, m microbatches, v chunks per stage): each
+Pipeline stages (spmd.parallel.pipeline; p stages, m microbatches, v chunks per stage): each
 device holds and runs 1/p of the stacked layers (never gathered over pp), on the rows of
 its whole pp group; outside the pipeline pp is one more data axis, so the embedding, the
 head and their gradients see tokens split over pp too. Every stage runs every one of the
@@ -43,7 +43,7 @@ leaving, the device's rows are all-gathered and reduce-scattered over pp (and th
 gradients reduce-scattered and all-gathered). 1f1b has GPipe's counts, interleaved-1f1b
 circular's.
 
-Expert copies (spmd.balance) add one all-reduce over ep of the experts' gradients.
+Expert copies (spmd.parallel.balance) add one all-reduce over ep of the experts' gradients.
 """
 
 from __future__ import annotations
@@ -56,17 +56,17 @@ import jax.numpy as jnp
 from flax import traverse_util
 
 from models import model_class
-from spmd import pipeline, zero_bubble
-from spmd.layout import Layout
-from spmd.skeleton import DTYPES, is_names, routing
-from spmd.mesh import AXES, BATCH_AXES
-from spmd.rules import axes_of, spec_for
+from spmd.parallel import pipeline, zero_bubble
+from spmd.parallel.layout import Layout
+from spmd.parallel.skeleton import DTYPES, is_names, routing
+from spmd.parallel.mesh import AXES, BATCH_AXES
+from spmd.parallel.rules import axes_of, spec_for
 
 
 @dataclasses.dataclass(frozen=True)
 class Expected:
     op: str
-    axes: str  # "+"-joined mesh axes, outer to inner (as spmd.traffic names them)
+    axes: str  # "+"-joined mesh axes, outer to inner (as spmd.planner.traffic names them)
     bytes_per_device: float
     why: str
 
@@ -135,7 +135,7 @@ def _backward_gathers(cfg, layout: Layout, stage_runs: float) -> float:
     """How often the backward pass gathers the stacked weights again (once per forward).
     In GPipe stages XLA hoists that gather out of the backward tick loop (the weights are
     the same every tick), under every remat policy: once. A circular schedule under remat
-    "full" runs each tick's forward once more in the backward pass (spmd.pipeline.
+    "full" runs each tick's forward once more in the backward pass (spmd.parallel.pipeline.
     _run_chunk): twice per forward."""
     if layout.schedule is None or layout.schedule.writes_backward:
         return stage_runs
@@ -146,7 +146,7 @@ def _backward_gathers(cfg, layout: Layout, stage_runs: float) -> float:
 
 def _picks_again(layout: Layout) -> bool:
     """Whether autodiff's backward pass picks each tick's chunk again under the model's
-    remat policy (circular: spmd.pipeline._run_chunk); the written-out backward of
+    remat policy (circular: spmd.parallel.pipeline._run_chunk); the written-out backward of
     interleaved-1f1b runs each chunk's backward once."""
     return layout.schedule is not None and layout.schedule.repeats > 1 and not layout.schedule.writes_backward
 
@@ -228,7 +228,7 @@ def _gradients(cfg, layout: Layout, p: Param, token_axes: tuple[str, ...], slice
         manual = tuple(a for a in token_axes if a == pipeline.BATCH_AXIS)
         phases = [(tuple(a for a in token_axes if a not in manual), stage_runs, max(widths)), (manual, 1, p.itemsize)]
     elif _accumulated(cfg, layout):
-        # Accumulated (spmd.step): over the axes inside the per-shard vmap (sp, and ep with
+        # Accumulated (spmd.parallel.step): over the axes inside the per-shard vmap (sp, and ep with
         # split experts) in every microbatch, as computed; over the accumulation axes once,
         # the float32 sums.
         once = tuple(a for a in token_axes if a in layout.accumulation_axes)
@@ -255,7 +255,7 @@ def _gradients(cfg, layout: Layout, p: Param, token_axes: tuple[str, ...], slice
 
 
 def _accumulated(cfg, layout: Layout) -> bool:
-    """Whether gradients are summed per shard over microbatches (spmd.step's vmap)."""
+    """Whether gradients are summed per shard over microbatches (spmd.parallel.step's vmap)."""
     return cfg.grad_accum > 1 and not layout.schedule
 
 
@@ -360,7 +360,7 @@ def _tensor_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
 
 
 def _sequence_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
-    """K/V traffic of attention over sp (spmd.context), per layer."""
+    """K/V traffic of attention over sp (spmd.parallel.context), per layer."""
     n = layout.shape["sp"]
     if n == 1:
         return []
@@ -380,12 +380,12 @@ def _sequence_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected
 
 
 def expert_rows(cfg, layout: Layout) -> int:
-    """Rows of tokens each device runs through its experts per MoE layer (spmd.experts):
+    """Rows of tokens each device runs through its experts per MoE layer (spmd.parallel.experts):
     capacity mode's buffers, or the dropless choices (padded per destination over ep)."""
     moe, ep, sp = layout.skeleton.model_cfg.moe, layout.shape["ep"], layout.shape["sp"]
     tokens = tokens_per_device(cfg, layout.shape)
     capacity = routing(cfg).capacity(cfg.seq, moe)
-    slots = routing(cfg).slots or moe.experts  # with copies (spmd.balance), each slot is an expert here
+    slots = routing(cfg).slots or moe.experts  # with copies (spmd.parallel.balance), each slot is an expert here
     if capacity is not None:  # per sequence; a device's chunk of c tokens fills at most c slots
         chunk = cfg.seq // sp
         return tokens // chunk * slots * min(capacity, chunk)
@@ -393,7 +393,7 @@ def expert_rows(cfg, layout: Layout) -> int:
 
 
 def _expert_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
-    """All-to-all of tokens over ep, per MoE layer (spmd.experts); in capacity mode with
+    """All-to-all of tokens over ep, per MoE layer (spmd.parallel.experts); in capacity mode with
     the sequence split over sp, the per-expert counts of every chunk's choices, gathered
     over sp to rank each choice in its sequence."""
     ep, sp, model = layout.shape["ep"], layout.shape["sp"], layout.skeleton.model_cfg
@@ -402,14 +402,14 @@ def _expert_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
     out = []
     if sp > 1 and cfg.moe_dispatch == "capacity":
         # Each rank's two chunks' choices counted per expert (int32), gathered from the
-        # others (spmd.context.make_capacity_slots); XLA runs the gather twice per layer.
+        # others (spmd.parallel.context.make_capacity_slots); XLA runs the gather twice per layer.
         sequences = tokens_per_device(cfg, layout.shape) * sp / cfg.seq
         counts = sequences * 2 * model.moe.experts * 4
         out.append(Expected("all-gather", "sp", model.moe_layers * stage_overhead(layout) * 2 * (sp - 1) * counts,
                             "capacity: each chunk's choices per expert, to rank them in the sequence"))
     if ep == 1:
         return out
-    if routing(cfg).slots:  # expert copies: each copy's gradient summed with its twins' (spmd.balance.tie)
+    if routing(cfg).slots:  # expert copies: each copy's gradient summed with its twins' (spmd.parallel.balance.tie)
         expert_grads = model.moe_layers * model.moe.experts * 3 * model.embed * model.moe.expert_mlp * 4
         out.append(Expected("all-reduce", "ep", 2 * (ep - 1) / ep * expert_grads,
                             "expert copies: gradients summed per expert"))
@@ -425,7 +425,7 @@ def _expert_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
 
 
 def _pipeline(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
-    """Activations between pipeline stages (spmd.pipeline): each tick a stage's output
+    """Activations between pipeline stages (spmd.parallel.pipeline): each tick a stage's output
     microbatch to the next stage, forward and (its gradient) backward; entering, the
     embedded rows all-gathered over pp, leaving, the outputs reduce-scattered (and
     backward their gradients the other way)."""

@@ -25,9 +25,9 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from spmd import hlo
-from spmd.mesh import AXES
-from spmd.rules import TABLE, ZERO_SHARDED_DIM, axes_of
+from spmd.planner import hlo
+from spmd.parallel.mesh import AXES
+from spmd.parallel.rules import TABLE, ZERO_SHARDED_DIM, axes_of
 
 _ELEMENTS = re.compile(r"\b[a-z]+\d*\[([\d,]*)\]")
 
@@ -226,7 +226,7 @@ def _operand_slice_fractions(module: hlo.HloModule, c: hlo.Collective) -> list[i
     return out
 
 
-# How gradients are stored split (spmd.rules: `embed` at rest, then dp under ZeRO), outer first.
+# How gradients are stored split (spmd.parallel.rules: `embed` at rest, then dp under ZeRO), outer first.
 STORAGE_AXES = (*axes_of(TABLE[ZERO_SHARDED_DIM][0]), "dp")
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import math
 import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -17,28 +16,26 @@ from pathlib import Path
 
 import yaml
 
-from spmd.errors import UserError, file_kind
-from spmd.schema import Bounds
+from models import PRESETS
+from spmd.base import hardware
+from spmd.base.cli import DTYPES, SEED, TOKEN_DTYPES, OneLineErrorParser, finite, flag_of, integer, nonempty
+from spmd.base.errors import UserError, file_kind
+from spmd.base.schema import Bounds
+from spmd.parallel.mesh import MeshSpec
+from spmd.parallel.pipeline import PP_SCHEDULES, REPEATED_SCHEDULES
+from spmd.parallel.skeleton import model_config
+from spmd.parallel.step import REMAT
 
-DTYPES = ("float32", "bfloat16")
-REMAT = ("none", "full", "dots")
 ON_NAN = ("stop", "skip")
 ATTENTION = ("ring", "all-gather")
 ATTENTION_KERNELS = ("auto", "xla", "cudnn", "splash", "chunked")
 MOE_DISPATCH = ("dropless", "capacity")
-PP_SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved-1f1b", "zb-v")
-REPEATED_SCHEDULES = ("circular", "interleaved-1f1b")  # those with --pp-repeats chunks per stage
-TOKEN_DTYPES = ("uint16", "uint32")
 BALANCE_LOSSES = ("sequence", "pooled")  # models.moe.MoEConfig.balance_loss
 
 
 def _field(default, help: str, at_least=None, above=None, at_most=None, below=None, **argparse_kwargs):
     bounds = Bounds(at_least, above, at_most, below)
     return dataclasses.field(default=default, metadata={"help": help, "bounds": bounds, **argparse_kwargs})
-
-
-def flag_of(name: str) -> str:
-    return "--" + name.replace("_", "-")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +47,7 @@ class TrainConfig:
     steps: int = _field(300, "optimizer steps to run", at_least=0)
     batch: int = _field(32, "global batch size, in sequences", at_least=1)
     seq: int = _field(64, "sequence length, in tokens", at_least=1)
-    seed: int = _field(0, "seed of the initial parameters and of the data order", at_least=0, at_most=2**32 - 1)
+    seed: int = _field(0, "seed of the initial parameters and of the data order", SEED.at_least, at_most=SEED.at_most)
     lr: float = _field(3e-3, "peak learning rate", above=0)
     warmup: int = _field(20, "linear warmup steps from 0 to the peak (kept as given: a warmup of --steps or more ends the run before the peak)", at_least=0)
     min_lr_ratio: float = _field(0.1, "final learning rate of the cosine decay, as a fraction of the peak", at_least=0, at_most=1)
@@ -113,14 +110,12 @@ class TrainConfig:
     # resumed checkpoint's); saved with the run, so the run can be resumed and exported.
     architecture: object = dataclasses.field(default=None, metadata={"cli": False, "bounds": Bounds()})
     # Not a flag: a model served from a checkpoint trained with --router-bias-rate keeps the
-    # learned selection bias as one of its weights (spmd.weights).
+    # learned selection bias as one of its weights (spmd.run.weights).
     router_bias_weight: bool = dataclasses.field(default=False, metadata={"cli": False, "bounds": Bounds()})
 
     @functools.cached_property
     def mesh_spec(self):
-        """`mesh` and `dcn`, parsed (spmd.mesh.MeshSpec): the one place the strings are read."""
-        from spmd.mesh import MeshSpec
-
+        """`mesh` and `dcn`, parsed (spmd.parallel.mesh.MeshSpec): the one place the strings are read."""
         return MeshSpec.parse(self.mesh, self.dcn)
 
     @property
@@ -168,35 +163,6 @@ def train_parser(prog: str = "python -m spmd.train",
 
 def cli_fields() -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(TrainConfig) if f.metadata.get("cli", True)]
-
-
-class OneLineErrorParser(argparse.ArgumentParser):
-    def error(self, message: str):
-        raise UserError(message)
-
-
-# Argument types: exactly what the text says, nothing reinterpreted. Python's int() would
-# also take "1_000", " 4" and other scripts' digits; float() takes "nan" and "inf".
-def integer(text: str) -> int:
-    if not re.fullmatch(r"-?[0-9]+", text):
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer")
-    return int(text)
-
-
-def finite(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
-    return value
-
-
-def nonempty(text: str) -> str:
-    if not text.strip():
-        raise argparse.ArgumentTypeError("the value is empty")
-    return text
 
 
 def _read_yaml(path: str):
@@ -255,16 +221,11 @@ def _scalar(value, refusal: str) -> str:
     return str(value)
 
 
-def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
-    return parse_with_extras(argv)[0]
-
-
-def parse_with_extras(argv: Sequence[str] | None = None, prog: str = "python -m spmd.train",
-                      description: str = "Train a model on a named device mesh.",
-                      add_extras: Callable[[argparse.ArgumentParser], None] | None = None,
-                      ) -> tuple[TrainConfig, argparse.Namespace]:
-    """The run's config, plus the values of any flags `add_extras` adds (for other CLIs
-    that take a run's options, like spmd.plan)."""
+def parse(argv: Sequence[str] | None = None, prog: str = "python -m spmd.train",
+          description: str = "Train a model on a named device mesh.",
+          add_extras: Callable[[argparse.ArgumentParser], None] | None = None) -> tuple[TrainConfig, argparse.Namespace]:
+    """The run's options as given (spmd.run.resolve checks them), plus the values of any
+    flags `add_extras` adds (for other commands that take a run's options, like spmd.plan)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = train_parser(prog, description)
     if add_extras:
@@ -273,7 +234,7 @@ def parse_with_extras(argv: Sequence[str] | None = None, prog: str = "python -m 
     file_argv = _yaml_to_argv(config_path) if config_path else []
     ns = parser.parse_args(file_argv + argv)
     values = {f.name: getattr(ns, f.name) for f in cli_fields()}
-    return validate(TrainConfig(**values)), ns
+    return TrainConfig(**values), ns
 
 
 def find_config(argv: Sequence[str]) -> str | None:
@@ -289,11 +250,10 @@ def find_config(argv: Sequence[str]) -> str | None:
     return path
 
 
-def validate(cfg: TrainConfig) -> TrainConfig:
-    """Checks that need no devices and no model; the mesh-dependent ones live in spmd.checks."""
-    from models import PRESETS
-
-    cfg = _resolve_model(cfg)
+def check(cfg: TrainConfig) -> TrainConfig:
+    """The options checked against each other and the model they name (spmd.run.resolve
+    finds it), before any device is touched; the mesh-dependent checks live in
+    spmd.parallel.checks."""
     if cfg.model is not None and cfg.model not in PRESETS:
         raise UserError(f"unknown model {cfg.model!r}; choose one of {', '.join(PRESETS)}")
     for f in dataclasses.fields(cfg):
@@ -309,8 +269,6 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if cfg.save_every and not cfg.out:
         raise UserError("--save-every needs --out DIR")
     if cfg.hardware is not None:
-        from spmd import hardware
-
         hardware.get(cfg.hardware)
     if cfg.batch % cfg.grad_accum:
         raise UserError(f"--batch {cfg.batch} does not divide into --grad-accum {cfg.grad_accum} microbatches")
@@ -357,50 +315,3 @@ def _validate_pipeline(cfg: TrainConfig) -> None:
                         "the matmuls' inputs kept from the forward pass")
     if cfg.pp_schedule not in REPEATED_SCHEDULES and cfg.pp_repeats != 1:
         raise UserError(f"--pp-repeats applies to --pp-schedule {' and '.join(REPEATED_SCHEDULES)}, not {cfg.pp_schedule}")
-
-
-def _resolve_model(cfg: TrainConfig) -> TrainConfig:
-    """Where the model comes from: a preset (--model), a Hugging Face directory's
-    config.json (--init-from), the checkpoint of --resume, or the default preset."""
-    from models import LlamaConfig
-    from spmd.hf import Directory, tokenizer_of
-
-    if cfg.init_from:
-        if cfg.model:
-            raise UserError("--model and --init-from: the model is the one in --init-from's config.json; give one")
-        if cfg.resume:
-            raise UserError("--init-from and --resume: a run starts from a Hugging Face directory or resumes "
-                            "a checkpoint; give one (a run with --out resumes from --out by itself)")
-        for name in ("layers", "experts", "top_k"):
-            if getattr(cfg, name) is not None:
-                raise UserError(f"{flag_of(name)} and --init-from: the model's shape is --init-from's config.json")
-        read = Directory(cfg.init_from).cfg  # every file checked, before anything is allocated
-        tokenizer = cfg.tokenizer or (tokenizer_of(cfg.init_from) if cfg.data else None)  # the checkpoint's
-        return dataclasses.replace(cfg, architecture=read, tokenizer=tokenizer)
-    if isinstance(cfg.architecture, dict):  # a saved run's
-        return dataclasses.replace(cfg, architecture=LlamaConfig.from_dict(cfg.architecture))
-    if cfg.architecture is None and cfg.model is None:
-        if cfg.resume:
-            from spmd.checkpoint import model_of_checkpoint
-
-            model, architecture = model_of_checkpoint(cfg.resume)
-            return dataclasses.replace(cfg, model=model, architecture=architecture and LlamaConfig.from_dict(architecture))
-        return dataclasses.replace(cfg, model="tiny")
-    return cfg
-
-
-def model_config(cfg: TrainConfig):
-    """The model: --init-from's, or the preset with the run's overrides (depth, number of
-    experts, top-k)."""
-    from models import PRESETS
-
-    if cfg.architecture is not None:
-        return cfg.architecture
-    model_cfg = PRESETS[cfg.model or "tiny"]
-    if cfg.layers is not None:
-        model_cfg = dataclasses.replace(model_cfg, layers=cfg.layers)
-    if model_cfg.moe is None:
-        return model_cfg
-    moe = dataclasses.replace(model_cfg.moe, **{k: v for k, v in (("experts", cfg.experts), ("top_k", cfg.top_k))
-                                                  if v is not None})
-    return dataclasses.replace(model_cfg, moe=moe)

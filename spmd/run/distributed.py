@@ -18,7 +18,8 @@ import threading
 import time
 from collections.abc import Mapping
 
-from spmd.errors import UserError, first_line
+from spmd.base.errors import UserError, first_line
+import jax
 
 AUTO = "auto"
 ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
@@ -81,7 +82,6 @@ def initialize(procs: Processes, heartbeat_timeout: int, join_timeout: int = 300
     """Join the run's other processes (a barrier). Must come before JAX starts a backend."""
     if not procs.multi:
         return
-    import jax
 
     kwargs = {} if procs.count == 0 else dict(coordinator_address=procs.coordinator, num_processes=procs.count,
                                                process_id=procs.index)

@@ -16,15 +16,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spmd.balance import REBALANCE_EVERY
-from spmd.checkpoint import finalized_steps, make_meta
-from spmd.data import Prefetcher, global_batch
-from spmd.distributed import Watchdog
-from spmd.hardware import peak_tflops, train_flops_per_token
-from spmd.errors import OutputFailed, why_io_failed
-from spmd.observe import Profile, Scalars, duration, peak_memory_bytes
-from spmd.report import describe_run, emit, human_bytes
-from spmd.signals import StopSignals
+from spmd.parallel.balance import REBALANCE_EVERY
+from spmd.formats.checkpoint import finalized_steps, make_meta
+from spmd.data.synthetic import Prefetcher, global_batch
+from spmd.run.distributed import Watchdog
+from spmd.base.hardware import peak_tflops, train_flops_per_token
+from spmd.base.errors import OutputFailed, why_io_failed
+from spmd.run.observe import Profile, Scalars, duration, peak_memory_bytes
+from spmd.base.console import emit, human_bytes
+from spmd.planner.report import describe_run
+from spmd.base.signals import StopSignals
 
 
 # The host may run this many steps ahead of the devices. Enough to keep them busy while
@@ -49,14 +50,14 @@ class Run:
         self.state, self.start_step, self.checkpoints = state, start_step, checkpoints
         self.setup_s, self.skipped, self.log = setup_s, skipped, log
         self.source, self.eval_fn = source, eval_fn
-        # Expert copies placed anew every --rebalance-every steps (spmd.balance).
+        # Expert copies placed anew every --rebalance-every steps (spmd.parallel.balance).
         self.rebalance, self.rebalance_every = rebalance, cfg.rebalance_every or REBALANCE_EVERY
         # A resumed run's first step is saved already; a fresh run with --steps 0 saves its
         # start (e.g. a Hugging Face model, converted).
         self.last_saved: int | None = start_step if resumed else None
         self.primary = jax.process_index() == 0
         self.watchdog = Watchdog(cfg.step_timeout)
-        self.lock = lock  # on the checkpoint directory (spmd.paths.DirectoryLock), released at the end
+        self.lock = lock  # on the checkpoint directory (spmd.base.paths.DirectoryLock), released at the end
         # Several processes must stop after the same step, whichever got the signal.
         self.stop_vote = StopVote(layout.mesh) if jax.process_count() > 1 else None
 
@@ -247,7 +248,7 @@ class Run:
                 self.checkpoints.wait()
 
 
-# Metrics of MoE models (spmd.step): load-balancing and z-loss, share of dropped choices,
+# Metrics of MoE models (spmd.parallel.step): load-balancing and z-loss, share of dropped choices,
 # expert load imbalance (max / mean tokens per expert) and, with ep > 1, per device.
 MOE_METRICS = ("aux_loss", "z_loss", "dropped", "imbalance", "device_imbalance")
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import jax
 
-from spmd.errors import OutputFailed, why_io_failed
+from spmd.base.errors import OutputFailed, why_io_failed
 
 
 class Profile:

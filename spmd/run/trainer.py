@@ -1,106 +1,33 @@
-"""`python -m spmd.train`: train a model on a named device mesh.
+"""The trainer: everything before the first step (build, restore or initialize, compile,
+check the fit), then the loop (spmd.run.loop).
 
 The loop does not wait for the step it just dispatched: metrics stay on the devices and
 are fetched together every `--log-every` steps, and the host only ever waits for a step
-that is already `spmd.loop.MAX_STEPS_IN_FLIGHT` behind (or for a checkpoint's copy off the
+that is already `spmd.run.loop.MAX_STEPS_IN_FLIGHT` behind (or for a checkpoint's copy off the
 devices).
 """
 
 from __future__ import annotations
 
-import os
-import sys
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
-from spmd import xla_flags
-from spmd.config import TrainConfig, find_config, model_config, parse_args
-from spmd.distributed import initialize, processes
-from spmd.errors import EXIT_OUTPUT_FAILED, OutputFailed, UserError, first_line, one_line_errors, quiet_library_threads
-from spmd.mesh import emulate_cpu_devices
-from spmd.paths import LOCK_NAME, DirectoryLock, Output, claim
-from spmd.signals import serve as serve_signals
-from spmd.signals import served
+import jax
 
-EXIT_NON_FINITE = 1
-EXIT_PEER_FAILED = 4
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    serve_signals()  # first: every thread started from here on leaves SIGINT/SIGTERM to it
-    quiet_library_threads()
-    with one_line_errors():
-        cfg = parse_args(argv)
-        check_outputs(cfg, find_config(argv))
-        procs = processes(cfg)
-        from spmd.checks import check_before_devices
-
-        check_before_devices(cfg, procs.count)
-        # Before JAX starts its backend, which reads them (spmd.xla_flags).
-        flag_lines = xla_flags.configure(xla_flags.backend_before_start(), model_config(cfg), cfg.dtype)
-        emulate_cpu_devices(cfg.mesh_spec.sizes, cfg.cpu_devices, procs.count)
-    with one_line_errors(hold_stderr=False):  # a native abort while joining must still show its message
-        initialize(procs, cfg.heartbeat_timeout, cfg.join_timeout)
-    with one_line_errors():
-        import jax
-
-        from spmd.layout import make_layout
-
-        layout = make_layout(cfg)
-        from spmd.report import emit
-
-        log = emit if jax.process_index() == 0 else _silent
-        for line in flag_lines:
-            log(line)
-        run = prepare(cfg, layout, log=log)
-    try:
-        return 0 if run.loop().ok else EXIT_NON_FINITE
-    except OutputFailed as exc:
-        # Exit at once: Orbax's threads may still hold the failed save, and waiting for them can hang.
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        os._exit(EXIT_OUTPUT_FAILED)
-    except Exception as exc:
-        if jax.process_count() == 1:
-            raise
-        # A collective failed: most likely another process died. Exit now, without the
-        # shutdown barrier, which would wait for the dead process until its heartbeat times out.
-        print(f"error: process {jax.process_index()} of {jax.process_count()} stops: {first_line(exc)} "
-              f"(did another process die? see its log)", file=sys.stderr, flush=True)
-        os._exit(EXIT_PEER_FAILED)
-
-
-def check_outputs(cfg: TrainConfig, config_file: str | None = None) -> None:
-    """Before anything runs: each output can be written, none is an input (a metrics
-    file equal to --data would overwrite the training data), and none is another's."""
-    from spmd.checkpoint import locate
-
-    resumed_run = str(locate(cfg.resume)[0]) if cfg.resume else None
-    out = Path(cfg.out).resolve() if cfg.out else None
-    writes_on = bool(out and resumed_run) and out == Path(resumed_run).resolve()
-    metrics_in_out = bool(out and cfg.metrics_file) and Path(cfg.metrics_file).resolve().parent == out
-    if metrics_in_out and Path(cfg.metrics_file).name == LOCK_NAME:
-        raise UserError(f"--metrics-file {cfg.metrics_file} is the lock file of --out {cfg.out}; choose another name")
-    claim(
-        [Output("--out", cfg.out, directory=True, holds="checkpoints"),
-         # Written beside the checkpoints when it sits in --out, made with it.
-         Output("--metrics-file", cfg.metrics_file, parents=metrics_in_out, reopened=True),
-         Output("--tensorboard", cfg.tensorboard, directory=True),
-         Output("--profile-dir", cfg.profile_dir if cfg.profile_steps else None, directory=True)],
-        {"--data": cfg.data, "--tokenizer": cfg.tokenizer, "--config": config_file, "--resume": resumed_run,
-         "--init-from": cfg.init_from},
-        # A run may write on into the directory it resumes (the metrics file with it); a
-        # trace may go with the scalars (TensorBoard's layout: DIR/plugins/profile).
-        allowed={("--profile-dir", "--tensorboard"), *([("--out", "--resume"), ("--metrics-file", "--resume")]
-                                                        if writes_on else []),
-                 *([("--metrics-file", "--out")] if metrics_in_out else [])})
-    if cfg.out:
-        DirectoryLock(cfg.out).check()
-
-
-def _silent(line: str) -> None:
-    """The log of processes other than 0: process 0 speaks for the run."""
+from spmd.base.console import human_bytes
+from spmd.base.errors import UserError
+from spmd.base.hardware import device_memory
+from spmd.base.paths import LOCK_NAME, DirectoryLock
+from spmd.base.signals import served
+from spmd.data import make_source
+from spmd.formats.checkpoint import (Checkpoints, check_compatible, check_resumable, finalized_steps, keeps_router,
+                                     locate, read_meta)
+from spmd.formats.hf import Directory, load_params
+from spmd.parallel.balance import initial
+from spmd.parallel.step import build_program
+from spmd.planner.plan import default_hardware, make_plan
+from spmd.run.config import TrainConfig
+from spmd.run.loop import Run
 
 
 def train(cfg: TrainConfig, layout, log=print) -> tuple[list[dict], dict]:
@@ -116,14 +43,6 @@ def prepare(cfg: TrainConfig, layout, log=print):
     All checks of the user's input (checkpoints included) happen here, before anything
     is written.
     """
-    import jax
-
-    from spmd.checkpoint import Checkpoints, finalized_steps
-    from spmd.data import make_source
-    from spmd.loop import Run
-    from spmd.plan import default_hardware, make_plan
-    from spmd.step import build_program
-
     program = build_program(cfg, layout)
     started = time.perf_counter()
     data = make_source(cfg, layout.skeleton.model_cfg.vocab)
@@ -151,8 +70,6 @@ def prepare(cfg: TrainConfig, layout, log=print):
             log(f"the later checkpoints of {source_dir} ({', '.join(map(str, later))}) are replaced as this run "
                 "reaches their steps")
     elif cfg.init_from:
-        from spmd.hf import Directory, load_params
-
         state = program.start(load_params(Directory(cfg.init_from), layout))
         log(f"started from {cfg.init_from}")
     else:
@@ -175,11 +92,6 @@ def prepare(cfg: TrainConfig, layout, log=print):
 def _restore(source, step: int, meta: dict, program) -> dict:
     """The checkpoint's state for `program`. A run that turns bias balancing on resumes a
     checkpoint without router state: its router starts as a fresh model's."""
-    import jax
-
-    from spmd.balance import initial
-    from spmd.checkpoint import keeps_router
-
     abstract, layout = program.abstract_state, program.layout
     if "routing" in abstract and not keeps_router(meta.get("config", {})):
         state = source.restore(step, abstract, items=("params", "opt_state"), repeats=layout.repeats)
@@ -192,9 +104,6 @@ def check_fit(plan) -> None:
     """Refuse a step that will not fit the memory of the devices that run it (emulated
     CPU devices share the host's), rather than run into an out-of-memory error. Their
     peak is XLA's for them; `--hardware` plans for other devices and decides nothing here."""
-    from spmd.hardware import device_memory
-    from spmd.report import human_bytes
-
     memory = device_memory(plan.layout.mesh.local_devices)
     peak = plan.xla["peak"] if plan.xla else sum(plan.theory_memory.values())
     if memory is not None and peak > memory[0]:
@@ -206,8 +115,6 @@ def check_fit(plan) -> None:
 def _resume_source(cfg, program) -> tuple[Path | None, int, dict]:
     """Where to resume from (`--resume`, else `--out` if it holds checkpoints, else
     nowhere), checked against this run. -> (run directory, step, its meta)"""
-    from spmd.checkpoint import check_compatible, check_resumable, finalized_steps, locate, read_meta
-
     source_dir, step = None, None
     if cfg.out and (foreign := _foreign_files(Path(cfg.out), cfg.metrics_file)):
         raise UserError(f"--out {cfg.out} holds files that are not spmd checkpoints ({foreign[0]}); "
@@ -242,6 +149,3 @@ def _foreign_files(out: Path, metrics_file: str | None) -> list[str]:
     return sorted(p.name for p in out.iterdir() if not (
         p.name in own or p.is_dir() and (p.name.isdigit() or ".orbax-checkpoint-tmp" in p.name)))
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """One way to stand a model's parameters up on a mesh, shared by export, generate and eval:
 from a run's checkpoint (read straight into the layout's shardings, no optimizer state) or
-from a Hugging Face directory (spmd.hf).
+from a Hugging Face directory (spmd.formats.hf).
 
     cfg, checkpoint = checkpoint_config("runs/a", step=None)   # before JAX starts
     layout = make_layout(dataclasses.replace(cfg, mesh=...), for_training=False)
@@ -13,7 +13,17 @@ import dataclasses
 import functools
 from pathlib import Path
 
-from spmd.errors import UserError
+from spmd.base.errors import UserError
+import jax
+from models import LlamaConfig
+from spmd.formats.checkpoint import Checkpoints, check_compatible, finalized_steps, has_bias, keeps_router, locate, read_meta
+from spmd.formats.hf import Directory
+from spmd.formats.hf import load_params as load_hf
+from spmd.parallel import balance
+from spmd.parallel.rules import spec_for
+from spmd.parallel.skeleton import is_names, skeleton_for
+from spmd.run.config import TrainConfig
+from spmd.run.resolve import validate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,9 +50,6 @@ def checkpoint_config(path: str, step: int | None = None, flag: str = "--checkpo
     step, or `step`; or one step's directory), with the checkpoint found. Its model is
     the one saved with it, with no need of the directory it started from; the layers are
     read in the model's order, whatever pipeline wrote them. -> (config, Checkpoint)"""
-    from spmd.checkpoint import finalized_steps, locate, read_meta
-    from spmd.config import validate
-
     where = Path(path)
     if not where.exists():
         raise UserError(f"{flag} {path} does not exist")
@@ -63,7 +70,6 @@ def checkpoint_config(path: str, step: int | None = None, flag: str = "--checkpo
     meta = read_meta(run_dir, step)
     # Served as the model it trained: expert copies become one expert each, and a learned
     # selection bias one of its weights (restore_params).
-    from spmd.checkpoint import has_bias
 
     cfg = dataclasses.replace(run_config(meta), pp_schedule="gpipe", pp_repeats=1, microbatches=None,
                               redundant_experts=0, rebalance_every=None, router_bias_rate=0.0,
@@ -74,12 +80,9 @@ def checkpoint_config(path: str, step: int | None = None, flag: str = "--checkpo
 def run_config(meta: dict):
     """The config of the run that wrote a checkpoint, without its inputs (data, the
     directory it started from, the checkpoint it resumed)."""
-    from spmd.config import TrainConfig
-
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     config = {k: v for k, v in meta.get("config", {}).items() if k in fields}
     if isinstance(config.get("architecture"), dict):  # a model that is no preset, saved as data
-        from models import LlamaConfig
 
         config["architecture"] = LlamaConfig.from_dict(config["architecture"])
     return TrainConfig(**config | {"init_from": None, "resume": None, "data": None, "tokenizer": None})
@@ -87,21 +90,15 @@ def run_config(meta: dict):
 
 def abstract_params(layout) -> dict:
     """The parameters' shapes and dtypes, carrying their shardings in `layout`."""
-    import jax
-
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                         layout.skeleton.shapes, layout.shardings(layout.rules.params))
 
 
 def restore_params(checkpoint: Checkpoint, cfg, layout) -> dict:
     """The checkpoint's parameters, read straight into `layout`'s shardings (checked against
-    their checksums). A run that balanced its experts (spmd.balance) saved them in slots,
+    their checksums). A run that balanced its experts (spmd.parallel.balance) saved them in slots,
     with its router state: its copies are read whole, and each expert's first one kept;
     its selection bias becomes the served model's weight."""
-    import jax
-
-    from spmd.checkpoint import Checkpoints, check_compatible, keeps_router
-
     abstract = abstract_params(layout)
     trained = run_config(checkpoint.meta)
     saved = {"params": abstract}
@@ -122,12 +119,6 @@ def restore_params(checkpoint: Checkpoint, cfg, layout) -> dict:
 def _as_trained(trained, layout) -> dict:
     """The abstract parameters and router state of a run with a router state, on `layout`,
     the slots of its experts whole on every device (their number may not split over ep)."""
-    import jax
-
-    from spmd import balance
-    from spmd.rules import spec_for
-    from spmd.skeleton import is_names, skeleton_for
-
     skeleton = skeleton_for(dataclasses.replace(trained, router_bias_weight=False))
     names = jax.tree.map(lambda n: tuple(None if a == balance.EXPERTS else a for a in n), skeleton.names, is_leaf=is_names)
     sharded = lambda s, n: jax.ShapeDtypeStruct(  # noqa: E731
@@ -139,9 +130,6 @@ def _as_trained(trained, layout) -> dict:
 
 def _served(trained, layout, params: dict, router: dict) -> dict:
     """A trained run's params and router state -> the served model's params."""
-    from spmd import balance
-    from spmd.skeleton import skeleton_for
-
     state = balance.states(router)[0]
     if trained.redundant_experts:
         dims = balance.expert_dims(skeleton_for(trained).names)
@@ -155,7 +143,5 @@ def load_params(cfg, layout, checkpoint: Checkpoint | None) -> dict:
     """The parameters of `checkpoint`, or of `cfg.init_from` (a Hugging Face directory)."""
     if checkpoint is not None:
         return restore_params(checkpoint, cfg, layout)
-    from spmd.hf import Directory
-    from spmd.hf import load_params as load_hf
 
     return load_hf(Directory(cfg.init_from), layout)

@@ -30,6 +30,8 @@ import importlib.util
 import os
 import sys
 from collections.abc import MutableMapping
+from jax._src import xla_bridge
+import numpy as np
 
 # GPU (NVIDIA), after MaxText's GPU scripts and JAX-Toolbox's / JAX's GPU performance
 # guides: schedule collectives to overlap compute, and in the scanned layers start the
@@ -93,8 +95,6 @@ def combine_threshold_bytes(model_cfg, dtype) -> int:
     if isinstance(dtype, str):
         itemsize = _ITEMSIZE[dtype]
     else:
-        import numpy as np
-
         itemsize = np.dtype(dtype).itemsize
     return layer_params(model_cfg) * itemsize
 
@@ -174,8 +174,6 @@ def _backend_started() -> bool:
     if "jax" not in sys.modules:
         return False
     try:
-        from jax._src import xla_bridge
-
         return bool(xla_bridge.backends_are_initialized())
     except (ImportError, AttributeError):  # a private API: if it moved, assume not started
         return False

@@ -1,0 +1,78 @@
+"""`python -m spmd.plan`: before launch, what each device holds and what crosses the wire
+(the planner: spmd.planner)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from collections.abc import Sequence
+
+from spmd.base.cli import integer
+from spmd.base.errors import UserError
+from spmd.base.signals import serve as serve_signals
+
+
+def __getattr__(name: str):
+    """`make_plan`, this module's name for the Python API, imported on first use (see main)."""
+    if name == "make_plan":
+        from spmd.planner.plan import make_plan
+
+        return make_plan
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def plan_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.add_argument("--auto", action="store_true",
+                        help="search dp/fsdp/tp meshes, ZeRO stage and remat for the fastest layouts that fit")
+    parser.add_argument("--devices", type=integer, default=None,
+                        help="device count for --auto (default: the product of --mesh)")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    serve_signals("stopped; nothing was written")
+    try:
+        # The library is imported once signals are served, before numpy starts its threads.
+        from spmd.parallel.layout import make_layout
+        from spmd.parallel.mesh import MAX_EMULATED_DEVICES, accelerator_plugin_installed, check_dcn
+        from spmd.planner import report
+        from spmd.planner.plan import auto, default_hardware, make_plan, plan_devices
+        from spmd.run.resolve import parse_with_extras
+
+        cfg, extras = parse_with_extras(argv, prog="python -m spmd.plan", add_extras=plan_flags,
+                                        description="Show per-device memory, collectives and a step-time "
+                                                    "estimate of a layout, before launch (trains nothing).")
+        spec = cfg.mesh_spec
+        count = spec.devices if extras.devices is None else extras.devices
+        if count < 1:
+            raise UserError(f"--devices must be positive, got {count}")
+        if count > MAX_EMULATED_DEVICES and not accelerator_plugin_installed():
+            raise UserError(f"planning for {count:,} devices would emulate them on the CPU; at most "
+                            f"{MAX_EMULATED_DEVICES} can be emulated")
+        if spec.has_remaining and not extras.devices and not extras.auto:
+            raise UserError("a mesh axis of -1 needs --devices N to plan for")
+        devices, planned_on = plan_devices(count)
+        hardware = default_hardware(cfg, devices)
+        if cfg.dcn:  # the emulated devices are one process: plan the mesh; which devices span DCN changes no bytes
+            check_dcn(spec.resolve(count), spec.dcn)
+            cfg = dataclasses.replace(cfg, dcn=None)
+        if extras.auto:
+            if hardware is None:
+                raise UserError("--auto needs --hardware (one of the entries in spmd/base/hardware.toml)")
+            plans, searched = auto(cfg, devices, hardware, planned_on)
+            print(json.dumps([p.as_json() for p in plans], indent=2) if extras.json
+                  else "\n".join([*report.auto_table(plans), searched]))
+            return 0
+
+        plan = make_plan(cfg, make_layout(cfg, devices), hardware=hardware, planned_on=planned_on)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    print(json.dumps(plan.as_json(), indent=2) if extras.json else "\n".join(report.plan_table(plan)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

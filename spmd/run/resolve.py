@@ -1,0 +1,62 @@
+"""Which model a run uses: a preset (--model), a Hugging Face directory's config.json
+(--init-from), the model of the checkpoint --resume names, or the default preset; then the
+run's options checked against that model."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from collections.abc import Callable, Sequence
+
+from models import LlamaConfig
+from spmd.base.cli import flag_of
+from spmd.base.errors import UserError
+from spmd.formats.checkpoint import model_of_checkpoint
+from spmd.formats.hf import Directory, tokenizer_of
+from spmd.run.config import TrainConfig, check, parse
+
+
+def validate(cfg: TrainConfig) -> TrainConfig:
+    """The options with their model found, every file it comes from read and checked, and
+    every check that needs no devices passed."""
+    return check(resolve_model(cfg))
+
+
+def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
+    return parse_with_extras(argv)[0]
+
+
+def parse_with_extras(argv: Sequence[str] | None = None, prog: str = "python -m spmd.train",
+                      description: str = "Train a model on a named device mesh.",
+                      add_extras: Callable[[argparse.ArgumentParser], None] | None = None,
+                      ) -> tuple[TrainConfig, argparse.Namespace]:
+    """The run's validated options, plus the values of any flags `add_extras` adds (for
+    other commands that take a run's options, like spmd.plan)."""
+    cfg, ns = parse(list(sys.argv[1:] if argv is None else argv), prog, description, add_extras)
+    return validate(cfg), ns
+
+
+def resolve_model(cfg: TrainConfig) -> TrainConfig:
+    """`cfg` with its model: `architecture` read from --init-from's config.json or the
+    checkpoint's record, or `model` the default preset."""
+    if cfg.init_from:
+        if cfg.model:
+            raise UserError("--model and --init-from: the model is the one in --init-from's config.json; give one")
+        if cfg.resume:
+            raise UserError("--init-from and --resume: a run starts from a Hugging Face directory or resumes "
+                            "a checkpoint; give one (a run with --out resumes from --out by itself)")
+        for name in ("layers", "experts", "top_k"):
+            if getattr(cfg, name) is not None:
+                raise UserError(f"{flag_of(name)} and --init-from: the model's shape is --init-from's config.json")
+        read = Directory(cfg.init_from).cfg  # every file checked, before anything is allocated
+        tokenizer = cfg.tokenizer or (tokenizer_of(cfg.init_from) if cfg.data else None)  # the checkpoint's
+        return dataclasses.replace(cfg, architecture=read, tokenizer=tokenizer)
+    if isinstance(cfg.architecture, dict):  # a saved run's
+        return dataclasses.replace(cfg, architecture=LlamaConfig.from_dict(cfg.architecture))
+    if cfg.architecture is None and cfg.model is None:
+        if cfg.resume:
+            model, architecture = model_of_checkpoint(cfg.resume)
+            return dataclasses.replace(cfg, model=model, architecture=architecture and LlamaConfig.from_dict(architecture))
+        return dataclasses.replace(cfg, model="tiny")
+    return cfg

@@ -1,0 +1,105 @@
+"""`python -m spmd.train`: train a model on a named device mesh (the trainer: spmd.run.trainer)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from spmd.base.console import emit
+from spmd.base.errors import EXIT_OUTPUT_FAILED, OutputFailed, UserError, first_line, one_line_errors, quiet_library_threads
+from spmd.base.paths import LOCK_NAME, DirectoryLock, Output, claim
+from spmd.base.signals import serve as serve_signals
+
+def __getattr__(name: str):
+    """`train` and `prepare`, this module's names for the Python API, imported on first use (see main)."""
+    if name in ("train", "prepare"):
+        from spmd.run import trainer
+
+        return getattr(trainer, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+EXIT_NON_FINITE = 1
+EXIT_PEER_FAILED = 4
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    serve_signals()  # first: every thread started from here on leaves SIGINT/SIGTERM to it
+    quiet_library_threads()
+    with one_line_errors():
+        # The library is imported once signals are served: numpy starts threads when imported.
+        import jax
+
+        from spmd.parallel.layout import make_layout
+        from spmd.run.bootstrap import start_devices
+        from spmd.run.config import find_config
+        from spmd.run.distributed import initialize, processes
+        from spmd.run.resolve import parse_args
+        from spmd.run.trainer import prepare
+
+        cfg = parse_args(argv)
+        check_outputs(cfg, find_config(argv))
+        procs = processes(cfg)
+        flag_lines = start_devices(cfg, procs)
+    with one_line_errors(hold_stderr=False):  # a native abort while joining must still show its message
+        initialize(procs, cfg.heartbeat_timeout, cfg.join_timeout)
+    with one_line_errors():
+        layout = make_layout(cfg)
+        log = emit if jax.process_index() == 0 else _silent
+        for line in flag_lines:
+            log(line)
+        run = prepare(cfg, layout, log=log)
+    try:
+        return 0 if run.loop().ok else EXIT_NON_FINITE
+    except OutputFailed as exc:
+        # Exit at once: Orbax's threads may still hold the failed save, and waiting for them can hang.
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        os._exit(EXIT_OUTPUT_FAILED)
+    except Exception as exc:
+        if jax.process_count() == 1:
+            raise
+        # A collective failed: most likely another process died. Exit now, without the
+        # shutdown barrier, which would wait for the dead process until its heartbeat times out.
+        print(f"error: process {jax.process_index()} of {jax.process_count()} stops: {first_line(exc)} "
+              f"(did another process die? see its log)", file=sys.stderr, flush=True)
+        os._exit(EXIT_PEER_FAILED)
+
+
+def check_outputs(cfg, config_file: str | None = None) -> None:
+    """Before anything runs: each output can be written, none is an input (a metrics
+    file equal to --data would overwrite the training data), and none is another's."""
+    from spmd.formats.checkpoint import locate  # (imported by main, after signals)
+
+    resumed_run = str(locate(cfg.resume)[0]) if cfg.resume else None
+    out = Path(cfg.out).resolve() if cfg.out else None
+    writes_on = bool(out and resumed_run) and out == Path(resumed_run).resolve()
+    metrics_in_out = bool(out and cfg.metrics_file) and Path(cfg.metrics_file).resolve().parent == out
+    if metrics_in_out and Path(cfg.metrics_file).name == LOCK_NAME:
+        raise UserError(f"--metrics-file {cfg.metrics_file} is the lock file of --out {cfg.out}; choose another name")
+    claim(
+        [Output("--out", cfg.out, directory=True, holds="checkpoints"),
+         # Written beside the checkpoints when it sits in --out, made with it.
+         Output("--metrics-file", cfg.metrics_file, parents=metrics_in_out, reopened=True),
+         Output("--tensorboard", cfg.tensorboard, directory=True),
+         Output("--profile-dir", cfg.profile_dir if cfg.profile_steps else None, directory=True)],
+        {"--data": cfg.data, "--tokenizer": cfg.tokenizer, "--config": config_file, "--resume": resumed_run,
+         "--init-from": cfg.init_from},
+        # A run may write on into the directory it resumes (the metrics file with it); a
+        # trace may go with the scalars (TensorBoard's layout: DIR/plugins/profile).
+        allowed={("--profile-dir", "--tensorboard"), *([("--out", "--resume"), ("--metrics-file", "--resume")]
+                                                        if writes_on else []),
+                 *([("--metrics-file", "--out")] if metrics_in_out else [])})
+    if cfg.out:
+        DirectoryLock(cfg.out).check()
+
+
+def _silent(line: str) -> None:
+    """The log of processes other than 0: process 0 speaks for the run."""
+
+
+
+if __name__ == "__main__":
+    sys.exit(main())
