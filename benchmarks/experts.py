@@ -3,7 +3,7 @@ of dropless against capacity dispatch.
 
 1. For several layouts the train step is compiled (nothing runs); the optimized HLO gives
    the bytes each device sends by all-to-all over ep per step, set next to
-   - theory (spmd/theory.py): the buffers spmd.parallel.experts exchanges (capacity slots, or
+   - theory (spmd/planner/theory.py): the buffers spmd.parallel.experts exchanges (capacity slots, or
      dropless blocks padded per destination, plus their expert indices);
    - routed: DESIGN.md section 8's 2 all-to-all forward + 2 backward of the routed
      tokens x top-k (+2 forward again under remat), what an unpadded (ragged) exchange
@@ -32,7 +32,7 @@ from models import PRESETS, MoEConfig  # noqa: E402
 from spmd.config import TrainConfig, model_config, validate  # noqa: E402
 from spmd.parallel.layout import make_layout  # noqa: E402
 from spmd.planner.plan import make_plan  # noqa: E402
-from spmd.planner.report import human_bytes  # noqa: E402
+from spmd.base.console import human_bytes  # noqa: E402
 from spmd.planner.theory import tokens_per_device  # noqa: E402
 
 # For the timing: big enough that the experts' matmuls, not overheads, set the step time.

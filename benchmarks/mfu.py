@@ -1,6 +1,6 @@
 """Model FLOP utilization of the train step: achieved model FLOP/s per device over a peak.
 
-On a GPU or TPU the peak is the device's dense bf16 peak (spmd/hardware.toml): the MFU.
+On a GPU or TPU the peak is the device's dense bf16 peak (spmd/base/hardware.toml): the MFU.
 On the CPU there is no datasheet to trust, so the peak is measured: a plain matmul of the
 step's largest per-device shape (its largest weight matrix, split over tp as the step
 splits it, times each device's tokens of a microbatch), in the same dtype, run on every
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"MFU (model FLOP/s per device / {hardware.description}'s {hardware.bf16_tflops:g} TFLOP/s dense "
               f"bf16 peak): median {statistics.median(ratios):.1%}")
     else:
-        print(f"no peak known for {device.device_kind!r} (spmd/hardware.toml): achieved FLOP/s only")
+        print(f"no peak known for {device.device_kind!r} (spmd/base/hardware.toml): achieved FLOP/s only")
 
 
 if __name__ == "__main__":

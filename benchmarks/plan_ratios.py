@@ -3,7 +3,7 @@
 For each layout the real train step is compiled for abstract shapes on emulated CPU
 devices (nothing is allocated); its optimized HLO gives the collectives' bytes per
 device per step, XLA's memory analysis the state each device holds. Theory comes from
-shapes, dtypes and shardings alone (spmd/theory.py, DESIGN.md section 8).
+shapes, dtypes and shardings alone (spmd/planner/theory.py, DESIGN.md section 8).
 Goal: every ratio between 0.95 and 1.05.
 
     python benchmarks/plan_ratios.py

@@ -3,7 +3,7 @@
 For sp = 1, 2, 4, 8 the train step of the small model is compiled (nothing runs) for one
 8k-token sequence; XLA's memory analysis gives the temporaries per device (the saved
 activations and the step's working set), the optimized HLO the K/V bytes that attention
-moves over sp, next to their theory (spmd/theory.py). Goal: temporaries close to 1/sp
+moves over sp, next to their theory (spmd/planner/theory.py). Goal: temporaries close to 1/sp
 of sp=1's; K/V bytes equal to theory.
 
     python benchmarks/sequence_parallel.py [--seq 8192]
@@ -21,7 +21,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 from spmd.config import TrainConfig, validate  # noqa: E402
 from spmd.parallel.layout import make_layout  # noqa: E402
 from spmd.planner.plan import make_plan  # noqa: E402
-from spmd.planner.report import human_bytes  # noqa: E402
+from spmd.base.console import human_bytes  # noqa: E402
 
 
 def main() -> int:

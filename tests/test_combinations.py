@@ -1,4 +1,4 @@
-"""What combines: the README's statement, the table in spmd/checks.py, and the checks agree."""
+"""What combines: the README's statement, the table in spmd/parallel/checks.py, and the checks agree."""
 
 import itertools
 import pathlib

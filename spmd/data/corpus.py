@@ -201,6 +201,7 @@ def jsonl_texts(file: Path, field: str, flag: str = "--data", field_flag: str | 
 
 def _parquet_texts(file: Path, field: str) -> Iterator[str]:
     _optional("pyarrow", "Parquet files")
+    # An optional dependency (spmd[data]): imported when a Parquet file is read.
     import pyarrow as pa
     import pyarrow.compute as pc
     import pyarrow.parquet as pq

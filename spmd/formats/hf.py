@@ -27,7 +27,7 @@ from models import hf_layout
 from models.llama.hf import MAX_CONFIG_BYTES, Tensor
 from spmd.base.errors import UserError, file_kind
 from spmd.base.hardware import device_memory
-from spmd.planner.report import human_bytes
+from spmd.base.console import human_bytes
 from spmd.formats.safetensors import Damaged, SafeTensors, Writer
 from spmd.base.schema import (ANY, MAPPING, REGULAR, STRING, Field, Invalid, check, list_of, mapping_of, not_a_file,
                          read_json)

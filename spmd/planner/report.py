@@ -66,7 +66,7 @@ def plan_table(plan) -> list[str]:
     if any(r.from_all_reduce for r in plan.rows):
         lines.append("  " + _ALL_REDUCE_NOTE)
     if any(r.unexpected for r in plan.rows):
-        lines.append("  unexpected: collectives the theory of this layout does not account for (see spmd/theory.py)")
+        lines.append("  unexpected: collectives the theory of this layout does not account for (see spmd/planner/theory.py)")
     if plan.prediction:
         lines += ["", *roofline_lines(plan)]
     return lines
@@ -74,7 +74,7 @@ def plan_table(plan) -> list[str]:
 
 def verdict(plan) -> str:
     if plan.hardware is None:
-        return f"peak {human_bytes(plan.peak)}; give --hardware (spmd/hardware.toml) to check the fit"
+        return f"peak {human_bytes(plan.peak)}; give --hardware (spmd/base/hardware.toml) to check the fit"
     hw, spare = plan.hardware, plan.usable - plan.peak
     where = f"{hw.name} ({human_bytes(plan.usable)} per device)"
     peak = f"peak {human_bytes(plan.peak)}" + (" (theory: XLA:CPU keeps bf16 temporaries in float32)"

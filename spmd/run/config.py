@@ -90,7 +90,7 @@ class TrainConfig:
     resume: str | None = _field(None, "resume from this run directory's latest checkpoint, or from one step's directory")
     resume_with_changes: bool = _field(False, "resume although --steps, --batch, --seq, --seed or the learning-rate schedule differ from the checkpoint's run")
     on_nan: str = _field("stop", "on a non-finite loss, drop that update, then stop (naming the last good checkpoint) or skip and go on", choices=ON_NAN)
-    hardware: str | None = _field(None, "accelerator the layout is planned for (spmd/hardware.toml; default: the one found, if listed)")
+    hardware: str | None = _field(None, "accelerator the layout is planned for (spmd/base/hardware.toml; default: the one found, if listed)")
     data: str | None = _field(None, "local training data: a text file or folder (.txt/.md, .jsonl, .parquet) or token files (.npy, .bin); default: the built-in synthetic chain")
     tokenizer: str | None = _field(None, "SentencePiece .model or Hugging Face tokenizer.json for text data (default: UTF-8 bytes)")
     text_field: str = _field("text", "the field of JSONL records / column of Parquet files that holds the text")

@@ -90,6 +90,7 @@ class Scalars:
     TensorBoard hides the older events of the steps it trains again."""
 
     def __init__(self, directory: str, start_step: int):
+        # Imported by runs with --tensorboard only: its protobuf modules take a while to load.
         from tensorboardX.event_file_writer import EventsWriter
         from tensorboardX.proto.event_pb2 import Event, SessionLog
 
@@ -104,6 +105,7 @@ class Scalars:
             self._events.flush()
 
     def write(self, records: list[dict]) -> None:
+        # (imported with --tensorboard only, as in __init__)
         from tensorboardX.proto.event_pb2 import Event
         from tensorboardX.proto.summary_pb2 import Summary
 

@@ -1,0 +1,52 @@
+"""The layers of the code (pyproject.toml's import-linter contracts, docs/architecture.md):
+`lint-imports` keeps them, and breaks on an upward import; the imports left inside
+functions say why they are there (none may dodge a cycle)."""
+
+import ast
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).parent.parent
+LINT = Path(sys.executable).with_name("lint-imports")
+
+
+def lint(root: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(root))  # this tree's packages, not the installed ones
+    return subprocess.run([str(LINT), "--no-cache"], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_the_layers_hold_and_an_upward_import_breaks_them(tmp_path):
+    result = lint(ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "3 kept, 0 broken" in result.stdout
+    for part in ("spmd", "models"):
+        shutil.copytree(ROOT / part, tmp_path / part, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path)
+    skeleton = tmp_path / "spmd" / "parallel" / "skeleton.py"
+    skeleton.write_text(skeleton.read_text() + "\nfrom spmd.run.config import TrainConfig  # the parallel core reaching up\n")
+    result = lint(tmp_path)
+    assert result.returncode != 0
+    assert "spmd.parallel.skeleton -> spmd.run.config" in result.stdout
+    assert "No cycles are allowed in spmd" in result.stdout  # the run already imports the parallel core
+
+
+def test_every_import_inside_a_function_says_why():
+    """An import inside a function is there for start-up (commands serve signals before
+    numpy starts threads), for an optional dependency, or to import on first use; a
+    comment or the docstring says which. One without a word may be dodging a cycle."""
+    silent = []
+    for path in sorted([*ROOT.glob("spmd/**/*.py"), *ROOT.glob("models/**/*.py")]):
+        lines = path.read_text().splitlines()
+        for fn in ast.walk(ast.parse("\n".join(lines))):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                if isinstance(node, (ast.Import, ast.ImportFrom)):
+                    before = lines[fn.lineno - 1:node.lineno]
+                    said = any("#" in line for line in before) or "import" in (ast.get_docstring(fn) or "")
+                    if not said:
+                        silent.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not silent, f"imports inside functions with no reason given: {silent}"
