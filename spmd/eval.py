@@ -43,12 +43,12 @@ def main(argv=None) -> int:
     restore = quiet_library_threads()
     try:
         with one_line_errors():
+            args = parser.parse_args(argv)
+            check_bounds(args, BOUNDS)
             # The library is imported once signals are served, before numpy starts its threads.
             from spmd.inference.evaluation import evaluate
             from spmd.inference.generation import model_source, on_mesh
 
-            args = parser.parse_args(argv)
-            check_bounds(args, BOUNDS)
             cfg, checkpoint, tokenizer = model_source(args)
             cfg = on_mesh(cfg, args, data=args.data, tokenizer=args.tokenizer or tokenizer, text_field=args.text_field,
                           token_dtype=args.token_dtype, batch=args.batch or (cfg.batch if checkpoint else 8),

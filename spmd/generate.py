@@ -67,14 +67,14 @@ def main(argv=None) -> int:
     restore = quiet_library_threads()
     try:
         with one_line_errors():
+            args = parser.parse_args(argv)
+            check_bounds(args, BOUNDS)
             # The library is imported once signals are served, before numpy starts its threads.
             from spmd.data.corpus import check_vocab, load_tokenizer
             from spmd.inference.generation import (Generation, model_source, new_tokens, on_mesh, read_prompts,
                                                    trained_context)
             from spmd.parallel.skeleton import model_config
 
-            args = parser.parse_args(argv)
-            check_bounds(args, BOUNDS)
             prompts = read_prompts(args)
             cfg, checkpoint, tokenizer_path = model_source(args)
             output = claim_output(args, checkpoint, tokenizer_path)

@@ -100,6 +100,5 @@ def _silent(line: str) -> None:
     """The log of processes other than 0: process 0 speaks for the run."""
 
 
-
 if __name__ == "__main__":
     sys.exit(main())
