@@ -10,7 +10,8 @@ from collections.abc import Sequence
 from spmd.base.cli import OneLineErrorParser, nonempty
 from spmd.base.errors import EXIT_OUTPUT_FAILED, UserError, one_line_errors
 from spmd.base.paths import Output, claim
-from spmd.data.corpus import data_files, load_tokenizer, token_stream, write_npy
+from spmd.base.signals import STOPPED
+from spmd.base.signals import serve as serve_signals
 
 
 def corpus_parser() -> OneLineErrorParser:
@@ -26,9 +27,13 @@ def corpus_parser() -> OneLineErrorParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m spmd.corpus --data DIR --out tokens.npy`: tokenize once, train from the file."""
+    serve_signals("stopped; nothing was written", STOPPED)  # first, before any thread: a signal ends in one line
     parser = corpus_parser()
     with one_line_errors():
         args = parser.parse_args(argv)
+        # The library is imported once signals are served, before numpy starts its threads.
+        from spmd.data.corpus import data_files, load_tokenizer, token_stream, write_npy
+
         # Before reading anything: tokenizing a large corpus to fail at the end is no use.
         out = claim([Output("--out", args.out, parents=True)],
                     {"--data": args.data, "--tokenizer": args.tokenizer})["--out"]
@@ -49,8 +54,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:  # a partial token file is removed on the way out (spmd.base.paths)
-        print("SIGINT: stopped; nothing was written", file=sys.stderr)
-        sys.exit(130)
+    sys.exit(main())

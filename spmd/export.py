@@ -20,22 +20,14 @@ line, and a temporary left by a killed export is removed by the next export to `
 from __future__ import annotations
 
 import argparse
-import contextlib
-import errno
-import os
 import re
-import shutil
 import sys
 from pathlib import Path
 
 from spmd.base.cli import OneLineErrorParser, integer, nonempty
-from spmd.base.errors import (EXIT_OUTPUT_FAILED, UserError, held_stderr, one_line_errors, quiet_library_threads,
-                         why_io_failed)
-from spmd.base.paths import Output, check_writable_dir, claim, remove_stale_temporaries, temporary_name
-from spmd.formats.checkpoint import export_params
-from spmd.formats.hf import write_hf
-from spmd.run.export import hf_parts, restored
-from spmd.run.weights import check_source_flags, checkpoint_config
+from spmd.base.errors import UserError, one_line_errors, quiet_library_threads
+from spmd.base.signals import STOPPED
+from spmd.base.signals import serve as serve_signals
 
 
 def export_parser() -> OneLineErrorParser:
@@ -77,82 +69,37 @@ HF_DTYPES = {"float32": "float32", "bfloat16": "bfloat16"}
 
 
 def main(argv=None) -> int:
+    serve_signals("stopped; nothing was written", STOPPED)  # first, before any thread: a signal ends in one line
     parser = export_parser()
     restore = quiet_library_threads()
     try:
         with one_line_errors():
             args = parser.parse_args(argv)
-            out, cfg, checkpoint = check(args)
-            params, cfg = restored(cfg, checkpoint, args.mesh, args.cpu_devices)
+            # The library is imported once signals are served, before numpy starts its threads.
+            from spmd.formats.checkpoint import export_params
+            from spmd.formats.hf import write_hf
+            from spmd.run.export import checked, hf_parts, restored, write
+
+            if args.format != "hf" and (args.dtype != "float32" or args.max_shard_size != DEFAULT_SHARD):
+                raise UserError("--dtype and --max-shard-size apply to --format hf")
+            out, cfg, checkpoint = checked(args)
             meta = checkpoint.meta
-            if args.format == "hf":
+            if args.format == "hf":  # its files checked before the checkpoint is read
                 model_cfg, tokenizer_files = hf_parts(cfg, meta)
+            params, cfg = restored(cfg, checkpoint, args.mesh, args.cpu_devices)
         if args.format == "hf":
-            write(out, args.out, lambda tmp: write_hf_export(tmp, params, model_cfg, args, tokenizer_files))
+            def produce(tmp: Path) -> None:
+                tmp.mkdir()
+                write_hf(tmp, params, model_cfg, HF_DTYPES[args.dtype], bytes_of(args.max_shard_size), tokenizer_files)
         else:
-            write(out, args.out, lambda tmp: export_params(tmp, params, meta))
+            def produce(tmp: Path) -> None:
+                export_params(tmp, params, meta)
+        write(out, args.out, produce)
     finally:
         restore()
     what = "a Hugging Face directory" if args.format == "hf" else "the parameters"
     print(f"exported {what} of {checkpoint.where} ({cfg.model_name}) to {out}")
     return 0
-
-
-def write_hf_export(tmp: Path, params, model_cfg, args, tokenizer_files: dict) -> None:
-    tmp.mkdir()
-    write_hf(tmp, params, model_cfg, HF_DTYPES[args.dtype], bytes_of(args.max_shard_size), tokenizer_files)
-
-
-def check(args):
-    """Everything that can be checked before reading the checkpoint: the flags' ranges,
-    the checkpoint (its step and its run's config), and that `--out` can be written and
-    is no input. -> (out, the run's config, the checkpoint)"""
-    check_source_flags(args.step, args.cpu_devices)
-    if args.format != "hf" and (args.dtype != "float32" or args.max_shard_size != DEFAULT_SHARD):
-        raise UserError("--dtype and --max-shard-size apply to --format hf")
-    cfg, checkpoint = checkpoint_config(args.checkpoint, args.step)
-
-    out = Path(args.out).resolve()
-    config = checkpoint.meta.get("config", {})  # --format hf copies the run's tokenizer files from these
-    claim([Output("--out", args.out, directory=True)], {
-        "--checkpoint": checkpoint.run_dir, "the run's --init-from": config.get("init_from"),
-        "the run's tokenizer": config.get("tokenizer")})
-    if out.exists() and any(out.iterdir()):
-        raise UserError(f"--out {args.out} is not empty; give a new or empty directory")
-    if out.exists():  # the export is written beside it, then renamed over it
-        try:
-            check_writable_dir(str(out.parent), "--out")
-        except UserError:
-            raise UserError(f"--out {args.out}: its directory {out.parent} cannot be written (the export is "
-                            "written there under a temporary name, then renamed)") from None
-    return out, cfg, checkpoint
-
-
-def write(out: Path, flag_value: str, produce) -> None:
-    """Write the export (`produce(directory)`) to a temporary beside `out`, then rename it to `out`. A failure
-    (disk full, permission lost) removes what was written, prints one line and exits:
-    Orbax's threads may still hold the failed write, and waiting for them can hang."""
-    made = [p for p in (out.parent, *out.parent.parents) if not p.exists()]  # to remove if we fail
-    tmp = temporary_name(out)
-    with held_stderr() as stderr:
-        try:
-            remove_stale_temporaries(out)
-            out.parent.mkdir(parents=True, exist_ok=True)
-            produce(tmp)
-            os.replace(tmp, out)  # over an empty directory too
-        except BaseException as exc:  # noqa: BLE001 - whatever the file system or Orbax raised
-            shutil.rmtree(tmp, ignore_errors=True)
-            for directory in made:
-                with contextlib.suppress(OSError):
-                    directory.rmdir()
-            if isinstance(exc, KeyboardInterrupt):
-                why, code = "interrupted", 130
-            elif isinstance(exc, OSError) and exc.errno in (errno.ENOTEMPTY, errno.EEXIST):  # filled meanwhile
-                why, code = f"--out {flag_value} is no longer empty", EXIT_OUTPUT_FAILED
-            else:
-                why, code = f"writing --out {flag_value} failed ({why_io_failed(exc)})", EXIT_OUTPUT_FAILED
-            os.write(stderr, f"error: {why}; nothing was written\n".encode())
-            os._exit(code)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,8 @@
 """Checkpoints: exact resume, resume on other meshes, export, non-finite losses."""
 
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,7 +12,6 @@ import pytest
 import spmd.parallel.step
 from spmd.formats.checkpoint import Checkpoints
 from spmd.config import TrainConfig, validate
-from spmd.export import main as export_main
 from spmd.parallel.layout import make_layout
 from spmd.parallel.optim import schedule
 from spmd.parallel.skeleton import model_skeleton
@@ -61,7 +63,9 @@ def test_resume_on_another_mesh_continues_the_run(uninterrupted, mesh, devices, 
 def test_export_writes_parameters_readable_without_the_optimizer(uninterrupted, tmp_path):
     out, _, params = uninterrupted
     exported = tmp_path / "exported"
-    assert export_main(["--checkpoint", str(out), "--out", str(exported), "--mesh", "tp=2,fsdp=4"]) == 0
+    done = subprocess.run([sys.executable, "-m", "spmd.export", "--checkpoint", str(out), "--out", str(exported),
+                           "--mesh", "tp=2,fsdp=4"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
     assert sorted(p.name for p in exported.iterdir()) == ["model.json", "params"]
     target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), model_skeleton("tiny").shapes)
     with ocp.StandardCheckpointer() as checkpointer:

@@ -49,7 +49,10 @@ CASES = {
     "empty data folder": (["--data", "{empty_dir}"], "no data files"),
     "empty data file": (["--data", "{empty_file}"], "0 tokens make 0 sample(s) of 64 tokens; too few for training"),
     "tokenizer larger than the model": (["--data", "{corpus}", "--tokenizer", "{big_tokenizer}"],
-                                        "has 300 tokens, more than the model's vocabulary of 256"),
+                                        "has token ids up to 299, beyond the model's vocabulary of 256"),
+    # 11 tokens, one of them numbered 1000: the ids decide, not the count.
+    "tokenizer with an id beyond the model": (["--data", "{corpus}", "--tokenizer", "{gap_tokenizer}"],
+                                              "has token ids up to 1,000, beyond the model's vocabulary of 256"),
     "token file of the wrong dtype": (["--data", "{int64_tokens}"], "holds a 1-d int64 array"),
     "dcn that does not divide the mesh": (["--dcn", "dp=4"], "--dcn dp=4 does not divide the mesh's dp=2"),
     "some process flags missing": (["--num-processes", "2"], "several processes need all of --coordinator"),
@@ -82,8 +85,11 @@ def _files(tmp) -> dict[str, str]:
     np.save(tmp / "int64.npy", np.arange(100, dtype=np.int64))
     vocab = {f"w{i}": i for i in range(299)} | {"</s>": 299}
     Tokenizer(models.WordLevel(vocab, unk_token="w0")).save(str(tmp / "big.json"))
+    Tokenizer(models.WordLevel({f"w{i}": i for i in range(10)} | {"</s>": 1000}, unk_token="w0")).save(
+        str(tmp / "gap.json"))
     names = {"bad": "bad.yaml", "unknown": "unknown.yaml", "empty_dir": "empty", "empty_file": "empty.txt",
-             "corpus": "corpus.txt", "int64_tokens": "int64.npy", "big_tokenizer": "big.json"}
+             "corpus": "corpus.txt", "int64_tokens": "int64.npy", "big_tokenizer": "big.json",
+             "gap_tokenizer": "gap.json"}
     return {f"{{{key}}}": str(tmp / name) for key, name in names.items()}
 
 

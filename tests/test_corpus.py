@@ -3,6 +3,8 @@ not loaded, and checked; the sample order is a seeded permutation per epoch that
 mesh or process count changes."""
 
 import json
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -116,11 +118,11 @@ def test_too_little_data_is_refused(tmp_path):
 
 
 def test_tokenizing_once_writes_the_stream_that_training_would_build(sources, tmp_path):
-    from spmd.corpus import main
-
     out = tmp_path / "tokens" / "docs.npy"
     args = ["--data", str(sources / "docs.jsonl"), "--text-field", "body", "--tokenizer", str(sources / "tokenizer.json")]
-    assert main([*args, "--out", str(out)]) == 0
+    done = subprocess.run([sys.executable, "-m", "spmd.corpus", *args, "--out", str(out)], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
     want = token_stream(str(sources / "docs.jsonl"), load_tokenizer(str(sources / "tokenizer.json")), "body")
     np.testing.assert_array_equal(token_stream(str(out), vocab=256), want)
     assert [p.name for p in out.parent.iterdir()] == ["docs.npy"]  # no temporary file left

@@ -253,9 +253,13 @@ CASES = {
     "prompt longer than the context, new tokens given": (
         ["--checkpoint", "{run}", "--prompt", "hi", "--prompt", "y" * 40, "--max-new-tokens", "4"],
         "prompt 2 is too long: 40 tokens"),
+    # The command line's bytes b"ab\xff", as Python hands them over (surrogate escapes).
+    "prompt not UTF-8": (["--checkpoint", "{run}", "--prompt", "ab\udcff"], "prompt 1 is not UTF-8 text"),
+    "prompts file with a lone surrogate": (["--checkpoint", "{run}", "--prompts", "{surrogate}"],
+                                           "line 1: the text field 'prompt' holds a lone surrogate"),
     "tokenizer beyond the vocabulary": (["--init-from", "{big_tokenizer}", "--prompt", "hi"],
-                                        "the tokenizer tokenizer.json has 140 tokens, more than the model's vocabulary "
-                                        "of 128"),
+                                        "the tokenizer tokenizer.json has token ids up to 139, beyond the model's "
+                                        "vocabulary of 128"),
     "max positions not a number": (["--init-from", "{positions_abc}", "--prompt", "hi"], "max_position_embeddings"),
     "max positions negative": (["--init-from", "{positions_negative}", "--prompt", "hi"], "max_position_embeddings"),
     "max positions fractional": (["--init-from", "{positions_fraction}", "--prompt", "hi"], "max_position_embeddings"),
@@ -294,10 +298,12 @@ def test_bad_input_gives_one_error_line_and_exit_2(run_dir, tmp_path):
     assert new < 2**30, "a host this large needs more prompts here"
     (tmp_path / "empty.jsonl").write_text("\n")
     (tmp_path / "prompts.jsonl").write_text('{"prompt": "the cat"}\n')
+    (tmp_path / "surrogate.jsonl").write_text('{"prompt": "a\\ud800b"}\n')
     (tmp_path / "many.jsonl").write_text('{"prompt": "hello"}\n' * PROMPTS_FOR_THE_FIT)
     os.mkfifo(tmp_path / "fifo")
     files = {"run": str(run_dir / "run"), "empty": str(tmp_path / "empty.jsonl"), "text": str(run_dir / "text.txt"),
              "prompts": str(tmp_path / "prompts.jsonl"), "many": str(tmp_path / "many.jsonl"),
+             "surrogate": str(tmp_path / "surrogate.jsonl"),
              "fifo": str(tmp_path / "fifo"), "checkpoint_file": str(run_dir / "run" / "30" / "_CHECKPOINT_METADATA"),
              "gqa": _model_dir(tmp_path, "gqa"), "big_tokenizer": _model_dir(tmp_path, "big", extra_tokens=20),
              "positions_abc": _model_dir(tmp_path, "abc", "abc"), "positions_negative": _model_dir(tmp_path, "neg", -5),

@@ -130,11 +130,13 @@ def test_import_then_export_gives_the_same_tensors(name, tmp_path):
 def test_train_from_import_resumes_and_exports(tmp_path):
     """5 steps from the imported model on dp=2,fsdp=2,tp=2, tokenizing text with the
     directory's tokenizer.json; a run preempted after step 2 resumes (the same command)
-    and repeats steps 3-5 exactly; the result exports and loads."""
+    and repeats steps 3-5 exactly; the result exports and loads, and not once its
+    tokenizer is gone."""
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("the quick brown fox jumps over the lazy dog.\n" * 200)
-    run = tmp_path / "run"
-    command = ["-m", "spmd.train", "--init-from", str(GOLDENS / "llama-gqa"), "--data", str(corpus), "--mesh",
+    run, source = tmp_path / "run", tmp_path / "llama-gqa"
+    shutil.copytree(GOLDENS / "llama-gqa", source)
+    command = ["-m", "spmd.train", "--init-from", str(source), "--data", str(corpus), "--mesh",
                "dp=2,fsdp=2,tp=2", "--steps", "5", "--save-every", "2", "--batch", "8", "--seq", "16",
                "--log-every", "1", "--out", str(run), "--metrics-file", str(tmp_path / "metrics.jsonl")]
     first = _run(*command)
@@ -155,6 +157,13 @@ def test_train_from_import_resumes_and_exports(tmp_path):
     logits = np.asarray(from_pretrained(tmp_path / "hf")(np.load(GOLDENS / "llama-gqa" / "tokens.npy")))
     assert np.isfinite(logits).all()
     assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == (GOLDENS / "llama-gqa" / "tokenizer.json").read_bytes()
+    # The run's tokenizer deleted since: refused before the checkpoint is read, nothing written.
+    (source / "tokenizer.json").unlink()
+    done = subprocess.run([sys.executable, "-m", "spmd.export", "--checkpoint", str(run), "--format", "hf", "--out",
+                           str(tmp_path / "again")], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    assert one_error_line(done.stderr) == f"error: --format hf: the run's tokenizer {source / 'tokenizer.json'}: no such file"
+    assert not (tmp_path / "again").exists()
 
 
 # ------------------------------------------------------------------ bad input
@@ -221,7 +230,7 @@ CASES = {
     "out inside it": (["--init-from", "{golden_copy}", "--out", "{golden_copy}/run"],
                       "would write over the input --init-from"),
     "tokenizer over the vocabulary": (["--init-from", "{big_tokenizer}", "--data", "{corpus}"],
-                                      "has 300 tokens, more than the model's vocabulary of 128"),
+                                      "has token ids up to 299, beyond the model's vocabulary of 128"),
 }
 
 

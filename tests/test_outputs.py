@@ -142,6 +142,13 @@ def test_dev_stdout_is_the_commands_own_stdout_whatever_it_is(folder):
     assert done.returncode == 2
     assert "--out /dev/stdout would write over the input --data corpus.txt" in one_error_line(done.stderr)
     assert (folder / "corpus.txt").read_bytes() == before
+    # Started with descriptor 1 closed: Python has no stdout, and the number may since name
+    # a file the command opened (its held-back stderr, say). Refused, saying why.
+    done = subprocess.run(["sh", "-c", 'exec "$@" 1>&-', "sh", *CORPUS, "/dev/stdout"], cwd=folder,
+                          stderr=subprocess.PIPE, text=True, timeout=120)
+    assert done.returncode == 2
+    assert one_error_line(done.stderr) == ("error: --out /dev/stdout: this command has no stdout (descriptor 1 was "
+                                           "closed when it started); give a file")
 
 
 def test_a_link_is_written_through_and_a_broken_one_refused(folder):

@@ -10,6 +10,7 @@ user the namespace does not map (writes refused), so "cannot be written" is real
 import json
 import os
 import re
+import resource
 import signal
 import socket
 import subprocess
@@ -52,6 +53,8 @@ CASES = {
                             "array.jsonl, line 2: the text field 'text' is an array"),
     "corpus: jsonl NaN": ("spmd.corpus", ["--data", "{nan_jsonl}", "--out", "t.npy"],
                           "nan.jsonl, line 1: x: must be finite (got nan)"),
+    "corpus: jsonl lone surrogate": ("spmd.corpus", ["--data", "{surrogate_jsonl}", "--out", "t.npy"],
+                                     "surrogate.jsonl, line 1: the text field 'text' holds a lone surrogate"),
     "corpus: jsonl key twice": ("spmd.corpus", ["--data", "{twice_jsonl}", "--out", "t.npy"],
                                 "twice.jsonl, line 1: text: is given twice"),
     "corpus: data folder holding a FIFO": ("spmd.corpus", ["--data", "{with_fifo}", "--out", "t.npy"],
@@ -150,6 +153,7 @@ def _inputs(tmp: Path, run: Path) -> dict[str, str]:
         (tmp / f"{name}.jsonl").write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"text": value}) + "\n")
     (tmp / "nan.jsonl").write_text('{"text": "a", "x": NaN}\n')
     (tmp / "twice.jsonl").write_text('{"text": "a", "text": "b"}\n')
+    (tmp / "surrogate.jsonl").write_text('{"text": "a\\ud800b"}\n')  # JSON's escape of no character
     (tmp / "with_fifo").mkdir()
     (tmp / "with_fifo" / "a.txt").write_text("a document")
     os.mkfifo(tmp / "with_fifo" / "b.txt")  # read, it would block the command
@@ -162,7 +166,8 @@ def _inputs(tmp: Path, run: Path) -> dict[str, str]:
              "ints_parquet": "ints.parquet", "lists_parquet": "lists.parquet", "bytes_parquet": "bytes.parquet",
              "nulls_parquet": "nulls.parquet", "number_jsonl": "number.jsonl", "null_jsonl": "null.jsonl",
              "array_jsonl": "array.jsonl", "dir_npy": "dir.npy", "empty": "empty", "full": "full", "ro": "ro", "fifo": "fifo",
-             "theirs": "theirs", "nan_jsonl": "nan.jsonl", "twice_jsonl": "twice.jsonl", "with_fifo": "with_fifo"}
+             "theirs": "theirs", "nan_jsonl": "nan.jsonl", "twice_jsonl": "twice.jsonl", "with_fifo": "with_fifo",
+             "surrogate_jsonl": "surrogate.jsonl"}
     return {key: str(tmp / name) for key, name in names.items()} | {"run": str(run)}
 
 
@@ -250,6 +255,27 @@ def test_corpus_on_a_full_disk_leaves_no_temporary_and_says_one_line(tmp_path):
     assert (tmp_path / "out.txt").read_text() == ""
 
 
+def test_text_beyond_memory_is_refused_in_one_line_before_or_while_tokenizing(tmp_path):
+    from spmd.base.hardware import host_memory_bytes
+
+    # More text than the host's memory: refused before a byte is read (a sparse file: no disk used).
+    with open(tmp_path / "huge.txt", "wb") as f:
+        f.truncate(host_memory_bytes() + 1)
+    done = subprocess.run([sys.executable, "-m", "spmd.corpus", "--data", "huge.txt", "--out", "t.npy"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "of text, more than this host's memory" in one_error_line(done.stderr)
+    # Less than the host's memory, more than the process may have (an address-space limit
+    # of 1.5 GB against 350 MB of text, its decoded string and two bytes a token).
+    (tmp_path / "big.txt").write_text(("the quick brown fox jumps over the lazy dog " * 20 + "\n") * 400_000)
+    limit = lambda: resource.setrlimit(resource.RLIMIT_AS, (1_500_000_000, 1_500_000_000))  # noqa: E731
+    done = subprocess.run([sys.executable, "-m", "spmd.corpus", "--data", "big.txt", "--out", "t.npy"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120, preexec_fn=limit)
+    assert done.returncode == 2, done.stderr
+    assert "out of memory while tokenizing its 336.1 MiB of text" in one_error_line(done.stderr)
+    assert not (tmp_path / "t.npy").exists()
+
+
 def test_export_on_a_full_disk_removes_what_it_wrote_and_says_one_line(tmp_path, run_dir):
     # The tiny model's parameters take 0.5 MB; the directories the export made go too.
     done = in_namespace(f"""
@@ -304,6 +330,32 @@ def test_a_killed_export_leaves_no_out_and_the_rerun_completes_it(tmp_path, run_
     assert json.loads((out / "model.json").read_text())["step"] == 2
     for got, want in zip(_exported_params(out / "params"), _exported_params(run_dir / "2" / "params"), strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_sigterm_ends_export_and_corpus_in_one_line_leaving_nothing(tmp_path, run_dir):
+    """Export stopped mid-write, and corpus while it tokenizes: each says so in one line,
+    exits 143, and leaves no output and no temporary."""
+    (tmp_path / "corpus.txt").write_text("some text, " * 3_000_000)  # 33 MB: seconds of tokenizing
+    commands = {
+        "export": ([sys.executable, "-m", "spmd.export", "--checkpoint", str(run_dir), "--out", "exported"],
+                   lambda pid: list(tmp_path.glob(f"exported.tmp-{pid}@*"))),  # its temporary: mid-write
+        "corpus": ([sys.executable, "-m", "spmd.corpus", "--data", "corpus.txt", "--out", "t.npy"],
+                   lambda pid: len(os.listdir(f"/proc/{pid}/task")) > 1),  # its signal thread: signals served
+    }
+    for name, (cmd, ready) in commands.items():
+        proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 120
+            while not ready(proc.pid):
+                assert proc.poll() is None and time.monotonic() < deadline, f"{name} ended first"
+                time.sleep(0.005)
+            proc.send_signal(signal.SIGTERM)
+            out, err = proc.communicate(timeout=60)
+        finally:
+            proc.kill()
+        assert proc.returncode == 143, (name, err)
+        assert err.strip().splitlines() == ["SIGTERM: stopped; nothing was written"], (name, err)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt"], name
 
 
 def test_a_killed_corpus_runs_temporary_is_removed_by_the_rerun(tmp_path):

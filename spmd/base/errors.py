@@ -90,7 +90,8 @@ def one_line_errors(hold_stderr: bool = True):
         try:
             yield
         except UserError as exc:
-            sys.stdout.flush()
+            if sys.stdout:  # None when the command started with descriptor 1 closed
+                sys.stdout.flush()
             os.write(stderr, f"error: {exc}\n".encode())
             os._exit(2)  # nothing has been written; exit before those threads are done
 

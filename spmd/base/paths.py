@@ -39,6 +39,10 @@ from spmd.base.errors import UserError, file_kind, why_io_failed
 from spmd.base.signals import served
 
 LOCK_NAME = ".spmd-lock"
+# The process's own stdout and stderr: their names by descriptor, and the paths that name them.
+STREAMS = ("", "stdout", "stderr")
+STREAM_PATHS = {**dict.fromkeys(("/dev/stdout", "/dev/fd/1", "/proc/self/fd/1"), 1),
+                **dict.fromkeys(("/dev/stderr", "/dev/fd/2", "/proc/self/fd/2"), 2)}
 # Character devices written as streams besides the process's own stdout and stderr: the
 # null device, and terminals (virtual consoles, /dev/tty and the console, pseudo-terminals).
 NULL_DEVICE = (1, 3)
@@ -172,6 +176,11 @@ def _run_directory_around(path: str) -> Path | None:
 
 def _kind(o: Output) -> Claimed:
     """What the path is, and how it is written: refused when it cannot be what `o` needs."""
+    fd = STREAM_PATHS.get(os.path.abspath(o.path))
+    if fd is not None and (None, sys.stdout, sys.stderr)[fd] is None:
+        # Closed when the command started: its number may since belong to a file the process opened.
+        raise UserError(f"{o.flag} {o.path}: this command has no {STREAMS[fd]} (descriptor {fd} was closed "
+                        "when it started); give a file")
     try:
         st = os.stat(o.path)
     except (FileNotFoundError, NotADirectoryError):  # a new path (under a file: refused as unwritable below)
@@ -192,9 +201,9 @@ def _kind(o: Output) -> Claimed:
         raise UserError(f"{o.flag} {o.path} is a directory, not a file")
     if own is not None:
         if o.reopened and stat.S_ISREG(st.st_mode):  # opening it again would truncate what the shell opened
-            raise UserError(f"{o.flag} {o.path} is this command's {('', 'stdout', 'stderr')[own]}, a file that "
+            raise UserError(f"{o.flag} {o.path} is this command's {STREAMS[own]}, a file that "
                             f"{o.flag} would open again; name the file itself")
-        return Claimed(o.flag, o.path, _resolved(o.path), ("", "stdout", "stderr")[own], own)
+        return Claimed(o.flag, o.path, _resolved(o.path), STREAMS[own], own)
     if stat.S_ISREG(st.st_mode):
         return Claimed(o.flag, o.path, _resolved(o.path))
     if stat.S_ISFIFO(st.st_mode):

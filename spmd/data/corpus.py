@@ -25,7 +25,9 @@ from pathlib import Path
 import numpy as np
 
 from spmd.base.cli import TOKEN_DTYPES
+from spmd.base.console import human_bytes
 from spmd.base.errors import UserError, file_kind
+from spmd.base.hardware import host_memory_bytes
 from spmd.base.paths import regular_file
 from spmd.base.schema import Invalid, loads
 
@@ -84,7 +86,11 @@ class HuggingFaceTokenizer:
             self._tok = tokenizers.Tokenizer.from_file(str(path))
         except Exception as exc:  # the Rust library raises its own exception types
             raise UserError(f"--tokenizer {path}: not a Hugging Face tokenizer.json ({exc})") from None
-        self.vocab_size, self.name = self._tok.get_vocab_size(with_added_tokens=True), path.name
+        # Its ids, not their count, must be the model's tokens: a tokenizer.json may number
+        # its tokens with gaps (an added token at 1000 in a vocabulary of 11).
+        largest = max(self._tok.get_vocab(with_added_tokens=True).values(), default=-1)
+        self.vocab_size = max(self._tok.get_vocab_size(with_added_tokens=True), largest + 1)
+        self.name = path.name
         found = [self._tok.token_to_id(name) for name in EOS_NAMES]
         found = [i for i in found if i is not None]
         if not found:
@@ -196,6 +202,11 @@ def jsonl_texts(file: Path, field: str, flag: str = "--data", field_flag: str | 
         if not isinstance(text, str):
             raise UserError(f"{flag} {file}, line {number}: the text field {field!r} is "
                             f"{_JSON_TYPES.get(type(text), type(text).__name__)}, not a string")
+        try:
+            text.encode()
+        except UnicodeEncodeError as exc:  # an escape like "\ud800": a lone surrogate is no character
+            raise UserError(f"{flag} {file}, line {number}: the text field {field!r} holds a lone surrogate "
+                            f"({text[exc.start]!r}), which is no Unicode text") from None
         yield text
 
 
@@ -237,11 +248,27 @@ def token_stream(path: str, tokenizer=None, text_field: str = "text", token_dtyp
     tokenizer = tokenizer or ByteTokenizer()
     if vocab is not None:
         check_vocab(tokenizer, vocab)
+    # Text is tokenized in memory, by every process: more text than the host's memory
+    # cannot be, and a host that runs out on the way says so in one line.
+    size, memory = sum(f.stat().st_size for f in files), host_memory_bytes()
+    advice = "make token files (.npy) of it with python -m spmd.corpus on a larger host, or give less text"
+    if size > memory:
+        raise UserError(f"--data {path}: {human_bytes(size)} of text, more than this host's memory "
+                        f"({human_bytes(memory)}), and text is tokenized in memory; {advice}")
+    try:
+        return _tokenized(documents(kind, files, text_field), tokenizer)
+    except MemoryError:
+        raise UserError(f"--data {path}: out of memory while tokenizing its {human_bytes(size)} of text; "
+                        f"{advice}") from None
+
+
+def _tokenized(texts: Iterator[str], tokenizer) -> np.ndarray:
+    """The texts' tokens, each document followed by the end-of-text token."""
     dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
     pieces: list[np.ndarray] = []
     eos = np.array([tokenizer.eos], dtype)
     batch: list[str] = []
-    for text in documents(kind, files, text_field):
+    for text in texts:
         if not text:
             continue  # an empty document adds no separator either
         batch.append(text)
@@ -255,8 +282,8 @@ def token_stream(path: str, tokenizer=None, text_field: str = "text", token_dtyp
 def check_vocab(tokenizer, vocab: int, what: str = "--tokenizer") -> None:
     """A tokenizer's every id must be one of the model's tokens (`what`: how the message names the tokenizer)."""
     if tokenizer.vocab_size > vocab:
-        raise UserError(f"{what} {tokenizer.name} has {tokenizer.vocab_size:,} tokens, more than the model's "
-                        f"vocabulary of {vocab:,}")
+        raise UserError(f"{what} {tokenizer.name} has token ids up to {tokenizer.vocab_size - 1:,}, beyond the "
+                        f"model's vocabulary of {vocab:,} (ids 0 to {vocab - 1:,})")
 
 
 def _token_file(file: Path, token_dtype: str) -> np.ndarray:

@@ -86,6 +86,11 @@ def read_prompts(args) -> list[str]:
             raise UserError(f"--prompts {args.prompts} holds no prompt")
     if not prompts:
         raise UserError("no prompt: give --prompt TEXT or --prompts FILE.jsonl")
+    for i, prompt in enumerate(prompts):
+        try:
+            prompt.encode()
+        except UnicodeEncodeError:  # bytes of the command line that are no UTF-8, or a JSON "\ud800"
+            raise UserError(f"prompt {i + 1} is not UTF-8 text (it holds {prompt[:40]!r}); give it as UTF-8") from None
     return prompts
 
 

@@ -1,19 +1,27 @@
-"""`python -m spmd.export`'s library: a run's checkpoint read onto a mesh, and what a Hugging
-Face directory of it holds beside the weights."""
+"""`python -m spmd.export`'s library: the checkpoint and `--out` checked, the checkpoint read
+onto a mesh, what a Hugging Face directory of it holds beside the weights, and the export
+written whole or not at all."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
+import os
+import shutil
 from pathlib import Path
 
 from models import hf_layout
-from spmd.base.errors import UserError
+from spmd.base.errors import EXIT_OUTPUT_FAILED, UserError, held_stderr, why_io_failed
+from spmd.base.paths import (Output, check_writable_dir, claim, regular_file, remove_stale_temporaries,
+                             temporary_name)
+from spmd.base.signals import served
 from spmd.formats.hf import GENERATION_CONFIG, TOKENIZER_FILES, companions
 from spmd.parallel.layout import make_layout
 from spmd.parallel.skeleton import model_config
 from spmd.run.bootstrap import start_devices
 from spmd.run.resolve import validate
-from spmd.run.weights import Checkpoint, restore_params
+from spmd.run.weights import Checkpoint, check_source_flags, checkpoint_config, restore_params
 
 
 def restored(cfg, checkpoint: Checkpoint, mesh: str | None, cpu_devices: int | None):
@@ -45,5 +53,61 @@ def hf_parts(cfg, meta: dict):
     if tokenizer and tokenizer.endswith(".json"):
         beside = companions(Path(tokenizer).parent, "the run's tokenizer directory")
         files |= {name: path for name, path in beside.items() if name in TOKENIZER_FILES}
-        files["tokenizer.json"] = Path(tokenizer)
+        files["tokenizer.json"] = regular_file(tokenizer, "--format hf: the run's tokenizer")
     return model_cfg, files
+
+
+def checked(args):
+    """Everything that can be checked before reading the checkpoint: the flags' ranges,
+    the checkpoint (its step and its run's config), and that `--out` can be written and
+    is no input. `args`: spmd.export's flags. -> (out, the run's config, the checkpoint)"""
+    check_source_flags(args.step, args.cpu_devices)
+    cfg, checkpoint = checkpoint_config(args.checkpoint, args.step)
+
+    out = Path(args.out).resolve()
+    config = checkpoint.meta.get("config", {})  # --format hf copies the run's tokenizer files from these
+    claim([Output("--out", args.out, directory=True)], {
+        "--checkpoint": checkpoint.run_dir, "the run's --init-from": config.get("init_from"),
+        "the run's tokenizer": config.get("tokenizer")})
+    if out.exists() and any(out.iterdir()):
+        raise UserError(f"--out {args.out} is not empty; give a new or empty directory")
+    if out.exists():  # the export is written beside it, then renamed over it
+        try:
+            check_writable_dir(str(out.parent), "--out")
+        except UserError:
+            raise UserError(f"--out {args.out}: its directory {out.parent} cannot be written (the export is "
+                            "written there under a temporary name, then renamed)") from None
+    return out, cfg, checkpoint
+
+
+def write(out: Path, flag_value: str, produce) -> None:
+    """Write the export (`produce(directory)`) to a temporary beside `out`, then rename it to `out`. A failure
+    (disk full, permission lost) or a signal removes what was written, prints one line and exits:
+    Orbax's threads may still hold the failed write, and waiting for them can hang."""
+    made = [p for p in (out.parent, *out.parent.parents) if not p.exists()]  # to remove if we fail
+    tmp = temporary_name(out)
+
+    def remove() -> None:
+        shutil.rmtree(tmp, ignore_errors=True)
+        for directory in made:
+            with contextlib.suppress(OSError):
+                directory.rmdir()
+
+    if served():  # SIGINT/SIGTERM end the command from their own thread: the temporary goes with it
+        served().cleanups.append(remove)
+    with held_stderr() as stderr:
+        try:
+            remove_stale_temporaries(out)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            produce(tmp)
+            os.replace(tmp, out)  # over an empty directory too
+        except BaseException as exc:  # noqa: BLE001 - whatever the file system or Orbax raised
+            remove()
+            if isinstance(exc, KeyboardInterrupt):
+                why, code = "interrupted", 130
+            elif isinstance(exc, OSError) and exc.errno in (errno.ENOTEMPTY, errno.EEXIST):  # filled meanwhile
+                why, code = f"--out {flag_value} is no longer empty", EXIT_OUTPUT_FAILED
+            else:
+                why, code = f"writing --out {flag_value} failed ({why_io_failed(exc)})", EXIT_OUTPUT_FAILED
+            os.write(stderr, f"error: {why}; nothing was written\n".encode())
+            os._exit(code)
