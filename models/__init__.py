@@ -2,24 +2,36 @@
 
 from types import ModuleType
 
-from models import llama
+from models import llama, qwen3
 from models.llama import Llama, LlamaConfig, RopeScaling
+# What every family shares with Llama's (the trainer reads these, never a family's module):
+# remat policies, the decoding state, a Hugging Face tensor's description and config.json's size bound.
+from models.llama.hf import MAX_CONFIG_BYTES, Tensor
+from models.llama.model import REMAT_POLICIES, Decoding
 from models.moe import MoEConfig, Routing
+from models.qwen3 import Qwen3Config
 
 # Each family: its config class -> its module class. A model class tells the trainer what
 # it needs beyond the call (see Llama: STACKED, LOOKUP_TABLE, decays, head_params), and
 # decodes with a key/value cache (cache_shape, decode).
-FAMILIES: dict[type, type] = {LlamaConfig: Llama}
+FAMILIES: dict[type, type] = {LlamaConfig: Llama, Qwen3Config: qwen3.Qwen3}
 # Each family's Hugging Face layout (see models.llama.hf): ARCHITECTURES it reads,
 # config_values (config.json checked against its field tables), config_from_hf,
 # config_to_hf, supported (why a config has no such layout), tensors, tensor_count (how
 # many published tensors a config implies, before any per-layer loop) and copies
 # (published tensors that may repeat another, as a tied head).
-HF_LAYOUTS: dict[type, ModuleType] = {LlamaConfig: llama.hf}
+HF_LAYOUTS: dict[type, ModuleType] = {LlamaConfig: llama.hf, Qwen3Config: qwen3.hf}
 
 
 def model_class(cfg) -> type:
     return FAMILIES[type(cfg)]
+
+
+def config_from_dict(d: dict) -> LlamaConfig:
+    """A model config saved as data (`dataclasses.asdict`, as a run saves it), of the family
+    it names (Llama's when it names none, as runs saved before families did)."""
+    classes = {cls.family: cls for cls in FAMILIES}
+    return classes[d.get("family", "llama")].from_dict(d)
 
 
 def hf_layout(cfg=None, architectures: list | None = None) -> ModuleType:
@@ -34,7 +46,7 @@ def hf_layout(cfg=None, architectures: list | None = None) -> ModuleType:
 
 
 # Every family's presets, by name.
-PRESETS: dict[str, LlamaConfig] = {**llama.PRESETS}
+PRESETS: dict[str, LlamaConfig] = {**llama.PRESETS, **qwen3.PRESETS}
 
-__all__ = ["FAMILIES", "Llama", "LlamaConfig", "MoEConfig", "PRESETS", "RopeScaling", "Routing", "hf_layout",
-           "model_class"]
+__all__ = ["FAMILIES", "MAX_CONFIG_BYTES", "PRESETS", "REMAT_POLICIES", "Decoding", "Llama", "LlamaConfig", "MoEConfig",
+           "Qwen3Config", "RopeScaling", "Routing", "Tensor", "config_from_dict", "hf_layout", "model_class"]

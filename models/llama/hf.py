@@ -84,23 +84,34 @@ UnsupportedConfig = Invalid  # a config.json this model cannot reproduce; `field
 
 def config_values(hf: dict) -> dict:
     """config.json checked against its schema: {field: value}, defaults filled in."""
+    return checked(hf, ARCHITECTURES, lambda architecture: CONFIG + MIXTRAL if architecture == "MixtralForCausalLM"
+                   else CONFIG, RULES)
+
+
+def checked(hf: dict, architectures: tuple[str, ...], fields: Callable[[str], tuple[Field, ...]],
+            rules: tuple[Rule, ...]) -> dict:
+    """A config.json of one of `architectures` checked against the `fields` of its
+    architecture and the `rules`: {field: value}, defaults filled in (shared with the
+    families that extend Llama's config)."""
     if not isinstance(hf, dict):
         raise Invalid("", "must hold a mapping")
-    architectures = hf.get("architectures") or []
-    if not isinstance(architectures, list) or len(architectures) != 1 or architectures[0] not in ARCHITECTURES:
-        raise Invalid("architectures", f"{architectures!r} is not one of {', '.join(ARCHITECTURES)}")
-    mixtral = architectures[0] == "MixtralForCausalLM"
-    values = check(hf, CONFIG + MIXTRAL if mixtral else CONFIG,
-                   others="is not a field this loader knows; it may change the model")
+    given = hf.get("architectures") or []
+    if not isinstance(given, list) or len(given) != 1 or given[0] not in architectures:
+        raise Invalid("architectures", f"{given!r} is not one of {', '.join(architectures)}")
+    values = check(hf, fields(given[0]), others="is not a field this loader knows; it may change the model")
     values["num_key_value_heads"] = values["num_key_value_heads"] or values["num_attention_heads"]
     values["head_dim"] = values["head_dim"] or values["hidden_size"] // values["num_attention_heads"]
-    enforce(values, RULES)
+    enforce(values, rules)
     return values
 
 
 def config_from_hf(hf: dict) -> LlamaConfig:
     """Our config of a Llama or Mixtral config.json; anything it cannot compute exactly is refused."""
-    v = config_values(hf)
+    return config_of(config_values(hf))
+
+
+def config_of(v: dict, cls: type[LlamaConfig] = LlamaConfig) -> LlamaConfig:
+    """The config (`cls`: Llama's, or a family's that extends it) of checked config.json values."""
     theta, scaling = _rope(v)
     moe = None
     if "num_local_experts" in v:  # trained as transformers trains it: the pooled balance loss, no z-loss
@@ -108,7 +119,7 @@ def config_from_hf(hf: dict) -> LlamaConfig:
         moe = MoEConfig(experts=v["num_local_experts"], top_k=v["num_experts_per_tok"],
                         expert_mlp=v["intermediate_size"], balance_loss="pooled", z_loss_weight=0.0,
                         aux_loss_weight=MIXTRAL_AUX_LOSS_COEF if coef is None else float(coef))
-    return LlamaConfig(
+    return cls(
         vocab=v["vocab_size"], embed=v["hidden_size"], layers=v["num_hidden_layers"],
         heads=v["num_attention_heads"], kv_heads=v["num_key_value_heads"], head_dim=v["head_dim"],
         mlp=v["intermediate_size"], rope_theta=theta, rope_scaling=scaling, norm_eps=float(v["rms_norm_eps"]),

@@ -1,7 +1,8 @@
 """A Llama-family decoder written for one device.
 
-RMSNorm, rotary embeddings, grouped-query attention and a SwiGLU MLP, or a mixture of
-experts in every n-th layer (models.moe); the blocks are created stacked (one leading
+RMSNorm, rotary embeddings, grouped-query attention (with Qwen3's RMSNorm of each query
+and key head, `qk_norm`) and a SwiGLU MLP, or a mixture of experts in every n-th layer
+(models.moe); the blocks are created stacked (one leading
 "layers" axis) and run with a scan, so compile time does not grow with depth. Every
 parameter and the important activations carry logical axis names (`batch, seq,
 residual_seq, embed, heads, kv_heads, head_dim, mlp, vocab, experts, layers`); nothing
@@ -63,6 +64,8 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     moe: MoEConfig | None = None  # MoE feed-forward in every moe.every-th layer
+    qk_norm: bool = False  # RMSNorm of each query and key head before the rotation (Qwen3)
+    family: str = "llama"  # which family's config this is, kept when it is saved as data (models.config_from_dict)
 
     @classmethod
     def from_dict(cls, d: dict) -> LlamaConfig:
@@ -94,7 +97,7 @@ class LlamaConfig:
     def num_params(self, active: bool = False) -> int:
         """Parameter count from the shapes (matches the built model); `active`: only those
         one token multiplies with (its top-k experts)."""
-        attn = self.embed * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
+        attn = self.embed * self.head_dim * (2 * self.heads + 2 * self.kv_heads) + 2 * self.head_dim * self.qk_norm
         dense = self.layers - self.moe_layers
         blocks = self.layers * (attn + 2 * self.embed) + dense * 3 * self.embed * self.mlp
         if self.moe:
@@ -129,8 +132,8 @@ def _ones(shape: tuple[int, ...], names: tuple[str, ...]) -> nnx.Param:
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float):
-        self.scale = _ones((dim,), ("embed",))
+    def __init__(self, dim: int, eps: float, names: tuple[str, ...] = ("embed",)):
+        self.scale = _ones((dim,), names)
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -161,6 +164,9 @@ class Attention(nnx.Module):
         self.wq = _param(rngs, (e, h, d), ("embed", "heads", "head_dim"), e**-0.5)
         self.wkv = _param(rngs, (e, k, 2, d), ("embed", "kv_heads", None, "head_dim"), e**-0.5)
         self.wo = _param(rngs, (h, d, e), ("heads", "head_dim", "embed"), (h * d) ** -0.5)
+        if cfg.qk_norm:  # one scale per head dimension, shared by every head
+            self.q_norm = RMSNorm(d, cfg.norm_eps, ("head_dim",))
+            self.k_norm = RMSNorm(d, cfg.norm_eps, ("head_dim",))
         self.cfg, self.dtype = cfg, dtype
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
@@ -202,9 +208,11 @@ class Attention(nnx.Module):
         # Slots are split like the query heads.
         wqkv = assembled(jnp.concatenate([wq, wkv], axis=2), "embed", "heads", None, "head_dim")
         qkv = jnp.einsum("bse,ekgd->bskgd", x, wqkv)
-        q = qkv[:, :, :, :per_slot].reshape(b, s, cfg.heads, cfg.head_dim)
+        q, k = qkv[:, :, :, :per_slot].reshape(b, s, cfg.heads, cfg.head_dim), qkv[:, :, :, per_slot]
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = constrain(rotary(q, positions, cfg.rope_frequencies), "batch", "seq", "heads", "head_dim")
-        k = constrain(rotary(qkv[:, :, :, per_slot], positions, cfg.rope_frequencies), "batch", "seq", "kv_heads", "head_dim")
+        k = constrain(rotary(k, positions, cfg.rope_frequencies), "batch", "seq", "kv_heads", "head_dim")
         v = constrain(qkv[:, :, :, per_slot + 1], "batch", "seq", "kv_heads", "head_dim")
         return q.reshape(b, s, slots, per_slot, cfg.head_dim), k, v
 

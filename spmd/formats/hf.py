@@ -23,8 +23,7 @@ from pathlib import Path, PurePosixPath
 
 import numpy as np
 
-from models import hf_layout
-from models.llama.hf import MAX_CONFIG_BYTES, Tensor
+from models import MAX_CONFIG_BYTES, Tensor, hf_layout
 from spmd.base.errors import UserError, file_kind
 from spmd.base.hardware import device_memory
 from spmd.base.console import human_bytes

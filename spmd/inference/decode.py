@@ -24,8 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models import model_class
-from models.llama import Decoding
+from models import Decoding, model_class
 from spmd.parallel.layout import Layout
 from spmd.parallel.mesh import BATCH_AXES
 from spmd.parallel.rules import placed, spec_for

@@ -22,8 +22,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from models import model_class
-from models.llama import REMAT_POLICIES
+from models import REMAT_POLICIES, model_class
 from models.annotate import computed_copies, storage
 from models.attention import KERNELS, attention_implementation
 from models.moe import expert_implementation, slots_implementation

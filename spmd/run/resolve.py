@@ -9,7 +9,7 @@ import dataclasses
 import sys
 from collections.abc import Callable, Sequence
 
-from models import LlamaConfig
+from models import config_from_dict
 from spmd.base.cli import flag_of
 from spmd.base.errors import UserError
 from spmd.formats.checkpoint import model_of_checkpoint
@@ -53,10 +53,10 @@ def resolve_model(cfg: TrainConfig) -> TrainConfig:
         tokenizer = cfg.tokenizer or (tokenizer_of(cfg.init_from) if cfg.data else None)  # the checkpoint's
         return dataclasses.replace(cfg, architecture=read, tokenizer=tokenizer)
     if isinstance(cfg.architecture, dict):  # a saved run's
-        return dataclasses.replace(cfg, architecture=LlamaConfig.from_dict(cfg.architecture))
+        return dataclasses.replace(cfg, architecture=config_from_dict(cfg.architecture))
     if cfg.architecture is None and cfg.model is None:
         if cfg.resume:
             model, architecture = model_of_checkpoint(cfg.resume)
-            return dataclasses.replace(cfg, model=model, architecture=architecture and LlamaConfig.from_dict(architecture))
+            return dataclasses.replace(cfg, model=model, architecture=architecture and config_from_dict(architecture))
         return dataclasses.replace(cfg, model="tiny")
     return cfg

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from spmd.base.errors import UserError
 import jax
-from models import LlamaConfig
+from models import config_from_dict
 from spmd.formats.checkpoint import Checkpoints, check_compatible, finalized_steps, has_bias, keeps_router, locate, read_meta
 from spmd.formats.hf import Directory
 from spmd.formats.hf import load_params as load_hf
@@ -84,7 +84,7 @@ def run_config(meta: dict):
     config = {k: v for k, v in meta.get("config", {}).items() if k in fields}
     if isinstance(config.get("architecture"), dict):  # a model that is no preset, saved as data
 
-        config["architecture"] = LlamaConfig.from_dict(config["architecture"])
+        config["architecture"] = config_from_dict(config["architecture"])
     return TrainConfig(**config | {"init_from": None, "resume": None, "data": None, "tokenizer": None})
 
 
