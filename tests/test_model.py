@@ -19,6 +19,11 @@ KNOWN_PARAMS = {
     "llama2-7b": 6_738_415_616,
     "llama3-8b": 8_030_261_248,
     "llama3-70b": 70_553_706_496,
+    # Qwen3's model cards: 0.6B (0.44B without the embedding), 8.2B (6.95B), 32.8B (31.2B);
+    # these are the counts of their published shapes (config.json), which round to those.
+    "qwen3-0.6b": 596_049_920,
+    "qwen3-8b": 8_190_735_360,
+    "qwen3-32b": 32_762_123_264,
 }
 
 

@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -54,6 +55,19 @@ def test_layout_matches_one_device(reference, mesh, devices, overrides):
     np.testing.assert_allclose(run.losses, reference.losses, rtol=LOSS_RTOL, atol=0)
     # The loss must actually move, or matching it would prove little.
     assert reference.losses[-1] < reference.losses[0] - 0.05
+    assert_params_match(run.params, reference.params)
+
+
+# A second family (tests/hf/qwen3's shapes, initialized afresh): per-head query and key
+# norms, a head size of its own, tied embeddings; tp=4 goes beyond its 2 key/value heads.
+QWEN3 = {"model": None, "init_from": str(Path(__file__).with_name("hf") / "qwen3")}
+
+
+@pytest.mark.parametrize("mesh", ["dp=2,fsdp=2,tp=2", "fsdp=2,tp=4"])
+def test_qwen3_layout_matches_one_device(mesh):
+    reference, run = train_run("", 1, **QWEN3), train_run(mesh, 8, **QWEN3)
+    assert reference.losses[-1] < reference.losses[0] - 0.05
+    np.testing.assert_allclose(run.losses, reference.losses, rtol=LOSS_RTOL, atol=0)
     assert_params_match(run.params, reference.params)
 
 

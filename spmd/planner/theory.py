@@ -174,8 +174,11 @@ def collectives(cfg, layout: Layout) -> list[Expected]:
     out: list[Expected] = []
     for p in params(layout):
         compute = spec_axes(p.names, used_table)
+        summed = residual_tokens if _is_vector(p) else plain_tokens
+        if _is_vector(p) and "head_dim" in p.names:  # a per-head norm (Qwen3's q/k): every head's share adds up
+            summed = live({*summed, *spec_axes(("heads",), used_table)}, shape)
         # An axis that splits the parameter as used (ep for experts, pp for stages) does not sum it.
-        token_axes = tuple(a for a in (residual_tokens if _is_vector(p) else plain_tokens) if a not in compute)
+        token_axes = tuple(a for a in summed if a not in compute)
         at_rest = spec_axes(p.names, rules.params)
         slice_numel = grad_numel = p.numel / ways(compute, shape)  # one device's slice, as used
         if layout.kv_copies > 1 and "kv_heads" in p.names:  # a device uses the one kv head it shares

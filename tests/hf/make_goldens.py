@@ -1,13 +1,14 @@
 """Make the Hugging Face golden models the tests load (run by hand; needs torch and
 transformers, which the tests do not):
 
-    pip install torch transformers && python tests/hf/make_goldens.py [--router-losses]
+    pip install torch transformers && python tests/hf/make_goldens.py [--router-losses] [NAME ...]
 
 Each golden is a small random model saved by transformers in float32, with the tokens
 (tokens.npy) and the logits transformers computes for them (logits.npy). A model is
 small enough to commit (tens of kB) and has every feature the loader reads: GQA, a
 sharded checkpoint with its index, tied embeddings with Llama 3.1 rope scaling (set so
-that all three frequency bands occur within the sequence), a Mixtral MoE.
+that all three frequency bands occur within the sequence), a Mixtral MoE, a Qwen3 (query
+and key norms, its own head size, tied).
 
     python tests/hf/make_goldens.py --check DIR GOLDEN
 
@@ -22,7 +23,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
+from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM,
+                          Qwen3Config, Qwen3ForCausalLM)
 
 HERE = Path(__file__).parent
 SHAPE = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -39,6 +41,9 @@ GOLDENS = {
         None),
     "mixtral": (MixtralForCausalLM, MixtralConfig(**(SHAPE | dict(intermediate_size=32)), num_local_experts=4,
                                                   num_experts_per_tok=2, rope_theta=1000000.0), None),
+    # Query and key norms; a head size that is not hidden / heads (16, not 8); tied, as the small Qwen3s.
+    "qwen3": (Qwen3ForCausalLM, Qwen3Config(**(SHAPE | dict(head_dim=16)), rope_theta=1000000.0,
+                                            tie_word_embeddings=True), None),
 }
 BATCH, SEQ = 2, 64
 PROMPTS, GENERATED = (1, 7, 20), 24
@@ -121,11 +126,13 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--check", nargs=2, metavar=("DIR", "GOLDEN"))
     parser.add_argument("--router-losses", action="store_true", help="only remake mixtral/router_losses.json")
+    parser.add_argument("names", nargs="*", choices=[[], *GOLDENS], help="only these goldens (default: all)")
     args = parser.parse_args()
     if args.router_losses:
         sys.exit(router_losses())
     if args.check:
         sys.exit(0 if check(*args.check) < 1e-4 else 1)
-    for name in GOLDENS:
+    for name in args.names or GOLDENS:
         make(name)
-    router_losses()
+    if not args.names or "mixtral" in args.names:
+        router_losses()
