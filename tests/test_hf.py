@@ -197,6 +197,9 @@ def _damaged(root: Path) -> dict[str, str]:
     copy("gelu", "llama-tied-rope", lambda c: c.update(hidden_act="gelu"))
     copy("yarn", "llama-tied-rope", lambda c: c["rope_parameters"].update(rope_type="yarn"))
     copy("windowed", "mixtral", lambda c: c.update(sliding_window=4096))
+    copy("qwen3_windowed", "qwen3", lambda c: c.update(use_sliding_window=True, sliding_window=16))
+    copy("qwen3_local_layers", "qwen3", lambda c: c.update(layer_types=["sliding_attention", "full_attention"]))
+    copy("qwen3_moe", "qwen3", lambda c: c.update(architectures=["Qwen3MoeForCausalLM"]))
     copy("quantized", "llama-tied-rope", lambda c: c.update(quantization_config={"quant_method": "gptq"}))
     (copy("missing_shard", "llama-gqa") / "model-00003-of-00007.safetensors").unlink()
     truncated = copy("truncated", "llama-tied-rope") / "model.safetensors"
@@ -229,6 +232,10 @@ CASES = {
     "rope type": (["--init-from", "{yarn}"], "rope_parameters.rope_type: 'yarn' is not supported"),
     "sliding window": (["--init-from", "{windowed}"], "config.json sliding_window: only None is supported"),
     "unknown field": (["--init-from", "{quantized}"], "config.json quantization_config: is not a field"),
+    "qwen3 sliding window": (["--init-from", "{qwen3_windowed}"], "config.json use_sliding_window: only False"),
+    "qwen3 local layers": (["--init-from", "{qwen3_local_layers}"],
+                           "config.json layer_types: must hold only full_attention layers"),
+    "qwen3 moe": (["--init-from", "{qwen3_moe}"], "architectures: ['Qwen3MoeForCausalLM'] is not one of"),
     "missing shard": (["--init-from", "{missing_shard}"], "shard model-00003-of-00007.safetensors is missing"),
     "truncated": (["--init-from", "{truncated}"], "is truncated"),
     "wrong shape": (["--init-from", "{wrong_shape}"],
