@@ -34,16 +34,18 @@ def plan_flags(parser: argparse.ArgumentParser) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     serve_signals("stopped; nothing was written")
     try:
-        # The library is imported once signals are served, before numpy starts its threads.
-        from spmd.parallel.layout import make_layout
-        from spmd.parallel.mesh import MAX_EMULATED_DEVICES, accelerator_plugin_installed, check_dcn
-        from spmd.planner import report
-        from spmd.planner.plan import auto, default_hardware, make_plan, plan_devices
+        # The library is imported once signals are served (numpy starts threads when
+        # imported), the planner's only once the flags are read (bad ones answer sooner).
         from spmd.run.resolve import parse_with_extras
 
         cfg, extras = parse_with_extras(argv, prog="python -m spmd.plan", add_extras=plan_flags,
                                         description="Show per-device memory, collectives and a step-time "
                                                     "estimate of a layout, before launch (trains nothing).")
+        from spmd.parallel.layout import make_layout
+        from spmd.parallel.mesh import MAX_EMULATED_DEVICES, accelerator_plugin_installed, check_dcn
+        from spmd.planner import report
+        from spmd.planner.plan import auto, default_hardware, make_plan, plan_devices
+
         spec = cfg.mesh_spec
         count = spec.devices if extras.devices is None else extras.devices
         if count < 1:

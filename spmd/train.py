@@ -30,18 +30,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     serve_signals()  # first: every thread started from here on leaves SIGINT/SIGTERM to it
     quiet_library_threads()
     with one_line_errors():
-        # The library is imported once signals are served: numpy starts threads when imported.
+        # The library is imported once signals are served (numpy starts threads when
+        # imported), the trainer's only once the flags are read (bad ones answer sooner).
+        from spmd.run.config import find_config
+        from spmd.run.resolve import parse_args
+
+        cfg = parse_args(argv)
+        check_outputs(cfg, find_config(argv))
         import jax
 
         from spmd.parallel.layout import make_layout
         from spmd.run.bootstrap import start_devices
-        from spmd.run.config import find_config
         from spmd.run.distributed import initialize, processes
-        from spmd.run.resolve import parse_args
-        from spmd.run.trainer import prepare
 
-        cfg = parse_args(argv)
-        check_outputs(cfg, find_config(argv))
         procs = processes(cfg)
         flag_lines = start_devices(cfg, procs)
     with one_line_errors(hold_stderr=False):  # a native abort while joining must still show its message
@@ -51,6 +52,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         log = emit if jax.process_index() == 0 else _silent
         for line in flag_lines:
             log(line)
+        from spmd.run.trainer import prepare  # (Orbax, the planner: once the layout holds)
+
         run = prepare(cfg, layout, log=log)
     try:
         return 0 if run.loop().ok else EXIT_NON_FINITE

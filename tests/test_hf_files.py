@@ -20,7 +20,6 @@ import pytest
 from helpers import one_error_line
 
 from models import PRESETS, hf_layout
-from models.llama.hf import supported, tensor_count
 from spmd.base.errors import UserError
 from spmd.formats.hf import Directory, companions, max_positions, tokenizer_of
 from spmd.hf import from_pretrained
@@ -306,11 +305,11 @@ def test_a_directory_laid_out_otherwise_loads_the_same_tensors(tmp_path, case):
 
 
 def test_tensor_count_is_the_number_of_tensors_named():
-    configs = [Directory(GOLDENS / name).cfg for name in (TIED, SHARDED, MIXTRAL)]
-    for cfg in configs + [c for c in PRESETS.values() if supported(c) is None]:
+    configs = [Directory(GOLDENS / name).cfg for name in (TIED, SHARDED, MIXTRAL, "qwen3")]
+    for cfg in configs + [c for c in PRESETS.values() if hf_layout(c).supported(c) is None]:
         layout = hf_layout(cfg)
         named = sum(len(t.names(i)) for t in layout.tensors(cfg) for i in range(cfg.layers if t.stacked else 1))
-        assert tensor_count(cfg)[0] == named
+        assert layout.tensor_count(cfg)[0] == named, cfg
 
 
 def test_max_positions_is_checked_and_defaults_to_2048(tmp_path):

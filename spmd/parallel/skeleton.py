@@ -11,10 +11,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, traverse_util
 
-from models import FAMILIES, PRESETS, LlamaConfig, Routing, model_class
+from models import FAMILIES, PRESETS, REMAT_POLICIES, LlamaConfig, Routing, model_class
 from models.moe import RouterState
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+REMAT = tuple(REMAT_POLICIES)  # --remat's choices: none, full, dots
 
 
 def model_config(cfg):

@@ -40,8 +40,6 @@ from spmd.parallel.rules import spec_for
 from spmd.parallel.skeleton import DTYPES, is_names, routing
 from spmd.parallel.zero_bubble import zb_v
 
-REMAT = tuple(REMAT_POLICIES)  # --remat's choices: none, full, dots
-
 
 class AuxLosses(NamedTuple):
     """What an MoE model adds to the loss it minimizes: the load-balancing loss, in its

@@ -18,7 +18,8 @@ from spmd.parallel.mesh import accelerator_plugin_installed
 import jax
 from spmd.base import hardware
 from spmd.parallel.layout import make_layout
-from spmd.parallel.step import REMAT, build_program
+from spmd.parallel.skeleton import REMAT
+from spmd.parallel.step import build_program
 from spmd.planner import footprint, hlo, theory, traffic
 from spmd.planner.roofline import predict
 from spmd.planner.theory import by_op_and_axes

@@ -23,8 +23,7 @@ from spmd.base.errors import UserError, file_kind
 from spmd.base.schema import Bounds
 from spmd.parallel.mesh import MeshSpec
 from spmd.parallel.pipeline import PP_SCHEDULES, REPEATED_SCHEDULES
-from spmd.parallel.skeleton import model_config
-from spmd.parallel.step import REMAT
+from spmd.parallel.skeleton import REMAT, model_config
 
 ON_NAN = ("stop", "skip")
 ATTENTION = ("ring", "all-gather")
