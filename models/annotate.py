@@ -16,7 +16,6 @@ import jax.numpy as jnp
 from flax.core import spmd as flax_spmd
 from jax.ad_checkpoint import checkpoint_name
 
-
 ACTIVATION = "activation"  # checkpoint name of `constrain`'s result, for remat policies
 _STORAGE: contextvars.ContextVar = contextvars.ContextVar("storage", default=None)
 _COPIES: contextvars.ContextVar = contextvars.ContextVar("copies", default={})

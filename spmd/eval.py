@@ -15,8 +15,8 @@ import math
 import sys
 
 from spmd.base.cli import TOKEN_DTYPES, OneLineErrorParser, add_model_source, check_bounds, integer, nonempty
-from spmd.base.schema import Bounds
 from spmd.base.errors import one_line_errors, quiet_library_threads
+from spmd.base.schema import Bounds
 from spmd.base.signals import STOPPED
 from spmd.base.signals import serve as serve_signals
 

@@ -24,7 +24,6 @@ from spmd.base.schema import Bounds
 from spmd.base.signals import STOPPED
 from spmd.base.signals import serve as serve_signals
 
-
 # The flags' ranges (a seed has training's).
 BOUNDS = {"max_new_tokens": Bounds(at_least=1), "temperature": Bounds(at_least=0), "top_k": Bounds(at_least=0),
           "top_p": Bounds(above=0, at_most=1), "batch_size": Bounds(at_least=1), "seed": SEED}

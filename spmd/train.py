@@ -8,9 +8,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from spmd.base.console import emit
-from spmd.base.errors import EXIT_OUTPUT_FAILED, OutputFailed, UserError, first_line, one_line_errors, quiet_library_threads
+from spmd.base.errors import (EXIT_OUTPUT_FAILED, OutputFailed, UserError, first_line, one_line_errors,
+                              quiet_library_threads)
 from spmd.base.paths import LOCK_NAME, DirectoryLock, Output, claim
 from spmd.base.signals import serve as serve_signals
+
 
 def __getattr__(name: str):
     """`train` and `prepare`, this module's names for the Python API, imported on first use (see main)."""
@@ -52,7 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         log = emit if jax.process_index() == 0 else _silent
         for line in flag_lines:
             log(line)
-        from spmd.run.trainer import prepare  # (Orbax, the planner: once the layout holds)
+        from spmd.run.trainer import prepare  # Orbax and the planner, once the layout holds
 
         run = prepare(cfg, layout, log=log)
     try:

@@ -5,18 +5,18 @@ import functools
 import subprocess
 import sys
 
+import conftest
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-import conftest
 from conftest import assert_params_match, train_run
 from helpers import one_error_line
+
 from models import flash
 from models.attention import causal_attention, cudnn_attention, splash_attention
-from spmd.parallel import kernels
 from spmd.config import TrainConfig, validate
+from spmd.parallel import kernels
 from spmd.parallel.context import zigzag_order
 from spmd.parallel.layout import make_layout
 from spmd.parallel.mesh import build_mesh

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import snapshot
 
 from spmd.base.cli import finite, integer, nonempty
 from spmd.base.schema import Bounds
@@ -29,7 +30,6 @@ from spmd.generate import BOUNDS as GENERATE_BOUNDS
 from spmd.generate import generate_parser
 from spmd.launch import MAX_PROCESSES, launch_parser
 from spmd.plan import plan_flags
-from helpers import snapshot
 
 pytestmark = pytest.mark.xdist_group("cli")
 

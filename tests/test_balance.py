@@ -8,19 +8,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
-
 from conftest import assert_params_match, train_run
-from models.moe import MoE, MoEConfig, Routing, swiglu_experts
-from spmd.parallel import balance
-from spmd.config import TrainConfig, validate
-from spmd.parallel.layout import make_layout
-from spmd.planner.plan import make_plan
-from spmd.data.synthetic import MarkovSource, global_batch
-from spmd.parallel.step import build_program
-from spmd.train import train
-from spmd.run.weights import checkpoint_config, restore_params
+from flax import nnx
 from test_parity import LOSS_RTOL
+
+from models.moe import MoE, MoEConfig, Routing, swiglu_experts
+from spmd.config import TrainConfig, validate
+from spmd.data.synthetic import MarkovSource, global_batch
+from spmd.parallel import balance
+from spmd.parallel.layout import make_layout
+from spmd.parallel.step import build_program
+from spmd.planner.plan import make_plan
+from spmd.run.weights import checkpoint_config, restore_params
+from spmd.train import train
 
 pytestmark = pytest.mark.xdist_group("balance")
 

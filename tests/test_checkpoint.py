@@ -10,8 +10,8 @@ import orbax.checkpoint as ocp
 import pytest
 
 import spmd.parallel.step
-from spmd.formats.checkpoint import Checkpoints
 from spmd.config import TrainConfig, validate
+from spmd.formats.checkpoint import Checkpoints
 from spmd.parallel.layout import make_layout
 from spmd.parallel.optim import schedule
 from spmd.parallel.skeleton import model_skeleton

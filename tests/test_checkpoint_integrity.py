@@ -27,14 +27,14 @@ import jax
 import numpy as np
 import pytest
 import tensorstore as ts
+from helpers import one_error_line, snapshot
 
+from spmd.base.errors import UserError
+from spmd.config import TrainConfig, validate
 from spmd.formats.checkpoint import Checkpoints, check_resumable, read_meta
 from spmd.formats.checksum import array_checksum, checksums
-from spmd.config import TrainConfig, validate
-from spmd.base.errors import UserError
 from spmd.parallel.layout import make_layout
 from spmd.parallel.step import build_program
-from helpers import one_error_line, snapshot
 
 pytestmark = pytest.mark.xdist_group("integrity")  # the tests share one saved run
 

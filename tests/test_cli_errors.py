@@ -1,13 +1,16 @@
 """Bad input: one `error: ...` line on stderr, exit code 2, nothing written."""
 
+import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-# One worker runs them all: the module's fixture starts every case's process at once.
+# One worker runs them all: the module's fixture runs every case, through one driver.
 pytestmark = pytest.mark.xdist_group("cli")
+DRIVER = Path(__file__).with_name("cli_driver.py")
 
 CASES = {
     "mesh product is not the device count": (["--mesh", "dp=3", "--cpu-devices", "8"], "needs 3 devices"),
@@ -95,17 +98,22 @@ def _files(tmp) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
+    """Every case as its own process, forked by one driver (tests/cli_driver.py) that has
+    imported the commands once."""
     tmp = tmp_path_factory.mktemp("cli")
     files = _files(tmp)
-    procs = {}
-    for name, (args, _) in ALL.items():
-        args = [files.get(a, a) for a in args]
-        metrics = tmp / f"{len(procs)}.jsonl"
+    batch, metrics = [], {}
+    for i, (name, (args, _)) in enumerate(ALL.items()):
         module = MODULES.get(name, "spmd.train")
-        records = ["--metrics-file", str(metrics)] if module in ("spmd.train", "spmd.plan") else []
-        cmd = [sys.executable, "-m", module, *args, *records]
-        procs[name] = (subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), metrics)
-    return {name: (p.communicate(timeout=300), p.returncode, metrics) for name, (p, metrics) in procs.items()}
+        metrics[name] = tmp / f"{i}.jsonl"
+        records = ["--metrics-file", str(metrics[name])] if module in ("spmd.train", "spmd.plan") else []
+        (tmp / "work" / str(i)).mkdir(parents=True)
+        batch.append({"module": module, "cwd": str(tmp / "work" / str(i)),
+                      "argv": [files.get(a, a) for a in args] + records})
+    done = subprocess.run([sys.executable, str(DRIVER)], input=json.dumps(batch), capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr
+    return {name: ((r["stdout"], r["stderr"]), r["code"], metrics[name]) for name, r in zip(ALL, json.loads(done.stdout))}
 
 
 @pytest.mark.parametrize("case", ALL)

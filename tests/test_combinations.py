@@ -6,9 +6,9 @@ import re
 
 import pytest
 
-from spmd.parallel.checks import FEATURES, REFUSED, check_layout
-from spmd.config import TrainConfig, validate
 from spmd.base.errors import UserError
+from spmd.config import TrainConfig, validate
+from spmd.parallel.checks import FEATURES, REFUSED, check_layout
 from spmd.parallel.mesh import AXES, resolve_mesh
 
 README = pathlib.Path(__file__).parents[1] / "README.md"

@@ -4,10 +4,10 @@ collectives match the plan's theory."""
 
 import numpy as np
 import pytest
-
 from conftest import assert_params_match, train_run
-from spmd.planner.plan import make_plan
 from test_parity import LOSS_RTOL
+
+from spmd.planner.plan import make_plan
 
 pytestmark = pytest.mark.xdist_group("composition")
 

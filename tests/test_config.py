@@ -5,8 +5,8 @@ import pathlib
 import jax
 import pytest
 
-from spmd.config import parse_args
 from spmd.base.errors import UserError
+from spmd.config import parse_args
 from spmd.parallel.mesh import parse_mesh, resolve_mesh
 from spmd.parallel.rules import make_rules, spec_for
 

@@ -13,10 +13,10 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from helpers import in_namespace, one_error_line
 
 from spmd.formats.checkpoint import finalized_steps
 from spmd.launch import free_port, process_env
-from helpers import in_namespace, one_error_line
 
 FAST = ["--batch", "8", "--seq", "32", "--log-every", "1"]
 TRAIN = [sys.executable, "-m", "spmd.train", *FAST]

@@ -29,8 +29,8 @@ from helpers import one_error_line, snapshot
 
 from models import PRESETS, Llama
 from spmd.config import TrainConfig, validate
-from spmd.inference.decode import Decoder, Sampling, bucket, filtered, left_padded, sample
 from spmd.formats.hf import Directory, load_params
+from spmd.inference.decode import Decoder, Sampling, bucket, filtered, left_padded, sample
 from spmd.parallel.layout import make_layout
 
 pytestmark = pytest.mark.xdist_group("generate")

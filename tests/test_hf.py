@@ -22,8 +22,8 @@ from helpers import one_error_line
 
 from models import PRESETS, hf_layout
 from models.llama.hf import config_from_hf
-from spmd.hf import from_pretrained
 from spmd.formats.safetensors import SafeTensors, Writer
+from spmd.hf import from_pretrained
 
 pytestmark = pytest.mark.xdist_group("hf")
 

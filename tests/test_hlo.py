@@ -4,8 +4,8 @@ import math
 
 import jax
 import pytest
-
 from conftest import train_run
+
 from spmd.planner import hlo, traffic
 
 

@@ -7,10 +7,10 @@ import sys
 
 import numpy as np
 import pytest
-
 from conftest import assert_params_match, train_run
-from spmd.planner.plan import make_plan
 from test_parity import LOSS_RTOL
+
+from spmd.planner.plan import make_plan
 
 pytestmark = pytest.mark.xdist_group("moe")  # the all-to-all test reads the parity test's runs
 

@@ -113,9 +113,9 @@ def test_killing_one_process_makes_the_other_exit_with_an_error(runs):
 
 
 def test_the_processes_come_from_flags_else_the_environment_else_there_is_one():
+    from spmd.base.errors import UserError
     from spmd.config import TrainConfig
     from spmd.run.distributed import processes
-    from spmd.base.errors import UserError
 
     flags = TrainConfig(coordinator="10.0.0.1:1234", num_processes=4, process_id=3)
     env = {"JAX_COORDINATOR_ADDRESS": "h:99", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1"}

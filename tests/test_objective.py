@@ -15,14 +15,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-
 from conftest import train_run
-from spmd.config import TrainConfig, model_config, validate
+from test_parity import LOSS_RTOL
+
 from spmd.base.errors import UserError
+from spmd.config import TrainConfig, model_config, validate
 from spmd.parallel.layout import make_layout
 from spmd.parallel.optim import make_optimizer, schedule
 from spmd.parallel.step import AuxLosses, _loss, aux_losses
-from test_parity import LOSS_RTOL
 
 MIXTRAL = Path(__file__).parent / "hf" / "mixtral"
 
@@ -104,10 +104,10 @@ def test_an_imported_moe_model_trained_with_a_bias_is_served(tmp_path):
     """Imported Mixtral, trained with --router-bias-rate: its checkpoint serves (generate,
     eval and export read it; it failed on the imported model's saved architecture), and
     the Hugging Face export is refused in one line, leaving nothing."""
-    from spmd.train import train
-    from spmd.run.weights import checkpoint_config, restore_params
-
     import shutil
+
+    from spmd.run.weights import checkpoint_config, restore_params
+    from spmd.train import train
 
     source = shutil.copytree(MIXTRAL, tmp_path / "mixtral")
     cfg = validate(TrainConfig(init_from=str(source), mesh="", router_bias_rate=0.01, batch=4, seq=16, steps=2,

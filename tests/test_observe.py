@@ -12,10 +12,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import in_namespace, one_error_line
 
 from spmd.run.loop import log_line
 from spmd.run.observe import duration, peak_memory_bytes
-from helpers import in_namespace, one_error_line
 
 TRAIN = [sys.executable, "-m", "spmd.train", "--mesh", "dp=2", "--batch", "8", "--seq", "32", "--log-every", "2"]
 

@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 from helpers import one_error_line
 
+from spmd.base.errors import UserError
 from spmd.config import TrainConfig
 from spmd.data.corpus import load_tokenizer, token_stream
-from spmd.base.errors import UserError
 from spmd.train import check_outputs
 
 pytestmark = pytest.mark.xdist_group("outputs")

@@ -8,7 +8,6 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-
 from conftest import assert_params_match, train_run
 
 pytestmark = pytest.mark.xdist_group("layouts")  # they share compiled runs (conftest)

@@ -7,18 +7,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import PARITY, assert_params_match, train_run
-from spmd.planner import hlo
-from spmd.formats.checkpoint import Checkpoints, make_meta
-from spmd.config import TrainConfig, validate
+
 from spmd.base.errors import UserError
+from spmd.config import TrainConfig, validate
+from spmd.formats.checkpoint import Checkpoints, make_meta
 from spmd.parallel.layout import make_layout
 from spmd.parallel.skeleton import restack
-from spmd.planner.plan import make_plan
 from spmd.parallel.step import _stage_parts, build_program
 from spmd.parallel.zero_bubble import executed_over_useful
+from spmd.planner import hlo
 from spmd.planner.hlo import chunk_dot_flops
+from spmd.planner.plan import make_plan
 
 pytestmark = pytest.mark.xdist_group("pipeline")  # they share compiled runs (conftest)
 

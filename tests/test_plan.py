@@ -6,11 +6,11 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import train_run
-from spmd.planner import footprint, theory
+
 from spmd.config import TrainConfig, validate
 from spmd.parallel.layout import make_layout
+from spmd.planner import footprint, theory
 from spmd.planner.plan import make_plan
 
 pytestmark = pytest.mark.xdist_group("layouts")  # they share compiled runs (conftest)

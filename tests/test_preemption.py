@@ -10,9 +10,9 @@ import sys
 import time
 
 import pytest
+from helpers import snapshot
 
 from spmd.formats.checkpoint import finalized_steps
-from helpers import snapshot
 
 FAST = ["--batch", "8", "--seq", "32", "--log-every", "1"]
 

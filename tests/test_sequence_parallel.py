@@ -2,8 +2,8 @@
 
 import numpy as np
 import pytest
-
 from conftest import train_run
+
 from spmd.parallel.context import zigzag_order
 from spmd.planner.plan import make_plan
 

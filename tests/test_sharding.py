@@ -1,11 +1,10 @@
 """State is born sharded, and each ZeRO stage holds what theory says per device."""
 
 import jax
-import pytest
-
 import numpy as np
-
+import pytest
 from conftest import init_config, initial_state, train_run
+
 from spmd.config import TrainConfig, validate
 from spmd.parallel.layout import bytes_per_device, make_layout
 from spmd.parallel.step import build_program

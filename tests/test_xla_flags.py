@@ -11,8 +11,8 @@ import jax
 import pytest
 
 from models import PRESETS, model_class
-from spmd.run import xla_flags
 from spmd.parallel.skeleton import model_skeleton
+from spmd.run import xla_flags
 
 ROOT = Path(__file__).resolve().parent.parent
 

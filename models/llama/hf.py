@@ -17,7 +17,8 @@ import numpy as np
 
 from models.llama.model import LlamaConfig, RopeScaling
 from models.moe import MoEConfig
-from spmd.base.schema import ANY, Bounds, BOOLEAN, INTEGER, LIST, MAPPING, NUMBER, STRING, Field, Invalid, Rule, check, enforce
+from spmd.base.schema import (ANY, BOOLEAN, INTEGER, LIST, MAPPING, NUMBER, STRING, Bounds, Field, Invalid, Rule, check,
+                              enforce)
 
 ARCHITECTURES = ("LlamaForCausalLM", "MixtralForCausalLM")
 MAX_CONFIG_BYTES = 1 << 20  # published configs are a few kB

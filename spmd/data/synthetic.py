@@ -13,6 +13,7 @@ import threading
 
 import jax
 import numpy as np
+
 from spmd.data.corpus import TokenSource, load_tokenizer, token_stream
 
 SUCCESSORS = 4  # each token can be followed by this many tokens

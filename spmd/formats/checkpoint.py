@@ -25,10 +25,10 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from flax import traverse_util
 
-from spmd.formats.checksum import checksums
 from spmd.base.cli import flag_of
-from spmd.parallel.pipeline import REPEATED_SCHEDULES
 from spmd.base.errors import UserError
+from spmd.formats.checksum import checksums
+from spmd.parallel.pipeline import REPEATED_SCHEDULES
 from spmd.parallel.skeleton import STACKED_KEYS, is_stacked, restack
 
 FORMAT = 1

@@ -21,18 +21,18 @@ import json
 import shutil
 from pathlib import Path, PurePosixPath
 
-import numpy as np
-
-from models import MAX_CONFIG_BYTES, Tensor, hf_layout
-from spmd.base.errors import UserError, file_kind
-from spmd.base.hardware import device_memory
-from spmd.base.console import human_bytes
-from spmd.formats.safetensors import Damaged, SafeTensors, Writer
-from spmd.base.schema import (ANY, MAPPING, REGULAR, STRING, Field, Invalid, check, list_of, mapping_of, not_a_file,
-                         read_json)
-from flax import traverse_util
 import jax
 import jax.numpy as jnp
+import numpy as np
+from flax import traverse_util
+
+from models import MAX_CONFIG_BYTES, Tensor, hf_layout
+from spmd.base.console import human_bytes
+from spmd.base.errors import UserError, file_kind
+from spmd.base.hardware import device_memory
+from spmd.base.schema import (ANY, MAPPING, REGULAR, STRING, Field, Invalid, check, list_of, mapping_of, not_a_file,
+                              read_json)
+from spmd.formats.safetensors import Damaged, SafeTensors, Writer
 
 FLOATS = ("F64", "F32", "F16", "BF16")
 INDEX = "model.safetensors.index.json"

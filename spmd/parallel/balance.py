@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+
 from models.moe import initial_placement
 from spmd.parallel.skeleton import is_names
 

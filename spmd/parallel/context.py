@@ -28,8 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from models.annotate import ACTIVATION
 from models import flash
+from models.annotate import ACTIVATION
 from models.attention import causal_attention
 from spmd.parallel.mesh import BATCH_AXES, inside_map, still_automatic
 from spmd.parallel.rules import SEQUENCE_AXIS

@@ -21,6 +21,7 @@ from spmd.parallel.pipeline import Schedule
 from spmd.parallel.rules import Rules, spec_for, without_axes
 from spmd.parallel.skeleton import ModelSkeleton, is_names, restack
 
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
     mesh: jax.sharding.Mesh

@@ -14,9 +14,10 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 
-from spmd.base.errors import UserError
-from jax.experimental import mesh_utils
 import jax
+from jax.experimental import mesh_utils
+
+from spmd.base.errors import UserError
 
 AXES = ("pp", "dp", "fsdp", "ep", "sp", "tp")
 BATCH_AXES = ("dp", "fsdp", "ep")  # the axes that split the batch

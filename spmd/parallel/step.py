@@ -27,17 +27,16 @@ from models.annotate import computed_copies, storage
 from models.attention import KERNELS, attention_implementation
 from models.moe import expert_implementation, slots_implementation
 from spmd.parallel import balance
-from spmd.parallel.skeleton import model_config
 from spmd.parallel.context import make_attention, make_capacity_slots, zigzag_order
+from spmd.parallel.experts import make_experts
 from spmd.parallel.kernels import make_kernel
 from spmd.parallel.kernels import resolve as resolve_kernel
-from spmd.parallel.experts import make_experts
 from spmd.parallel.layout import Layout
 from spmd.parallel.mesh import BATCH_AXES
 from spmd.parallel.optim import applied_updates, make_optimizer, schedule
 from spmd.parallel.pipeline import MANUAL_AXES, from_microbatches, one_f_one_b, pipeline, to_microbatches
 from spmd.parallel.rules import spec_for
-from spmd.parallel.skeleton import DTYPES, is_names, routing
+from spmd.parallel.skeleton import DTYPES, is_names, model_config, routing
 from spmd.parallel.zero_bubble import zb_v
 
 

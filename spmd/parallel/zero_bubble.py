@@ -46,10 +46,9 @@ import numpy as np
 from jax._src import core
 from jax._src.interpreters import partial_eval as pe
 
-from spmd.parallel.pipeline import (AXIS, BATCH_AXIS, MANUAL_AXES, Schedule, _copies, _from_stage_0, _head, _no_statistics,
-                           _only_stage_0, _split_vjp, _stage_statistics, _statistics, _weighted_statistics,
-                           layer_statistics, stacked_spec, stage_view)
-
+from spmd.parallel.pipeline import (AXIS, BATCH_AXIS, MANUAL_AXES, Schedule, _copies, _from_stage_0, _head,
+                                    _no_statistics, _only_stage_0, _split_vjp, _stage_statistics, _statistics,
+                                    _weighted_statistics, layer_statistics, stacked_spec, stage_view)
 
 # ------------------------------------------------------------------------- the B/W split
 

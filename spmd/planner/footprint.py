@@ -15,7 +15,7 @@ from spmd.parallel.layout import Layout
 from spmd.parallel.rules import axes_of
 from spmd.parallel.skeleton import DTYPES
 from spmd.planner.theory import (Param, compute_table, expert_rows, live, params, spec_axes, tokens_per_device, uses,
-                         ways)
+                                 ways)
 
 
 def memory(cfg, layout: Layout) -> dict[str, float]:

@@ -13,11 +13,12 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from spmd.base.errors import UserError
-from spmd.parallel.mesh import accelerator_plugin_installed
 import jax
+
 from spmd.base import hardware
+from spmd.base.errors import UserError
 from spmd.parallel.layout import make_layout
+from spmd.parallel.mesh import accelerator_plugin_installed
 from spmd.parallel.skeleton import REMAT
 from spmd.parallel.step import build_program
 from spmd.planner import footprint, hlo, theory, traffic

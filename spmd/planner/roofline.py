@@ -20,8 +20,8 @@ import math
 from collections.abc import Iterable, Mapping
 
 from spmd.base.hardware import Hardware, train_flops_per_token
-from spmd.parallel.pipeline import Schedule
 from spmd.parallel.mesh import AXES
+from spmd.parallel.pipeline import Schedule
 from spmd.planner.traffic import mesh_axes
 
 OVERLAPPED_AXES = {"dp", "fsdp", "ep"}

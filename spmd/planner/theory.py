@@ -58,9 +58,9 @@ from flax import traverse_util
 from models import model_class
 from spmd.parallel import pipeline, zero_bubble
 from spmd.parallel.layout import Layout
-from spmd.parallel.skeleton import DTYPES, is_names, routing
 from spmd.parallel.mesh import AXES, BATCH_AXES
 from spmd.parallel.rules import axes_of, spec_for
+from spmd.parallel.skeleton import DTYPES, is_names, routing
 
 
 @dataclasses.dataclass(frozen=True)

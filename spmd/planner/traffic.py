@@ -25,9 +25,9 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from spmd.planner import hlo
 from spmd.parallel.mesh import AXES
 from spmd.parallel.rules import TABLE, ZERO_SHARDED_DIM, axes_of
+from spmd.planner import hlo
 
 _ELEMENTS = re.compile(r"\b[a-z]+\d*\[([\d,]*)\]")
 

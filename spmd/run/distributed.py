@@ -18,8 +18,9 @@ import threading
 import time
 from collections.abc import Mapping
 
-from spmd.base.errors import UserError, first_line
 import jax
+
+from spmd.base.errors import UserError, first_line
 
 AUTO = "auto"
 ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")

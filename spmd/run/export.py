@@ -13,8 +13,7 @@ from pathlib import Path
 
 from models import hf_layout
 from spmd.base.errors import EXIT_OUTPUT_FAILED, UserError, held_stderr, why_io_failed
-from spmd.base.paths import (Output, check_writable_dir, claim, regular_file, remove_stale_temporaries,
-                             temporary_name)
+from spmd.base.paths import Output, check_writable_dir, claim, regular_file, remove_stale_temporaries, temporary_name
 from spmd.base.signals import served
 from spmd.formats.hf import GENERATION_CONFIG, TOKENIZER_FILES, companions
 from spmd.parallel.layout import make_layout

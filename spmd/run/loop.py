@@ -16,17 +16,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spmd.parallel.balance import REBALANCE_EVERY
-from spmd.formats.checkpoint import finalized_steps, make_meta
-from spmd.data.synthetic import Prefetcher, global_batch
-from spmd.run.distributed import Watchdog
-from spmd.base.hardware import peak_tflops, train_flops_per_token
-from spmd.base.errors import OutputFailed, why_io_failed
-from spmd.run.observe import Profile, Scalars, duration, peak_memory_bytes
 from spmd.base.console import emit, human_bytes
-from spmd.planner.report import describe_run
+from spmd.base.errors import OutputFailed, why_io_failed
+from spmd.base.hardware import peak_tflops, train_flops_per_token
 from spmd.base.signals import StopSignals
-
+from spmd.data.synthetic import Prefetcher, global_batch
+from spmd.formats.checkpoint import finalized_steps, make_meta
+from spmd.parallel.balance import REBALANCE_EVERY
+from spmd.planner.report import describe_run
+from spmd.run.distributed import Watchdog
+from spmd.run.observe import Profile, Scalars, duration, peak_memory_bytes
 
 # The host may run this many steps ahead of the devices. Enough to keep them busy while
 # the next batch is built; bounded because a deep queue of in-flight executions

@@ -13,10 +13,12 @@ import dataclasses
 import functools
 from pathlib import Path
 
-from spmd.base.errors import UserError
 import jax
+
 from models import config_from_dict
-from spmd.formats.checkpoint import Checkpoints, check_compatible, finalized_steps, has_bias, keeps_router, locate, read_meta
+from spmd.base.errors import UserError
+from spmd.formats.checkpoint import (Checkpoints, check_compatible, finalized_steps, has_bias, keeps_router, locate,
+                                     read_meta)
 from spmd.formats.hf import Directory
 from spmd.formats.hf import load_params as load_hf
 from spmd.parallel import balance

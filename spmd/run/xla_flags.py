@@ -30,8 +30,9 @@ import importlib.util
 import os
 import sys
 from collections.abc import MutableMapping
-from jax._src import xla_bridge
+
 import numpy as np
+from jax._src import xla_bridge
 
 # GPU (NVIDIA), after MaxText's GPU scripts and JAX-Toolbox's / JAX's GPU performance
 # guides: schedule collectives to overlap compute, and in the scanned layers start the
