@@ -1,21 +1,17 @@
-"""What each command does between its flags and the library: the devices first, then the
-model on them.
+"""What each command does between its flags and the library: the devices first.
 
 JAX reads XLA's flags and the number of CPU devices to emulate once, when it starts its
 backend, so `start_devices` runs before anything touches a device (importing JAX does
-not start it). Then `model_on_mesh` lays the model out on those devices and stands its
-parameters up from a checkpoint or a Hugging Face directory.
+not start it); the layout (spmd.parallel.layout) and the weights (spmd.run.weights) follow.
 """
 
 from __future__ import annotations
 
 from spmd.parallel.checks import check_before_devices
-from spmd.parallel.layout import Layout, make_layout
 from spmd.parallel.mesh import emulate_cpu_devices
 from spmd.parallel.skeleton import model_config
 from spmd.run import xla_flags
 from spmd.run.distributed import Processes
-from spmd.run.weights import Checkpoint, load_params
 
 
 def start_devices(cfg, processes: Processes | None = None, cpu_devices: int | None = None) -> list[str]:
@@ -29,10 +25,3 @@ def start_devices(cfg, processes: Processes | None = None, cpu_devices: int | No
     emulate_cpu_devices(cfg.mesh_spec.sizes, cfg.cpu_devices if cpu_devices is None else cpu_devices,
                         processes.count if processes is not None else 1)
     return flag_lines
-
-
-def model_on_mesh(cfg, checkpoint: Checkpoint | None, for_training: bool = False) -> tuple[Layout, dict]:
-    """The layout of `cfg` on the devices, and the parameters of `checkpoint` (or of
-    `cfg.init_from`, a Hugging Face directory) placed in it."""
-    layout = make_layout(cfg, for_training=for_training)
-    return layout, load_params(cfg, layout, checkpoint)
