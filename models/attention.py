@@ -4,19 +4,25 @@ knowing.
 
 Masks compare positions, not indices, so the sequence may arrive in any order (a
 load-balanced layout reorders it): a query sees the keys at positions up to its own.
+Packed rows (several examples in one row, `Packing`) add segment ids: a query sees only
+the keys of its own example.
 
-Kernels (`KERNELS`), each `kernel(q, k, v, q_positions, k_positions)`:
+Kernels (`KERNELS`), each `kernel(q, k, v, q_positions, k_positions, q_segments=None,
+k_segments=None)` (segments: (batch, s) and (batch, t) example ids, or None for one
+example per row):
 - xla: the scores materialized (seq x seq per head), softmax, values: the reference.
 - chunked: flash-style in plain JAX (models.flash): memory linear in the sequence.
 - cudnn: cuDNN's fused flash attention (`jax.nn.dot_product_attention`), NVIDIA GPUs.
 - splash: Pallas splash attention, TPUs.
 The fused kernels read the causal mask from indices, so they take only positions known
 while tracing to be 0, 1, 2, ...; other cases go to the chunked kernel, with a line
-saying so (`fallback`), never silently wrong.
+saying so (`fallback`), never silently wrong. cuDNN's path has no segment ids: packed
+rows go to the chunked kernel.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -28,13 +34,34 @@ from models import flash
 from models.swap import Swappable
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Packing:
+    """Examples packed into rows: the example each token belongs to (`segments`: 1, 2, ...
+    in a row, 0 for padding) and its position inside it (`positions`, from 0 at each
+    example's start: what the rotary embedding reads). Both int32 (batch, seq)."""
+
+    segments: jax.Array
+    positions: jax.Array
+
+
+def same_segment(q_segments, k_segments) -> jax.Array | None:
+    """(batch, s, t): whether query and key belong to one example; None without segments."""
+    if q_segments is None:
+        return None
+    return q_segments[:, :, None] == k_segments[:, None, :]
+
+
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array,
-                     k_positions: jax.Array) -> jax.Array:
+                     k_positions: jax.Array, q_segments=None, k_segments=None) -> jax.Array:
     """q (batch, s, kv_heads, groups, head_dim); k, v (batch, t, kv_heads, head_dim);
-    positions (s,) and (t,). Query head (kv, g) reads key/value head kv (grouped-query)."""
+    positions (s,) and (t,); segments (batch, s) and (batch, t) or None. Query head (kv, g)
+    reads key/value head kv (grouped-query)."""
     scores = jnp.einsum("bskgd,btkd->bkgst", q, k).astype(jnp.float32) / math.sqrt(q.shape[-1])
     # jnp, not numpy: positions may be numpy constants, and the mask is seq x seq.
     visible = jnp.asarray(q_positions)[:, None] >= jnp.asarray(k_positions)[None, :]
+    same = same_segment(q_segments, k_segments)
+    visible = visible if same is None else (visible[None] & same)[:, None, None]
     scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     return jnp.einsum("bkgst,btkd->bskgd", probs, v)
@@ -50,13 +77,14 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_slots: jax.Arra
     return jnp.einsum("bkgst,bktd->bskgd", probs, v)
 
 
-def cudnn_attention(q, k, v, q_positions, k_positions):
+def cudnn_attention(q, k, v, q_positions, k_positions, q_segments=None, k_segments=None):
     b, s, kv, g, d = q.shape
-    if q.dtype not in (jnp.bfloat16, jnp.float16):
-        return fallback("cudnn", f"it takes bfloat16 or float16, not {q.dtype}")(q, k, v, q_positions, k_positions)
-    if not in_order(q_positions, k_positions):
-        return fallback("cudnn", "the positions are not 0, 1, 2, ... (its causal mask reads indices)")(
-            q, k, v, q_positions, k_positions)
+    why = (f"it takes bfloat16 or float16, not {q.dtype}" if q.dtype not in (jnp.bfloat16, jnp.float16)
+           else "the positions are not 0, 1, 2, ... (its causal mask reads indices)"
+           if not in_order(q_positions, k_positions)
+           else "its path in JAX takes no segment ids (packed rows)" if q_segments is not None else None)
+    if why:
+        return fallback("cudnn", why)(q, k, v, q_positions, k_positions, q_segments, k_segments)
     # Query head (kv, g) is head kv * groups + g: the one jax maps to key/value head kv.
     out = jax.nn.dot_product_attention(q.reshape(b, s, kv * g, d), k, v, is_causal=True, implementation="cudnn")
     return out.reshape(q.shape)
@@ -65,8 +93,9 @@ def cudnn_attention(q, k, v, q_positions, k_positions):
 SPLASH_BLOCKS = (512, 256, 128)  # block sizes splash attention tiles the sequence with, largest first
 
 
-def splash_attention(q, k, v, q_positions, k_positions, interpret: bool = False):
-    """`interpret`: run the Pallas kernel in its interpreter (any backend; for tests)."""
+def splash_attention(q, k, v, q_positions, k_positions, q_segments=None, k_segments=None, interpret: bool = False):
+    """`interpret`: run the Pallas kernel in its interpreter (any backend; for tests).
+    Packed rows: splash's own segment ids."""
     # Imported here: the TPU kernels' modules are not needed, and not imported, elsewhere.
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernels
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
@@ -76,7 +105,7 @@ def splash_attention(q, k, v, q_positions, k_positions, interpret: bool = False)
     if block is None or not in_order(q_positions, k_positions):
         why = (f"the sequence ({s}) is no multiple of {SPLASH_BLOCKS[-1]}" if block is None
                else "the positions are not 0, 1, 2, ... (its causal mask reads indices)")
-        return fallback("splash", why)(q, k, v, q_positions, k_positions)
+        return fallback("splash", why)(q, k, v, q_positions, k_positions, q_segments, k_segments)
     sizes = kernels.BlockSizes(**{name: block for name in (
         "block_q", "block_kv", "block_kv_compute", "block_q_dkv", "block_kv_dkv", "block_kv_dkv_compute",
         "block_q_dq", "block_kv_dq")})
@@ -84,7 +113,14 @@ def splash_attention(q, k, v, q_positions, k_positions, interpret: bool = False)
     kernel = kernels.make_splash_mqa_single_device(
         masks.MultiHeadMask([masks.CausalMask((s, s))] * g), block_sizes=sizes, interpret=interpret)
     heads_first = (q / math.sqrt(d)).astype(q.dtype).transpose(0, 2, 3, 1, 4)  # (b, kv, g, s, d): splash does not scale
-    out = jax.vmap(jax.vmap(kernel))(heads_first, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))
+    keys, values = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    if q_segments is None:
+        out = jax.vmap(jax.vmap(kernel))(heads_first, keys, values)
+    else:  # one row's segment ids for all its kv heads
+        def row(q, k, v, q_segments, k_segments):
+            ids = kernels.SegmentIds(q=q_segments, kv=k_segments)
+            return jax.vmap(lambda q, k, v: kernel(q, k, v, segment_ids=ids))(q, k, v)
+        out = jax.vmap(row)(heads_first, keys, values, q_segments, k_segments)
     return out.transpose(0, 3, 1, 2, 4).astype(q.dtype)
 
 
@@ -116,11 +152,12 @@ def kernel_attention(kernel):
     return functools.partial(_self_attention, kernel)
 
 
-def _self_attention(kernel, q, k, v, positions):
-    return kernel(q, k, v, positions, positions)
+def _self_attention(kernel, q, k, v, positions, segments=None):
+    return kernel(q, k, v, positions, positions, segments, segments)
 
 
-# Causal self-attention of a sequence with the given positions: attend(q, k, v, positions)
-# is what models call; `attention_implementation(f)` swaps in f (e.g. ring attention).
+# Causal self-attention of a sequence with the given positions (and segment ids, for
+# packed rows): attend(q, k, v, positions, segments=None) is what models call;
+# `attention_implementation(f)` swaps in f (e.g. ring attention).
 attend = Swappable("attention", kernel_attention(causal_attention))
 attention_implementation = attend.use

@@ -7,7 +7,8 @@ and ring attention across sp (spmd.parallel.context), which merges per-chunk res
 `merge` by their log-sum-exp. The mask compares positions, as models.attention does.
 
 Shapes: q (batch, s, kv_heads, groups, head_dim); k, v (batch, t, kv_heads, head_dim);
-positions (s,) and (t,). The log-sum-exp is (batch, kv_heads, groups, s).
+positions (s,) and (t,); segment ids of packed rows (batch, s) and (batch, t), or None.
+The log-sum-exp is (batch, kv_heads, groups, s).
 """
 
 from __future__ import annotations
@@ -24,15 +25,18 @@ from models.annotate import ACTIVATION
 BLOCK = 512  # tokens per query / key block: large enough to keep matmuls efficient
 HIDDEN = -1e30  # score of a masked key: finite, so a row with no visible key stays finite
 _NOWHERE = 2**31 - 1  # position of padding keys: after every query
+_NO_SEGMENT = -1  # segment id of padding: no example's
 
 
-def attention(q, k, v, q_positions, k_positions, block: int | None = None) -> jax.Array:
-    """Causal attention (softmax(q k^T / sqrt(d)) v, by positions), in q's dtype."""
-    out, _ = attention_lse(q, k, v, q_positions, k_positions, block)
+def attention(q, k, v, q_positions, k_positions, q_segments=None, k_segments=None,
+              block: int | None = None) -> jax.Array:
+    """Causal attention (softmax(q k^T / sqrt(d)) v, by positions, within segments), in q's dtype."""
+    out, _ = attention_lse(q, k, v, q_positions, k_positions, q_segments, k_segments, block)
     return out.astype(q.dtype)
 
 
-def attention_lse(q, k, v, q_positions, k_positions, block: int | None = None) -> tuple[jax.Array, jax.Array]:
+def attention_lse(q, k, v, q_positions, k_positions, q_segments=None, k_segments=None,
+                  block: int | None = None) -> tuple[jax.Array, jax.Array]:
     """(attention output in float32, log-sum-exp of each query's visible scores);
     `block`: tokens per block (default BLOCK)."""
     s, t, block = q.shape[1], k.shape[1], block or BLOCK
@@ -41,7 +45,10 @@ def attention_lse(q, k, v, q_positions, k_positions, block: int | None = None) -
     q, q_positions = _pad(q, q_positions, bq, 0)
     k, k_positions = _pad(k, k_positions, bk, _NOWHERE)
     v, _ = _pad(v, k_positions, bk, _NOWHERE)
-    out, lse = _flash(q, k, v, q_positions, k_positions, bq, bk)
+    segments = None
+    if q_segments is not None:
+        segments = (_pad_segments(q_segments, bq), _pad_segments(k_segments, bk))
+    out, lse = _flash(q, k, v, q_positions, k_positions, segments, bq, bk)
     return out[:, :s], lse[..., :s]
 
 
@@ -68,6 +75,12 @@ def _pad(x, positions, block: int, fill: int):
     return jnp.pad(x, widths), jnp.concatenate([positions, jnp.full((extra,), fill, positions.dtype)])
 
 
+def _pad_segments(segments, block: int):
+    segments = jnp.asarray(segments, jnp.int32)
+    extra = -segments.shape[1] % block
+    return jnp.pad(segments, ((0, 0), (0, extra)), constant_values=_NO_SEGMENT) if extra else segments
+
+
 def _blocks(x, size: int):
     """(batch, n * size, ...) -> (n, batch, size, ...)."""
     return jnp.moveaxis(x.reshape(x.shape[0], -1, size, *x.shape[2:]), 1, 0)
@@ -77,18 +90,28 @@ def _unblock(x):
     return jnp.moveaxis(x, 0, 1).reshape(x.shape[1], -1, *x.shape[3:])
 
 
-def _scores(q, k, q_pos, k_pos):
+def _scores(q, k, q_pos, k_pos, q_seg=None, k_seg=None):
     """Scaled, masked scores of a block pair, float32 (b, kv, g, bq, bk)."""
     scores = jnp.einsum("bskgd,btkd->bkgst", q, k, preferred_element_type=jnp.float32) / math.sqrt(q.shape[-1])
-    return jnp.where(q_pos[:, None] >= k_pos[None, :], scores, HIDDEN)
+    visible = q_pos[:, None] >= k_pos[None, :]
+    if q_seg is not None:
+        visible = (visible[None] & (q_seg[:, :, None] == k_seg[:, None, :]))[:, None, None]
+    return jnp.where(visible, scores, HIDDEN)
 
 
-def _varying(q_pos, k_pos, data):
-    """The positions, tied to `data`. Inside a scan over layers the positions are the same
-    in every layer, and JAX hoists what depends only on them out of that loop: every
-    block pair's mask, computed at once (seq x seq). Tied to the layer's data, they stay."""
-    q_pos, k_pos, _ = jax.lax.optimization_barrier((q_pos, k_pos, data))
-    return q_pos, k_pos
+def _varying(q_pos, k_pos, segments, data):
+    """The positions (and segment ids), tied to `data`. Inside a scan over layers they are
+    the same in every layer, and JAX hoists what depends only on them out of that loop:
+    every block pair's mask, computed at once (seq x seq). Tied to the layer's data, they stay."""
+    q_pos, k_pos, segments, _ = jax.lax.optimization_barrier((q_pos, k_pos, segments, data))
+    return q_pos, k_pos, segments
+
+
+def _segment_blocks(segments, bq: int, bk: int):
+    """Per-block segment ids (n, b, block) of queries and keys, or Nones."""
+    if segments is None:
+        return None, None
+    return _blocks(segments[0], bq), _blocks(segments[1], bk)
 
 
 def _visible(q_pos, k_pos):
@@ -96,24 +119,25 @@ def _visible(q_pos, k_pos):
     return jnp.max(q_pos) >= jnp.min(k_pos)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _flash(q, k, v, q_pos, k_pos, bq: int, bk: int):
-    return _forward(q, k, v, q_pos, k_pos, bq, bk)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _flash(q, k, v, q_pos, k_pos, segments, bq: int, bk: int):
+    return _forward(q, k, v, q_pos, k_pos, segments, bq, bk)
 
 
-def _forward(q, k, v, q_pos, k_pos, bq, bk):
-    q_pos, k_pos = _varying(q_pos, k_pos, q)
+def _forward(q, k, v, q_pos, k_pos, segments, bq, bk):
+    q_pos, k_pos, segments = _varying(q_pos, k_pos, segments, q)
+    qs_blocks, ks_blocks = _segment_blocks(segments, bq, bk)
     k_blocks, v_blocks, kp_blocks = _blocks(k, bk), _blocks(v, bk), k_pos.reshape(-1, bk)
 
     def one_query_block(args):
-        qb, qp = args
+        qb, qp, qs = args
 
         def visit(state, key_block):
-            kb, vb, kp = key_block
+            kb, vb, kp, ks = key_block
 
             def update(state):
                 out, top, total = state
-                scores = _scores(qb, kb, qp, kp)
+                scores = _scores(qb, kb, qp, kp, qs, ks)
                 new_top = jnp.maximum(top, jnp.max(scores, axis=-1))
                 weights = jnp.exp(scores - new_top[..., None])
                 rescale = jnp.exp(top - new_top)
@@ -126,30 +150,31 @@ def _forward(q, k, v, q_pos, k_pos, bq, bk):
         b, _, kv, g, _ = qb.shape
         start = (jnp.zeros(qb.shape, jnp.float32), jnp.full((b, kv, g, bq), HIDDEN, jnp.float32),
                  jnp.zeros((b, kv, g, bq), jnp.float32))
-        (out, top, total), _ = jax.lax.scan(visit, start, (k_blocks, v_blocks, kp_blocks))
+        (out, top, total), _ = jax.lax.scan(visit, start, (k_blocks, v_blocks, kp_blocks, ks_blocks))
         # A query that sees no key (only padding does) has total 0: keep it finite.
         total = jnp.where(total > 0, total, 1.0)
         return out / jnp.moveaxis(total, -1, 1)[..., None], top + jnp.log(total)
 
-    out, lse = jax.lax.map(one_query_block, (_blocks(q, bq), q_pos.reshape(-1, bq)))
+    out, lse = jax.lax.map(one_query_block, (_blocks(q, bq), q_pos.reshape(-1, bq), qs_blocks))
     return _unblock(out), jnp.moveaxis(lse, 0, -2).reshape(*lse.shape[1:-1], -1)
 
 
-def _flash_forward(q, k, v, q_pos, k_pos, bq, bk):
-    out, lse = _forward(q, k, v, q_pos, k_pos, bq, bk)
+def _flash_forward(q, k, v, q_pos, k_pos, segments, bq, bk):
+    out, lse = _forward(q, k, v, q_pos, k_pos, segments, bq, bk)
     # Named as activations: a remat policy that keeps those (models.llama's "none") keeps
     # these. Otherwise, keeping matmul outputs, it would keep every block's scores so
     # as to recompute them without a matmul.
     out, lse = checkpoint_name(out, ACTIVATION), checkpoint_name(lse, ACTIVATION)
-    return (out, lse), (q, k, v, q_pos, k_pos, out, lse)
+    return (out, lse), (q, k, v, q_pos, k_pos, segments, out, lse)
 
 
 def _flash_backward(bq, bk, residuals, cotangents):
     """Scores recomputed block pair by block pair: for each key block, a pass over the
     query blocks accumulates its dK and dV and each query block's share of dQ."""
-    q, k, v, q_pos, k_pos, out, lse = residuals
+    q, k, v, q_pos, k_pos, segments, out, lse = residuals
     d_out, d_lse = cotangents
-    q_pos, k_pos = _varying(q_pos, k_pos, d_out)
+    q_pos, k_pos, segments = _varying(q_pos, k_pos, segments, d_out)
+    qs_blocks, ks_blocks = _segment_blocks(segments, bq, bk)
     # d(out)/d(scores) needs each row's sum of d_out * out; d(lse)/d(scores) is the softmax.
     row_term = jnp.moveaxis(jnp.sum(d_out * out, axis=-1), 1, -1) - d_lse  # (b, kv, g, s)
     scale = 1.0 / math.sqrt(q.shape[-1])
@@ -159,14 +184,14 @@ def _flash_backward(bq, bk, residuals, cotangents):
     qp_blocks = q_pos.reshape(-1, bq)
 
     def one_key_block(d_q, key_block):
-        kb, vb, kp = key_block
+        kb, vb, kp, ks = key_block
 
         def visit(grads, query_block):
-            qb, dob, lseb, rowb, qp = query_block
+            qb, dob, lseb, rowb, qp, qs = query_block
 
             def contribute(grads):
                 d_k, d_v = grads
-                probs = jnp.exp(_scores(qb, kb, qp, kp) - lseb[..., None])  # (b, kv, g, bq, bk)
+                probs = jnp.exp(_scores(qb, kb, qp, kp, qs, ks) - lseb[..., None])  # (b, kv, g, bq, bk)
                 d_v = d_v + jnp.einsum("bkgst,bskgd->btkd", probs, dob, preferred_element_type=jnp.float32)
                 d_probs = jnp.einsum("bskgd,btkd->bkgst", dob, vb, preferred_element_type=jnp.float32)
                 d_scores = probs * (d_probs - rowb[..., None]) * scale
@@ -180,12 +205,13 @@ def _flash_backward(bq, bk, residuals, cotangents):
             return jax.lax.cond(_visible(qp, kp), contribute, skip, grads)
 
         zeros = jnp.zeros(kb.shape, jnp.float32)
-        (d_k, d_v), d_q_parts = jax.lax.scan(visit, (zeros, zeros), (q_blocks, do_blocks, lse_blocks, row_blocks, qp_blocks))
+        (d_k, d_v), d_q_parts = jax.lax.scan(visit, (zeros, zeros),
+                                             (q_blocks, do_blocks, lse_blocks, row_blocks, qp_blocks, qs_blocks))
         return d_q + _unblock(d_q_parts), (d_k, d_v)
 
     d_q, (d_k, d_v) = jax.lax.scan(one_key_block, jnp.zeros(q.shape, jnp.float32),
-                                   (_blocks(k, bk), _blocks(v, bk), k_pos.reshape(-1, bk)))
-    return (d_q.astype(q.dtype), _unblock(d_k).astype(k.dtype), _unblock(d_v).astype(v.dtype), None, None)
+                                   (_blocks(k, bk), _blocks(v, bk), k_pos.reshape(-1, bk), ks_blocks))
+    return (d_q.astype(q.dtype), _unblock(d_k).astype(k.dtype), _unblock(d_v).astype(v.dtype), None, None, None)
 
 
 _flash.defvjp(_flash_forward, _flash_backward)

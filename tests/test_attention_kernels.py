@@ -38,9 +38,9 @@ def _inputs(seq: int, batch=2, kv_heads=2, groups=3, head_dim=16, seed=0):
     return q, k, v
 
 
-def _value_and_grads(kernel, q, k, v, positions):
+def _value_and_grads(kernel, q, k, v, positions, segments=None):
     def loss(q, k, v):
-        out = kernel(q, k, v, positions, positions)
+        out = kernel(q, k, v, positions, positions, segments, segments)
         return jnp.sum(out * jnp.sin(out))  # a loss whose gradient differs per element
 
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
@@ -63,29 +63,59 @@ def test_chunked_kernel_equals_materialized_scores(order, block):
     _assert_same(_value_and_grads(functools.partial(flash.attention, block=block), q, k, v, positions), want)
 
 
-def test_splash_kernel_in_the_pallas_interpreter_equals_materialized_scores():
-    """The TPU kernel runs here in Pallas' interpreter: the same program, emulated."""
-    q, k, v = _inputs(256, batch=1, kv_heads=2, groups=2, head_dim=32)
-    positions = np.arange(256)
-    want = _value_and_grads(causal_attention, q, k, v, positions)
-    _assert_same(_value_and_grads(functools.partial(splash_attention, interpret=True), q, k, v, positions), want)
+def _segments(seq: int, batch: int, seed: int = 0) -> np.ndarray:
+    """Segment ids of packed rows: examples of 1 to 40 tokens, then padding (0) in the second row."""
+    rng, rows = np.random.default_rng(seed), np.zeros((batch, seq), np.int32)
+    for r in range(batch):
+        at, segment = 0, 1
+        while at < seq - 10 * r:
+            n = int(rng.integers(1, 41))
+            rows[r, at:at + n] = segment
+            at, segment = at + n, segment + 1
+        rows[r, seq - 10 * r:] = 0
+    return rows
 
 
-def test_splash_in_a_map_over_rows_and_heads_equals_one_device():
-    """On a mesh a fused kernel runs per device, in a map over the row and head axes."""
+@pytest.mark.parametrize("order", ["in order", "zig-zag"])
+def test_chunked_kernel_keeps_packed_examples_apart(order):
+    seq = 100  # blocks of 24: padding in the last one
+    positions = np.arange(seq) if order == "in order" else zigzag_order(seq, 5)
+    q, k, v = _inputs(seq)
+    segments = _segments(seq, 2)[:, positions]
+    want = _value_and_grads(causal_attention, q, k, v, positions, segments)
+    assert not np.allclose(want[0], _value_and_grads(causal_attention, q, k, v, positions)[0])  # segments matter
+    _assert_same(_value_and_grads(functools.partial(flash.attention, block=24), q, k, v, positions, segments), want)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_splash_kernel_in_the_pallas_interpreter_equals_materialized_scores(packed):
+    """The TPU kernel runs here in Pallas' interpreter: the same program, emulated; packed
+    rows through its segment ids."""
+    q, k, v = _inputs(256, batch=2 if packed else 1, kv_heads=2, groups=2, head_dim=32)
+    positions, segments = np.arange(256), _segments(256, 2) if packed else None
+    want = _value_and_grads(causal_attention, q, k, v, positions, segments)
+    _assert_same(_value_and_grads(functools.partial(splash_attention, interpret=True), q, k, v, positions, segments),
+                 want)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_splash_in_a_map_over_rows_and_heads_equals_one_device(packed):
+    """On a mesh a fused kernel runs per device, in a map over the row and head axes (and
+    each device's rows' segment ids)."""
     mesh = build_mesh({"pp": 1, "dp": 2, "fsdp": 1, "ep": 1, "sp": 1, "tp": 2}, jax.devices()[:4])
     q, k, v = _inputs(128, batch=2, kv_heads=2, groups=2, head_dim=16)
-    positions = np.arange(128)
+    positions, segments = np.arange(128), _segments(128, 2) if packed else None
     attend = kernels.make_kernel(mesh, "splash", kernel=functools.partial(splash_attention, interpret=True))
 
-    def loss(q, k, v):
-        out = attend(q, k, v, positions)
+    def loss(q, k, v, segments):
+        out = attend(q, k, v, positions, segments)
         return jnp.sum(out * jnp.sin(out))
 
     split = jax.sharding.NamedSharding(mesh, jax.P("dp", None, "tp"))
+    rows = None if segments is None else jax.device_put(segments, jax.sharding.NamedSharding(mesh, jax.P("dp")))
     with jax.set_mesh(mesh):
-        got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(*jax.device_put((q, k, v), split))
-    _assert_same(got, _value_and_grads(causal_attention, q, k, v, positions))
+        got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(*jax.device_put((q, k, v), split), rows)
+    _assert_same(got, _value_and_grads(causal_attention, q, k, v, positions, segments))
 
 
 def test_fused_kernels_take_what_they_can_and_say_when_they_cannot(capsys):
@@ -104,6 +134,11 @@ def test_fused_kernels_take_what_they_can_and_say_when_they_cannot(capsys):
     want = causal_attention(q, k, v, positions, positions)
     np.testing.assert_allclose(traced.astype(jnp.float32), want.astype(jnp.float32), atol=0.02)  # bfloat16 roundings
     assert "(the positions are not 0, 1, 2" in capsys.readouterr().out
+    segments = jnp.asarray(_segments(64, 1))  # packed rows: cuDNN's path in JAX takes no segment ids
+    packed = cudnn_attention(q, k, v, positions, positions, segments, segments)
+    want = causal_attention(q, k, v, positions, positions, segments, segments)
+    np.testing.assert_allclose(packed.astype(jnp.float32), want.astype(jnp.float32), atol=0.02)
+    assert "(its path in JAX takes no segment ids (packed rows))" in capsys.readouterr().out
 
 
 def test_auto_picks_the_chunked_kernel_on_the_cpu():

@@ -80,7 +80,7 @@ def test_evaluation_through_the_stages_gives_one_devices_loss(deep_reference):
     for run in (_run(2), deep_reference):  # 1F1B on pp=4, one device
         params = jax.device_put(run.params, jax.tree.map(lambda s: s.sharding, run.program.abstract_state["params"]))
         rows = global_batch(MarkovSource(256, seed=0), 0, 32, 33, run.layout.batch_sharding, "eval")
-        losses.append(float(run.program.compile_eval()(params, rows)))
+        losses.append(float(run.program.compile_eval()(params, rows)["loss"]))
     np.testing.assert_allclose(losses[0], losses[1], rtol=LOSS_RTOL)
 
 

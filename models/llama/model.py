@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 from models.annotate import ACTIVATION, assembled, constrain, copies, weight
-from models.attention import attend, cached_attention
+from models.attention import Packing, attend, cached_attention
 from models.moe import MoE, MoEConfig, Routing
 
 # Activation checkpointing of each block. Every policy keeps only what it lists, so a
@@ -169,9 +169,14 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(d, cfg.norm_eps, ("head_dim",))
         self.cfg, self.dtype = cfg, dtype
 
-    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        q, k, v = self._project(x, positions)
-        return self._output(attend(q, k, v, positions))
+    def __call__(self, x: jax.Array, positions: jax.Array, packing: Packing | None = None) -> jax.Array:
+        """`positions` (seq,): the columns' order; `packing`: the examples of packed rows
+        (their positions are what the rotation reads)."""
+        if packing is None:
+            q, k, v = self._project(x, positions)
+            return self._output(attend(q, k, v, positions))
+        q, k, v = self._project(x, packing.positions)
+        return self._output(attend(q, k, v, positions, packing.segments))
 
     def decode(self, x: jax.Array, positions: jax.Array, cache: dict, block: tuple[jax.Array, int],
                at: Decoding) -> tuple[jax.Array, dict]:
@@ -247,11 +252,11 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.embed, cfg.norm_eps)
         self.mlp = SwiGLU(cfg, dtype, rngs) if routing is None else MoE(cfg.embed, cfg.moe, routing, dtype, rngs)
 
-    def __call__(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, dict]:
+    def __call__(self, x: jax.Array, positions: jax.Array, packing: Packing | None = None) -> tuple[jax.Array, dict]:
         """The new residual stream, and the MoE layer's statistics (empty if dense)."""
         # The residual stream (and the norms on it) may be split along the sequence more
         # finely than the attention and MLP inside ("residual_seq", e.g. Megatron-SP).
-        x = x + self.attn(constrain(self.attn_norm(x), "batch", "seq", "embed"), positions)
+        x = x + self.attn(constrain(self.attn_norm(x), "batch", "seq", "embed"), positions, packing)
         x = constrain(x, "batch", "residual_seq", "embed")
         normed = constrain(self.mlp_norm(x), "batch", "seq", "embed")
         if isinstance(self.mlp, MoE):
@@ -277,10 +282,10 @@ class MoEGroup(nnx.Module):
         self.dense = nnx.List([Block(cfg, dtype, rngs) for _ in range(cfg.moe.every - 1)])
         self.moe = Block(cfg, dtype, rngs, routing)
 
-    def __call__(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, dict]:
+    def __call__(self, x: jax.Array, positions: jax.Array, packing: Packing | None = None) -> tuple[jax.Array, dict]:
         for block in self.dense:
-            x, _ = block(x, positions)
-        return self.moe(x, positions)
+            x, _ = block(x, positions, packing)
+        return self.moe(x, positions, packing)
 
     @property
     def blocks(self) -> list[Block]:
@@ -324,17 +329,20 @@ class Llama(nnx.Module):
         if not cfg.tie_embeddings:
             self.head = _param(rngs, (cfg.embed, cfg.vocab), ("embed", "vocab"), cfg.embed**-0.5)
 
-    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None, packing: Packing | None = None
+                 ) -> jax.Array:
         """`positions` (seq,): where each column sits in the sequence (default: in order;
-        a trainer may reorder the columns, e.g. to balance causal attention)."""
-        return self.forward(tokens, positions)[0]
+        a trainer may reorder the columns, e.g. to balance causal attention); `packing`:
+        the examples of packed rows, in the same column order (models.attention.Packing)."""
+        return self.forward(tokens, positions, packing)[0]
 
-    def forward(self, tokens: jax.Array, positions: jax.Array | None = None) -> tuple[jax.Array, dict]:
+    def forward(self, tokens: jax.Array, positions: jax.Array | None = None, packing: Packing | None = None
+                ) -> tuple[jax.Array, dict]:
         """Logits, and the MoE layers' statistics stacked along a leading layer axis
         (`models.moe`; empty for a dense model)."""
         if positions is None:
             positions = np.arange(tokens.shape[1])  # a constant: kernels can see the order
-        x, stats = self.run_layers(self.blocks, self.embed(tokens), positions)
+        x, stats = self.run_layers(self.blocks, self.embed(tokens), positions, packing)
         return self.logits(x), stats
 
     # The three parts of `forward`, for a trainer that runs the layers elsewhere (e.g. in
@@ -345,10 +353,11 @@ class Llama(nnx.Module):
         x = jnp.take(weight(self.embedding, jnp.float32), tokens, axis=0).astype(self.dtype)
         return constrain(x, "batch", "residual_seq", "embed")
 
-    def run_layers(self, blocks: Block | MoEGroup, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, dict]:
+    def run_layers(self, blocks: Block | MoEGroup, x: jax.Array, positions: jax.Array,
+                   packing: Packing | None = None) -> tuple[jax.Array, dict]:
         """Run stacked `blocks` (this model's, or a slice of them along the layer axis) in order."""
         def run_block(block: Block | MoEGroup, x: jax.Array) -> tuple[jax.Array, dict]:
-            return block(x, positions)
+            return block(x, positions, packing)
 
         run_block = nnx.remat(run_block, policy=REMAT_POLICIES[self.remat])
 

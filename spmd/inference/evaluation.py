@@ -4,19 +4,19 @@ training's pipeline and computed by training's compiled evaluation."""
 from __future__ import annotations
 
 import jax
-import numpy as np
 
 from spmd.base.errors import UserError
 from spmd.data.synthetic import global_batch, make_source
 from spmd.parallel.layout import make_layout
 from spmd.parallel.step import build_program
 from spmd.run.bootstrap import start_devices
-from spmd.run.loop import MAX_STEPS_IN_FLIGHT
+from spmd.run.loop import MAX_STEPS_IN_FLIGHT, weighted_mean
 from spmd.run.weights import load_params
 
 
 def evaluate(cfg, checkpoint, batches: int | None) -> tuple[float, int, int]:
-    """Mean loss over `batches` batches (default: all) of `cfg.data`. -> (loss, tokens, batches)"""
+    """Mean loss over the targets of `batches` batches (default: all) of `cfg.data`.
+    -> (loss, target tokens, batches)"""
     start_devices(cfg)
     layout = make_layout(cfg)
     source = make_source(cfg, layout.skeleton.model_cfg.vocab)
@@ -25,13 +25,14 @@ def evaluate(cfg, checkpoint, batches: int | None) -> tuple[float, int, int]:
         raise UserError(f"--data {cfg.data}: {source.train_samples} samples of {cfg.seq + 1} tokens do not fill one "
                         f"batch of {cfg.batch}; give a smaller --batch or --seq")
     batches = min(batches or available, available)
-    evaluate_fn = build_program(cfg, layout).compile_eval()
+    evaluate_fn = build_program(cfg, layout, getattr(source, "packed", False)).compile_eval()
     params = load_params(cfg, layout, checkpoint)
-    losses = []
+    results = []
     for j in range(batches):
-        losses.append(evaluate_fn(params, global_batch(source, j, cfg.batch, cfg.seq + 1, layout.batch_sharding)))
+        results.append(evaluate_fn(params, global_batch(source, j, cfg.batch, cfg.seq + 1, layout.batch_sharding)))
         # A bounded queue: hundreds of executions in flight abort XLA:CPU's collectives on
         # emulated devices (seen with ep=2 at 494 batches), as in the training loop.
-        if len(losses) > MAX_STEPS_IN_FLIGHT:
-            losses[-MAX_STEPS_IN_FLIGHT - 1].block_until_ready()
-    return float(np.mean(jax.device_get(losses))), batches * cfg.batch * cfg.seq, batches
+        if len(results) > MAX_STEPS_IN_FLIGHT:
+            results[-MAX_STEPS_IN_FLIGHT - 1]["loss"].block_until_ready()
+    loss, tokens = weighted_mean(jax.device_get(results))
+    return loss, tokens, batches

@@ -9,6 +9,8 @@ chunks i and 2n-1-i, one early and one late, so under the causal mask every rank
 same work. The trainer reorders tokens, targets and positions this way before the model
 (`zigzag_order`); masks compare positions, so the loss is that of the original order.
 
+Packed rows: the segment ids of the keys travel (or are gathered) with them.
+
 - ring: K/V blocks travel the ring with `ppermute`, n-1 hops; each chunk pair is
   attended with the chunked kernel's pieces (models.flash), and the results merged by
   their log-sum-exp (the online softmax of flash attention). A chunk pair that the
@@ -45,7 +47,7 @@ def zigzag_order(seq: int, n: int) -> np.ndarray:
 
 def make_attention(mesh: jax.sharding.Mesh, mode: str, batch_axes: tuple[str, ...] = BATCH_AXES,
                    kernel=causal_attention):
-    """attention(q, k, v, positions) for sequences laid out by `zigzag_order` over sp.
+    """attention(q, k, v, positions, segments=None) for sequences laid out by `zigzag_order` over sp.
     `batch_axes`: the axes that split the rows here; those a surrounding vmap over batch
     shards has taken (gradient accumulation) are left out, and vmap adds them back.
     `kernel` (models.attention.KERNELS' form): what all-gather mode attends with."""
@@ -55,10 +57,10 @@ def make_attention(mesh: jax.sharding.Mesh, mode: str, batch_axes: tuple[str, ..
     # (Manual over sp alone, XLA gathered the whole batch for the all-gather variant.)
     split = jax.P(batch_axes or None, AXIS)
 
-    def attention(q, k, v, positions):
+    def attention(q, k, v, positions, segments=None):
         del positions  # each rank knows its own: they follow from the layout
-        return jax.shard_map(body, mesh=inside_map(mesh), in_specs=(split, split, split), out_specs=split,
-                             axis_names=still_automatic({AXIS, *BATCH_AXES}), check_vma=False)(q, k, v)
+        return jax.shard_map(body, mesh=inside_map(mesh), in_specs=(split, split, split, split), out_specs=split,
+                             axis_names=still_automatic({AXIS, *BATCH_AXES}), check_vma=False)(q, k, v, segments)
 
     return attention
 
@@ -98,7 +100,7 @@ def _positions(chunk_index, chunk: int) -> jax.Array:
     return chunk_index * chunk + jnp.arange(chunk)
 
 
-def _gathered(q, k, v, *, n: int, kernel):
+def _gathered(q, k, v, segments, *, n: int, kernel):
     rank = jax.lax.axis_index(AXIS)
     chunk = q.shape[1] // 2
     q_positions = jnp.concatenate([_positions(rank, chunk), _positions(2 * n - 1 - rank, chunk)])
@@ -106,40 +108,48 @@ def _gathered(q, k, v, *, n: int, kernel):
     k_all = checkpoint_name(jax.lax.all_gather(k, AXIS, axis=1, tiled=True), ACTIVATION)
     v_all = checkpoint_name(jax.lax.all_gather(v, AXIS, axis=1, tiled=True), ACTIVATION)
     k_positions = jnp.asarray(zigzag_order(2 * n * chunk, n))
-    return kernel(q, k_all, v_all, q_positions, k_positions)
+    k_segments = None if segments is None else jax.lax.all_gather(segments, AXIS, axis=1, tiled=True)
+    return kernel(q, k_all, v_all, q_positions, k_positions, segments, k_segments)
 
 
 # ----------------------------------------------------------------------------- ring
 
-def _ring(q, k, v, *, n: int):
+def _halves(x, chunk: int):
+    """A rank's two chunks of (batch, 2 chunk, ...), or two Nones."""
+    return (None, None) if x is None else (x[:, :chunk], x[:, chunk:])
+
+
+def _ring(q, k, v, segments, *, n: int):
     rank = jax.lax.axis_index(AXIS)
     chunk = q.shape[1] // 2
-    q_chunks = [(q[:, :chunk], rank), (q[:, chunk:], 2 * n - 1 - rank)]
+    q_chunks = list(zip(_halves(q, chunk), (rank, 2 * n - 1 - rank), _halves(segments, chunk)))
     ring = [(j, (j + 1) % n) for j in range(n)]
 
-    def visit(states, k, v, source):
+    def attend_chunk(qc, kc, vc, qi, ki, qs, ks):
+        return flash.attention_lse(qc, kc, vc, _positions(qi, chunk), _positions(ki, chunk), qs, ks)
+
+    def visit(states, k, v, k_segments, source):
         """Merge the attention of the local queries on the K/V block that `source` holds."""
-        k_chunks = [(k[:, :chunk], v[:, :chunk], source), (k[:, chunk:], v[:, chunk:], 2 * n - 1 - source)]
+        k_chunks = zip(_halves(k, chunk), _halves(v, chunk), (source, 2 * n - 1 - source),
+                       _halves(k_segments, chunk))
         states = list(states)
-        for i, (qc, qi) in enumerate(q_chunks):
-            for kc, vc, ki in k_chunks:
+        for kc, vc, ki, ks in k_chunks:
+            for i, (qc, qi, qs) in enumerate(q_chunks):
                 # A key chunk after the query chunk is hidden by the causal mask: skip it.
-                part = jax.lax.cond(
-                    qi >= ki,
-                    lambda qc, kc, vc, qi, ki: flash.attention_lse(qc, kc, vc, _positions(qi, chunk), _positions(ki, chunk)),
-                    lambda qc, kc, vc, qi, ki: flash.nothing(qc),
-                    qc, kc, vc, qi, ki)
+                part = jax.lax.cond(qi >= ki, attend_chunk, lambda qc, *_: flash.nothing(qc), qc, kc, vc, qi, ki, qs, ks)
                 states[i] = flash.merge(states[i], part)
         return tuple(states)
 
     def hop(carry, step):
-        k, v, states = carry
+        k, v, k_segments, states = carry
         # Named as activations: remat policies that keep those keep the received blocks,
         # so the backward pass does not pass them around the ring again.
         k = checkpoint_name(jax.lax.ppermute(k, AXIS, ring), ACTIVATION)
         v = checkpoint_name(jax.lax.ppermute(v, AXIS, ring), ACTIVATION)
-        return (k, v, visit(states, k, v, (rank - step) % n)), None
+        if k_segments is not None:
+            k_segments = jax.lax.ppermute(k_segments, AXIS, ring)
+        return (k, v, k_segments, visit(states, k, v, k_segments, (rank - step) % n)), None
 
-    states = visit(tuple(flash.nothing(qc) for qc, _ in q_chunks), k, v, rank)
-    (_, _, states), _ = jax.lax.scan(hop, (k, v, states), jnp.arange(1, n))
+    states = visit(tuple(flash.nothing(qc) for qc, _, _ in q_chunks), k, v, segments, rank)
+    (_, _, _, states), _ = jax.lax.scan(hop, (k, v, segments, states), jnp.arange(1, n))
     return jnp.concatenate([out for out, _ in states], axis=1).astype(q.dtype)

@@ -4,6 +4,13 @@ State is born sharded: the initializer is jitted with output shardings, so no de
 holds the whole model. The step takes the state (donated) and one global batch of token
 rows (batch, seq + 1), and returns the new state and a few scalar metrics.
 
+Packed rows (`packed`: examples packed into each row, fine-tuning data) come as a dict of
+such arrays: `tokens`, `segments` (1, 2, ... per example, 0 for padding) and `loss_mask`
+(a token is trained as the prediction from the token before it). A target counts when
+the mask says so and it belongs to the same example as its input; attention stays inside
+each example, whose positions restart at 0. The loss is the mean over the target tokens
+of the whole step (not a mean of per-row or per-microbatch means).
+
 Gradient accumulation scans over microbatches. To reduce gradients once per step rather
 than once per microbatch, each batch shard accumulates its own gradients inside the scan
 (a vmap over shards, the mapped axis split over the batch axes, so no device talks to
@@ -24,7 +31,7 @@ from flax import nnx
 
 from models import REMAT_POLICIES, model_class
 from models.annotate import computed_copies, storage
-from models.attention import KERNELS, attention_implementation
+from models.attention import KERNELS, Packing, attention_implementation
 from models.moe import expert_implementation, slots_implementation
 from spmd.parallel import balance
 from spmd.parallel.context import make_attention, make_capacity_slots, zigzag_order
@@ -59,29 +66,81 @@ def aux_losses(cfg) -> AuxLosses:
                      pick(cfg.z_loss_weight, moe.z_loss_weight))
 
 
-def _loss(graphdef, params, rows: jax.Array, order: np.ndarray | None = None,
-          aux: AuxLosses = AuxLosses(), router: dict | None = None) -> tuple[jax.Array, dict]:
-    """The loss to minimize and the step's metrics, for token rows (b, seq + 1).
+class Columns(NamedTuple):
+    """A batch as the model reads it, in the column order sp lays out."""
+
+    inputs: jax.Array  # (b, seq)
+    targets: jax.Array  # (b, seq)
+    positions: np.ndarray  # (seq,) the columns' order: a constant, so that a kernel can see it is 0, 1, 2, ...
+    packing: Packing | None  # packed rows' examples (models.attention.Packing), else None
+    weights: jax.Array | None  # (b, seq) float32: 1 for the targets that count, else None (all count)
+
+
+def target_weights(rows: dict) -> jax.Array:
+    """(b, seq) float32: which next-token targets of packed rows count (module docstring)."""
+    segments, mask = rows["segments"], rows["loss_mask"]
+    same = (segments[:, 1:] == segments[:, :-1]) & (segments[:, :-1] > 0)
+    return (same & (mask[:, 1:] != 0)).astype(jnp.float32)
+
+
+def target_count(rows) -> jax.Array:
+    """The number of targets that count in a batch (at least 1: a batch of padding adds nothing)."""
+    if not isinstance(rows, dict):
+        return jnp.asarray(rows.shape[0] * (rows.shape[1] - 1), jnp.float32)
+    return jnp.maximum(jnp.sum(target_weights(rows)), 1.0)
+
+
+def _example_positions(segments: jax.Array) -> jax.Array:
+    """Each token's position inside its example: its index less that of the example's first token."""
+    index = jnp.arange(segments.shape[1], dtype=jnp.int32)
+    starts = jnp.concatenate([jnp.ones_like(segments[:, :1], bool), segments[:, 1:] != segments[:, :-1]], axis=1)
+    return index - jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
+
+
+def _columns(rows, order: np.ndarray | None) -> Columns:
+    """`rows` (token rows (b, seq + 1), or packed rows' dict) as the model reads them,
+    in `order` (a permutation of the columns, or None)."""
+    tokens = rows["tokens"] if isinstance(rows, dict) else rows
+    inputs, targets, positions = tokens[:, :-1], tokens[:, 1:], np.arange(tokens.shape[1] - 1)
+    packing = weights = None
+    if isinstance(rows, dict):
+        segments = rows["segments"][:, :-1]
+        packing, weights = Packing(segments, _example_positions(segments)), target_weights(rows)
+    if order is not None:
+        inputs, targets, positions = inputs[:, order], targets[:, order], positions[order]
+        if packing is not None:
+            packing = Packing(packing.segments[:, order], packing.positions[:, order])
+            weights = weights[:, order]
+    return Columns(inputs, targets, positions, packing, weights)
+
+
+def _loss(graphdef, params, rows, order: np.ndarray | None = None, aux: AuxLosses = AuxLosses(),
+          router: dict | None = None, denominator=None) -> tuple[jax.Array, dict]:
+    """The loss to minimize and the step's metrics, for token rows (b, seq + 1) or packed rows.
 
     `loss` is the mean next-token cross-entropy; an MoE model adds its load-balancing and
     router z-losses (`aux`) to what is minimized. Every metric is a mean
-    over sequences, so means over equal microbatches compose. `order`: the columns' order
+    over sequences, so means over equal microbatches compose; with packed rows the loss is
+    the sum over the counted targets over `denominator` (the step's count, scaled to this
+    part of it, so that the parts' means compose too). `order`: the columns' order
     for the model (a permutation of the positions); the mean is that of any order.
     `router`: the MoE layers' router state, if the model keeps one (spmd.parallel.balance)."""
     model = nnx.merge(graphdef, params, router) if router else nnx.merge(graphdef, params)
-    # Positions are constants (numpy), so that a kernel can see they are in order.
-    inputs, targets, positions = rows[:, :-1], rows[:, 1:], np.arange(rows.shape[1] - 1)
-    if order is not None:
-        inputs, targets, positions = inputs[:, order], targets[:, order], positions[order]
-    logits, moe_stats = model.forward(inputs, positions)
-    return _objective(logits, targets, moe_stats, aux)
+    columns = _columns(rows, order)
+    logits, moe_stats = model.forward(columns.inputs, columns.positions, columns.packing)
+    return _objective(logits, columns.targets, moe_stats, aux, columns.weights, denominator)
 
 
-def _objective(logits, targets, moe_stats: dict, aux: AuxLosses) -> tuple[jax.Array, dict]:
+def _objective(logits, targets, moe_stats: dict, aux: AuxLosses, weights=None, denominator=None
+               ) -> tuple[jax.Array, dict]:
     targets = jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype)
     # One-hot rather than a gather: the vocab dimension may be split over tp.
     picked = jnp.sum(logits * targets, axis=-1)
-    loss = jnp.mean(jax.nn.logsumexp(logits, axis=-1) - picked)
+    losses = jax.nn.logsumexp(logits, axis=-1) - picked
+    if weights is None:
+        loss = jnp.mean(losses)
+    else:
+        loss = jnp.sum(losses * weights) / (jnp.sum(weights) if denominator is None else denominator)
     if not moe_stats:
         return loss, {"loss": loss}
     metrics = {"loss": loss, **_moe_metrics(moe_stats, aux.balance)}
@@ -274,10 +333,11 @@ class Program:
     """The compiled pieces of one training run on one layout (the decoding program,
     spmd.inference.decode.Decoder, has the same shape): built from the config and the layout, the
     jitted entry points `init(key) -> state`, `start(params) -> state`, `step(state, batch)
-    -> (state, metrics)` and `evaluate(params, batch) -> loss`, and their AOT compilation."""
+    -> (state, metrics)` and `evaluate(params, batch) -> {"loss", "tokens"}`, and their AOT
+    compilation. `packed`: batches are packed rows (the module docstring)."""
 
-    def __init__(self, cfg, layout: Layout):
-        self.cfg, self.layout = cfg, layout
+    def __init__(self, cfg, layout: Layout, packed: bool = False):
+        self.cfg, self.layout, self.packed = cfg, layout, packed
         self.kernel = resolve_kernel(cfg.attention_kernel, layout.mesh.devices.flat[0])
         self.graphdef = layout.skeleton.graphdef
         # Expert copies (spmd.parallel.balance): their gradients are tied and clipped here, with a
@@ -301,7 +361,10 @@ class Program:
                                            shapes, state_sh)
         self.order = zigzag_order(cfg.seq, layout.shape["sp"]) if layout.shape["sp"] > 1 else None
         batch_sh = layout.batch_sharding
-        self.batch_struct = jax.ShapeDtypeStruct((cfg.batch, cfg.seq + 1), jnp.int32, sharding=batch_sh)
+        rows = jax.ShapeDtypeStruct((cfg.batch, cfg.seq + 1), jnp.int32, sharding=batch_sh)
+        self.batch_struct = rows if not packed else {
+            "tokens": rows, "segments": rows,
+            "loss_mask": jax.ShapeDtypeStruct(rows.shape, jnp.bool_, sharding=batch_sh)}
         self.init = jax.jit(self._init, out_shardings=state_sh, compiler_options=init_compiler_options(layout))
         self.start = jax.jit(self._start, in_shardings=(param_sh,), out_shardings=state_sh, donate_argnums=0)
         self.step = jax.jit(self._train_step, in_shardings=(state_sh, batch_sh),
@@ -339,12 +402,14 @@ class Program:
 
     def _train_step(self, state, rows):
         cfg, params, router = self.cfg, state["params"], state.get("routing")
+        # Packed rows: the loss is a mean over the step's counted targets, wherever they are.
+        denominator = target_count(rows) if self.packed else None
         if cfg.grad_accum == 1:
-            metrics, grads = self._loss_and_grads(params, rows, router)
+            metrics, grads = self._loss_and_grads(params, rows, router, denominator)
         elif self.layout.schedule:
             metrics, grads = self._pipeline_rounds(params, rows, router)
         else:
-            metrics, grads = self._accumulated(params, rows, router)
+            metrics, grads = self._accumulated(params, rows, router, denominator)
         loss = metrics["loss"]
         grads = jax.lax.with_sharding_constraint(grads, self.grad_sh)
         if self.copies:
@@ -388,9 +453,13 @@ class Program:
                 "opt_state": balance.move_opt_state(self.tx, state["opt_state"], self.expert_dims, old, new),
                 "routing": balance.placed(state["routing"], new)}
 
-    def _eval_loss(self, params, rows, router=None):  # the same loss, without its gradients (1F1B's: as GPipe)
+    def _eval_loss(self, params, rows, router=None):
+        """The same loss, without its gradients (1F1B's: as GPipe), and the number of targets
+        it is the mean of (so that means over batches can be weighted exactly)."""
+        count = target_count(rows)
         with self._annotated():
-            return self._loss(params, rows, router)[1]["loss"]
+            return {"loss": self._loss(params, rows, router, count if self.packed else None)[1]["loss"],
+                    "tokens": count}
 
     # ------------------------------------------------------------ their parts
 
@@ -405,22 +474,22 @@ class Program:
     def _aux_losses(self) -> AuxLosses:
         return aux_losses(self.cfg)
 
-    def _loss(self, params, rows, router=None):
+    def _loss(self, params, rows, router=None, denominator=None):
         if self.layout.schedule:
             return _pipelined_loss(self.graphdef, params, rows, self.layout, self._in_stage, self.order,
                                    self._aux_losses, router)
-        return _loss(self.graphdef, params, rows, self.order, self._aux_losses, router)
+        return _loss(self.graphdef, params, rows, self.order, self._aux_losses, router, denominator)
 
-    def _loss_and_grads(self, params, rows, router=None):
+    def _loss_and_grads(self, params, rows, router=None, denominator=None):
         schedule = self.layout.schedule
         with self._annotated():
             if schedule and schedule.writes_backward:
                 return _one_f_one_b_grads(self.graphdef, params, rows, self.layout, self._in_stage, self.order,
                                           self._aux_losses, router)
-            (_, metrics), grads = jax.value_and_grad(self._loss, has_aux=True)(params, rows, router)
+            (_, metrics), grads = jax.value_and_grad(self._loss, has_aux=True)(params, rows, router, denominator)
             return metrics, grads
 
-    def _accumulated(self, params, rows, router=None):
+    def _accumulated(self, params, rows, router=None, denominator=None):
         """Gradient accumulation: each shard of the accumulation axes sums its own
         microbatches' gradients (a vmap over those shards), and the shards are summed
         once after the scan. Inside the vmap, the other axes (sp, tp, and ep with split
@@ -430,18 +499,21 @@ class Program:
         shards = math.prod(layout.shape[a] for a in axes)
         # (k, all batch shards, rows, width) -> (k, accumulation shards, the rest's rows, width):
         # ep is the innermost batch axis, so its shards stay inside one accumulation shard.
-        micro = _split_locally(rows, layout.batch_shards, k).reshape(k, shards, -1, rows.shape[1])
+        micro = jax.tree.map(lambda r: _split_locally(r, layout.batch_shards, k).reshape(k, shards, -1, r.shape[1]),
+                             rows)
         inner = tuple(a for a in BATCH_AXES if a not in axes)
         micro = jax.lax.with_sharding_constraint(micro, jax.P(None, axes, inner or None))
         per_shard_spec = layout.per_shard_specs(axes)
+        # Each part's loss over its share of the step's count: the parts' mean is the step's.
+        part = None if denominator is None else denominator / (k * shards)
 
         def shard_grads(p, shard_rows):
             with self._annotated(local_axes=axes):
-                (_, metrics), grads = jax.value_and_grad(self._loss, has_aux=True)(p, shard_rows, router)
+                (_, metrics), grads = jax.value_and_grad(self._loss, has_aux=True)(p, shard_rows, router, part)
                 return metrics, grads
 
         per_shard = jax.vmap(shard_grads, in_axes=(None, 0), spmd_axis_name=axes)
-        metric_shapes, _ = jax.eval_shape(per_shard, params, micro[0])
+        metric_shapes, _ = jax.eval_shape(per_shard, params, jax.tree.map(lambda m: m[0], micro))
 
         def body(carry, mb):
             metrics, grads = per_shard(params, mb)
@@ -475,5 +547,5 @@ class Program:
         return jax.tree.map(lambda x: x / k, total)
 
 
-def build_program(cfg, layout: Layout) -> Program:
-    return Program(cfg, layout)
+def build_program(cfg, layout: Layout, packed: bool = False) -> Program:
+    return Program(cfg, layout, packed)

@@ -40,6 +40,14 @@ class Result:
     ok: bool  # False when stopped by a non-finite loss
 
 
+def weighted_mean(results: list[dict]) -> tuple[float, int]:
+    """The mean loss over all the targets of several evaluated batches ({"loss", "tokens"}
+    each), and their number: each batch's mean weighted by its targets."""
+    tokens = np.array([r["tokens"] for r in results], np.float64)
+    losses = np.array([r["loss"] for r in results], np.float64)
+    return float(np.sum(losses * tokens) / np.sum(tokens)), int(np.sum(tokens))
+
+
 class Run:
     """`log` prints the run's lines (process 0's job); `say` prints this process's own."""
 
@@ -205,13 +213,13 @@ class Run:
         emit(who + line)
 
     def evaluate(self, step: int) -> float:
-        """Mean loss over --eval-batches held-out batches (the same ones every time)."""
+        """Mean loss over the targets of --eval-batches held-out batches (the same ones every time)."""
         cfg, layout = self.cfg, self.layout
-        losses = [self.eval_fn(self.state["params"],
-                               global_batch(self.source, j, cfg.batch, cfg.seq + 1, layout.batch_sharding, "eval"))
-                  for j in range(cfg.eval_batches)]
+        results = [self.eval_fn(self.state["params"],
+                                global_batch(self.source, j, cfg.batch, cfg.seq + 1, layout.batch_sharding, "eval"))
+                   for j in range(cfg.eval_batches)]
         with self.watchdog.waiting(f"evaluation at step {step}"):
-            return float(np.mean(jax.device_get(losses)))
+            return weighted_mean(jax.device_get(results))[0]
 
     def _records(self, fetched, first: int, step_time: float, tokens: int, flops_per_device: float, peak):
         window = []
