@@ -86,6 +86,9 @@ class HuggingFaceTokenizer:
             self._tok = tokenizers.Tokenizer.from_file(str(path))
         except Exception as exc:  # the Rust library raises its own exception types
             raise UserError(f"--tokenizer {path}: not a Hugging Face tokenizer.json ({exc})") from None
+        # A document is tokenized whole and unpadded, whatever tokenizer.json's own settings say.
+        self._tok.no_truncation()
+        self._tok.no_padding()
         # Its ids, not their count, must be the model's tokens: a tokenizer.json may number
         # its tokens with gaps (an added token at 1000 in a vocabulary of 11).
         largest = max(self._tok.get_vocab(with_added_tokens=True).values(), default=-1)

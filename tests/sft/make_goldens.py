@@ -1,0 +1,317 @@
+"""Make the fine-tuning goldens that tests/test_records.py checks spmd.data.records against
+(run by hand; needs transformers, which the tests do not):
+
+    pip install transformers jinja2 && python tests/sft/make_goldens.py
+
+It writes two small tokenizer directories in the Hugging Face layout and, in goldens.json,
+the token ids and loss masks that transformers (and TRL's rules, restated below from
+trl/trainer/sft_trainer.py) give for a handful of records:
+
+- chatml/: a byte-level BPE; tokenizer_config.json holds the special tokens (a `pad_token`
+  that tokenizer.json lacks, which transformers adds), `added_tokens_decoder`, and a
+  ChatML template with `{% generation %}` blocks. Its special_tokens_map.json names
+  another end-of-text token: transformers reads that legacy file only when the config has
+  no `added_tokens_decoder`, so it must be ignored here.
+- llama/: a Metaspace (SentencePiece-like) BPE whose post-processor prepends
+  <|begin_of_text|> as Llama 3's does; `add_eos_token: true` in tokenizer_config.json,
+  which transformers 5 ignores when a tokenizer.json is present; the special tokens come
+  from special_tokens_map.json (no `added_tokens_decoder`); the template, without
+  generation blocks, is chat_template.jinja (which wins over the config's own), and it
+  reads a model-specific token (`start_token`). Its reference masks come from the same
+  template with generation blocks around each assistant turn and its end-of-turn token,
+  which is what spmd's fallback (content + a special token right after it) must give.
+
+The rules, per record (TRL 1.16's SFTTrainer, completion_only_loss on):
+- text: ids of text + eos_token (unless it ends with it), special tokens added; loss on all.
+- prompt/completion strings: completion += eos_token unless it ends with it; ids of
+  prompt + completion, special tokens added; loss from the first id that differs from
+  the prompt's own ids (trl.data_utils.common_prefix_length).
+- prompt/completion message lists: prompt ids from the template with the generation
+  prompt, then ids of the template over prompt + completion; loss as above.
+- messages: apply_chat_template(messages, tokenize=True, return_dict=True,
+  return_assistant_tokens_mask=True); loss on the assistant mask.
+"""
+
+import argparse
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import AutoTokenizer
+
+HERE = Path(__file__).parent
+SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>", "<unk>"]
+CORPUS = [
+    "the quick brown fox jumps over the lazy dog.", "what is the capital of France? Paris.",
+    "Traduis : le chat est là → the cat is there 🐱.", "café, naïve, Straße, 東京, привет",
+    "system user assistant tool: answer briefly, be helpful.", "hello world, hi there, say hi.",
+    "def add(a, b):\n    return a + b\n", "weather in Paris today: sunny, 21 °C.",
+    "ABCDEFGHIJKLMNOPQRSTUVWXYZ 0123456789 {}[]<>|\"'_-+=*/\\!?;:",
+] * 4
+
+# ChatML with the assistant's turns (content and end-of-turn) in generation blocks.
+CHATML = """\
+{%- if tools %}
+<|im_start|>system
+Tools: {{ tools | tojson }}<|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == 'assistant' %}
+<|im_start|>assistant
+{% generation %}{{ message.content }}<|im_end|>{% endgeneration %}
+
+{% else %}
+<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+<|im_start|>assistant
+{% endif %}"""
+
+# The same turns after a BOS, written with expressions; GENERATION marks where the
+# reference variant puts its blocks.
+LLAMA = """\
+{{- bos_token }}
+{%- for message in messages %}
+{%- if message.role == 'assistant' %}
+{{- start_token + 'assistant\\n' }}GEN{{- message.content + '<|im_end|>' }}END
+{{- '\\n' }}
+{%- else %}
+{{- start_token + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+{{- start_token + 'assistant\\n' }}
+{%- endif %}"""
+LLAMA_PLAIN = LLAMA.replace("GEN", "").replace("END", "")
+LLAMA_GENERATION = LLAMA.replace("GEN", "{% generation %}").replace("END", "{% endgeneration %}")
+# Assistant content trimmed, as many templates do: spmd then finds it by searching.
+TRIMMED = ("message.content + '<|im_end|>'", "message.content | trim + '<|im_end|>'")
+LLAMA_TRIM_PLAIN, LLAMA_TRIM_GENERATION = LLAMA_PLAIN.replace(*TRIMMED), LLAMA_GENERATION.replace(*TRIMMED)
+
+PROMPT_COMPLETION = [
+    {"prompt": "What is the capital of France?", "completion": " Paris."},
+    {"prompt": "Traduis : le chat → ", "completion": "le chat 🐱 est là"},
+    {"prompt": "Say hi", "completion": " hi{eos}"},  # already ends with the end-of-text token
+    {"prompt": "", "completion": "Just text."},
+    {"prompt": "Question?", "completion": ""},
+    {"prompt": "hel", "completion": "lo world"},  # the boundary falls inside a token
+    {"prompt": "<|im_start|>user said <|pad|>", "completion": " ok"},  # special tokens in the text
+]
+TEXT = [{"text": "the lazy dog sleeps."}, {"text": "café 東京 ends with eos{eos}"}]
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}, {"role": "assistant", "content": "Paris."}],
+    [{"role": "system", "content": "Answer briefly, en français."},
+     {"role": "user", "content": "Traduis : the cat"}, {"role": "assistant", "content": "le chat 🐱"},
+     {"role": "user", "content": "et le chien ?"}, {"role": "assistant", "content": "le chien"}],
+    [{"role": "user", "content": "weather in Paris?"}, {"role": "assistant", "content": "Let me look."},
+     {"role": "tool", "content": "{\"temp\": 21}"}, {"role": "assistant", "content": "sunny, 21 °C"}],
+    [{"role": "user", "content": ""}, {"role": "assistant", "content": ""},
+     {"role": "user", "content": " \n"}, {"role": "assistant", "content": "  spaced out \n"}],
+    [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hi"},  # the same text twice
+     {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hi hi"}],
+    [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hi "},  # trimmed by LLAMA_TRIM
+     {"role": "user", "content": "hi"}, {"role": "assistant", "content": " hi"}],
+    [{"role": "user", "content": "say it"}, {"role": "assistant", "content": "\n  spaced out \n"}],
+]
+TOOLS = [{"type": "function", "function": {"name": "weather", "description": "météo à Paris",
+                                           "parameters": {"type": "object", "properties": {}}}}]
+CONVERSATIONAL_PROMPT_COMPLETION = [
+    {"prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2 + 2?"}],
+     "completion": [{"role": "assistant", "content": "4"}]},
+]
+
+
+def train(pre_tokenizer, decoder, vocab: int) -> Tokenizer:
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizer, decoder
+    alphabet = pre_tokenizers.ByteLevel.alphabet() if isinstance(pre_tokenizer, pre_tokenizers.ByteLevel) else []
+    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=vocab, special_tokens=SPECIALS,
+                                                        initial_alphabet=alphabet, show_progress=False))
+    return tok
+
+
+def write_json(path: Path, value, depth: int = 99) -> None:
+    """`value` indented down to `depth` levels, each deeper value on one line."""
+    def written(v, level: int) -> str:
+        if level >= depth or not isinstance(v, (dict, list)) or not v:
+            return json.dumps(v, ensure_ascii=False)
+        pad = " " * (level + 1)
+        items = ([f"{json.dumps(k, ensure_ascii=False)}: {written(x, level + 1)}" for k, x in v.items()]
+                 if isinstance(v, dict) else [written(x, level + 1) for x in v])
+        ends = "{}" if isinstance(v, dict) else "[]"
+        return ends[0] + "\n" + ",\n".join(pad + i for i in items) + "\n" + " " * level + ends[1]
+    path.write_text(written(value, 0) + "\n")
+
+
+def make_chatml(out: Path) -> None:
+    tok = train(pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel(), 400)
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    tok.save(str(out / "tokenizer.json"))
+    added = {str(tok.token_to_id(t)): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
+                                       "single_word": False, "special": True} for t in SPECIALS}
+    write_json(out / "tokenizer_config.json", {
+        "tokenizer_class": "PreTrainedTokenizerFast", "added_tokens_decoder": added, "bos_token": None,
+        "eos_token": "<|im_end|>", "pad_token": "<|pad|>", "unk_token": "<unk>", "chat_template": CHATML,
+        "model_max_length": 4096})
+    write_json(out / "special_tokens_map.json", {"eos_token": "<|end_of_text|>"})
+
+
+def make_llama(out: Path) -> None:
+    tok = train(pre_tokenizers.Metaspace(prepend_scheme="first"), decoders.Metaspace(prepend_scheme="first"), 300)
+    bos = "<|begin_of_text|>"
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1", special_tokens=[(bos, tok.token_to_id(bos))])
+    tok.save(str(out / "tokenizer.json"))
+    write_json(out / "tokenizer_config.json", {
+        "tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": True, "add_eos_token": True,
+        "start_token": "<|im_start|>", "chat_template": "{{ raise_exception('the .jinja file wins') }}"})
+    write_json(out / "special_tokens_map.json", {
+        "bos_token": bos, "eos_token": {"content": "<|end_of_text|>", "lstrip": False, "normalized": False,
+                                        "rstrip": False, "single_word": False}})
+    (out / "chat_template.jinja").write_text(LLAMA_PLAIN)
+
+
+def with_eos(record: dict, eos: str) -> dict:
+    return {k: v.replace("{eos}", eos) if isinstance(v, str) else v for k, v in record.items()}
+
+
+def goldens(name: str, template: str | None = None, reference: str | None = None) -> list[dict]:
+    """The records' ids and masks by the tokenizer `name`; with `template` (instead of its
+    own), its chats alone. The masks come from `reference` (a template with generation
+    blocks) where given."""
+    tok = AutoTokenizer.from_pretrained(HERE / name)
+    found = []
+    if template is not None:
+        tok.chat_template = template
+    else:
+        found += text_goldens(tok)
+    for messages in CHATS:
+        if template is not None and any(m["role"] == "assistant" and not m["content"] for m in messages):
+            continue  # found by its content, an empty assistant message is nowhere: spmd marks nothing for it
+        records = [{"messages": messages}] + ([{"messages": messages, "tools": TOOLS}] if name == "chatml" else [])
+        for record in records:
+            out = tok.apply_chat_template(messages, tools=record.get("tools"), tokenize=True, return_dict=True,
+                                          return_assistant_tokens_mask=reference is None)
+            if reference is not None:
+                masked = tok.apply_chat_template(messages, chat_template=reference, tokenize=True, return_dict=True,
+                                                 return_assistant_tokens_mask=True)
+                assert masked["input_ids"] == out["input_ids"], "the reference template renders other tokens"
+                out["assistant_masks"] = masked["assistant_masks"]
+            found.append({"record": record, "input_ids": out["input_ids"], "loss": out["assistant_masks"]})
+    if name == "chatml":
+        for record in CONVERSATIONAL_PROMPT_COMPLETION:
+            prompt_ids = tok.apply_chat_template(record["prompt"], add_generation_prompt=True, tokenize=True,
+                                                 return_dict=True)["input_ids"]
+            ids = tok.apply_chat_template(record["prompt"] + record["completion"], tokenize=True,
+                                          return_dict=True)["input_ids"]
+            found.append({"record": record, "input_ids": ids, "loss": after(prompt_ids, ids)})
+    return found
+
+
+def text_goldens(tok) -> list[dict]:
+    """Text and prompt/completion strings, by TRL's rules."""
+    found = []
+    for record in [with_eos(r, tok.eos_token) for r in TEXT]:
+        text = record["text"] if record["text"].endswith(tok.eos_token) else record["text"] + tok.eos_token
+        ids = tok(text=text)["input_ids"]
+        found.append({"record": record, "input_ids": ids, "loss": [1] * len(ids)})
+    for record in [with_eos(r, tok.eos_token) for r in PROMPT_COMPLETION]:
+        completion = record["completion"]
+        completion += "" if completion.endswith(tok.eos_token) else tok.eos_token
+        prompt_ids = tok(text=record["prompt"])["input_ids"]
+        ids = tok(text=record["prompt"] + completion)["input_ids"]
+        found.append({"record": record, "input_ids": ids, "loss": after(prompt_ids, ids)})
+    return found
+
+
+def after(prompt_ids: list, ids: list) -> list:
+    """TRL's completion mask (1.16, common_prefix_length): 0 while the ids are the
+    prompt's own, 1 from where they differ (a token may span the boundary)."""
+    same = next((i for i, (a, b) in enumerate(zip(prompt_ids, ids)) if a != b), min(len(prompt_ids), len(ids)))
+    return [0] * same + [1] * (len(ids) - same)
+
+
+def main() -> None:
+    tokenizers = {}
+    for name, make in (("chatml", make_chatml), ("llama", make_llama)):
+        out = HERE / name
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir()
+        make(out)
+        tok = AutoTokenizer.from_pretrained(out)
+        # What the tests check besides the records: the special tokens transformers names
+        # (and their ids: <|pad|> is added past the vocabulary) and the template's variables.
+        tokenizers[name] = {
+            "vocab": len(tok), "special_tokens": tok.special_tokens_map,
+            "ids": {t: tok.convert_tokens_to_ids(t) for t in tok.special_tokens_map.values()},
+            "records": goldens(name, reference=LLAMA_GENERATION if name == "llama" else None)}
+        print(f"{out}: {sorted(p.name for p in out.iterdir())}, {len(tok)} tokens, "
+              f"special {tok.special_tokens_map}, {len(tokenizers[name]['records'])} records")
+    tokenizers["llama-trim"] = {"directory": "llama", "chat_template": LLAMA_TRIM_PLAIN,
+                                "records": goldens("llama", LLAMA_TRIM_PLAIN, LLAMA_TRIM_GENERATION)}
+    write_json(HERE / "goldens.json", tokenizers, depth=3)  # one record a line
+
+
+def check_trl() -> None:
+    """The goldens' TRL rules against TRL's own SFTTrainer (its dataset preparation: the
+    tokenized dataset's input_ids and labels). TRL is no test dependency; with pip:
+
+        pip install --target DIR --no-deps trl accelerate datasets dill xxhash multiprocess pyarrow pandas \\
+            psutil python-dateutil six tzdata pytz
+        PYTHONPATH=DIR python tests/sft/make_goldens.py --check-trl
+    """
+    import secrets
+
+    import datasets.arrow_dataset
+    import torch
+    from datasets import Dataset
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from trl import SFTConfig, SFTTrainer
+
+    # A dataset's fingerprint (a cache key) pickles its arrow table, which fails with some
+    # pyarrow and Python versions; nothing here is cached.
+    datasets.arrow_dataset.generate_fingerprint = lambda dataset: secrets.token_hex(8)
+    golden = json.loads((HERE / "goldens.json").read_text())
+    for name in ("chatml", "llama"):
+        tok = AutoTokenizer.from_pretrained(HERE / name)
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                             intermediate_size=32)).to(torch.float32)
+        records = golden[name]["records"]
+        groups = {}
+        for i, r in enumerate(records):
+            kind = ("messages" if "messages" in r["record"] else "text" if "text" in r["record"] else
+                    "conversational" if isinstance(r["record"]["prompt"], list) else "prompt")
+            groups.setdefault(kind, []).append(i)
+        for kind, indices in groups.items():
+            if kind == "messages" and name == "llama":
+                continue  # a template without generation blocks: TRL has no assistant mask for it
+            # Tools as JSON text, as TRL's datasets hold them (Arrow has no empty struct for "properties": {}),
+            # in every row (from_list takes the first row's columns).
+            rows = [{**records[i]["record"], "tools": json.dumps(records[i]["record"]["tools"])
+                     if "tools" in records[i]["record"] else None} for i in indices]
+            with tempfile.TemporaryDirectory() as out:
+                args = SFTConfig(output_dir=out, report_to=[], assistant_only_loss=kind == "messages",
+                                 max_length=None, bf16=False, use_cpu=True)
+                trainer = SFTTrainer(model=model, args=args, processing_class=tok,
+                                     train_dataset=Dataset.from_list(rows))
+            for i, row in zip(indices, trainer.train_dataset):
+                mask = row.get("assistant_masks", row.get("completion_mask", [1] * len(row["input_ids"])))
+                labels = row.get("labels")
+                if labels is not None:
+                    mask = [int(label != -100) for label in labels]
+                assert row["input_ids"] == records[i]["input_ids"], (name, i, row["input_ids"], records[i])
+                assert mask == records[i]["loss"], (name, i, mask, records[i])
+            print(f"{name} {kind}: {len(indices)} records as TRL {__import__('trl').__version__} makes them")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--check-trl", action="store_true", help="check goldens.json against TRL's SFTTrainer")
+    if parser.parse_args().check_trl:
+        check_trl()
+    else:
+        main()
