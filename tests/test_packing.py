@@ -9,7 +9,7 @@ import functools
 import jax
 import numpy as np
 import pytest
-from conftest import assert_params_match, initial_state, init_config
+from conftest import assert_params_match, init_config, initial_state
 
 from spmd.config import TrainConfig, validate
 from spmd.parallel.layout import make_layout
@@ -85,27 +85,40 @@ def _loss_and_grads(program, rows: dict):
 
 
 @functools.lru_cache(maxsize=None)
-def _one_per_row():
-    return _loss_and_grads(_program("", 1, len(ONE_PER_ROW["tokens"]), attention_kernel="xla"), ONE_PER_ROW)
+def _one_per_row(layers: int):
+    return _loss_and_grads(_program("", 1, len(ONE_PER_ROW["tokens"]), attention_kernel="xla", layers=layers),
+                           ONE_PER_ROW)
 
 
-@pytest.mark.parametrize("mesh, devices, kernel, attention", [
-    ("", 1, "xla", "ring"),
-    ("", 1, "chunked", "ring"),
-    ("dp=2,tp=2", 4, "chunked", "ring"),
-    ("sp=2", 2, "chunked", "ring"),
-    ("sp=4", 4, "xla", "ring"),
-    ("sp=2", 2, "xla", "all-gather"),
-    ("fsdp=2,sp=2", 4, "chunked", "all-gather"),
+@pytest.mark.parametrize("mesh, devices, overrides", [
+    ("", 1, dict(attention_kernel="xla")),
+    ("", 1, dict(attention_kernel="chunked")),
+    ("dp=2,tp=2", 4, dict(attention_kernel="chunked")),
+    ("sp=2", 2, dict(attention_kernel="chunked")),
+    ("sp=4", 4, dict(attention_kernel="xla")),
+    ("sp=2", 2, dict(attention_kernel="xla", attention="all-gather")),
+    ("fsdp=2,sp=2", 4, dict(attention_kernel="chunked", attention="all-gather")),
+    # Pipelines: the stages read each microbatch's examples; the head counts its targets.
+    ("pp=2,dp=2", 4, dict(microbatches=4)),
+    ("pp=2,dp=2", 4, dict(pp_schedule="1f1b", microbatches=2, grad_accum=2)),
+    ("pp=2,sp=2", 4, dict(pp_schedule="interleaved-1f1b", pp_repeats=2, layers=4, microbatches=2)),
+    ("pp=2", 2, dict(pp_schedule="zb-v", layers=4, microbatches=4)),
 ])
-def test_packed_rows_train_as_one_example_per_row(mesh, devices, kernel, attention):
+def test_packed_rows_train_as_one_example_per_row(mesh, devices, overrides):
     # float32 sums of the same terms in another order (rows, blocks, ranks): 1e-5 relative.
-    loss, grads = _loss_and_grads(_program(mesh, devices, 8, attention_kernel=kernel, attention=attention), PACKED)
-    want_loss, want_grads = _one_per_row()
-    assert int(PACKED["loss_mask"].sum() - PACKED["loss_mask"][:, 0].sum()) > 0
+    program = _program(mesh, devices, 8, **overrides)
+    if program.cfg.grad_accum > 1:
+        step = jax.jit(lambda params, rows: program._train_step(program._start(params), rows)[1]["loss"])
+        with jax.set_mesh(program.layout.mesh):
+            loss = step(_params(program), jax.device_put(PACKED, program.layout.batch_sharding))
+        np.testing.assert_allclose(loss, _one_per_row(program.cfg.layers or 2)[0], rtol=1e-5)
+        return
+    loss, grads = _loss_and_grads(program, PACKED)
+    want_loss, want_grads = _one_per_row(program.cfg.layers or 2)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
     for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+        # Chunked pipelines store the layers as (repeats, layers / repeats): in order, row-major.
+        np.testing.assert_allclose(got.reshape(want.shape), want, rtol=1e-4, atol=1e-6)
 
 
 def test_a_step_is_the_same_with_gradient_accumulation():

@@ -19,6 +19,11 @@ results, zero but on stage 0 (a reduce-scatter: each pp rank gets m/p microbatch
 Both happen outside the map, where XLA keeps the rows split over fsdp and reduces
 bfloat16 safely (XLA:CPU aborts on a bfloat16 reduction inside a partly manual map).
 
+A microbatch may come with side inputs that every stage reads but no stage changes (the
+segment ids and positions of packed rows): `side`, (m, mb, ...) arrays handed to every
+stage whole (replicated over pp), of which a stage passes microbatch k's to `stage_fn`
+when it runs microbatch k.
+
 Schedules:
 - gpipe: tick t, stage s runs microbatch t - s; m + p - 1 ticks forward, then autodiff
   runs them backward. Bubble (p-1)/(m+p-1); every microbatch's activations are kept.
@@ -209,7 +214,12 @@ def _only_stage_0(x: jax.Array, stage: jax.Array) -> jax.Array:
 
 # ----------------------------------------------------------------------- gpipe / circular
 
-def _run_chunk(stage_fn, policy, chunks, repeat, x):
+def micro(side, k):
+    """Microbatch k's side inputs (None: none)."""
+    return jax.tree.map(lambda s: s[k], side)
+
+
+def _run_chunk(stage_fn, policy, chunks, repeat, x, side):
     """stage_fn on chunk `repeat` of the stage's layers (chunks: (v, layers, ...)).
 
     Autodiff of the tick loop keeps what the stage computes from its weights each tick:
@@ -219,31 +229,32 @@ def _run_chunk(stage_fn, policy, chunks, repeat, x):
     activation: the backward pass picks it again). Under remat "full" that runs the
     tick's forward once more in the backward pass."""
     if jax.tree.leaves(chunks)[0].shape[0] == 1:
-        return stage_fn(jax.tree.map(lambda w: w[0], chunks), x)
+        return stage_fn(jax.tree.map(lambda w: w[0], chunks), x, side)
 
-    def run(chunks, repeat, x):
-        return stage_fn(jax.tree.map(lambda w: w[repeat], chunks), x)
-    return jax.checkpoint(run, policy=policy)(chunks, repeat, x)
+    def run(chunks, repeat, x, side):
+        return stage_fn(jax.tree.map(lambda w: w[repeat], chunks), x, side)
+    return jax.checkpoint(run, policy=policy)(chunks, repeat, x, side)
 
 
-def _no_statistics(stage_fn, chunks, x) -> dict:
+def _no_statistics(stage_fn, chunks, x, side) -> dict:
     """Zeros shaped like what `stage_fn` reports for one chunk, one entry per chunk."""
-    shapes = jax.eval_shape(stage_fn, jax.tree.map(lambda w: w[0], chunks), x)[1]
+    shapes = jax.eval_shape(stage_fn, jax.tree.map(lambda w: w[0], chunks), x, side)[1]
     v = jax.tree.leaves(chunks)[0].shape[0]
     return jax.tree.map(lambda s: jnp.zeros((v, *s.shape), s.dtype), shapes)
 
 
-def pipeline(mesh, schedule: Schedule, stage_fn, blocks, x: jax.Array, rows: jax.P, policy=None):
+def pipeline(mesh, schedule: Schedule, stage_fn, blocks, x: jax.Array, rows: jax.P, policy=None, side=None):
     """Run microbatches x (m, mb, ...), split over pp along m, through the stages;
-    differentiable by `jax.grad`. `stage_fn(chunk, x) -> (y, statistics)` runs one chunk
-    of stacked layers (leading axis: the chunk's layers) on one microbatch and reports
-    per-layer statistics (MoE layers'; a dict of arrays with a leading layer axis, empty
-    for dense layers); `rows`: one microbatch's spec; `policy`: the model's remat policy.
-    Returns the outputs, laid out like x, and the statistics of every layer, each a mean
-    over the microbatches (`layer_statistics`)."""
+    differentiable by `jax.grad`. `stage_fn(chunk, x, side) -> (y, statistics)` runs one
+    chunk of stacked layers (leading axis: the chunk's layers) on one microbatch (with its
+    `side` inputs, or None) and reports per-layer statistics (MoE layers'; a dict of arrays
+    with a leading layer axis, empty for dense layers); `rows`: one microbatch's spec;
+    `policy`: the model's remat policy; `side`: the microbatches' side inputs (module
+    docstring), or None. Returns the outputs, laid out like x, and the statistics of every
+    layer, each a mean over the microbatches (`layer_statistics`)."""
     p, m, v = schedule.stages, schedule.microbatches, schedule.repeats
 
-    def run(blocks, x):
+    def run(blocks, x, side):
         stage, x = jax.lax.axis_index(AXIS), x[0]
         chunks = jax.tree.map(lambda w: stage_view(w, v), blocks)
 
@@ -252,7 +263,7 @@ def pipeline(mesh, schedule: Schedule, stage_fn, blocks, x: jax.Array, rows: jax
             i = t - stage  # this stage's iteration: repeat i // m, microbatch i % m
             repeat = jnp.clip(i // m, 0, v - 1)
             inp = jnp.where(stage == 0, queue[t % m], arrived)
-            out, stats = _run_chunk(stage_fn, policy, chunks, repeat, inp)
+            out, stats = _run_chunk(stage_fn, policy, chunks, repeat, inp, micro(side, jnp.clip(i, 0, v * m - 1) % m))
             totals = _statistics(stats, (i >= 0) & (i < v * m), repeat, totals)
             arrived = jax.lax.ppermute(out, AXIS, _ring(p, 1))
             # Stage 0 files what the last stage finished into its queue (that microbatch's
@@ -263,13 +274,14 @@ def pipeline(mesh, schedule: Schedule, stage_fn, blocks, x: jax.Array, rows: jax
             queue = queue.at[slot].set(jnp.where(filed, arrived, queue[slot]))
             return (queue, arrived, totals), None
 
-        start = (x, jnp.zeros_like(x[0]), _no_statistics(stage_fn, chunks, x[0]))
+        start = (x, jnp.zeros_like(x[0]), _no_statistics(stage_fn, chunks, x[0], micro(side, 0)))
         (queue, _, totals), _ = jax.lax.scan(tick, start, jnp.arange(schedule.ticks))
         return _only_stage_0(queue, stage), _stage_statistics(totals, m)
 
     copies = jax.P(AXIS, None, BATCH_AXIS)
-    out, stats = jax.shard_map(run, mesh=mesh, in_specs=(stacked_spec(v), copies), out_specs=(copies, jax.P(AXIS)),
-                               axis_names=frozenset(MANUAL_AXES), check_vma=False)(blocks, _copies(x, mesh, rows))
+    out, stats = jax.shard_map(run, mesh=mesh, in_specs=(stacked_spec(v), copies, jax.P(None, BATCH_AXIS)),
+                               out_specs=(copies, jax.P(AXIS)), axis_names=frozenset(MANUAL_AXES),
+                               check_vma=False)(blocks, _copies(x, mesh, rows), side)
     return _from_stage_0(out, mesh, rows), layer_statistics(stats)
 
 
@@ -285,9 +297,9 @@ def _weighted_statistics(no_stats: dict, statistics_weights, seed: float) -> dic
 def _head(head_fn, head_params, targets, seed: float):
     """head(y, k, here) -> (loss, d_head, dy): microbatch k's loss from the last chunk's
     output y and its gradients (seeded with `seed`), on the device where `here`; zeros
-    elsewhere."""
+    elsewhere. `targets`: the microbatches' (m, mb, ...) arrays, or a tree of them."""
     def on_this_device(y, k):
-        loss, vjp = jax.vjp(lambda h, y: head_fn(h, y, targets[k]), head_params, y)
+        loss, vjp = jax.vjp(lambda h, y: head_fn(h, y, micro(targets, k)), head_params, y)
         d_head, dy = vjp(jnp.asarray(seed, loss.dtype))
         return loss, d_head, dy
 
@@ -297,26 +309,27 @@ def _head(head_fn, head_params, targets, seed: float):
     return lambda y, k, here: jax.lax.cond(here, on_this_device, elsewhere, y, k)
 
 
-def _split_vjp(stage_fn, chunk, example: jax.Array):
+def _split_vjp(stage_fn, chunk, example: jax.Array, side_example=None):
     """The stage's forward and backward passes as two functions joined by arrays:
-    forward(chunk, x) -> (y, residuals), backward(chunk, residuals, dy) -> (d_chunk, dx),
-    and the residuals' shapes. The weights are left out of the residuals: the backward
-    pass reads them again rather than a copy being kept per microbatch in flight."""
+    forward(chunk, x, side) -> (y, residuals), backward(chunk, residuals, dy) -> (d_chunk,
+    dx), and the residuals' shapes. The weights are left out of the residuals: the backward
+    pass reads them again rather than a copy being kept per microbatch in flight. What it
+    reads of the side inputs is a residual."""
     found = {}
 
-    def structure(chunk, x):
-        _, vjp = jax.vjp(stage_fn, chunk, x)
+    def structure(chunk, x, side):
+        _, vjp = jax.vjp(lambda chunk, x: stage_fn(chunk, x, side), chunk, x)
         leaves, found["tree"] = jax.tree.flatten(vjp)
         weights = jax.tree.leaves(chunk)
         # For each leaf of the backward pass, which weight it is (-1: a residual).
         found["where"] = tuple(next((j for j, w in enumerate(weights) if leaf is w), -1) for leaf in leaves)
         return [leaf for leaf, j in zip(leaves, found["where"]) if j < 0]
 
-    shapes = jax.eval_shape(structure, chunk, example)
+    shapes = jax.eval_shape(structure, chunk, example, side_example)
     tree, where = found["tree"], found["where"]
 
-    def forward(chunk, x):
-        y, vjp = jax.vjp(stage_fn, chunk, x)
+    def forward(chunk, x, side=None):
+        y, vjp = jax.vjp(lambda chunk, x: stage_fn(chunk, x, side), chunk, x)
         return y, [leaf for leaf, j in zip(jax.tree.leaves(vjp), where) if j < 0]
 
     def backward(chunk, residuals, cotangent):
@@ -335,20 +348,21 @@ def _order(i, p: int, v: int):
     return rest // p, group * p + rest % p, group * p * v
 
 
-def one_f_one_b(mesh, schedule: Schedule, stage_fn, head_fn, blocks, head, x: jax.Array, targets: jax.Array,
-                rows: jax.P, statistics_weights=None):
+def one_f_one_b(mesh, schedule: Schedule, stage_fn, head_fn, blocks, head, x: jax.Array, targets,
+                rows: jax.P, statistics_weights=None, side=None):
     """Loss and gradients with the 1F1B schedule, or interleaved 1F1B (`repeats` v > 1:
     stage s holds chunks s, s+p, ... stored as for circular), with no `jax.grad` around
     it: the backward pass is interleaved with the forward here.
 
-    `stage_fn(chunk, x) -> (y, statistics)` runs a chunk of the stage's layers on one
-    microbatch (statistics as for `pipeline`); `head_fn(head, y, targets) -> loss` is the
-    mean loss of one microbatch's rows from the last stage's output, `head` the parameters
-    it uses (replicated over pp). `statistics_weights(statistics) -> weights`: how much
+    `stage_fn(chunk, x, side) -> (y, statistics)` runs a chunk of the stage's layers on one
+    microbatch (statistics and side inputs as for `pipeline`); `head_fn(head, y, targets) ->
+    loss` is the loss of one microbatch from the last stage's output (its mean, or its
+    share of the step's: the schedule averages them), `head` the parameters it uses
+    (replicated over pp). `statistics_weights(statistics) -> weights`: how much
     each statistic adds to what is minimized, per microbatch of the whole batch (e.g. an
     MoE balance loss's weight over the number of MoE layers); None: nothing.
-    x: (m, mb, ...) embedded microbatches, split over pp along m; targets (m, mb, ...);
-    `rows`: one microbatch's spec.
+    x: (m, mb, ...) embedded microbatches, split over pp along m; targets (m, mb, ...), or
+    a tree of such arrays; `rows`: one microbatch's spec; `side`: the microbatches' side inputs.
     Returns (loss, d_blocks, d_head, dx, statistics): the mean loss, the gradients of the
     stacked layers (split over pp) and of `head`, dx, the gradient of x (laid out like x),
     from which the embedding's follows, and the layers' statistics (`layer_statistics`)."""
@@ -358,7 +372,7 @@ def one_f_one_b(mesh, schedule: Schedule, stage_fn, head_fn, blocks, head, x: ja
     # forward (the head's gradient at hand): stage p-1's first forward of round v-1.
     first_backward = v * p - 1
 
-    def run(blocks, head_params, x, targets):
+    def run(blocks, head_params, x, targets, side):
         stage, x = jax.lax.axis_index(AXIS), x[0]
         last = stage == p - 1
         chunks = jax.tree.map(lambda w: stage_view(w, v), blocks)
@@ -370,8 +384,8 @@ def one_f_one_b(mesh, schedule: Schedule, stage_fn, head_fn, blocks, head, x: ja
                 return jax.tree.map(lambda w: w[r], chunks)
         dp = jax.lax.psum(1, BATCH_AXIS)
         seed = 1.0 / (m * dp)  # each dp shard's microbatch loss is a mean over its own rows
-        forward, backward, shapes = _split_vjp(stage_fn, pick(0), x[0])
-        no_stats = _no_statistics(stage_fn, chunks, x[0])
+        forward, backward, shapes = _split_vjp(stage_fn, pick(0), x[0], micro(side, 0))
+        no_stats = _no_statistics(stage_fn, chunks, x[0], micro(side, 0))
         stats_weights = _weighted_statistics(no_stats, statistics_weights, seed)
         head = _head(head_fn, head_params, targets, seed)
 
@@ -385,7 +399,7 @@ def one_f_one_b(mesh, schedule: Schedule, stage_fn, head_fn, blocks, head, x: ja
                 # Stage 0 starts a microbatch's first round from x; later rounds continue
                 # from what the last stage sent it in the previous tick.
                 inp = jnp.where((stage == 0) & (r == 0), x[k], arrived)
-                (y, stats), residuals = forward(pick(r), inp)
+                (y, stats), residuals = forward(pick(r), inp, micro(side, k))
                 totals = _statistics(stats, valid, r, totals)
                 ring = [buf.at[i % slots].set(res) for buf, res in zip(ring, residuals)]
                 final = last & (r == v - 1)
@@ -428,9 +442,10 @@ def one_f_one_b(mesh, schedule: Schedule, stage_fn, head_fn, blocks, head, x: ja
                 jax.lax.psum(d_head, MANUAL_AXES), _only_stage_0(dx, stage), _stage_statistics(totals, m))
 
     copies = jax.P(AXIS, None, BATCH_AXIS)
+    per_microbatch = jax.P(None, BATCH_AXIS)
     loss, d_blocks, d_head, dx, stats = jax.shard_map(
-        run, mesh=mesh, in_specs=(stacked_spec(v), jax.P(), copies, jax.P(None, BATCH_AXIS)),
+        run, mesh=mesh, in_specs=(stacked_spec(v), jax.P(), copies, per_microbatch, per_microbatch),
         out_specs=(jax.P(), stacked_spec(v), jax.P(), copies, jax.P(AXIS)), axis_names=frozenset(MANUAL_AXES),
         check_vma=False,
-    )(blocks, head, _copies(x, mesh, rows), targets)
+    )(blocks, head, _copies(x, mesh, rows), targets, side)
     return loss, d_blocks, d_head, _from_stage_0(dx, mesh, rows), layer_statistics(stats)

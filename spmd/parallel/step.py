@@ -179,31 +179,35 @@ def _aux_weights_per_layer(aux: AuxLosses, moe_layers: int):
 class StageParts(NamedTuple):
     model_of: object  # outer params -> the model, its stages' weights as placeholders
     outer: dict  # the non-stacked parameters
-    inputs: jax.Array
-    targets: jax.Array
+    columns: Columns  # the batch as the model reads it
     blocks: dict  # what the stages take: the stacked weights (and router state)
-    stage: object  # stage(chunk, x) -> (y, statistics)
+    stage: object  # stage(chunk, x, packing=None) -> (y, statistics)
 
     def embedded(self) -> jax.Array:
-        return self.model_of(self.outer).embed(self.inputs)
+        return self.model_of(self.outer).embed(self.columns.inputs)
+
+    def side(self, shards: int, schedule) -> Packing | None:
+        """What the stages read of each microbatch besides its activations: its examples'
+        segment ids and positions (packed rows), as (m, mb, seq) arrays; else None."""
+        packing = self.columns.packing
+        return None if packing is None else jax.tree.map(lambda a: to_microbatches(a, shards, schedule), packing)
 
 
-def _stage_parts(graphdef, params, rows: jax.Array, in_stage, stacked: str, order: np.ndarray | None,
+def _stage_parts(graphdef, params, rows, in_stage, stacked: str, order: np.ndarray | None,
                  router=None) -> StageParts:
     """What a pipelined step is made of: the model less its stages' weights (a model of
     their shapes holds their place; `model_of(outer)`), the non-stacked parameters, the
-    inputs and targets (in the order sp lays them out), the stages' input `blocks`, and
-    `stage(chunk, x)`, which runs a chunk of them on one microbatch under the rules inside
-    the stages and returns its output and its layers' statistics (MoE layers').
+    batch's columns (in the order sp lays them out), the stages' input `blocks`, and
+    `stage(chunk, x, packing)`, which runs a chunk of them on one microbatch (of packed
+    rows: with its examples) under the rules inside the stages and returns its output and
+    its layers' statistics (MoE layers').
 
     The blocks are the stacked weights, with the MoE layers' router state if the model
     keeps one (spmd.parallel.balance): the schedules differentiate whole chunks, so it rides in them
     as float32 (exact for slot numbers), with a zero gradient (it only chooses experts);
     `_weights_of` takes it out of their gradients."""
-    # Positions as a constant (numpy), which the stages' map may close over.
-    inputs, targets, positions = rows[:, :-1], rows[:, 1:], np.arange(rows.shape[1] - 1)
-    if order is not None:
-        inputs, targets, positions = inputs[:, order], targets[:, order], positions[order]
+    columns = _columns(rows, order)
+    positions = columns.positions  # a constant (numpy), which the stages' map may close over
     outer = {name: value for name, value in params.items() if name != stacked}
     blocks = params[stacked]
     if router:
@@ -212,11 +216,11 @@ def _stage_parts(graphdef, params, rows: jax.Array, in_stage, stacked: str, orde
     model_of = lambda outer: nnx.merge(graphdef, _merged(outer, {stacked: no_blocks}))  # noqa: E731
     blocks_graph = nnx.split(getattr(model_of(outer), stacked))[0]
 
-    def stage(chunk, x):
+    def stage(chunk, x, packing=None):
         with in_stage():
-            return model_of(outer).run_layers(nnx.merge(blocks_graph, chunk), x, positions)
+            return model_of(outer).run_layers(nnx.merge(blocks_graph, chunk), x, positions, packing)
 
-    return StageParts(model_of, outer, inputs, targets, blocks, stage)
+    return StageParts(model_of, outer, columns, blocks, stage)
 
 
 def _merged(tree: dict, more: dict) -> dict:
@@ -234,41 +238,47 @@ def _row_spec(layout: Layout) -> jax.P:
     return spec_for(("batch", "residual_seq", "embed"), {**layout.rules.activations, "batch": BATCH_AXES})
 
 
-def _pipelined_loss(graphdef, params, rows: jax.Array, layout: Layout, in_stage, order,
-                    aux: AuxLosses, router=None) -> tuple[jax.Array, dict]:
+def _pipelined_loss(graphdef, params, rows, layout: Layout, in_stage, order, aux: AuxLosses, router=None,
+                    denominator=None) -> tuple[jax.Array, dict]:
     """`_loss` with the stacked layers run as pipeline stages (spmd.parallel.pipeline); the
     embedding, head and loss run outside, on rows split over the data axes and pp."""
     schedule, shards = layout.schedule, layout.batch_shards
     stacked = model_class(layout.skeleton.model_cfg).STACKED
-    model_of, outer, inputs, targets, blocks, stage = _stage_parts(graphdef, params, rows, in_stage, stacked, order,
-                                                                   router)
-    model = model_of(outer)
-    x = to_microbatches(model.embed(inputs), shards, schedule)
-    out, stats = pipeline(layout.mesh, schedule, stage, blocks, x, _row_spec(layout), REMAT_POLICIES[model.remat])
+    parts = _stage_parts(graphdef, params, rows, in_stage, stacked, order, router)
+    model, columns = parts.model_of(parts.outer), parts.columns
+    x = to_microbatches(model.embed(columns.inputs), shards, schedule)
+    out, stats = pipeline(layout.mesh, schedule, parts.stage, parts.blocks, x, _row_spec(layout),
+                          REMAT_POLICIES[model.remat], parts.side(shards, schedule))
     logits = model.logits(from_microbatches(out, shards, schedule))
-    return _objective(logits, targets, stats, aux)
+    return _objective(logits, columns.targets, stats, aux, columns.weights, denominator)
 
 
-def _one_f_one_b_grads(graphdef, params, rows: jax.Array, layout: Layout, in_stage, order,
-                       aux: AuxLosses, router=None) -> tuple[dict, dict]:
+def _one_f_one_b_grads(graphdef, params, rows, layout: Layout, in_stage, order, aux: AuxLosses, router=None,
+                       denominator=None) -> tuple[dict, dict]:
     """Metrics and gradients of `_pipelined_loss` under the 1F1B schedule, which computes
     the stages' gradients itself (spmd.parallel.pipeline.one_f_one_b); autodiff does the rest."""
     schedule, shards = layout.schedule, layout.batch_shards
     family = model_class(layout.skeleton.model_cfg)
-    model_of, outer, inputs, targets, blocks, stage = _stage_parts(graphdef, params, rows, in_stage, family.STACKED,
-                                                                   order, router)
+    parts = _stage_parts(graphdef, params, rows, in_stage, family.STACKED, order, router)
+    model_of, outer, columns = parts.model_of, parts.outer, parts.columns
     head_names = family.head_params(layout.skeleton.model_cfg)
+    # Packed rows: each microbatch's loss over its share of the step's count (the schedule
+    # averages the microbatches' losses over them and over dp).
+    part = None if denominator is None else denominator / (schedule.microbatches * layout.shape["dp"])
 
-    def head(head_params, y, targets):
+    def head(head_params, y, labels):
+        targets, weights = labels
         with in_stage():
-            return _objective(model_of({**outer, **head_params}).logits(y), targets, {}, AuxLosses())[0]
+            return _objective(model_of({**outer, **head_params}).logits(y), targets, {}, AuxLosses(), weights, part)[0]
 
-    x, embed_vjp = jax.vjp(lambda outer: to_microbatches(model_of(outer).embed(inputs), shards, schedule), outer)
+    x, embed_vjp = jax.vjp(lambda outer: to_microbatches(model_of(outer).embed(columns.inputs), shards, schedule),
+                           outer)
     run = zb_v if schedule.name == "zb-v" else one_f_one_b
+    labels = jax.tree.map(lambda a: to_microbatches(a, shards, schedule), (columns.targets, columns.weights))
     loss, d_blocks, d_head, dx, stats = run(
-        layout.mesh, schedule, stage, head, blocks, {name: outer[name] for name in head_names}, x,
-        to_microbatches(targets, shards, schedule), _row_spec(layout),
-        _aux_weights_per_layer(aux, layout.skeleton.model_cfg.moe_layers))
+        layout.mesh, schedule, parts.stage, head, parts.blocks, {name: outer[name] for name in head_names}, x,
+        labels, _row_spec(layout), _aux_weights_per_layer(aux, layout.skeleton.model_cfg.moe_layers),
+        parts.side(shards, schedule))
     (grads,) = embed_vjp(dx)
     grads = grads | {name: jax.tree.map(jnp.add, grads[name], d_head[name]) for name in head_names}
     d_blocks = _weights_of(d_blocks, params[family.STACKED])
@@ -407,7 +417,7 @@ class Program:
         if cfg.grad_accum == 1:
             metrics, grads = self._loss_and_grads(params, rows, router, denominator)
         elif self.layout.schedule:
-            metrics, grads = self._pipeline_rounds(params, rows, router)
+            metrics, grads = self._pipeline_rounds(params, rows, router, denominator)
         else:
             metrics, grads = self._accumulated(params, rows, router, denominator)
         loss = metrics["loss"]
@@ -477,7 +487,7 @@ class Program:
     def _loss(self, params, rows, router=None, denominator=None):
         if self.layout.schedule:
             return _pipelined_loss(self.graphdef, params, rows, self.layout, self._in_stage, self.order,
-                                   self._aux_losses, router)
+                                   self._aux_losses, router, denominator)
         return _loss(self.graphdef, params, rows, self.order, self._aux_losses, router, denominator)
 
     def _loss_and_grads(self, params, rows, router=None, denominator=None):
@@ -485,7 +495,7 @@ class Program:
         with self._annotated():
             if schedule and schedule.writes_backward:
                 return _one_f_one_b_grads(self.graphdef, params, rows, self.layout, self._in_stage, self.order,
-                                          self._aux_losses, router)
+                                          self._aux_losses, router, denominator)
             (_, metrics), grads = jax.value_and_grad(self._loss, has_aux=True)(params, rows, router, denominator)
             return metrics, grads
 
@@ -531,18 +541,19 @@ class Program:
         return (jax.tree.map(lambda m: jnp.sum(m, axis=0) * scale, metrics),
                 jax.tree.map(lambda g: jnp.sum(g, axis=0) * scale, grads))
 
-    def _pipeline_rounds(self, params, rows, router=None):
+    def _pipeline_rounds(self, params, rows, router=None, denominator=None):
         """Accumulation with pipeline stages: one full pipeline pass per round (each
         reduces its gradients over dp as it ends), summed in a scan."""
         layout = self.layout
         k, shards = self.cfg.grad_accum, math.prod(layout.shape[a] for a in layout.data_axes)
-        rounds = _split_locally(rows, shards, k).reshape(k, rows.shape[0] // k, rows.shape[1])
+        rounds = jax.tree.map(lambda r: _split_locally(r, shards, k).reshape(k, r.shape[0] // k, r.shape[1]), rows)
         rounds = jax.lax.with_sharding_constraint(rounds, jax.P(None, layout.data_axes))
+        part = None if denominator is None else denominator / k  # each round's share of the step's count
 
         def body(total, round_rows):
-            return jax.tree.map(jnp.add, total, self._loss_and_grads(params, round_rows, router)), None
+            return jax.tree.map(jnp.add, total, self._loss_and_grads(params, round_rows, router, part)), None
 
-        shapes = jax.eval_shape(self._loss_and_grads, params, rounds[0], router)
+        shapes = jax.eval_shape(self._loss_and_grads, params, jax.tree.map(lambda r: r[0], rounds), router, part)
         total, _ = jax.lax.scan(body, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), rounds)
         return jax.tree.map(lambda x: x / k, total)
 

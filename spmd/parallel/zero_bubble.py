@@ -48,7 +48,7 @@ from jax._src.interpreters import partial_eval as pe
 
 from spmd.parallel.pipeline import (AXIS, BATCH_AXIS, MANUAL_AXES, Schedule, _copies, _from_stage_0, _head,
                                     _no_statistics, _only_stage_0, _split_vjp, _stage_statistics, _statistics,
-                                    _weighted_statistics, layer_statistics, stacked_spec, stage_view)
+                                    _weighted_statistics, layer_statistics, micro, stacked_spec, stage_view)
 
 # ------------------------------------------------------------------------- the B/W split
 
@@ -56,17 +56,17 @@ class SplitError(ValueError):
     pass
 
 
-def split_backward(stage_fn, chunk, example):
+def split_backward(stage_fn, chunk, example, side_example=None):
     """A chunk's forward pass and its backward pass in two parts:
-    forward(chunk, x) -> ((y, statistics), b_residuals, w_residuals);
+    forward(chunk, x, side) -> ((y, statistics), b_residuals, w_residuals);
     backward_input(chunk, b_residuals, cotangents) -> (d_weights, dx, bw_residuals), where
     d_weights has the gradients of the weights that B computes anyway (vectors such as
     norm scales, whose gradients read only what the chain reads) and None elsewhere;
     backward_weight(bw_residuals, w_residuals) -> the other weights' gradients (None for
     B's). Also returns the shapes of the three residual lists."""
-    forward, backward, res_shapes = _split_vjp(stage_fn, chunk, example)
+    forward, backward, res_shapes = _split_vjp(stage_fn, chunk, example, side_example)
     weights, weights_tree = jax.tree.flatten(chunk)
-    ct_shapes = jax.eval_shape(stage_fn, chunk, example)
+    ct_shapes = jax.eval_shape(stage_fn, chunk, example, side_example)
     nw, nr = len(weights), len(res_shapes)
 
     def flat_backward(*args):
@@ -110,8 +110,8 @@ def split_backward(stage_fn, chunk, example):
     assert all(nc + nw <= i < nc + nw + nr for i in w_inputs), "W reads only forward residuals"
     bw_shapes = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in known.outvars[n_known_out:]]
 
-    def forward_split(chunk, x):
-        out, residuals = forward(chunk, x)
+    def forward_split(chunk, x, side=None):
+        out, residuals = forward(chunk, x, side)
         return out, [residuals[i] for i in b_res], [residuals[i] for i in w_res]
 
     def backward_input(chunk, b_residuals, cotangents):
@@ -195,8 +195,8 @@ def executed_over_useful(p: int, m: int, f: float = 1.0, b: float = 1.0, w: floa
     return ((2 * m + 2 * p - 2) * (f + b) + 2 * m * w) / (2 * m * (f + b + w))
 
 
-def zb_v(mesh, schedule: Schedule, stage_fn, head_fn, blocks, head, x: jax.Array, targets: jax.Array,
-         rows: jax.P, statistics_weights=None):
+def zb_v(mesh, schedule: Schedule, stage_fn, head_fn, blocks, head, x: jax.Array, targets,
+         rows: jax.P, statistics_weights=None, side=None):
     """Loss and gradients with the zb-v schedule; arguments and results as
     `spmd.parallel.pipeline.one_f_one_b`'s (blocks stored as circular's with 2 chunks)."""
     p, m = schedule.stages, schedule.microbatches
@@ -204,7 +204,7 @@ def zb_v(mesh, schedule: Schedule, stage_fn, head_fn, blocks, head, x: jax.Array
     b_slots, w_slots, bw_slots = table["slots"]
     mirror = [(s, p - 1 - s) for s in range(p)]  # chunk p+s is chunk 2p-1-(p-1-s)
 
-    def run(blocks, head_params, x, targets):
+    def run(blocks, head_params, x, targets, side):
         stage, x = jax.lax.axis_index(AXIS), x[0]
         chunks = jax.tree.map(lambda w: stage_view(w, 2), blocks)
         # Device d runs chunk d and chunk 2p-1-d: the second from device p-1-d.
@@ -213,8 +213,8 @@ def zb_v(mesh, schedule: Schedule, stage_fn, head_fn, blocks, head, x: jax.Array
         dp = jax.lax.psum(1, BATCH_AXIS)
         seed = 1.0 / (m * dp)
         forward, backward_input, backward_weight, (b_shapes, w_shapes, bw_shapes) = split_backward(
-            stage_fn, pick(0), x[0])
-        no_stats = _no_statistics(stage_fn, chunks, x[0])
+            stage_fn, pick(0), x[0], micro(side, 0))
+        no_stats = _no_statistics(stage_fn, chunks, x[0], micro(side, 0))
         stats_weights = _weighted_statistics(no_stats, statistics_weights, seed)
         order = jnp.asarray(table["w_order"])[stage]  # (2m, 4)
         first = stage == 0
@@ -233,7 +233,7 @@ def zb_v(mesh, schedule: Schedule, stage_fn, head_fn, blocks, head, x: jax.Array
                 valid = (k >= 0) & (k < m)
                 k = jnp.clip(k, 0, m - 1)
                 inp = jnp.where(c == 0, jnp.where(first, x[k], f_in), jnp.where(stage == p - 1, f_own, f_in))
-                (y, stats), b_res, w_res = forward(pick(c), inp)
+                (y, stats), b_res, w_res = forward(pick(c), inp, micro(side, k))
                 totals = _statistics(stats, valid, c, totals)
                 b_ring = [buf.at[t % b_slots].set(r) for buf, r in zip(b_ring, b_res)]
                 w_ring = [buf.at[t % w_slots].set(r) for buf, r in zip(w_ring, w_res)]
@@ -299,12 +299,12 @@ def zb_v(mesh, schedule: Schedule, stage_fn, head_fn, blocks, head, x: jax.Array
         return (jax.lax.pmean(loss, BATCH_AXIS), jax.lax.psum(d_blocks, BATCH_AXIS),
                 jax.lax.psum(d_head, MANUAL_AXES), _only_stage_0(dx, stage), _stage_statistics(totals, m))
 
-    copies = jax.P(AXIS, None, BATCH_AXIS)
+    copies, per_microbatch = jax.P(AXIS, None, BATCH_AXIS), jax.P(None, BATCH_AXIS)
     loss, d_blocks, d_head, dx, stats = jax.shard_map(
-        run, mesh=mesh, in_specs=(stacked_spec(2), jax.P(), copies, jax.P(None, BATCH_AXIS)),
+        run, mesh=mesh, in_specs=(stacked_spec(2), jax.P(), copies, per_microbatch, per_microbatch),
         out_specs=(jax.P(), stacked_spec(2), jax.P(), copies, jax.P(AXIS)), axis_names=frozenset(MANUAL_AXES),
         check_vma=False,
-    )(blocks, head, _copies(x, mesh, rows), targets)
+    )(blocks, head, _copies(x, mesh, rows), targets, side)
     # Device d's second chunk is stored on device p-1-d: its statistics go there.
     stats = jax.tree.map(lambda x: jnp.stack([x[:, 0], x[::-1, 1]], axis=1), stats)
     return loss, d_blocks, d_head, _from_stage_0(dx, mesh, rows), layer_statistics(stats)
