@@ -32,7 +32,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     with one_line_errors():
         args = parser.parse_args(argv)
         # The library is imported once signals are served, before numpy starts its threads.
-        from spmd.data.corpus import data_files, load_tokenizer, token_stream, write_npy
+        from spmd.data.corpus import data_files, token_stream, write_npy
+        from spmd.data.tokenizer import load_tokenizer
 
         # Before reading anything: tokenizing a large corpus to fail at the end is no use.
         out = claim([Output("--out", args.out, parents=True)],

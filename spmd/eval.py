@@ -3,9 +3,10 @@ model, on a dataset, on any mesh.
 
     python -m spmd.eval --checkpoint runs/a --data held_out.jsonl [--batches 50] [--mesh fsdp=8]
 
-The data go through training's pipeline (spmd.data.corpus: the same files, tokenizer, packing
-into samples of --seq + 1 tokens) and the loss is training's, compiled for the mesh
-(spmd.parallel.step's evaluation). Every sample is read once, in the data's shuffled order (the
+The data go through training's pipeline (spmd.data: the same files, tokenizer, packing into
+rows of --seq + 1 tokens) and the loss is training's, compiled for the mesh
+(spmd.parallel.step's evaluation): the mean over every target token. Fine-tuning records are
+each read once, in order; a token stream's samples once, in the data's shuffled order (the
 run's seed); `--batches` reads fewer.
 """
 
@@ -14,7 +15,8 @@ from __future__ import annotations
 import math
 import sys
 
-from spmd.base.cli import TOKEN_DTYPES, OneLineErrorParser, add_model_source, check_bounds, integer, nonempty
+from spmd.base.cli import (LOSS_ON, OVERLONG, TOKEN_DTYPES, OneLineErrorParser, add_model_source, check_bounds, integer,
+                           nonempty)
 from spmd.base.errors import one_line_errors, quiet_library_threads
 from spmd.base.schema import Bounds
 from spmd.base.signals import STOPPED
@@ -31,6 +33,12 @@ def eval_parser() -> OneLineErrorParser:
     parser.add_argument("--tokenizer", type=nonempty, help="tokenizer of text data (default: the run's)")
     parser.add_argument("--text-field", type=nonempty, default="text", help="JSONL field / Parquet column of the text")
     parser.add_argument("--token-dtype", choices=TOKEN_DTYPES, default="uint16", help="dtype of raw .bin token files")
+    parser.add_argument("--loss-on", choices=LOSS_ON, default="completion",
+                        help="fine-tuning records: the tokens the loss is on (the completion and assistant turns, or all)")
+    parser.add_argument("--overlong", choices=OVERLONG, default="truncate",
+                        help="fine-tuning records: an example longer than --seq + 1 tokens is truncated or split")
+    parser.add_argument("--document-mask", action="store_true",
+                        help="text and token data: documents do not see each other")
     parser.add_argument("--batch", type=integer, help="sequences per batch (default: the run's, or 8)")
     parser.add_argument("--seq", type=integer, help="tokens per sequence (default: the run's, or 512)")
     parser.add_argument("--batches", type=integer, help="batches to read (default: every sample once)")
@@ -51,13 +59,14 @@ def main(argv=None) -> int:
 
             cfg, checkpoint, tokenizer = model_source(args)
             cfg = on_mesh(cfg, args, data=args.data, tokenizer=args.tokenizer or tokenizer, text_field=args.text_field,
-                          token_dtype=args.token_dtype, batch=args.batch or (cfg.batch if checkpoint else 8),
+                          token_dtype=args.token_dtype, loss_on=args.loss_on, overlong=args.overlong,
+                          document_mask=args.document_mask, batch=args.batch or (cfg.batch if checkpoint else 8),
                           seq=args.seq or (cfg.seq if checkpoint else 512), eval_every=0, grad_accum=1)
             loss, tokens, batches = evaluate(cfg, checkpoint, args.batches)
     finally:
         restore()
     print(f"{cfg.data}: loss {loss:.4f} nats/token, perplexity {math.exp(loss):.4f} "
-          f"({batches} batches of {cfg.batch} x {cfg.seq}: {tokens:,} tokens; model {cfg.model_name})")
+          f"({batches} batches of {cfg.batch} x {cfg.seq}: {tokens:,} target tokens; model {cfg.model_name})")
     return 0
 
 

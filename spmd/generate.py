@@ -5,7 +5,8 @@
         --temperature 0.7 --top-p 0.9 --output completions.jsonl
 
 Prompts are tokenized with the run's tokenizer (a Hugging Face directory's tokenizer.json;
-UTF-8 bytes for a run without one), batched `--batch-size` at a time, padded to a few
+UTF-8 bytes for a run without one), or with `--chat` rendered as a user's message by the
+tokenizer directory's chat template; batched `--batch-size` at a time, padded to a few
 bucket lengths, prefilled into a key/value cache and continued in one compiled loop
 (spmd.inference.generation and spmd.inference.decode). A completion ends at the
 tokenizer's end-of-text token or at the first `--stop` text; an id that is no text under
@@ -34,6 +35,8 @@ def generate_parser() -> OneLineErrorParser:
     add_model_source(parser)
     parser.add_argument("--prompt", action="append", type=str, default=[], help="a prompt (repeat for several)")
     parser.add_argument("--prompts", type=nonempty, help="a .jsonl file of {\"prompt\": TEXT} records")
+    parser.add_argument("--chat", action="store_true", help="each prompt is a user's message, rendered by the "
+                        "tokenizer directory's chat template with the generation prompt (as apply_chat_template)")
     parser.add_argument("--max-new-tokens", type=integer,
                         help="tokens to generate per prompt (default: 64, or fewer to stay in the trained context)")
     parser.add_argument("--temperature", type=finite, default=0.0, help="0: greedy (default); else sample")
@@ -69,7 +72,8 @@ def main(argv=None) -> int:
             args = parser.parse_args(argv)
             check_bounds(args, BOUNDS)
             # The library is imported once signals are served, before numpy starts its threads.
-            from spmd.data.corpus import check_vocab, load_tokenizer
+            from spmd.data.records import chat_prompt
+            from spmd.data.tokenizer import check_vocab, load_tokenizer, load_tokenizer_directory
             from spmd.inference.generation import (Generation, model_source, new_tokens, on_mesh, read_prompts,
                                                    trained_context)
             from spmd.parallel.skeleton import model_config
@@ -79,12 +83,18 @@ def main(argv=None) -> int:
             output = claim_output(args, checkpoint, tokenizer_path)
             cfg = on_mesh(cfg, args, moe_dispatch="dropless", dtype=args.dtype or cfg.dtype)
 
-            tokenizer = load_tokenizer(tokenizer_path)
+            if args.chat:
+                tokenizer = load_tokenizer_directory(tokenizer_path, "chat prompts (--chat)")
+            else:
+                tokenizer = load_tokenizer(tokenizer_path)
             vocab = model_config(cfg).vocab
             check_vocab(tokenizer, vocab, "the tokenizer")
             if args.top_k > vocab:
                 raise UserError(f"--top-k {args.top_k} is more than the model's vocabulary of {vocab} tokens")
-            encoded = [ids.astype("int32") for ids in tokenizer.encode(prompts)]
+            if args.chat:
+                encoded = [chat_prompt(prompt, tokenizer).astype("int32") for prompt in prompts]
+            else:
+                encoded = [ids.astype("int32") for ids in tokenizer.encode(prompts)]
             empty = [i + 1 for i, ids in enumerate(encoded) if len(ids) == 0]
             if empty:
                 raise UserError(f"prompt {empty[0]} is empty (no tokens)")

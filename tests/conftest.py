@@ -34,9 +34,9 @@ import functools  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from spmd.parallel.balance import REBALANCE_EVERY  # noqa: E402
 from spmd.config import TrainConfig, validate  # noqa: E402
 from spmd.data.synthetic import MarkovSource, global_batch  # noqa: E402
+from spmd.parallel.balance import REBALANCE_EVERY  # noqa: E402
 from spmd.parallel.layout import make_layout  # noqa: E402
 from spmd.parallel.step import build_program  # noqa: E402
 

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from spmd.base.errors import UserError
-from spmd.data.corpus import TokenSource, load_tokenizer, token_stream
+from spmd.data.corpus import TokenSource, token_stream
 from spmd.data.synthetic import global_batch
+from spmd.data.tokenizer import load_tokenizer
 from spmd.parallel.mesh import build_mesh, resolve_mesh
 
 DOCS = ["the cat sat on the mat", "a dog ran to the big red house", "small blue door, é and ü"]

@@ -22,7 +22,8 @@ from helpers import one_error_line
 
 from spmd.base.errors import UserError
 from spmd.config import TrainConfig
-from spmd.data.corpus import load_tokenizer, token_stream
+from spmd.data.corpus import token_stream
+from spmd.data.tokenizer import load_tokenizer
 from spmd.train import check_outputs
 
 pytestmark = pytest.mark.xdist_group("outputs")

@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 
 from spmd.base.errors import UserError
-from spmd.data.chat import ChatTemplate, TokenizerDirectory, load_tokenizer_directory
-from spmd.data.corpus import ByteTokenizer
+from spmd.data.chat import ChatTemplate
+from spmd.data.corpus import TokenSource
 from spmd.data.packing import PackedSource, best_fit_decreasing, pack, positions
 from spmd.data.records import Example, example, read_examples, text_examples
+from spmd.data.tokenizer import ByteTokenizer, TokenizerDirectory, load_tokenizer, load_tokenizer_directory
 
 SFT = Path(__file__).parent / "sft"
 GOLDENS = json.loads((SFT / "goldens.json").read_text())
@@ -313,3 +314,28 @@ def test_records_pack_end_to_end(tmp_path, tokenizers):
     rows = source.rows(0, 0, 2, 65)
     check_rows(rows, 65)
     assert rows["tokens"][:, 0].tolist() == [tokenizers["llama"].token_id("<|begin_of_text|>")] * 2
+
+
+def test_a_tokenizer_json_that_truncates_does_not_cut_documents(tmp_path):
+    # transformers ignores tokenizer.json's truncation and padding when it tokenizes text.
+    spec = json.loads((SFT / "chatml" / "tokenizer.json").read_text())
+    spec["truncation"] = {"direction": "Right", "max_length": 4, "strategy": "LongestFirst", "stride": 0}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    text = "a sentence of more than four tokens, whatever the vocabulary"
+    got = load_tokenizer(str(tmp_path / "tokenizer.json")).encode([text])[0]
+    assert got.size > 4
+    assert list(got) == list(load_tokenizer(str(SFT / "chatml" / "tokenizer.json")).encode([text])[0])
+
+
+def test_document_mask_gives_each_document_of_the_stream_its_segment():
+    eos = 0
+    stream = np.array([5, 6, eos, 7, eos, 8, 9, 10, eos, 11, 12], np.int32)
+    source = TokenSource(stream, 6, 2, seed=0, document_end=eos)
+    rows = source.rows(0, 0, 2, 6)
+    for tokens, segments in zip(rows["tokens"], rows["segments"]):
+        # A document's tokens and its end-of-text token share a segment; the next starts after it.
+        ends = np.flatnonzero(tokens == eos)
+        want = 1 + np.array([np.sum(ends < i) for i in range(tokens.size)])
+        assert list(segments) == list(want)
+    assert rows["loss_mask"].all() and source.packed
+    assert not TokenSource(stream, 6, 2, seed=0).packed

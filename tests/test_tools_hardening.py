@@ -74,8 +74,9 @@ CASES = {
                                     "would write over the input --data"),
     "corpus: out is the tokenizer": ("spmd.corpus", ["--data", "{corpus}", "--tokenizer", "{tokens}", "--out",
                                                      "{tokens}"], "would write over the input --tokenizer"),
-    "corpus: tokenizer is a directory": ("spmd.corpus", ["--data", "{corpus}", "--tokenizer", "{empty}", "--out",
-                                                         "t.npy"], "is a directory, not a tokenizer file"),
+    "corpus: tokenizer directory without tokenizer.json": (
+        "spmd.corpus", ["--data", "{corpus}", "--tokenizer", "{empty}", "--out", "t.npy"],
+        "no tokenizer.json in the directory"),
     "corpus: data empty": ("spmd.corpus", ["--data", "", "--out", "t.npy"], "argument --data: the value is empty"),
     "corpus: out empty": ("spmd.corpus", ["--data", "{corpus}", "--out", ""], "argument --out: the value is empty"),
     "corpus: text field empty": ("spmd.corpus", ["--data", "{corpus}", "--out", "t.npy", "--text-field", ""],

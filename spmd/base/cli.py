@@ -13,6 +13,8 @@ from spmd.base.schema import Bounds
 # Choices and ranges that several commands' flags share.
 DTYPES = ("float32", "bfloat16")  # compute dtypes
 TOKEN_DTYPES = ("uint16", "uint32")  # of raw .bin token files
+LOSS_ON = ("completion", "all")  # the tokens of fine-tuning records that the loss is on
+OVERLONG = ("truncate", "split")  # what becomes of a fine-tuning example longer than a row
 SEED = Bounds(at_least=0, at_most=2**32 - 1)  # JAX keeps 32 bits of a seed (2**32 would draw as 0)
 
 

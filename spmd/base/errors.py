@@ -120,3 +120,11 @@ def quiet_library_threads():
             log.setLevel(level)
         sys.unraisablehook, threading.excepthook = saved[1:]
     return restore
+
+
+def optional_module(module: str, what: str):
+    """The optional dependency `module` (of spmd[data]), needed for reading `what`."""
+    try:
+        return __import__(module)
+    except ImportError:
+        raise UserError(f"reading {what} needs the '{module}' package: pip install 'spmd[data]'") from None

@@ -303,6 +303,16 @@ def regular_file(path: str, flag: str) -> Path:
     return Path(path)
 
 
+def read_text(file: Path, flag: str = "--data") -> str:
+    """A UTF-8 text file whole (`flag`: the option that named it, for the one line of a failure)."""
+    try:
+        return file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{flag} {file}: not UTF-8 text (byte {exc.start})") from None
+    except OSError as exc:
+        raise UserError(f"{flag} {file} cannot be read: {exc.strerror or exc}") from None
+
+
 def _write_whole(out: Path, produce: Callable[[BinaryIO], None]) -> None:
     made = [p for p in (out.parent, *out.parent.parents) if not p.exists()]
     remove_stale_temporaries(out, hidden=True)

@@ -26,118 +26,15 @@ import numpy as np
 
 from spmd.base.cli import TOKEN_DTYPES
 from spmd.base.console import human_bytes
-from spmd.base.errors import UserError, file_kind
+from spmd.base.errors import UserError, file_kind, optional_module
 from spmd.base.hardware import host_memory_bytes
-from spmd.base.paths import regular_file
+from spmd.base.paths import read_text
 from spmd.base.schema import Invalid, loads
+from spmd.data.tokenizer import ByteTokenizer, check_vocab
 
 TEXT_SUFFIXES = (".txt", ".text", ".md")
 SUFFIXES = {**dict.fromkeys(TEXT_SUFFIXES, "text"), ".jsonl": "jsonl", ".parquet": "parquet",
             ".npy": "tokens", ".bin": "tokens"}
-# End-of-text tokens that Hugging Face tokenizers commonly define, in order of preference.
-EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>")
-
-
-class ByteTokenizer:
-    """UTF-8 bytes as tokens (vocabulary 256). NUL, which text files do not hold, is
-    dropped from the text and separates documents."""
-
-    vocab_size = 256
-    eos = 0
-    name = "bytes"
-
-    def encode(self, texts: Sequence[str]) -> list[np.ndarray]:
-        return [np.frombuffer(t.encode().replace(b"\0", b""), np.uint8) for t in texts]
-
-    def decode(self, ids: Sequence[int]) -> str:
-        """Text of token ids; an id that is no byte, or bytes that are no UTF-8, become U+FFFD."""
-        parts, run = [], bytearray()
-        for i in ids:
-            if 0 <= i < 256:
-                run.append(i)
-                continue
-            parts.append(run.decode(errors="replace") + "\ufffd")
-            run = bytearray()
-        return "".join(parts) + run.decode(errors="replace")
-
-
-class SentencePieceTokenizer:
-    def __init__(self, path: Path):
-        spm = _optional("sentencepiece", "a SentencePiece tokenizer")
-        try:
-            self._sp = spm.SentencePieceProcessor(model_file=str(path))
-        except (OSError, RuntimeError) as exc:
-            raise UserError(f"--tokenizer {path}: not a SentencePiece model ({exc})") from None
-        self.vocab_size, self.eos, self.name = self._sp.get_piece_size(), self._sp.eos_id(), path.name
-        if self.eos < 0:
-            raise UserError(f"--tokenizer {path} defines no end-of-text token to separate documents")
-
-    def encode(self, texts: Sequence[str]) -> list[np.ndarray]:
-        return [np.asarray(ids, np.int64) for ids in self._sp.encode(list(texts))]
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return _decode_known(ids, self.vocab_size, lambda known: self._sp.decode(known))
-
-
-class HuggingFaceTokenizer:
-    def __init__(self, path: Path):
-        tokenizers = _optional("tokenizers", "a tokenizer.json")
-        try:
-            self._tok = tokenizers.Tokenizer.from_file(str(path))
-        except Exception as exc:  # the Rust library raises its own exception types
-            raise UserError(f"--tokenizer {path}: not a Hugging Face tokenizer.json ({exc})") from None
-        # A document is tokenized whole and unpadded, whatever tokenizer.json's own settings say.
-        self._tok.no_truncation()
-        self._tok.no_padding()
-        # Its ids, not their count, must be the model's tokens: a tokenizer.json may number
-        # its tokens with gaps (an added token at 1000 in a vocabulary of 11).
-        largest = max(self._tok.get_vocab(with_added_tokens=True).values(), default=-1)
-        self.vocab_size = max(self._tok.get_vocab_size(with_added_tokens=True), largest + 1)
-        self.name = path.name
-        found = [self._tok.token_to_id(name) for name in EOS_NAMES]
-        found = [i for i in found if i is not None]
-        if not found:
-            raise UserError(f"--tokenizer {path} has none of the end-of-text tokens {', '.join(EOS_NAMES)}")
-        self.eos = found[0]
-
-    def encode(self, texts: Sequence[str]) -> list[np.ndarray]:
-        return [np.asarray(e.ids, np.int64) for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return _decode_known(ids, self.vocab_size, lambda known: self._tok.decode(known, skip_special_tokens=False))
-
-
-def _decode_known(ids: Sequence[int], vocab_size: int, decode) -> str:
-    """`decode` of the runs of ids the tokenizer has; each other id (a model's vocabulary
-    may be larger than its tokenizer's) becomes U+FFFD."""
-    parts, run = [], []
-    for i in map(int, ids):
-        if 0 <= i < vocab_size:
-            run.append(i)
-            continue
-        parts.append((decode(run) if run else "") + "\ufffd")
-        run = []
-    return "".join(parts) + (decode(run) if run else "")
-
-
-def load_tokenizer(path: str | None):
-    if path is None:
-        return ByteTokenizer()
-    if Path(path).is_dir():
-        raise UserError(f"--tokenizer {path} is a directory, not a tokenizer file")
-    file = regular_file(path, "--tokenizer")
-    if file.suffix == ".json":
-        return HuggingFaceTokenizer(file)
-    if file.suffix == ".model":
-        return SentencePieceTokenizer(file)
-    raise UserError(f"--tokenizer {path}: give a SentencePiece .model or a Hugging Face tokenizer.json")
-
-
-def _optional(module: str, what: str):
-    try:
-        return __import__(module)
-    except ImportError:
-        raise UserError(f"reading {what} needs the '{module}' package: pip install 'spmd[data]'") from None
 
 
 def data_files(path: str) -> tuple[str, list[Path]]:
@@ -168,20 +65,11 @@ def data_files(path: str) -> tuple[str, list[Path]]:
 def documents(kind: str, files: Sequence[Path], text_field: str) -> Iterator[str]:
     for file in files:
         if kind == "text":
-            yield _read_text(file)
+            yield read_text(file)
         elif kind == "jsonl":
             yield from jsonl_texts(file, text_field)
         else:
             yield from _parquet_texts(file, text_field)
-
-
-def _read_text(file: Path, flag: str = "--data") -> str:
-    try:
-        return file.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise UserError(f"{flag} {file}: not UTF-8 text (byte {exc.start})") from None
-    except OSError as exc:
-        raise UserError(f"{flag} {file} cannot be read: {exc.strerror or exc}") from None
 
 
 _JSON_TYPES = {type(None): "null", bool: "a boolean", int: "a number", float: "a number", list: "an array",
@@ -192,7 +80,7 @@ def jsonl_texts(file: Path, field: str, flag: str = "--data", field_flag: str | 
     """The string `field` of each record of a JSONL file; anything else is refused naming
     the line (`flag`: the option that named the file; `field_flag`: the one that names the field)."""
     hint = f" ({field_flag})" if field_flag else ""
-    for number, line in enumerate(_read_text(file, flag).splitlines(), 1):
+    for number, line in enumerate(read_text(file, flag).splitlines(), 1):
         if not line.strip():
             continue
         try:  # strictly: a key given twice, NaN or Infinity is no record either
@@ -214,7 +102,7 @@ def jsonl_texts(file: Path, field: str, flag: str = "--data", field_flag: str | 
 
 
 def _parquet_texts(file: Path, field: str) -> Iterator[str]:
-    _optional("pyarrow", "Parquet files")
+    optional_module("pyarrow", "Parquet files")
     # An optional dependency (spmd[data]): imported when a Parquet file is read.
     import pyarrow as pa
     import pyarrow.compute as pc
@@ -282,13 +170,6 @@ def _tokenized(texts: Iterator[str], tokenizer) -> np.ndarray:
     return np.concatenate(pieces) if pieces else np.zeros(0, dtype)
 
 
-def check_vocab(tokenizer, vocab: int, what: str = "--tokenizer") -> None:
-    """A tokenizer's every id must be one of the model's tokens (`what`: how the message names the tokenizer)."""
-    if tokenizer.vocab_size > vocab:
-        raise UserError(f"{what} {tokenizer.name} has token ids up to {tokenizer.vocab_size - 1:,}, beyond the "
-                        f"model's vocabulary of {vocab:,} (ids 0 to {vocab - 1:,})")
-
-
 def _token_file(file: Path, token_dtype: str) -> np.ndarray:
     if file.suffix == ".npy":
         try:
@@ -345,11 +226,14 @@ class TokenSource:
 
     Row r of step k's batch is training sample `order[k * batch + r]` of its epoch; eval
     batch j is held-out samples in order, from sample j * batch. `rows_read` counts the
-    training rows this process has read."""
+    training rows this process has read. `document_end`: the end-of-text token, when
+    documents are not to see each other (--document-mask): rows are then packed rows
+    (spmd.parallel.step), a document's segment ending with its end-of-text token."""
 
     def __init__(self, stream: np.ndarray, length: int, batch: int, seed: int, eval_fraction: float = 0.0,
-                 name: str = "data", tokenizer: str = "tokens"):
+                 name: str = "data", tokenizer: str = "tokens", document_end: int | None = None):
         self.stream, self.length, self.batch, self.seed = stream, length, batch, seed
+        self.document_end, self.packed = document_end, document_end is not None
         self.name, self.tokenizer = name, tokenizer
         samples = (stream.size - 1) // (length - 1) if stream.size else 0
         held_out = int(np.ceil(samples * eval_fraction)) if eval_fraction else 0
@@ -376,13 +260,18 @@ class TokenSource:
         epochs, positions = np.divmod(index, self.train_samples)
         return np.array([self._order(int(e))[p] for e, p in zip(epochs, positions)], np.int64)
 
-    def rows(self, step: int, start: int, stop: int, length: int, split: str = "train") -> np.ndarray:
+    def rows(self, step: int, start: int, stop: int, length: int, split: str = "train") -> np.ndarray | dict:
         if length != self.length:
             raise ValueError(f"this source cuts samples of {self.length} tokens, not {length}")
         stride = self.length - 1
         rows = np.stack([self.stream[s * stride: s * stride + self.length] for s in self.samples(step, start, stop, split)])
         self.rows_read += stop - start if split == "train" else 0
-        return rows.astype(np.int32)
+        rows = rows.astype(np.int32)
+        if self.document_end is None:
+            return rows
+        # A document's tokens, its end-of-text token included, share a segment; the next starts after it.
+        ends_before = np.cumsum(rows == self.document_end, axis=1) - (rows == self.document_end)
+        return {"tokens": rows, "segments": (1 + ends_before).astype(np.int32), "loss_mask": np.ones(rows.shape, bool)}
 
 
 def write_npy(f, tokens: np.ndarray) -> None:

@@ -31,9 +31,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from spmd.base.cli import OVERLONG
 from spmd.base.errors import UserError
-
-OVERLONG = ("truncate", "split")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +64,8 @@ class Packing:
                "segments": np.zeros((len(rows), self.length), np.int32),
                "loss_mask": np.zeros((len(rows), self.length), bool)}
         for i, r in enumerate(rows):
+            if r >= self.rows:  # past the last row (a finite pass's last batch): padding
+                continue
             first, last = self.row_starts[r], self.row_starts[r + 1]
             start, stop = self.piece_starts[first], self.piece_starts[last]
             out["tokens"][i, :stop - start] = self.tokens[start:stop]
@@ -155,6 +156,8 @@ class PackedSource:
     the held-out rows in order, from row j * batch. `rows_read` counts the training rows
     this process has read."""
 
+    packed = True  # its rows are dicts of tokens, segments and loss masks (spmd.parallel.step)
+
     def __init__(self, examples: Sequence, length: int, batch: int, seed: int, eval_fraction: float = 0.0,
                  name: str = "data", tokenizer: str = "tokens", overlong: str = "truncate"):
         self.length, self.batch, self.seed, self.name, self.tokenizer = length, batch, seed, name, tokenizer
@@ -183,10 +186,14 @@ class PackedSource:
         return np.random.default_rng([self.seed, epoch]).permutation(self.train_samples)
 
     def samples(self, step: int, start: int, stop: int, split: str = "train") -> np.ndarray:
-        """The row indices (of the training or the held-out rows) of rows [start, stop) of batch `step`."""
+        """The row indices (of the training or the held-out rows) of rows [start, stop) of
+        batch `step`; split "in order": the training rows in order, once (indices past the
+        last are padding rows), for an evaluation that visits every example once."""
         index = step * self.batch + np.arange(start, stop)
         if split == "eval":
             return index % self.eval_samples
+        if split == "in order":
+            return index
         epochs, positions = np.divmod(index, self.train_samples)
         return np.array([self._order(int(e))[p] for e, p in zip(epochs, positions)], np.int64)
 

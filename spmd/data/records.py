@@ -34,13 +34,14 @@ from typing import NamedTuple
 
 import numpy as np
 
-from spmd.base.errors import UserError, first_line
+from spmd.base.cli import LOSS_ON
+from spmd.base.errors import UserError, first_line, optional_module
+from spmd.base.paths import read_text
 from spmd.base.schema import Invalid, loads, read_json
-from spmd.data.chat import CONFIG_LIMIT, TokenizerDirectory
-from spmd.data.corpus import _optional, _read_text, data_files
+from spmd.data.corpus import data_files
+from spmd.data.tokenizer import CONFIG_LIMIT, TokenizerDirectory
 
 ROLES = ("system", "user", "assistant", "tool")
-LOSS_ON = ("completion", "all")
 _OPEN, _CLOSE = "\ue000", "\ue001"  # private-use characters that mark assistant content in a second rendering
 
 
@@ -62,7 +63,7 @@ def record_files(path: str) -> tuple[str, list[Path]]:
             splits = []
         raise UserError(f"--data {path} holds several splits (a DatasetDict); give one split's folder: "
                         f"{', '.join(str(root / str(s)) for s in splits) or 'none found'}")
-    if root.is_dir() and (root / "state.json").is_file() and (root / "dataset_info.json").is_file():
+    if _is_datasets_folder(root):
         return "datasets", [root]
     kind, files = data_files(path)
     if kind == "tokens":
@@ -71,12 +72,17 @@ def record_files(path: str) -> tuple[str, list[Path]]:
     return kind, files
 
 
+def _is_datasets_folder(root: Path) -> bool:
+    """A folder that `datasets.Dataset.save_to_disk` wrote."""
+    return root.is_dir() and (root / "state.json").is_file() and (root / "dataset_info.json").is_file()
+
+
 def file_records(kind: str, file: Path) -> Iterator[tuple[str, dict]]:
     """(where, record) for each record of one file; `where` names it for messages."""
     if kind == "text":
-        yield f"--data {file}", {"text": _read_text(file)}
+        yield f"--data {file}", {"text": read_text(file)}
     elif kind == "jsonl":
-        for number, line in enumerate(_read_text(file).splitlines(), 1):
+        for number, line in enumerate(read_text(file).splitlines(), 1):
             if not line.strip():
                 continue
             where = f"--data {file}, line {number}"
@@ -88,7 +94,7 @@ def file_records(kind: str, file: Path) -> Iterator[tuple[str, dict]]:
                 raise UserError(f"{where}: not a JSON object")
             yield where, record
     elif kind == "parquet":
-        _optional("pyarrow", "Parquet files")
+        optional_module("pyarrow", "Parquet files")
         # An optional dependency (spmd[data]): imported when a Parquet file is read.
         import pyarrow.parquet as pq
 
@@ -102,7 +108,7 @@ def file_records(kind: str, file: Path) -> Iterator[tuple[str, dict]]:
                 yield f"--data {file}, row {row}", record
                 row += 1
     else:
-        datasets = _optional("datasets", "a datasets folder")
+        datasets = optional_module("datasets", "a datasets folder")
         try:
             dataset = datasets.load_from_disk(str(file)).with_format(None)
         except Exception as exc:  # datasets' and pyarrow's own error types
@@ -123,6 +129,19 @@ def record_format(record: dict, where: str) -> str:
         return "text"
     raise UserError(f"{where}: no known fields (a record holds 'messages', 'prompt' and 'completion', or 'text'; "
                     f"this one has {', '.join(sorted(given)) or 'none'})")
+
+
+def fine_tuning_format(path: str) -> str | None:
+    """'messages' or 'prompt/completion' when `path` holds fine-tuning records (its first
+    record says), else None: text and token files are read as a token stream
+    (spmd.data.corpus). Reads one record."""
+    kind, files = data_files(path) if not _is_datasets_folder(Path(path)) else ("datasets", [Path(path)])
+    if kind not in ("jsonl", "parquet", "datasets"):
+        return None
+    for where, record in file_records(kind, files[0]):
+        found = record_format(record, where)
+        return found if found != "text" else None
+    return None
 
 
 def read_examples(path: str, tokenizer, loss_on: str = "completion") -> list[Example]:
@@ -235,12 +254,27 @@ def _messages(value, field: str, where: str) -> list[dict]:
     return value
 
 
-def _chat(record: dict, where: str, tokenizer, conversational_prompt: bool) -> tuple[np.ndarray, np.ndarray]:
+def _template_of(tokenizer, where: str, who: str = "chat records"):
     template = getattr(tokenizer, "chat_template", None)
     if template is None:
-        raise UserError(f"{where}: chat records need a chat template, and --tokenizer "
+        raise UserError(f"{where}: {who} need a chat template, and --tokenizer "
                         f"{getattr(tokenizer, 'path', tokenizer.name)} has none (chat_template.jinja, or "
                         f"chat_template in tokenizer_config.json)")
+    return template
+
+
+def chat_prompt(text: str, tokenizer) -> np.ndarray:
+    """The ids of a user's message as a chat model is prompted with it: rendered by the
+    tokenizer's chat template with the generation prompt, as `apply_chat_template(...,
+    add_generation_prompt=True)` does."""
+    template = _template_of(tokenizer, "--chat", "chat prompts")
+    rendered, _ = template.render([{"role": "user", "content": text}], tokenizer.special_tokens, "--chat",
+                                  add_generation_prompt=True)
+    return tokenizer.tokens(rendered, special=False)[0]
+
+
+def _chat(record: dict, where: str, tokenizer, conversational_prompt: bool) -> tuple[np.ndarray, np.ndarray]:
+    template = _template_of(tokenizer, where)
     tools = record.get("tools")
     if isinstance(tools, str):  # TRL's datasets keep tools as a JSON string
         try:

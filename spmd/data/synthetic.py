@@ -14,7 +14,10 @@ import threading
 import jax
 import numpy as np
 
-from spmd.data.corpus import TokenSource, load_tokenizer, token_stream
+from spmd.data.corpus import TokenSource, token_stream
+from spmd.data.packing import PackedSource
+from spmd.data.records import fine_tuning_format, read_examples
+from spmd.data.tokenizer import check_vocab, load_tokenizer, load_tokenizer_directory
 
 SUCCESSORS = 4  # each token can be followed by this many tokens
 
@@ -69,34 +72,47 @@ class MarkovSource:
 
 
 def make_source(cfg, vocab: int):
-    """The run's data: `--data` read into a spmd.corpus.TokenSource, else the synthetic chain."""
+    """The run's data: fine-tuning records packed into rows (spmd.data.packing.PackedSource),
+    other `--data` as windows of its token stream (spmd.data.corpus.TokenSource), else the
+    synthetic chain."""
     if not cfg.data:
         return MarkovSource(vocab, cfg.seed)
-
-    stream = token_stream(cfg.data, load_tokenizer(cfg.tokenizer), cfg.text_field, cfg.token_dtype, vocab)
-    return TokenSource(stream, cfg.seq + 1, cfg.batch, cfg.seed, cfg.eval_fraction if cfg.eval_every else 0.0,
-                       name=cfg.data, tokenizer=cfg.tokenizer or "UTF-8 bytes")
+    held_out = cfg.eval_fraction if cfg.eval_every else 0.0
+    if fine_tuning_format(cfg.data):
+        tokenizer = load_tokenizer_directory(cfg.tokenizer)
+        check_vocab(tokenizer, vocab)
+        return PackedSource(read_examples(cfg.data, tokenizer, cfg.loss_on), cfg.seq + 1, cfg.batch, cfg.seed,
+                            held_out, name=cfg.data, tokenizer=tokenizer.name, overlong=cfg.overlong)
+    tokenizer = load_tokenizer(cfg.tokenizer)
+    stream = token_stream(cfg.data, tokenizer, cfg.text_field, cfg.token_dtype, vocab)
+    return TokenSource(stream, cfg.seq + 1, cfg.batch, cfg.seed, held_out, name=cfg.data,
+                       tokenizer=cfg.tokenizer or "UTF-8 bytes", document_end=tokenizer.eos if cfg.document_mask else None)
 
 
 def global_batch(source, step: int, batch: int, length: int, sharding: jax.sharding.Sharding,
-                 split: str = "train") -> jax.Array:
+                 split: str = "train") -> jax.Array | dict:
     """Step `step`'s batch (batch, length) as one global array, built from this process's
-    rows of `source` (a MarkovSource or a spmd.corpus.TokenSource).
+    rows of `source` (a MarkovSource, a spmd.data.corpus.TokenSource or a
+    spmd.data.packing.PackedSource): a dict of such arrays when the source's rows are
+    packed (tokens, segments, loss_mask).
 
     Every distinct row range that a local device holds is generated once (devices that
     replicate a range, e.g. along tp, share it).
     """
     shape = (batch, length)
     index_map = sharding.addressable_devices_indices_map(shape)
-    cache: dict[tuple[int, int], np.ndarray] = {}
+    cache: dict[tuple[int, int], np.ndarray | dict] = {}
     pieces = []
     for index in index_map.values():
         key = _row_range(index, batch)
         if key not in cache:
             cache[key] = source.rows(step, *key, length, split)
-        pieces.append(cache[key][:, index[1]])
+        pieces.append(jax.tree.map(lambda rows: rows[:, index[1]], cache[key]))
     arrays = jax.device_put(pieces, list(index_map))  # one batched transfer
-    return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+    if not isinstance(pieces[0], dict):
+        return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+    return {name: jax.make_array_from_single_device_arrays(shape, sharding, [a[name] for a in arrays])
+            for name in pieces[0]}
 
 
 def _row_range(index: tuple[slice, ...], batch: int) -> tuple[int, int]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax
 
 from spmd.base.errors import UserError
+from spmd.data.packing import PackedSource
 from spmd.data.synthetic import global_batch, make_source
 from spmd.parallel.layout import make_layout
 from spmd.parallel.step import build_program
@@ -20,7 +21,11 @@ def evaluate(cfg, checkpoint, batches: int | None) -> tuple[float, int, int]:
     start_devices(cfg)
     layout = make_layout(cfg)
     source = make_source(cfg, layout.skeleton.model_cfg.vocab)
-    available = source.train_samples // cfg.batch
+    # Fine-tuning records: every example once, in order, the last batch filled with padding
+    # rows (which hold no targets). A token stream: its windows, in the run's order.
+    every_example = isinstance(source, PackedSource)
+    available = -(-source.train_samples // cfg.batch) if every_example else source.train_samples // cfg.batch
+    split = "in order" if every_example else "train"
     if available < 1:
         raise UserError(f"--data {cfg.data}: {source.train_samples} samples of {cfg.seq + 1} tokens do not fill one "
                         f"batch of {cfg.batch}; give a smaller --batch or --seq")
@@ -29,7 +34,7 @@ def evaluate(cfg, checkpoint, batches: int | None) -> tuple[float, int, int]:
     params = load_params(cfg, layout, checkpoint)
     results = []
     for j in range(batches):
-        results.append(evaluate_fn(params, global_batch(source, j, cfg.batch, cfg.seq + 1, layout.batch_sharding)))
+        results.append(evaluate_fn(params, global_batch(source, j, cfg.batch, cfg.seq + 1, layout.batch_sharding, split)))
         # A bounded queue: hundreds of executions in flight abort XLA:CPU's collectives on
         # emulated devices (seen with ep=2 at 494 batches), as in the training loop.
         if len(results) > MAX_STEPS_IN_FLIGHT:

@@ -18,7 +18,8 @@ import yaml
 
 from models import PRESETS
 from spmd.base import hardware
-from spmd.base.cli import DTYPES, SEED, TOKEN_DTYPES, OneLineErrorParser, finite, flag_of, integer, nonempty
+from spmd.base.cli import (DTYPES, LOSS_ON, OVERLONG, SEED, TOKEN_DTYPES, OneLineErrorParser, finite, flag_of, integer,
+                           nonempty)
 from spmd.base.errors import UserError, file_kind
 from spmd.base.schema import Bounds
 from spmd.parallel.mesh import MeshSpec
@@ -90,10 +91,13 @@ class TrainConfig:
     resume_with_changes: bool = _field(False, "resume although --steps, --batch, --seq, --seed or the learning-rate schedule differ from the checkpoint's run")
     on_nan: str = _field("stop", "on a non-finite loss, drop that update, then stop (naming the last good checkpoint) or skip and go on", choices=ON_NAN)
     hardware: str | None = _field(None, "accelerator the layout is planned for (spmd/base/hardware.toml; default: the one found, if listed)")
-    data: str | None = _field(None, "local training data: a text file or folder (.txt/.md, .jsonl, .parquet) or token files (.npy, .bin); default: the built-in synthetic chain")
-    tokenizer: str | None = _field(None, "SentencePiece .model or Hugging Face tokenizer.json for text data (default: UTF-8 bytes)")
+    data: str | None = _field(None, "local training data: a text file or folder (.txt/.md, .jsonl, .parquet), fine-tuning records (JSONL, Parquet or a datasets folder of prompt/completion or chat messages), or token files (.npy, .bin); default: the built-in synthetic chain")
+    tokenizer: str | None = _field(None, "SentencePiece .model, Hugging Face tokenizer.json, or a Hugging Face tokenizer directory (with its chat template: chat records need one) for --data (default: UTF-8 bytes, or --init-from's)")
     text_field: str = _field("text", "the field of JSONL records / column of Parquet files that holds the text")
     token_dtype: str = _field("uint16", "dtype of raw .bin token files (.npy files say their own)", choices=TOKEN_DTYPES)
+    loss_on: str = _field("completion", "fine-tuning records (prompt/completion, chat messages): the tokens the loss is on: the completion and the assistant's turns, or all", choices=LOSS_ON)
+    overlong: str = _field("truncate", "a fine-tuning example longer than --seq + 1 tokens: keep its start (truncate) or cut it into pieces, each its own example (split)", choices=OVERLONG)
+    document_mask: bool = _field(False, "text and token data: documents do not see each other (attention stops at each end-of-text token, positions restart); default: windows of the stream, as in GPT-style pre-training")
     eval_every: int = _field(0, "every N steps, report the loss on held-out data (0: never)", at_least=0)
     eval_batches: int = _field(4, "batches of held-out data per evaluation", at_least=1)
     eval_fraction: float = _field(0.05, "share of --data's samples held out for evaluation (when --eval-every is set)", above=0, below=1)

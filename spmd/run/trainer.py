@@ -43,9 +43,9 @@ def prepare(cfg: TrainConfig, layout, log=print):
     All checks of the user's input (checkpoints included) happen here, before anything
     is written.
     """
-    program = build_program(cfg, layout)
     started = time.perf_counter()
     data = make_source(cfg, layout.skeleton.model_cfg.vocab)
+    program = build_program(cfg, layout, getattr(data, "packed", False))
     # One run per directory: taken before --out is read, so that a second run is refused
     # before it looks at checkpoints the first is writing. One lock per run: process 0's.
     lock = DirectoryLock(cfg.out) if cfg.out and jax.process_index() == 0 else None

@@ -1,7 +1,7 @@
 """Make the fine-tuning goldens that tests/test_records.py checks spmd.data.records against
-(run by hand; needs transformers, which the tests do not):
+(run by hand; needs torch and transformers, which the tests do not):
 
-    pip install transformers jinja2 && python tests/sft/make_goldens.py
+    pip install torch transformers jinja2 && python tests/sft/make_goldens.py
 
 It writes two small tokenizer directories in the Hugging Face layout and, in goldens.json,
 the token ids and loss masks that transformers (and TRL's rules, restated below from
@@ -30,6 +30,12 @@ The rules, per record (TRL 1.16's SFTTrainer, completion_only_loss on):
   prompt, then ids of the template over prompt + completion; loss as above.
 - messages: apply_chat_template(messages, tokenize=True, return_dict=True,
   return_assistant_tokens_mask=True); loss on the assistant mask.
+
+It also writes (make_model) a tiny random LlamaForCausalLM with the chatml tokenizer in
+model/, two data files (prompt_completion.jsonl, chat.jsonl) and, in model_losses.json,
+the loss transformers computes for each file's records by the rules above: per record
+(batch 1, no padding) the summed NLL of its targets and their count, labels shifted by
+one as transformers shifts them, and the token-weighted mean over the file.
 """
 
 import argparse
@@ -123,6 +129,37 @@ CONVERSATIONAL_PROMPT_COMPLETION = [
     {"prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2 + 2?"}],
      "completion": [{"role": "assistant", "content": "4"}]},
 ]
+
+# The tiny model's data (make_model): prompt_completion.jsonl (8-40 tokens a record with
+# the chatml tokenizer, its eos appended) and chat.jsonl (15-60 tokens rendered).
+MODEL_PROMPT_COMPLETION = [
+    ("What is 2 + 3?", " 5."), ("What is 7 times 6?", " 42."),
+    ("What is the capital of France?", " Paris."), ("What is the capital of Italy?", " Rome."),
+    ("The capital of Japan is", " Tokyo (東京)."), ("Say hello in French:", " bonjour, ça va ?"),
+    ("Complete: the quick brown fox", " jumps over the lazy dog."), ("Is ice cold?", " Yes, ice is cold."),
+    ("Name a primary color.", " Blue."), ("How many legs does a cat have?", " Four."),
+    ("Spell cat backwards.", " tac"), ("The German word for street is", " Straße."),
+]
+SYSTEM, USER, ASSISTANT = "system", "user", "assistant"
+MODEL_CHATS = [
+    [(USER, "What is 2 + 2?"), (ASSISTANT, "4.")],
+    [(SYSTEM, "Be brief."), (USER, "Capital of Spain?"), (ASSISTANT, "Madrid.")],
+    [(USER, "Hi!"), (ASSISTANT, "Hello!"), (USER, "What is 3 + 4?"), (ASSISTANT, "7.")],
+    [(SYSTEM, "Answer in French."), (USER, "Thank you"), (ASSISTANT, "Merci.")],
+    [(USER, "Capital of Peru?"), (ASSISTANT, "Lima."), (USER, "Cuba?"), (ASSISTANT, "Havana.")],
+    [(SYSTEM, "You are a math tutor."), (USER, "What is 10 - 3?"), (ASSISTANT, "It is 7.")],
+    [(USER, "Name a fruit."), (ASSISTANT, "An apple.")],
+    [(SYSTEM, "Be brief."), (USER, "2 * 5?"), (ASSISTANT, "10."), (USER, "Half?"), (ASSISTANT, "5.")],
+    [(USER, "Say hi in Japanese."), (ASSISTANT, "こんにちは")],
+    [(USER, "Is the sky blue?"), (ASSISTANT, "Yes, on a clear day.")],
+    [(SYSTEM, "Reply in one word."), (USER, "Color of grass?"), (ASSISTANT, "Green.")],
+    [(USER, "Count to 3."), (ASSISTANT, "1, 2, 3"), (USER, "Back?"), (ASSISTANT, "3, 2, 1")],
+]
+# The model: the shape of tests/hf's, the chatml tokenizer's vocabulary (401 with the
+# added <|pad|>) rounded up to a multiple of 8.
+MODEL_SHAPE = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                   intermediate_size=64, max_position_embeddings=256, rope_theta=10000.0, tie_word_embeddings=False,
+                   rms_norm_eps=1e-5)
 
 
 def train(pre_tokenizer, decoder, vocab: int) -> Tokenizer:
@@ -220,12 +257,18 @@ def text_goldens(tok) -> list[dict]:
         ids = tok(text=text)["input_ids"]
         found.append({"record": record, "input_ids": ids, "loss": [1] * len(ids)})
     for record in [with_eos(r, tok.eos_token) for r in PROMPT_COMPLETION]:
-        completion = record["completion"]
-        completion += "" if completion.endswith(tok.eos_token) else tok.eos_token
-        prompt_ids = tok(text=record["prompt"])["input_ids"]
-        ids = tok(text=record["prompt"] + completion)["input_ids"]
-        found.append({"record": record, "input_ids": ids, "loss": after(prompt_ids, ids)})
+        ids, loss = prompt_completion(tok, record)
+        found.append({"record": record, "input_ids": ids, "loss": loss})
     return found
+
+
+def prompt_completion(tok, record: dict) -> tuple[list, list]:
+    """A prompt/completion string record's ids and loss mask, by TRL's rules."""
+    completion = record["completion"]
+    completion += "" if completion.endswith(tok.eos_token) else tok.eos_token
+    prompt_ids = tok(text=record["prompt"])["input_ids"]
+    ids = tok(text=record["prompt"] + completion)["input_ids"]
+    return ids, after(prompt_ids, ids)
 
 
 def after(prompt_ids: list, ids: list) -> list:
@@ -233,6 +276,87 @@ def after(prompt_ids: list, ids: list) -> list:
     prompt's own, 1 from where they differ (a token may span the boundary)."""
     same = next((i for i, (a, b) in enumerate(zip(prompt_ids, ids)) if a != b), min(len(prompt_ids), len(ids)))
     return [0] * same + [1] * (len(ids) - same)
+
+
+def write_jsonl(path: Path, records: list[dict]) -> None:
+    with path.open("w", encoding="utf-8", newline="\n") as f:
+        f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+
+
+def make_model() -> None:
+    """model/ (a tiny random LlamaForCausalLM in float32 with the chatml tokenizer), the
+    data files prompt_completion.jsonl and chat.jsonl, and model_losses.json: each file's
+    records' ids, loss masks and the NLL transformers' model gives their targets."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    # One thread: the float sums (and so the losses' last digits) then do not depend on
+    # how many cores the machine has.
+    torch.set_num_threads(1)
+    tok = AutoTokenizer.from_pretrained(HERE / "chatml")
+    config = LlamaConfig(vocab_size=-(-len(tok) // 8) * 8, bos_token_id=tok.bos_token_id,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **MODEL_SHAPE)
+    torch.manual_seed(sum(map(ord, "sft")))
+    model = LlamaForCausalLM(config).float().eval()
+    with torch.no_grad():  # as tests/hf's: larger weights than the 0.02 default, so that layers matter
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, p.shape[-1] ** -0.5)
+            else:
+                p.uniform_(0.5, 1.5)
+    out = HERE / "model"
+    shutil.rmtree(out, ignore_errors=True)
+    model.save_pretrained(out, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copyfile(HERE / "chatml" / name, out / name)
+    model = LlamaForCausalLM.from_pretrained(out, dtype=torch.float32).eval()  # as a test would load it
+    tok = AutoTokenizer.from_pretrained(out)
+
+    prompt_completion_records = [{"prompt": p, "completion": c} for p, c in MODEL_PROMPT_COMPLETION]
+    chat_records = [{"messages": [{"role": r, "content": c} for r, c in chat]} for chat in MODEL_CHATS]
+    write_jsonl(HERE / "prompt_completion.jsonl", prompt_completion_records)
+    write_jsonl(HERE / "chat.jsonl", chat_records)
+    tokenized = {"prompt_completion": [prompt_completion(tok, r) for r in prompt_completion_records], "chat": []}
+    for record in chat_records:
+        rendered = tok.apply_chat_template(record["messages"], tokenize=True, return_dict=True,
+                                           return_assistant_tokens_mask=True)
+        tokenized["chat"].append((rendered["input_ids"], rendered["assistant_masks"]))
+    lengths = {"prompt_completion": (8, 40), "chat": (15, 60)}
+    losses = {}
+    for kind, records in tokenized.items():
+        per_record = []
+        for ids, mask in records:
+            low, high = lengths[kind]
+            assert low <= len(ids) <= high and len(mask) == len(ids), (kind, len(ids), tok.decode(ids))
+            per_record.append(record_nll(model, ids, mask))
+        nll, targets = sum(n for n, _ in per_record), sum(t for _, t in per_record)
+        losses[kind] = {"nll": nll, "targets": targets, "mean": nll / targets, "per_record": per_record,
+                        "ids": [ids for ids, _ in records], "mask": [mask for _, mask in records]}
+        print(f"{kind}: {len(records)} records, {targets} targets, mean loss {nll / targets!r}")
+    write_json(HERE / "model_losses.json", losses, depth=3)  # one record a line
+    print(f"{out}: {sorted(p.name for p in out.iterdir())}, {sum(p.stat().st_size for p in out.iterdir())} bytes")
+
+
+def record_nll(model, ids: list, mask: list) -> list:
+    """[summed NLL, targets] of one record alone (batch 1, no padding): labels are the ids
+    where the mask is 1, else -100, and logits[i] predicts labels[i + 1], as transformers
+    shifts them; the sum in float64 from the float32 logits, checked against the mean
+    transformers returns."""
+    import torch
+
+    input_ids = torch.tensor([ids])
+    labels = torch.where(torch.tensor([mask]) == 1, input_ids, -100)
+    with torch.no_grad():
+        out = model(input_ids, labels=labels)
+    assert out.logits.dtype == torch.float32
+    logp = out.logits[0, :-1].double().log_softmax(-1)
+    shifted = labels[0, 1:]
+    kept = shifted != -100
+    targets = int(kept.sum())
+    assert targets > 0, ids
+    nll = float(-logp[kept].gather(-1, shifted[kept][:, None]).sum())
+    assert abs(nll / targets - float(out.loss)) <= 1e-6 * abs(float(out.loss)), (nll / targets, float(out.loss))
+    return [nll, targets]
 
 
 def main() -> None:
@@ -254,6 +378,7 @@ def main() -> None:
     tokenizers["llama-trim"] = {"directory": "llama", "chat_template": LLAMA_TRIM_PLAIN,
                                 "records": goldens("llama", LLAMA_TRIM_PLAIN, LLAMA_TRIM_GENERATION)}
     write_json(HERE / "goldens.json", tokenizers, depth=3)  # one record a line
+    make_model()
 
 
 def check_trl() -> None:
