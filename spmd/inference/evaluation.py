@@ -15,11 +15,11 @@ from spmd.run.loop import MAX_STEPS_IN_FLIGHT, weighted_mean
 from spmd.run.weights import load_params
 
 
-def evaluate(cfg, checkpoint, batches: int | None) -> tuple[float, int, int]:
-    """Mean loss over the targets of `batches` batches (default: all) of `cfg.data`.
-    -> (loss, target tokens, batches)"""
+def evaluate(cfg, checkpoint, batches: int | None, devices=None) -> tuple[float, int, int]:
+    """Mean loss over the targets of `batches` batches (default: all) of `cfg.data`, on
+    `devices` (default: all). -> (loss, target tokens, batches)"""
     start_devices(cfg)
-    layout = make_layout(cfg)
+    layout = make_layout(cfg, devices)
     source = make_source(cfg, layout.skeleton.model_cfg.vocab)
     # Fine-tuning records: every example once, in order, the last batch filled with padding
     # rows (which hold no targets). A token stream: its windows, in the run's order.

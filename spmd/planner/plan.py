@@ -160,8 +160,9 @@ def make_plan(cfg, layout, compiled=None, hardware=None, planned_on: str | None 
         xla["peak"] = xla["argument"] + xla["output"] - xla["alias"] + xla["temp"]
     measured = traffic.step_traffic(hlo.parse(compiled.as_text()), layout.shape)
     rows = compare(measured, theory.collectives(cfg, layout))
-    batch = program.batch_struct
-    batch_bytes = math.prod(batch.sharding.shard_shape(batch.shape)) * batch.dtype.itemsize
+    # The batch's arrays (tokens; of packed rows also segment ids and loss masks), per device.
+    batch_bytes = sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
+                      for a in jax.tree.leaves(program.batch_struct))
     prediction = None
     if hardware is not None:
         prediction = predict(cfg, layout.shape, layout.skeleton.model_cfg,

@@ -1,0 +1,77 @@
+"""Fine-tuning as people do it, against transformers: the records of tests/sft tokenize to
+transformers' ids and masks, spmd.eval's loss over their targets is transformers' on any
+mesh, and a fine-tuning run on chat records lowers that loss, exports, and answers with
+the chat template applied. The goldens come from tests/sft/make_goldens.py (torch and
+transformers, not needed here)."""
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from spmd.config import TrainConfig, validate
+from spmd.data.records import read_examples
+from spmd.data.tokenizer import load_tokenizer_directory
+from spmd.inference.evaluation import evaluate
+
+SFT = Path(__file__).parent / "sft"
+MODEL = SFT / "model"
+GOLDEN = json.loads((SFT / "model_losses.json").read_text())
+DRIVER = Path(__file__).with_name("cli_driver.py")
+FILES = {"prompt_completion": SFT / "prompt_completion.jsonl", "chat": SFT / "chat.jsonl"}
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_records_tokenize_as_transformers_does(name):
+    examples = read_examples(str(FILES[name]), load_tokenizer_directory(str(MODEL)))
+    golden = GOLDEN[name]
+    assert [e.ids.tolist() for e in examples] == golden["ids"]
+    # transformers' mask marks the tokens the labels keep; ours, the same tokens as targets.
+    assert [e.loss.astype(int).tolist() for e in examples] == golden["mask"]
+
+
+@pytest.mark.parametrize("name, mesh", [("prompt_completion", ""), ("prompt_completion", "fsdp=2,tp=2"),
+                                        ("prompt_completion", "sp=2"), ("chat", "dp=2,tp=2")])
+def test_eval_is_transformers_mean_loss_over_the_targets(name, mesh):
+    # float32 throughout on both sides; the sums differ in order only: 1e-5 relative.
+    cfg = validate(TrainConfig(init_from=str(MODEL), data=str(FILES[name]), mesh=mesh, batch=4, seq=64))
+    loss, targets, _ = evaluate(cfg, None, None, jax.devices()[:cfg.mesh_spec.devices])
+    assert targets == GOLDEN[name]["targets"]
+    np.testing.assert_allclose(loss, GOLDEN[name]["mean"], rtol=1e-5)
+
+
+def test_a_chat_fine_tune_lowers_the_loss_exports_and_answers_with_the_template(tmp_path):
+    """Twelve conversations, memorized on dp=2,fsdp=2,tp=2: the exported model, prompted
+    through the chat template, answers with what it was trained on (a prompt rendered
+    otherwise than in training would not bring the answer back)."""
+    shutil.copytree(MODEL, tmp_path / "model")
+    shutil.copy(FILES["chat"], tmp_path / "chat.jsonl")
+    questions = {"What is 2 + 2?": "4.", "Name a fruit.": "An apple.", "Capital of Peru?": "Lima."}
+    commands = [
+        ("spmd.train", "--init-from model --data chat.jsonl --mesh dp=2,fsdp=2,tp=2 --steps 60 --seq 64 --batch 8 "
+                       "--lr 1e-2 --warmup 5 --out run"),
+        ("spmd.export", "--checkpoint run --format hf --out exported"),
+        ("spmd.eval", "--init-from exported --data chat.jsonl --seq 64 --batch 4"),
+        ("spmd.generate", "--init-from exported --chat --max-new-tokens 8 --output answers.jsonl"),
+    ]
+    cases = [{"module": module, "argv": argv.split(), "cwd": str(tmp_path)} for module, argv in commands]
+    for question in questions:
+        cases[-1]["argv"] += ["--prompt", question]
+    done = subprocess.run([sys.executable, str(DRIVER)], input=json.dumps(cases), capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    results = json.loads(done.stdout)
+    for (module, _), result in zip(commands, results):
+        assert result["code"] == 0, f"{module}: {result['stderr'][-2000:]}"
+    trained = float(re.search(r"loss ([0-9.]+) nats/token", results[2]["stdout"]).group(1))
+    assert trained < 0.1 < GOLDEN["chat"]["mean"]
+    answers = [json.loads(line) for line in (tmp_path / "answers.jsonl").read_text().splitlines()]
+    for record, (question, answer) in zip(answers, questions.items()):
+        assert record["completion"].startswith(answer), (question, record["completion"])
+    assert (tmp_path / "exported" / "tokenizer_config.json").is_file()  # the chat template goes with the model
