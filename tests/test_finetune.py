@@ -14,6 +14,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from helpers import one_error_line
 
 from spmd.config import TrainConfig, validate
 from spmd.data.records import read_examples
@@ -75,3 +76,33 @@ def test_a_chat_fine_tune_lowers_the_loss_exports_and_answers_with_the_template(
     for record, (question, answer) in zip(answers, questions.items()):
         assert record["completion"].startswith(answer), (question, record["completion"])
     assert (tmp_path / "exported" / "tokenizer_config.json").is_file()  # the chat template goes with the model
+
+
+def test_bad_records_give_one_error_line_and_exit_2(tmp_path):
+    plain = tmp_path / "plain"  # the model's tokenizer without its chat template
+    plain.mkdir()
+    shutil.copy(MODEL / "tokenizer.json", plain)
+    config = json.loads((MODEL / "tokenizer_config.json").read_text())
+    (plain / "tokenizer_config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "chat_template"}))
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    files = {
+        "no known fields": ([{"question": "a", "answer": "b"}], "line 1: no known fields"),
+        "unknown role": ([{"messages": [{"role": "bot", "content": "hi"}, *chat]}], "line 1: messages[0] has role 'bot'"),
+        "no assistant turn": ([{"messages": chat[:1]}], "line 1: messages have no assistant turn"),
+        "no chat template": ([{"messages": chat}], "has none (chat_template.jinja"),
+        "nothing to train on": ([{"prompt": "word " * 80, "completion": "end"}], "no target tokens"),
+    }
+    cases = []
+    for name, (records, _) in files.items():
+        path = tmp_path / f"{name.replace(' ', '_')}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+        argv = ["--init-from", str(MODEL), "--data", str(path), "--mesh", "dp=1", "--steps", "1", "--seq", "32",
+                "--batch", "1"] + (["--tokenizer", str(plain)] if name == "no chat template" else [])
+        cases.append({"module": "spmd.train", "argv": argv, "cwd": str(tmp_path)})
+    done = subprocess.run([sys.executable, str(DRIVER)], input=json.dumps(cases), capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    for (name, (_, fragment)), result in zip(files.items(), json.loads(done.stdout)):
+        assert result["code"] == 2, (name, result["stderr"][-1000:])
+        line = one_error_line(result["stderr"])
+        assert fragment in line and ".jsonl" in line, (name, line)
