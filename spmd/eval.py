@@ -34,7 +34,8 @@ def eval_parser() -> OneLineErrorParser:
     parser.add_argument("--text-field", type=nonempty, default="text", help="JSONL field / Parquet column of the text")
     parser.add_argument("--token-dtype", choices=TOKEN_DTYPES, default="uint16", help="dtype of raw .bin token files")
     parser.add_argument("--loss-on", choices=LOSS_ON, default="completion",
-                        help="fine-tuning records: the tokens the loss is on (the completion and assistant turns, or all)")
+                        help="fine-tuning records: the tokens the loss is on (the completion and assistant turns, "
+                        "or all)")
     parser.add_argument("--overlong", choices=OVERLONG, default="truncate",
                         help="fine-tuning records: an example longer than --seq + 1 tokens is truncated or split")
     parser.add_argument("--document-mask", action="store_true",

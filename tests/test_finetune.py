@@ -87,7 +87,8 @@ def test_bad_records_give_one_error_line_and_exit_2(tmp_path):
     chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     files = {
         "no known fields": ([{"question": "a", "answer": "b"}], "line 1: no known fields"),
-        "unknown role": ([{"messages": [{"role": "bot", "content": "hi"}, *chat]}], "line 1: messages[0] has role 'bot'"),
+        "unknown role": ([{"messages": [{"role": "bot", "content": "hi"}, *chat]}],
+                         "line 1: messages[0] has role 'bot'"),
         "no assistant turn": ([{"messages": chat[:1]}], "line 1: messages have no assistant turn"),
         "no chat template": ([{"messages": chat}], "has none (chat_template.jinja"),
         "nothing to train on": ([{"prompt": "word " * 80, "completion": "end"}], "no target tokens"),

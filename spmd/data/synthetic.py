@@ -86,7 +86,8 @@ def make_source(cfg, vocab: int):
     tokenizer = load_tokenizer(cfg.tokenizer)
     stream = token_stream(cfg.data, tokenizer, cfg.text_field, cfg.token_dtype, vocab)
     return TokenSource(stream, cfg.seq + 1, cfg.batch, cfg.seed, held_out, name=cfg.data,
-                       tokenizer=cfg.tokenizer or "UTF-8 bytes", document_end=tokenizer.eos if cfg.document_mask else None)
+                       tokenizer=cfg.tokenizer or "UTF-8 bytes",
+                       document_end=tokenizer.eos if cfg.document_mask else None)
 
 
 def global_batch(source, step: int, batch: int, length: int, sharding: jax.sharding.Sharding,

@@ -34,7 +34,8 @@ def evaluate(cfg, checkpoint, batches: int | None, devices=None) -> tuple[float,
     params = load_params(cfg, layout, checkpoint)
     results = []
     for j in range(batches):
-        results.append(evaluate_fn(params, global_batch(source, j, cfg.batch, cfg.seq + 1, layout.batch_sharding, split)))
+        batch = global_batch(source, j, cfg.batch, cfg.seq + 1, layout.batch_sharding, split)
+        results.append(evaluate_fn(params, batch))
         # A bounded queue: hundreds of executions in flight abort XLA:CPU's collectives on
         # emulated devices (seen with ep=2 at 494 batches), as in the training loop.
         if len(results) > MAX_STEPS_IN_FLIGHT:

@@ -136,7 +136,8 @@ def _ring(q, k, v, segments, *, n: int):
         for kc, vc, ki, ks in k_chunks:
             for i, (qc, qi, qs) in enumerate(q_chunks):
                 # A key chunk after the query chunk is hidden by the causal mask: skip it.
-                part = jax.lax.cond(qi >= ki, attend_chunk, lambda qc, *_: flash.nothing(qc), qc, kc, vc, qi, ki, qs, ks)
+                part = jax.lax.cond(qi >= ki, attend_chunk, lambda qc, *_: flash.nothing(qc),
+                                    qc, kc, vc, qi, ki, qs, ks)
                 states[i] = flash.merge(states[i], part)
         return tuple(states)
 
