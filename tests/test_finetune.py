@@ -19,6 +19,7 @@ from helpers import one_error_line
 from spmd.config import TrainConfig, validate
 from spmd.data.records import read_examples
 from spmd.data.tokenizer import load_tokenizer_directory
+from spmd.formats.hf import companions
 from spmd.inference.evaluation import evaluate
 
 SFT = Path(__file__).parent / "sft"
@@ -107,3 +108,10 @@ def test_bad_records_give_one_error_line_and_exit_2(tmp_path):
         assert result["code"] == 2, (name, result["stderr"][-1000:])
         line = one_error_line(result["stderr"])
         assert fragment in line and ".jsonl" in line, (name, line)
+
+
+def test_a_chat_template_file_goes_with_the_model():
+    # transformers 5 keeps a model's template in chat_template.jinja: an export copies it with the tokenizer.
+    found = companions(SFT / "llama", "--init-from")
+    assert found["chat_template.jinja"] == SFT / "llama" / "chat_template.jinja"
+    assert "tokenizer.json" in found

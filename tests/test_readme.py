@@ -4,7 +4,8 @@ working directory: what one example makes (runs/a) a later one reads. A command 
 two pages runs once, where it is first shown.
 
 The files a reader is assumed to have are stand-ins made here: `Llama-3.2-1B` is the
-golden Llama of tests/hf (with its tokenizer), the .jsonl files and `corpus/` are small
+golden Llama of tests/hf (with its tokenizer), `Llama-3.2-1B-Instruct` the tiny chat model
+of tests/sft and chat.jsonl its records, the other .jsonl files and `corpus/` are small
 text. One thing is changed: step counts (`--steps`, `--save-every`, `--eval-every` and a
 step directory in `--resume`) are a hundredth of what is written, and a run that names no
 `--steps` takes 3 instead of its default 300, because every step is the same program and
@@ -95,6 +96,8 @@ def stand_ins(work: Path) -> None:
         (work / name).write_text("".join(json.dumps({"text": text * 8}) + "\n" for _ in range(40)))
     (work / "prompts.jsonl").write_text(json.dumps({"prompt": "the quick brown"}) + "\n"
                                         + json.dumps({"prompt": "a stitch"}) + "\n")
+    shutil.copytree(ROOT / "tests" / "sft" / "model", work / "Llama-3.2-1B-Instruct")  # with a chat template
+    shutil.copy(ROOT / "tests" / "sft" / "chat.jsonl", work / "chat.jsonl")
     (work / "corpus").mkdir()
     for i in range(3):
         (work / "corpus" / f"{i}.txt").write_text(text * 50)

@@ -37,6 +37,7 @@ from spmd.formats.safetensors import Damaged, SafeTensors, Writer
 FLOATS = ("F64", "F32", "F16", "BF16")
 INDEX = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")  # copied with a model
+CHAT_TEMPLATE = "chat_template.jinja"  # a model's chat template as its own file: copied with it too
 GENERATION_CONFIG = "generation_config.json"
 SINGLE = "model.safetensors"
 # What the files beside the weights must hold. An index: where each tensor is (other keys
@@ -223,9 +224,15 @@ def tokenizer_of(directory: str | Path, what: str = "--init-from") -> str | None
 
 
 def companions(directory: str | Path, what: str) -> dict[str, Path]:
-    """The tokenizer and generation files of a model directory that a copy of the model
-    takes along, each checked (a regular file holding a JSON mapping); absent ones left out."""
+    """The tokenizer, chat template and generation files of a model directory that a copy
+    of the model takes along, each checked (a regular file; the JSON ones holding a JSON
+    mapping); absent ones left out."""
     found = {}
+    template = Path(directory) / CHAT_TEMPLATE
+    if file_kind(template) != "missing":
+        if file_kind(template) != "a regular file":
+            raise UserError(f"{what} {directory}: {CHAT_TEMPLATE} is {file_kind(template)}, not a file")
+        found[CHAT_TEMPLATE] = template
     for name in (*TOKENIZER_FILES, GENERATION_CONFIG):
         path = Path(directory) / name
         if file_kind(path) != "missing":
