@@ -299,6 +299,8 @@ def test_packed_source_serves_rows_by_step_whatever_the_processes():
     check_rows(evals, 33)
     assert source.rows_read == 16
     assert source.samples(0, 0, source.eval_samples, "eval").tolist() == list(range(source.eval_samples))
+    past = source.rows(source.eval_samples // 8 + 1, 0, 8, 33, split="eval")
+    assert not past["segments"].any() and not past["loss_mask"].any()  # each held-out row once, then padding
     text = source.describe(32)
     assert text.startswith(f"chats: 200 examples (chatml) packed into {source.train_samples + source.eval_samples} "
                            f"rows of 32, {source.eval_samples} held out, ")

@@ -187,12 +187,11 @@ class PackedSource:
 
     def samples(self, step: int, start: int, stop: int, split: str = "train") -> np.ndarray:
         """The row indices (of the training or the held-out rows) of rows [start, stop) of
-        batch `step`; split "in order": the training rows in order, once (indices past the
-        last are padding rows), for an evaluation that visits every example once."""
+        batch `step`. The held-out rows ("eval") and, for an evaluation that visits every
+        example once, the training rows ("in order") come in order, each once: indices past
+        the last are padding rows, which hold no targets."""
         index = step * self.batch + np.arange(start, stop)
-        if split == "eval":
-            return index % self.eval_samples
-        if split == "in order":
+        if split in ("eval", "in order"):  # each row at most once: past the last, padding rows
             return index
         epochs, positions = np.divmod(index, self.train_samples)
         return np.array([self._order(int(e))[p] for e, p in zip(epochs, positions)], np.int64)

@@ -20,6 +20,7 @@ from spmd.base.console import emit, human_bytes
 from spmd.base.errors import OutputFailed, why_io_failed
 from spmd.base.hardware import peak_tflops, train_flops_per_token
 from spmd.base.signals import StopSignals
+from spmd.data.packing import PackedSource
 from spmd.data.synthetic import Prefetcher, global_batch
 from spmd.formats.checkpoint import finalized_steps, make_meta
 from spmd.parallel.balance import REBALANCE_EVERY
@@ -215,9 +216,12 @@ class Run:
     def evaluate(self, step: int) -> float:
         """Mean loss over the targets of --eval-batches held-out batches (the same ones every time)."""
         cfg, layout = self.cfg, self.layout
+        batches = cfg.eval_batches
+        if isinstance(self.source, PackedSource):  # its held-out examples each at most once
+            batches = min(batches, -(-self.source.eval_samples // cfg.batch))
         results = [self.eval_fn(self.state["params"],
                                 global_batch(self.source, j, cfg.batch, cfg.seq + 1, layout.batch_sharding, "eval"))
-                   for j in range(cfg.eval_batches)]
+                   for j in range(batches)]
         with self.watchdog.waiting(f"evaluation at step {step}"):
             return weighted_mean(jax.device_get(results))[0]
 
