@@ -295,7 +295,7 @@ def test_packed_source_serves_rows_by_step_whatever_the_processes():
     assert len(set(epoch.tolist())) == epoch.size  # an epoch draws each row at most once
     assert source.samples(0, 0, 8).tolist() != PackedSource(examples, 33, 8, seed=8, eval_fraction=0.1) \
         .samples(0, 0, 8).tolist()
-    evals = source.rows(1, 0, source.eval_samples, 33, split="eval")
+    evals = source.rows(0, 0, source.eval_samples, 33, split="eval")
     check_rows(evals, 33)
     assert source.rows_read == 16
     assert source.samples(0, 0, source.eval_samples, "eval").tolist() == list(range(source.eval_samples))
