@@ -1,0 +1,153 @@
+"""The loss of a batch: what the model reads of it, the next-token cross-entropy over the
+targets that count, and what an MoE model adds to what is minimized.
+
+A batch is token rows (batch, seq + 1), or packed rows (fine-tuning data): a dict of such
+arrays, `tokens`, `segments` (1, 2, ... per example, 0 for padding) and `loss_mask` (a
+token is trained as the prediction from the token before it). A target counts when the
+mask says so and it belongs to the same example as its input; attention stays inside each
+example (models.attention.Packing), whose positions restart at 0. The loss is the mean
+over the target tokens of the whole step, not a mean of per-row or per-microbatch means:
+each part of a step (a microbatch, an accumulation shard, a pipeline round) divides its
+sum by its share of the step's count (`denominator`), so that the parts' means compose.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.attention import Packing
+from spmd.parallel.skeleton import model_config
+
+
+class AuxLosses(NamedTuple):
+    """What an MoE model adds to the loss it minimizes: the load-balancing loss, in its
+    form (`models.moe.MoEConfig.balance_loss`), and the router z-loss, with their weights."""
+
+    balance: str = "sequence"
+    aux_weight: float = 0.0
+    z_weight: float = 0.0
+
+
+def aux_losses(cfg) -> AuxLosses:
+    """The run's: its flags where given, else the model's own definition and weights."""
+    moe = model_config(cfg).moe
+    if moe is None:
+        return AuxLosses()
+    pick = lambda given, own: own if given is None else given  # noqa: E731
+    return AuxLosses(pick(cfg.balance_loss, moe.balance_loss), pick(cfg.aux_loss_weight, moe.aux_loss_weight),
+                     pick(cfg.z_loss_weight, moe.z_loss_weight))
+
+
+class Columns(NamedTuple):
+    """A batch as the model reads it, in the column order sp lays out."""
+
+    inputs: jax.Array  # (b, seq)
+    targets: jax.Array  # (b, seq)
+    positions: np.ndarray  # (seq,) the columns' order: a constant, so that a kernel can see it is 0, 1, 2, ...
+    packing: Packing | None  # packed rows' examples (models.attention.Packing), else None
+    weights: jax.Array | None  # (b, seq) float32: 1 for the targets that count, else None (all count)
+
+
+def target_weights(rows: dict) -> jax.Array:
+    """(b, seq) float32: which next-token targets of packed rows count (module docstring)."""
+    segments, mask = rows["segments"], rows["loss_mask"]
+    same = (segments[:, 1:] == segments[:, :-1]) & (segments[:, :-1] > 0)
+    return (same & (mask[:, 1:] != 0)).astype(jnp.float32)
+
+
+def target_count(rows) -> jax.Array:
+    """The number of targets that count in a batch (at least 1: a batch of padding adds nothing)."""
+    if not isinstance(rows, dict):
+        return jnp.asarray(rows.shape[0] * (rows.shape[1] - 1), jnp.float32)
+    return jnp.maximum(jnp.sum(target_weights(rows)), 1.0)
+
+
+def _example_positions(segments: jax.Array) -> jax.Array:
+    """Each token's position inside its example: its index less that of the example's first token."""
+    index = jnp.arange(segments.shape[1], dtype=jnp.int32)
+    starts = jnp.concatenate([jnp.ones_like(segments[:, :1], bool), segments[:, 1:] != segments[:, :-1]], axis=1)
+    return index - jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
+
+
+def _columns(rows, order: np.ndarray | None) -> Columns:
+    """`rows` (token rows (b, seq + 1), or packed rows' dict) as the model reads them,
+    in `order` (a permutation of the columns, or None)."""
+    tokens = rows["tokens"] if isinstance(rows, dict) else rows
+    inputs, targets, positions = tokens[:, :-1], tokens[:, 1:], np.arange(tokens.shape[1] - 1)
+    packing = weights = None
+    if isinstance(rows, dict):
+        segments = rows["segments"][:, :-1]
+        packing, weights = Packing(segments, _example_positions(segments)), target_weights(rows)
+    if order is not None:
+        inputs, targets, positions = inputs[:, order], targets[:, order], positions[order]
+        if packing is not None:
+            packing = Packing(packing.segments[:, order], packing.positions[:, order])
+            weights = weights[:, order]
+    return Columns(inputs, targets, positions, packing, weights)
+
+
+def _loss(graphdef, params, rows, order: np.ndarray | None = None, aux: AuxLosses = AuxLosses(),
+          router: dict | None = None, denominator=None) -> tuple[jax.Array, dict]:
+    """The loss to minimize and the step's metrics, for token rows (b, seq + 1) or packed rows.
+
+    `loss` is the mean next-token cross-entropy; an MoE model adds its load-balancing and
+    router z-losses (`aux`) to what is minimized. Every metric is a mean
+    over sequences, so means over equal microbatches compose; with packed rows the loss is
+    the sum over the counted targets over `denominator` (the step's count, scaled to this
+    part of it, so that the parts' means compose too). `order`: the columns' order
+    for the model (a permutation of the positions); the mean is that of any order.
+    `router`: the MoE layers' router state, if the model keeps one (spmd.parallel.balance)."""
+    model = nnx.merge(graphdef, params, router) if router else nnx.merge(graphdef, params)
+    columns = _columns(rows, order)
+    logits, moe_stats = model.forward(columns.inputs, columns.positions, columns.packing)
+    return _objective(logits, columns.targets, moe_stats, aux, columns.weights, denominator)
+
+
+def _objective(logits, targets, moe_stats: dict, aux: AuxLosses, weights=None, denominator=None
+               ) -> tuple[jax.Array, dict]:
+    targets = jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype)
+    # One-hot rather than a gather: the vocab dimension may be split over tp.
+    picked = jnp.sum(logits * targets, axis=-1)
+    losses = jax.nn.logsumexp(logits, axis=-1) - picked
+    if weights is None:
+        loss = jnp.mean(losses)
+    else:
+        loss = jnp.sum(losses * weights) / (jnp.sum(weights) if denominator is None else denominator)
+    if not moe_stats:
+        return loss, {"loss": loss}
+    metrics = {"loss": loss, **_moe_metrics(moe_stats, aux.balance)}
+    return loss + aux.aux_weight * metrics["aux_loss"] + aux.z_weight * metrics["z_loss"], metrics
+
+
+def _moe_metrics(moe_stats: dict, balance_loss: str) -> dict:
+    """The MoE layers' statistics (each with a leading layer axis) as step metrics.
+
+    The balance loss "sequence" is the mean over layers of each layer's per-sequence loss;
+    "pooled" is transformers' (Mixtral, Qwen-MoE `load_balancing_loss_func`): experts x
+    sum_e c_e P_e with c_e the choices of e per token and P_e its mean probability, both
+    over every token of the batch in every MoE layer (no division by top-k: 1 x top-k when
+    balanced)."""
+    loads = {name: moe_stats[name] for name in ("expert_load", "slot_load") if name in moe_stats}
+    if balance_loss == "pooled":
+        choices, prob = (jnp.mean(moe_stats[name], axis=0) for name in ("choices_per_token", "router_prob"))
+        balance = choices.shape[-1] * jnp.sum(choices * prob)
+    else:
+        balance = jnp.mean(moe_stats["balance_loss"])
+    return {"aux_loss": balance, "z_loss": jnp.mean(moe_stats["z_loss"]), "dropped": jnp.mean(moe_stats["dropped"]),
+            **loads}
+
+
+def _aux_weights_per_layer(aux: AuxLosses, moe_layers: int):
+    """What each MoE layer's statistics add to what is minimized, per unit of the loss
+    (`_objective` takes their means over the model's `moe_layers`): the per-sequence form
+    only, which is a sum of per-layer terms (spmd.run.config refuses the pooled form here)."""
+    scale = {"balance_loss": aux.aux_weight, "z_loss": aux.z_weight}
+
+    def weights(stats: dict) -> dict:
+        return {name: jnp.full_like(x, scale.get(name, 0.0) / moe_layers) for name, x in stats.items()}
+    return weights
