@@ -72,8 +72,8 @@ def documents(kind: str, files: Sequence[Path], text_field: str) -> Iterator[str
             yield from _parquet_texts(file, text_field)
 
 
-_JSON_TYPES = {type(None): "null", bool: "a boolean", int: "a number", float: "a number", list: "an array",
-               dict: "an object"}
+_JSON_TYPES = {type(None): "null", str: "a string", bool: "a boolean", int: "a number", float: "a number",
+               list: "an array", dict: "an object"}
 
 
 def jsonl_texts(file: Path, field: str, flag: str = "--data", field_flag: str | None = "--text-field") -> Iterator[str]:
@@ -89,16 +89,24 @@ def jsonl_texts(file: Path, field: str, flag: str = "--data", field_flag: str | 
             raise UserError(f"{flag} {file}, line {number}: {exc}") from None
         if not isinstance(record, dict) or field not in record:
             raise UserError(f"{flag} {file}, line {number}: no text field {field!r}{hint}")
-        text = record[field]
-        if not isinstance(text, str):
-            raise UserError(f"{flag} {file}, line {number}: the text field {field!r} is "
-                            f"{_JSON_TYPES.get(type(text), type(text).__name__)}, not a string")
-        try:
-            text.encode()
-        except UnicodeEncodeError as exc:  # an escape like "\ud800": a lone surrogate is no character
-            raise UserError(f"{flag} {file}, line {number}: the text field {field!r} holds a lone surrogate "
-                            f"({text[exc.start]!r}), which is no Unicode text") from None
-        yield text
+        yield checked_text(record[field], f"{flag} {file}, line {number}", f"the text field {field!r}")
+
+
+def json_kind(value) -> str:
+    """What a JSON value is, for a message: "null", "a number", "an array", ..."""
+    return _JSON_TYPES.get(type(value), type(value).__name__)
+
+
+def checked_text(value, where: str, what: str) -> str:
+    """`value` if it is Unicode text; else one line naming `where` (a file and line) and `what` (its field)."""
+    if not isinstance(value, str):
+        raise UserError(f"{where}: {what} is {json_kind(value)}, not a string")
+    try:
+        value.encode()
+    except UnicodeEncodeError as exc:  # an escape like "\ud800": a lone surrogate is no character
+        raise UserError(f"{where}: {what} holds a lone surrogate ({value[exc.start]!r}), "
+                        f"which is no Unicode text") from None
+    return value
 
 
 def _parquet_texts(file: Path, field: str) -> Iterator[str]:

@@ -38,7 +38,7 @@ from spmd.base.cli import LOSS_ON
 from spmd.base.errors import UserError, first_line, optional_module
 from spmd.base.paths import read_text
 from spmd.base.schema import Invalid, loads, read_json
-from spmd.data.corpus import data_files
+from spmd.data.corpus import checked_text, data_files, json_kind
 from spmd.data.tokenizer import CONFIG_LIMIT, TokenizerDirectory
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -168,31 +168,15 @@ def example(record: dict, where: str, tokenizer, loss_on: str = "completion") ->
         raise UserError(f"--loss-on {loss_on}: choose {' or '.join(LOSS_ON)}")
     found = record_format(record, where)
     if found == "text":
-        ids, loss = _text(_string(record["text"], "text", where), tokenizer, where)
+        ids, loss = _text(checked_text(record["text"], where, "text"), tokenizer, where)
     elif found == "prompt/completion" and not isinstance(record["prompt"], list):
-        prompt = _string(record["prompt"], "prompt", where)
-        ids, start = _prompt_completion(prompt, _string(record["completion"], "completion", where), tokenizer, where)
+        prompt = checked_text(record["prompt"], where, "prompt")
+        completion = checked_text(record["completion"], where, "completion")
+        ids, start = _prompt_completion(prompt, completion, tokenizer, where)
         loss = np.arange(ids.size) >= start
     else:
         ids, loss = _chat(record, where, tokenizer, conversational_prompt=found == "prompt/completion")
     return Example(ids.astype(np.int32), np.ones(ids.size, bool) if loss_on == "all" else loss)
-
-
-def _string(value, field: str, where: str) -> str:
-    if not isinstance(value, str):
-        raise UserError(f"{where}: {field} is {_kind(value)}, not a string")
-    try:
-        value.encode()
-    except UnicodeEncodeError as exc:  # an escape like "\ud800": a lone surrogate is no character
-        raise UserError(f"{where}: {field} holds a lone surrogate ({value[exc.start]!r}), "
-                        f"which is no Unicode text") from None
-    return value
-
-
-def _kind(value) -> str:
-    names = {type(None): "null", str: "a string", bool: "a boolean", int: "a number", float: "a number", list: "a list",
-             dict: "an object"}
-    return names.get(type(value), type(value).__name__)
 
 
 def _eos_token(tokenizer, where: str) -> str:
@@ -241,16 +225,16 @@ def _common_prefix(prompt: np.ndarray, ids: np.ndarray) -> int:
 
 def _messages(value, field: str, where: str) -> list[dict]:
     if not isinstance(value, list):
-        raise UserError(f"{where}: {field} is {_kind(value)}, not a list of messages")
+        raise UserError(f"{where}: {field} is {json_kind(value)}, not a list of messages")
     if not value:
         raise UserError(f"{where}: {field} is an empty list")
     for n, message in enumerate(value):
         if not isinstance(message, dict):
-            raise UserError(f"{where}: {field}[{n}] is {_kind(message)}, not a message object")
+            raise UserError(f"{where}: {field}[{n}] is {json_kind(message)}, not a message object")
         role = message.get("role")
         if role not in ROLES:
             raise UserError(f"{where}: {field}[{n}] has role {role!r}; roles are {', '.join(ROLES)}")
-        _string(message.get("content"), f"{field}[{n}].content", where)
+        checked_text(message.get("content"), where, f"{field}[{n}].content")
     return value
 
 
@@ -282,7 +266,7 @@ def _chat(record: dict, where: str, tokenizer, conversational_prompt: bool) -> t
         except Invalid as exc:
             raise UserError(f"{where}: tools: {exc}") from None
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
-        raise UserError(f"{where}: tools is {_kind(tools)}, not a list of objects")
+        raise UserError(f"{where}: tools is {json_kind(tools)}, not a list of objects")
     render = functools.partial(template.render, variables=tokenizer.special_tokens, where=where, tools=tools)
     if conversational_prompt:  # TRL: the loss starts after the prompt rendered with its generation prompt
         prompt = _messages(record["prompt"], "prompt", where)
