@@ -138,7 +138,7 @@ def chat(*turns):
     (chat(("user", "hi"), ("robot", "beep")), r"messages\[1\] has role 'robot'; roles are system, user, assistant"),
     (chat(("system", "s"), ("user", "hi")), r"no assistant turn"),
     ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ["a", "list"]}]},
-     r"messages\[1\]\.content is a list, not a string"),
+     r"messages\[1\]\.content is an array, not a string"),
     ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}]},
      r"messages\[1\]\.content is null, not a string"),
     ({"messages": []}, r"messages is an empty list"),
