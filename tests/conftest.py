@@ -10,13 +10,17 @@ values is tested once per kind of model (test_sharding).
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import shutil  # noqa: E402
 import tempfile  # noqa: E402
 
 # Tests build many programs that XLA has compiled before in this session (another test's
 # identical step, the same one-device initializer on each worker): one persistent
 # compilation cache, shared by the workers of a run and their subprocesses, loads them.
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
-    tempfile.gettempdir(), f"spmd-tests-jax-cache-{os.environ.get('PYTEST_XDIST_TESTRUNUID', os.getpid())}"))
+# The process that starts the run makes it (the workers inherit its environment) and
+# removes it at the end (pytest_unconfigure).
+_OWN_CACHE = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _OWN_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="spmd-tests-jax-cache-")
 
 # The tests compile unoptimized CPU code, in this process and in the CLI's subprocesses:
 # most of XLA:CPU's compile time is LLVM optimizing the code, while what the tests check
@@ -128,6 +132,11 @@ def train_run(mesh: str, devices: int, *, cached: bool = True, **overrides) -> R
 @pytest.fixture(scope="session")
 def reference() -> Run:
     return train_run("", 1)
+
+
+def pytest_unconfigure(config):
+    if _OWN_CACHE and not hasattr(config, "workerinput"):  # the run's own process, not an xdist worker
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(items):
