@@ -93,11 +93,9 @@ def _one_per_row(layers: int):
 @pytest.mark.parametrize("mesh, devices, overrides", [
     ("", 1, dict(attention_kernel="xla")),
     ("", 1, dict(attention_kernel="chunked")),
-    ("dp=2,tp=2", 4, dict(attention_kernel="chunked")),
     ("sp=2", 2, dict(attention_kernel="chunked")),
     ("sp=4", 4, dict(attention_kernel="xla")),
-    ("sp=2", 2, dict(attention_kernel="xla", attention="all-gather")),
-    ("fsdp=2,sp=2", 4, dict(attention_kernel="chunked", attention="all-gather")),
+    ("dp=2,sp=2", 4, dict(attention_kernel="xla", attention="all-gather")),
     # Pipelines: the stages read each microbatch's examples; the head counts its targets.
     ("pp=2,dp=2", 4, dict(microbatches=4)),
     ("pp=2,dp=2", 4, dict(pp_schedule="1f1b", microbatches=2, grad_accum=2)),
