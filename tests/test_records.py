@@ -16,7 +16,7 @@ from spmd.base.errors import UserError
 from spmd.data.chat import ChatTemplate
 from spmd.data.corpus import TokenSource
 from spmd.data.packing import PackedSource, best_fit_decreasing, pack, positions
-from spmd.data.records import Example, example, read_examples, text_examples
+from spmd.data.records import Example, example, fine_tuning_format, read_examples, text_examples
 from spmd.data.tokenizer import ByteTokenizer, TokenizerDirectory, load_tokenizer, load_tokenizer_directory
 
 SFT = Path(__file__).parent / "sft"
@@ -341,3 +341,12 @@ def test_document_mask_gives_each_document_of_the_stream_its_segment():
         assert list(segments) == list(want)
     assert rows["loss_mask"].all() and source.packed
     assert not TokenSource(stream, 6, 2, seed=0).packed
+
+
+def test_records_of_other_fields_are_text_for_the_token_stream(tmp_path):
+    # --text-field names any field: only messages, or a prompt with a completion, are fine-tuning records.
+    (tmp_path / "a.jsonl").write_text(json.dumps({"content": "some text"}) + "\n")
+    (tmp_path / "b.jsonl").write_text(json.dumps({"prompt": "a", "completion": None, "messages": None}) + "\n")
+    (tmp_path / "c.jsonl").write_text("\n" + json.dumps({"prompt": "a", "completion": "b"}) + "\n")
+    assert [fine_tuning_format(str(tmp_path / n)) for n in ("a.jsonl", "b.jsonl", "c.jsonl")] == \
+        [None, None, "prompt/completion"]

@@ -82,7 +82,7 @@ def file_records(kind: str, file: Path) -> Iterator[tuple[str, dict]]:
     if kind == "text":
         yield f"--data {file}", {"text": read_text(file)}
     elif kind == "jsonl":
-        for number, line in enumerate(read_text(file).splitlines(), 1):
+        for number, line in enumerate(_lines(file), 1):
             if not line.strip():
                 continue
             where = f"--data {file}, line {number}"
@@ -98,12 +98,12 @@ def file_records(kind: str, file: Path) -> Iterator[tuple[str, dict]]:
         # An optional dependency (spmd[data]): imported when a Parquet file is read.
         import pyarrow.parquet as pq
 
-        try:
-            table = pq.read_table(file)
+        try:  # a row group at a time: the first record is read without the rest
+            batches = pq.ParquetFile(file).iter_batches()
         except Exception as exc:  # pyarrow's own error types
             raise UserError(f"--data {file}: not a readable Parquet file ({exc})") from None
         row = 0
-        for batch in table.to_batches():
+        for batch in batches:
             for record in batch.to_pylist():
                 yield f"--data {file}, row {row}", record
                 row += 1
@@ -115,6 +115,17 @@ def file_records(kind: str, file: Path) -> Iterator[tuple[str, dict]]:
             raise UserError(f"--data {file}: not a readable datasets folder ({first_line(exc)})") from None
         for row, record in enumerate(dataset):
             yield f"--data {file}, row {row}", record
+
+
+def _lines(file: Path) -> Iterator[str]:
+    """A UTF-8 text file's lines, read as they are needed (a first record without the rest)."""
+    try:
+        with open(file, encoding="utf-8") as f:
+            yield from (line.rstrip("\n") for line in f)
+    except UnicodeDecodeError:  # its position is in the piece being decoded, not the file
+        raise UserError(f"--data {file}: not UTF-8 text") from None
+    except OSError as exc:
+        raise UserError(f"--data {file} cannot be read: {exc.strerror or exc}") from None
 
 
 def record_format(record: dict, where: str) -> str:
@@ -133,14 +144,14 @@ def record_format(record: dict, where: str) -> str:
 
 def fine_tuning_format(path: str) -> str | None:
     """'messages' or 'prompt/completion' when `path` holds fine-tuning records (its first
-    record says), else None: text and token files are read as a token stream
-    (spmd.data.corpus). Reads one record."""
+    record says), else None: text (any field, --text-field) and token files are read as a
+    token stream (spmd.data.corpus). Reads one record."""
     kind, files = data_files(path) if not _is_datasets_folder(Path(path)) else ("datasets", [Path(path)])
     if kind not in ("jsonl", "parquet", "datasets"):
         return None
     for where, record in file_records(kind, files[0]):
-        found = record_format(record, where)
-        return found if found != "text" else None
+        given = {k for k, v in record.items() if v is not None}
+        return "messages" if "messages" in given else "prompt/completion" if {"prompt", "completion"} <= given else None
     return None
 
 
