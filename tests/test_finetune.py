@@ -87,7 +87,8 @@ def test_bad_records_give_one_error_line_and_exit_2(tmp_path):
     (plain / "tokenizer_config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "chat_template"}))
     chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     files = {
-        "no known fields": ([{"question": "a", "answer": "b"}], "line 1: no known fields"),
+        "no known fields": ([{"question": "a", "answer": "b"}], "line 1: no text field 'text' (--text-field), nor "
+                                                                "the fields of a fine-tuning record"),
         "unknown role": ([{"messages": [{"role": "bot", "content": "hi"}, *chat]}],
                          "line 1: messages[0] has role 'bot'"),
         "no assistant turn": ([{"messages": chat[:1]}], "line 1: messages have no assistant turn"),

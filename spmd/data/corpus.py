@@ -79,7 +79,9 @@ _JSON_TYPES = {type(None): "null", str: "a string", bool: "a boolean", int: "a n
 def jsonl_texts(file: Path, field: str, flag: str = "--data", field_flag: str | None = "--text-field") -> Iterator[str]:
     """The string `field` of each record of a JSONL file; anything else is refused naming
     the line (`flag`: the option that named the file; `field_flag`: the one that names the field)."""
-    hint = f" ({field_flag})" if field_flag else ""
+    # Training data may also be fine-tuning records (spmd.data.records), which the first record's fields announce.
+    hint = (f" ({field_flag}), nor the fields of a fine-tuning record ('messages', or 'prompt' and 'completion')"
+            if field_flag else "")
     for number, line in enumerate(read_text(file, flag).splitlines(), 1):
         if not line.strip():
             continue
