@@ -1,5 +1,7 @@
 """`python -m spmd.corpus --data DIR --out tokens.npy`: tokenize a text corpus once, into a
-token file to train from (the library: spmd.data.corpus)."""
+token file to train from (the library: spmd.data.corpus); or, with `--seq`, tokenize and
+pack fine-tuning records once into rows to train from with the same --seq
+(spmd.data.packed_file)."""
 
 from __future__ import annotations
 
@@ -7,9 +9,10 @@ import functools
 import sys
 from collections.abc import Sequence
 
-from spmd.base.cli import OneLineErrorParser, nonempty
+from spmd.base.cli import LOSS_ON, OVERLONG, OneLineErrorParser, check_bounds, integer, nonempty
 from spmd.base.errors import EXIT_OUTPUT_FAILED, UserError, one_line_errors
 from spmd.base.paths import Output, claim
+from spmd.base.schema import Bounds
 from spmd.base.signals import STOPPED
 from spmd.base.signals import serve as serve_signals
 
@@ -18,10 +21,18 @@ def corpus_parser() -> OneLineErrorParser:
     parser = OneLineErrorParser(prog="python -m spmd.corpus", description=main.__doc__.splitlines()[0])
     parser.add_argument("--data", type=nonempty, required=True, help="text file or folder (.txt, .jsonl, .parquet)")
     parser.add_argument("--tokenizer", type=nonempty,
-                        help="SentencePiece .model or Hugging Face tokenizer.json (default: bytes)")
+                        help="SentencePiece .model, Hugging Face tokenizer.json, or a tokenizer directory (fine-tuning "
+                        "records: their chat template too); default: bytes")
     parser.add_argument("--text-field", type=nonempty, default="text", help="JSONL/Parquet field holding the text")
     parser.add_argument("--out", type=nonempty, required=True,
                         help="the .npy file to write (its directory is made if needed)")
+    parser.add_argument("--seq", type=integer, help="fine-tuning records: pack them into rows of --seq + 1 tokens, "
+                        "to train with the same --seq (--tokenizer: their tokenizer directory)")
+    parser.add_argument("--loss-on", choices=LOSS_ON, default="completion",
+                        help="fine-tuning records: the tokens the loss is on (the completion and assistant turns, "
+                        "or all)")
+    parser.add_argument("--overlong", choices=OVERLONG, default="truncate",
+                        help="fine-tuning records: an example longer than --seq + 1 tokens is truncated or split")
     return parser
 
 
@@ -31,8 +42,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = corpus_parser()
     with one_line_errors():
         args = parser.parse_args(argv)
+        check_bounds(args, {"seq": Bounds(at_least=1)})
         # The library is imported once signals are served, before numpy starts its threads.
         from spmd.data.corpus import data_files, token_stream, write_npy
+        from spmd.data.records import fine_tuning_format
         from spmd.data.tokenizer import load_tokenizer
 
         # Before reading anything: tokenizing a large corpus to fail at the end is no use.
@@ -42,16 +55,43 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise UserError("--out must name a .npy file")
         if data_files(args.data)[0] == "tokens":
             raise UserError(f"--data {args.data} holds token files already")
-        tokens = token_stream(args.data, load_tokenizer(args.tokenizer), args.text_field)
+        if fine_tuning_format(args.data):
+            array, wrote = _packed(args)
+        elif args.seq is not None:
+            raise UserError(f"--seq packs fine-tuning records; --data {args.data} holds text (it becomes one token "
+                            f"stream, cut into rows as training reads it)")
+        else:
+            array = token_stream(args.data, load_tokenizer(args.tokenizer), args.text_field)
+            wrote = f"{array.size:,} {array.dtype} tokens"
     try:
-        out.write(functools.partial(write_npy, tokens=tokens))
+        out.write(functools.partial(write_npy, tokens=array))
     except OSError as exc:
         print(f"error: {out.failed(exc)}", file=sys.stderr, flush=True)
         return EXIT_OUTPUT_FAILED
-    # The token file may be this command's stdout (--out /dev/stdout): the line then goes to stderr.
-    print(f"wrote {tokens.size:,} {tokens.dtype} tokens to {args.out}",
-          file=sys.stderr if out.to_stdout else sys.stdout)
+    # The file may be this command's stdout (--out /dev/stdout): the line then goes to stderr.
+    print(f"wrote {wrote} to {args.out}", file=sys.stderr if out.to_stdout else sys.stdout)
     return 0
+
+
+def _packed(args):
+    """The records of `args.data` packed into rows (spmd.data.packed_file.PACKED), in order."""
+    # The library is imported once signals are served, as in main.
+    import numpy as np
+
+    from spmd.data.packed_file import as_packed
+    from spmd.data.stream import packed_rows, record_source
+
+    if args.seq is None:
+        raise UserError(f"--data {args.data} holds fine-tuning records: give --seq to pack them into rows "
+                        f"(and train with the same --seq)")
+    source = record_source(args.data, args.tokenizer, args.seq + 1, batch=1024, loss_on=args.loss_on,
+                           overlong=args.overlong)
+    try:
+        batches, targets = packed_rows(source)
+    finally:
+        source.close()
+    rows = np.concatenate([as_packed(b) for b in batches])
+    return rows, f"{len(rows):,} rows of {args.seq} ({targets:,} target tokens; {len(source.index):,} examples)"
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import pytest
 from helpers import one_error_line
 
 from spmd.config import TrainConfig, validate
-from spmd.data.records import read_examples
+from spmd.data.index import read_examples
 from spmd.data.tokenizer import load_tokenizer_directory
 from spmd.formats.hf import companions
 from spmd.inference.evaluation import evaluate
@@ -38,11 +38,29 @@ def test_records_tokenize_as_transformers_does(name):
     assert [e.loss.astype(int).tolist() for e in examples] == golden["mask"]
 
 
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory) -> Path:
+    """prompt_completion.jsonl packed once by `python -m spmd.corpus --seq 64`."""
+    out = tmp_path_factory.mktemp("packed") / "prompt_completion.npy"
+    case = {"module": "spmd.corpus", "argv": ["--data", str(FILES["prompt_completion"]), "--tokenizer", str(MODEL),
+                                              "--seq", "64", "--out", str(out)], "cwd": str(out.parent)}
+    done = subprocess.run([sys.executable, str(DRIVER)], input=json.dumps([case]), capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout)[0]
+    assert result["code"] == 0 and f"({GOLDEN['prompt_completion']['targets']:,} target tokens;" in result["stdout"], \
+        result
+    return out
+
+
 @pytest.mark.parametrize("name, mesh", [("prompt_completion", ""), ("prompt_completion", "fsdp=2,tp=2"),
-                                        ("prompt_completion", "sp=2"), ("chat", "dp=2,tp=2")])
-def test_eval_is_transformers_mean_loss_over_the_targets(name, mesh):
+                                        ("prompt_completion", "sp=2"), ("chat", "dp=2,tp=2"),
+                                        ("pre-packed prompt_completion", "dp=2")])
+def test_eval_is_transformers_mean_loss_over_the_targets(name, mesh, request):
     # float32 throughout on both sides; the sums differ in order only: 1e-5 relative.
-    cfg = validate(TrainConfig(init_from=str(MODEL), data=str(FILES[name]), mesh=mesh, batch=4, seq=64))
+    data = request.getfixturevalue("packed") if name.startswith("pre-packed") else FILES[name]
+    name = name.removeprefix("pre-packed ")
+    cfg = validate(TrainConfig(init_from=str(MODEL), data=str(data), mesh=mesh, batch=4, seq=64))
     loss, targets, _ = evaluate(cfg, None, None, jax.devices()[:cfg.mesh_spec.devices])
     assert targets == GOLDEN[name]["targets"]
     np.testing.assert_allclose(loss, GOLDEN[name]["mean"], rtol=1e-5)
@@ -102,13 +120,22 @@ def test_bad_records_give_one_error_line_and_exit_2(tmp_path):
         argv = ["--init-from", str(MODEL), "--data", str(path), "--mesh", "dp=1", "--steps", "1", "--seq", "32",
                 "--batch", "1"] + (["--tokenizer", str(plain)] if name == "no chat template" else [])
         cases.append({"module": "spmd.train", "argv": argv, "cwd": str(tmp_path)})
+    # Packing once with spmd.corpus needs the rows' length, and is for records only.
+    (tmp_path / "text.txt").write_text("some text")
+    corpus = {"records without --seq": (["--data", str(FILES["chat"]), "--tokenizer", str(MODEL), "--out", "p.npy"],
+                                        "chat.jsonl holds fine-tuning records: give --seq"),
+              "text with --seq": (["--data", "text.txt", "--seq", "64", "--out", "p.npy"],
+                                  "--seq packs fine-tuning records; --data text.txt holds text")}
+    files |= {name: (None, fragment) for name, (_, fragment) in corpus.items()}
+    cases += [{"module": "spmd.corpus", "argv": argv, "cwd": str(tmp_path)} for argv, _ in corpus.values()]
     done = subprocess.run([sys.executable, str(DRIVER)], input=json.dumps(cases), capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
+    assert not (tmp_path / "p.npy").exists()
     for (name, (_, fragment)), result in zip(files.items(), json.loads(done.stdout)):
         assert result["code"] == 2, (name, result["stderr"][-1000:])
         line = one_error_line(result["stderr"])
-        assert fragment in line and ".jsonl" in line, (name, line)
+        assert fragment in line and (".jsonl" in line or "text.txt" in line), (name, line)
 
 
 def test_a_chat_template_file_goes_with_the_model():

@@ -8,19 +8,22 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from helpers import snapshot
 
-from spmd.formats.checkpoint import finalized_steps
+from spmd.formats.checkpoint import finalized_steps, read_meta
+
+SFT = Path(__file__).parent / "sft"
 
 FAST = ["--batch", "8", "--seq", "32", "--log-every", "1"]
 
 
-def _start(*args):
+def _start(*args, session: bool = False):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     return subprocess.Popen([sys.executable, "-m", "spmd.train", *FAST, *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=session)
 
 
 def _wait_for_line(proc, prefix: str, timeout: float = 120) -> list[str]:
@@ -38,9 +41,13 @@ def _wait_for_line(proc, prefix: str, timeout: float = 120) -> list[str]:
 
 
 def test_sigterm_finishes_the_step_saves_and_exits_0(tmp_path):
-    proc = _start("--steps", "100000", "--out", str(tmp_path))
+    """As a scheduler stops a job: SIGTERM to every process of it, the data's worker
+    processes too (which leave the stop to the trainer, then end with it). The checkpoint
+    holds where the records' rows of its step begin."""
+    proc = _start("--steps", "100000", "--out", str(tmp_path), "--init-from", str(SFT / "model"), "--data",
+                  str(SFT / "chat.jsonl"), "--data-workers", "1", session=True)
     _wait_for_line(proc, "[")  # training has started
-    proc.send_signal(signal.SIGTERM)
+    os.killpg(proc.pid, signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     assert "SIGTERM: finishing this step" in err
@@ -48,6 +55,16 @@ def test_sigterm_finishes_the_step_saves_and_exits_0(tmp_path):
     assert stopped, out
     step = int(stopped[0].split("after step ")[1].split(";")[0])
     assert finalized_steps(tmp_path) == [step]
+    assert read_meta(tmp_path, step)["data"]["records"] == 12
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # the workers end with the trainer
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.2)
+    else:
+        raise AssertionError("processes of the run outlived it")
 
 
 def test_a_second_sigint_aborts_at_once(tmp_path):

@@ -15,9 +15,13 @@ import pytest
 from spmd.base.errors import UserError
 from spmd.data.chat import ChatTemplate
 from spmd.data.corpus import TokenSource
-from spmd.data.packing import PackedSource, best_fit_decreasing, pack, positions
-from spmd.data.records import Example, example, fine_tuning_format, read_examples, text_examples
+from spmd.data import stream
+from spmd.data.index import RecordIndex, read_examples
+from spmd.data.packing import best_fit_decreasing, pack, positions
+from spmd.data.records import Example, example, fine_tuning_format, text_examples
+from spmd.data.stream import RecordSource
 from spmd.data.tokenizer import ByteTokenizer, TokenizerDirectory, load_tokenizer, load_tokenizer_directory
+from spmd.data.workers import Tokenizing
 
 SFT = Path(__file__).parent / "sft"
 GOLDENS = json.loads((SFT / "goldens.json").read_text())
@@ -282,40 +286,89 @@ def test_no_target_tokens_is_refused():
         pack([Example(np.arange(1, 5, dtype=np.int32), np.array([False, False, True, True]))], 2)
 
 
-def test_packed_source_serves_rows_by_step_whatever_the_processes():
-    examples = random_examples(200, 40, seed=2)
-    source = PackedSource(examples, 33, batch=8, seed=7, eval_fraction=0.1, name="chats", tokenizer="chatml")
-    assert source.train.examples == 180 and source.eval.examples == 20
+def pc_records(count: int, seed: int = 0) -> list[dict]:
+    """Prompt/completion records of 1 to 12 words each."""
+    rng = np.random.default_rng(seed)
+    say = lambda: " ".join(rng.choice(["a", "word", "of", "the", "text", "é"], int(rng.integers(1, 13))))  # noqa: E731
+    return [{"prompt": say(), "completion": say()} for _ in range(count)]
+
+
+def streamed(path: Path, tokenizers, workers: int = 0, seed: int = 7, eval_fraction: float = 0.1) -> RecordSource:
+    tokenizing = Tokenizing(tokenizers["chatml"], str(SFT / "chatml"), "completion", workers)
+    return RecordSource(RecordIndex(str(path)), tokenizing, 33, batch=8, seed=seed, eval_fraction=eval_fraction,
+                        name="pc", tokenizer="chatml")
+
+
+def pieces(examples) -> Counter:
+    """Each example as packing makes it: no target on its first token; none without a target."""
+    out = Counter()
+    for e in examples:
+        loss = e.loss[:33].copy()
+        loss[0] = False
+        if loss.any():
+            out[(tuple(e.ids[:33].tolist()), tuple(loss.tolist()))] += 1
+    return out
+
+
+def as_counter(rows: dict) -> Counter:
+    return Counter((tuple(t.tolist()), tuple(m.tolist())) for t, m in segments_of(rows))
+
+
+def test_records_stream_by_step_whatever_the_processes_and_resume(tmp_path, tokenizers, monkeypatch):
+    """200 records (blank lines between some) in windows of 16: every training example
+    once an epoch, rows by step whatever the split of the batch, the same rows from
+    worker processes, after a resume from a saved position, and held-out rows once each."""
+    monkeypatch.setattr(stream, "WINDOW", 16)
+    lines = [json.dumps(r) for r in pc_records(200)]
+    (tmp_path / "pc.jsonl").write_text("\n".join(line + ("\n  \r" if i % 7 == 0 else "") for i, line in enumerate(lines)))
+    examples = read_examples(str(tmp_path / "pc.jsonl"), tokenizers["chatml"])
+    assert len(examples) == 200
+    source = streamed(tmp_path / "pc.jsonl", tokenizers)
+    assert (source.train_examples, source.held_out, source.epoch_windows) == (180, 20, 12)
     whole = source.rows(3, 0, 8, 33)
     halves = [source.rows(3, 0, 4, 33), source.rows(3, 4, 8, 33)]
     for key in ("tokens", "segments", "loss_mask"):
         assert (whole[key] == np.concatenate([h[key] for h in halves])).all()
+    check_rows(whole, 33)
     assert source.rows_read == 16
-    epoch = np.concatenate([source.samples(s, 0, 8) for s in range(source.train_samples // 8)])
-    assert len(set(epoch.tolist())) == epoch.size  # an epoch draws each row at most once
-    assert source.samples(0, 0, 8).tolist() != PackedSource(examples, 33, 8, seed=8, eval_fraction=0.1) \
-        .samples(0, 0, 8).tolist()
-    evals = source.rows(0, 0, source.eval_samples, 33, split="eval")
-    check_rows(evals, 33)
-    assert source.rows_read == 16
-    assert source.samples(0, 0, source.eval_samples, "eval").tolist() == list(range(source.eval_samples))
-    past = source.rows(source.eval_samples // 8 + 1, 0, 8, 33, split="eval")
-    assert not past["segments"].any() and not past["loss_mask"].any()  # each held-out row once, then padding
+    epoch_rows = source._train.locate(10**4) and source._train.starts[source.epoch_windows]
+    rows = source._train.rows(np.arange(epoch_rows), 33)
+    assert as_counter(rows) == pieces(examples[:180])  # an epoch: every training example once
+
+    state = source.state(20)
+    resumed = streamed(tmp_path / "pc.jsonl", tokenizers)
+    assert resumed.resume(json.loads(json.dumps(state)))
+    assert not resumed.resume({**state, "seed": 8}) and not resumed.resume(None)
+    resumed.resume(state)
+    pooled = streamed(tmp_path / "pc.jsonl", tokenizers, workers=2)
+    try:
+        for step in (20, 21, 37):
+            for other in (resumed, pooled):
+                got = other.rows(step, 0, 8, 33)
+                assert all((got[k] == source.rows(step, 0, 8, 33)[k]).all() for k in got)
+        evals = [pooled.rows(j, 0, 8, 33, "eval") for j in range(3)]
+    finally:
+        pooled.close()
+    assert as_counter({k: np.concatenate([e[k] for e in evals]) for k in evals[0]}) == pieces(examples[180:])
+    assert source.has_rows(0, "eval") and not source.has_rows(8 * 3, "eval")
+    assert source.rows(0, 0, 8, 33).keys() == evals[0].keys()
+    other = streamed(tmp_path / "pc.jsonl", tokenizers, seed=8)
+    assert (other.rows(0, 0, 8, 33)["tokens"] != source.rows(0, 0, 8, 33)["tokens"]).any()
     text = source.describe(32)
-    assert text.startswith(f"chats: 200 examples (chatml) packed into {source.train_samples + source.eval_samples} "
-                           f"rows of 32, {source.eval_samples} held out, ")
-    assert f"{source.train.targets + source.eval.targets:,} target tokens (" in text and "dropped" in text
+    assert text.startswith("pc: 200 examples (chatml), 20 held out, packed into rows of 32 as training reaches them, "
+                           "16 at a time; the first 16: "), text
     with pytest.raises(UserError, match="too few for training and evaluation"):
-        PackedSource(examples[:1], 33, 8, 0, eval_fraction=0.5)
+        streamed(tmp_path / "pc.jsonl", tokenizers, eval_fraction=0.999)
 
 
 def test_records_pack_end_to_end(tmp_path, tokenizers):
     write_jsonl(tmp_path / "chats.jsonl", RECORDS * 5)
-    examples = read_examples(str(tmp_path / "chats.jsonl"), tokenizers["llama"])
-    source = PackedSource(examples, 65, batch=2, seed=0)
+    source = RecordSource(RecordIndex(str(tmp_path / "chats.jsonl")),
+                          Tokenizing(tokenizers["llama"], str(SFT / "llama"), "completion", 0), 65, batch=2, seed=0)
     rows = source.rows(0, 0, 2, 65)
     check_rows(rows, 65)
     assert rows["tokens"][:, 0].tolist() == [tokenizers["llama"].token_id("<|begin_of_text|>")] * 2
+    assert source.describe(64).startswith("data: 10 examples (tokens); the 10 for training packed into 8 rows of 64")
 
 
 def test_a_tokenizer_json_that_truncates_does_not_cut_documents(tmp_path):

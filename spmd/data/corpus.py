@@ -231,6 +231,18 @@ def _check_ids(stream: np.ndarray, vocab: int | None, path: str) -> None:
                         f"(a file of another dtype than {stream.dtype}? see --token-dtype)")
 
 
+@functools.lru_cache(maxsize=4)
+def epoch_order(seed: int, epoch: int, count: int) -> np.ndarray:
+    """Epoch `epoch`'s order of `count` samples: a permutation seeded by (seed, epoch)."""
+    return np.random.default_rng([seed, epoch]).permutation(count)
+
+
+def shuffled(index: np.ndarray, count: int, seed: int) -> np.ndarray:
+    """The samples at positions `index` of the run's order: epoch after epoch of `count`
+    samples, each epoch in its own order."""
+    epochs, positions = np.divmod(index, count)
+    return np.array([epoch_order(seed, int(e), count)[p] for e, p in zip(epochs, positions)], np.int64)
+
 class TokenSource:
     """Rows of packed samples, `length` tokens each, from one token stream.
 
@@ -258,17 +270,13 @@ class TokenSource:
         return (f"{self.name}: {self.stream.size:,} tokens ({self.tokenizer}), {self.train_samples:,} samples of "
                 f"{seq}{held_out}; an epoch is {self.train_samples / self.batch:,.1f} steps")
 
-    @functools.lru_cache(maxsize=2)
-    def _order(self, epoch: int) -> np.ndarray:
-        return np.random.default_rng([self.seed, epoch]).permutation(self.train_samples)
-
     def samples(self, step: int, start: int, stop: int, split: str = "train") -> np.ndarray:
         """The sample indices of rows [start, stop) of batch `step`."""
         index = step * self.batch + np.arange(start, stop)
         if split == "eval":
             return self.train_samples + index % self.eval_samples
-        epochs, positions = np.divmod(index, self.train_samples)
-        return np.array([self._order(int(e))[p] for e, p in zip(epochs, positions)], np.int64)
+        return shuffled(index, self.train_samples, self.seed)
+
 
     def rows(self, step: int, start: int, stop: int, length: int, split: str = "train") -> np.ndarray | dict:
         if length != self.length:
@@ -290,6 +298,6 @@ def write_npy(f, tokens: np.ndarray) -> None:
     file, in 16 MiB pieces."""
     fmt = np.lib.format
     fmt.write_array_header_1_0(f, fmt.header_data_from_array_1_0(tokens))
-    data = memoryview(np.ascontiguousarray(tokens)).cast("B")
+    data = memoryview(np.ascontiguousarray(tokens).reshape(-1).view(np.uint8))
     for start in range(0, len(data), 1 << 24):
         f.write(data[start:start + (1 << 24)])

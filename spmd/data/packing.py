@@ -1,5 +1,5 @@
-"""Tokenized examples packed into rows of `length` tokens (the trainer's seq + 1), and a
-source that serves them by (step, row) as spmd.data.corpus.TokenSource serves windows.
+"""Tokenized examples packed into rows of `length` tokens (the trainer's seq + 1); served
+window by window by spmd.data.stream.
 
 A row holds whole examples one after another, each its own segment: `segments` numbers
 them 1, 2, 3, ... in the row (0 is padding), `tokens` are 0 on padding, and `loss_mask`
@@ -18,15 +18,13 @@ row's examples are then in their order in the data, and rows in the order of the
 example.
 
 Rows are kept as ranges of one flat array of the examples' tokens, so a row is built when
-it is asked for; the held-out examples (the last ones, `eval_fraction` of them) are
-packed apart, so that no evaluation row holds a training example.
+it is asked for.
 """
 
 from __future__ import annotations
 
 import bisect
 import dataclasses
-import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -58,20 +56,27 @@ class Packing:
     def targets(self) -> int:
         return int(self.loss.sum())
 
+    @staticmethod
+    def empty_batch(rows: int, length: int) -> dict[str, np.ndarray]:
+        """`tokens`, `segments` and `loss_mask` of `rows` padding rows."""
+        return {"tokens": np.zeros((rows, length), np.int32), "segments": np.zeros((rows, length), np.int32),
+                "loss_mask": np.zeros((rows, length), bool)}
+
+    def row_into(self, out: dict[str, np.ndarray], i: int, r: int) -> None:
+        """Row `r` into row `i` of a batch (an `empty_batch`)."""
+        first, last = self.row_starts[r], self.row_starts[r + 1]
+        start, stop = self.piece_starts[first], self.piece_starts[last]
+        out["tokens"][i, :stop - start] = self.tokens[start:stop]
+        out["loss_mask"][i, :stop - start] = self.loss[start:stop]
+        sizes = np.diff(self.piece_starts[first:last + 1])
+        out["segments"][i, :stop - start] = np.repeat(np.arange(1, sizes.size + 1, dtype=np.int32), sizes)
+
     def batch(self, rows: Sequence[int]) -> dict[str, np.ndarray]:
-        """`tokens`, `segments` and `loss_mask`, (len(rows), length) each."""
-        out = {"tokens": np.zeros((len(rows), self.length), np.int32),
-               "segments": np.zeros((len(rows), self.length), np.int32),
-               "loss_mask": np.zeros((len(rows), self.length), bool)}
+        """Rows `rows` as a batch; a row past the last is padding."""
+        out = self.empty_batch(len(rows), self.length)
         for i, r in enumerate(rows):
-            if r >= self.rows:  # past the last row (a finite pass's last batch): padding
-                continue
-            first, last = self.row_starts[r], self.row_starts[r + 1]
-            start, stop = self.piece_starts[first], self.piece_starts[last]
-            out["tokens"][i, :stop - start] = self.tokens[start:stop]
-            out["loss_mask"][i, :stop - start] = self.loss[start:stop]
-            sizes = np.diff(self.piece_starts[first:last + 1])
-            out["segments"][i, :stop - start] = np.repeat(np.arange(1, sizes.size + 1, dtype=np.int32), sizes)
+            if r < self.rows:
+                self.row_into(out, i, r)
         return out
 
 
@@ -132,73 +137,20 @@ def best_fit_decreasing(sizes: Sequence[int], length: int) -> list[list[int]]:
     return sorted((sorted(b) for b in bins), key=lambda b: b[0])
 
 
-def pack(examples: Sequence, length: int, overlong: str = "truncate", name: str = "data") -> Packing:
-    """`examples` ((ids, loss) pairs) packed into rows of `length` tokens."""
+def pack(examples: Sequence, length: int, overlong: str = "truncate", name: str = "data",
+         empty: bool = False) -> Packing:
+    """`examples` ((ids, loss) pairs) packed into rows of `length` tokens; without a target
+    token among them, refused (or, `empty`, no rows)."""
     pieces, counts = _pieces(examples, length, overlong)
-    if not pieces:
+    if not pieces and not empty:
         within = f" within its first {length} tokens" if counts["truncated"] else ""
         raise UserError(f"--data {name}: no target tokens: none of its {len(examples):,} example(s) has a token "
                         f"to learn after its first{within}")
     rows = best_fit_decreasing([p[0].size for p in pieces], length)
     order = [i for row in rows for i in row]
     sizes = np.array([pieces[i][0].size for i in order], np.int64)
-    return Packing(length=length, tokens=np.concatenate([pieces[i][0] for i in order]),
-                   loss=np.concatenate([pieces[i][1] for i in order]),
-                   piece_starts=np.concatenate([[0], np.cumsum(sizes)]),
+    return Packing(length=length, tokens=np.concatenate([pieces[i][0] for i in order] + [np.zeros(0, np.int32)]),
+                   loss=np.concatenate([pieces[i][1] for i in order] + [np.zeros(0, bool)]),
+                   piece_starts=np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64),
                    row_starts=np.concatenate([[0], np.cumsum([len(r) for r in rows])]).astype(np.int64),
                    examples=len(examples), **counts)
-
-
-class PackedSource:
-    """Packed rows of examples, `length` tokens each, served as TokenSource serves
-    windows: row r of step k's batch is training row `order[k * batch + r]` of its epoch
-    (a seeded permutation per epoch, whatever the mesh or process count); eval batch j is
-    the held-out rows in order, from row j * batch. `rows_read` counts the training rows
-    this process has read."""
-
-    packed = True  # its rows are dicts of tokens, segments and loss masks (spmd.parallel.step)
-
-    def __init__(self, examples: Sequence, length: int, batch: int, seed: int, eval_fraction: float = 0.0,
-                 name: str = "data", tokenizer: str = "tokens", overlong: str = "truncate"):
-        self.length, self.batch, self.seed, self.name, self.tokenizer = length, batch, seed, name, tokenizer
-        held_out = int(np.ceil(len(examples) * eval_fraction)) if eval_fraction else 0
-        if len(examples) - held_out < 1 or (eval_fraction and held_out < 1):
-            raise UserError(f"--data {name}: {len(examples):,} example(s); too few for training"
-                            f"{' and evaluation' if eval_fraction else ''}")
-        self.train = pack(examples[:len(examples) - held_out], length, overlong, name)
-        self.eval = pack(examples[len(examples) - held_out:], length, overlong, f"{name} (held out)") \
-            if held_out else None
-        self.train_samples, self.eval_samples = self.train.rows, self.eval.rows if self.eval else 0
-        self.rows_read = 0
-
-    def describe(self, seq: int) -> str:
-        parts = [self.train] + ([self.eval] if self.eval else [])
-        count = {k: sum(getattr(p, k) for p in parts) for k in ("examples", "targets", "truncated", "split",
-                                                                "dropped")}
-        held_out = f", {self.eval_samples:,} held out" if self.eval_samples else ""
-        cut = ", ".join(f"{count[k]:,} {k}" for k in ("truncated", "split", "dropped") if count[k])
-        return (f"{self.name}: {count['examples']:,} examples ({self.tokenizer}) packed into "
-                f"{self.train_samples + self.eval_samples:,} rows of {seq}{held_out}, {count['targets']:,} target "
-                f"tokens{f' ({cut})' if cut else ''}; an epoch is {self.train_samples / self.batch:,.1f} steps")
-
-    @functools.lru_cache(maxsize=2)
-    def _order(self, epoch: int) -> np.ndarray:
-        return np.random.default_rng([self.seed, epoch]).permutation(self.train_samples)
-
-    def samples(self, step: int, start: int, stop: int, split: str = "train") -> np.ndarray:
-        """The row indices (of the training or the held-out rows) of rows [start, stop) of
-        batch `step`. The held-out rows ("eval") and, for an evaluation that visits every
-        example once, the training rows ("in order") come in order, each once: indices past
-        the last are padding rows, which hold no targets."""
-        index = step * self.batch + np.arange(start, stop)
-        if split in ("eval", "in order"):  # each row at most once: past the last, padding rows
-            return index
-        epochs, positions = np.divmod(index, self.train_samples)
-        return np.array([self._order(int(e))[p] for e, p in zip(epochs, positions)], np.int64)
-
-    def rows(self, step: int, start: int, stop: int, length: int, split: str = "train") -> dict[str, np.ndarray]:
-        if length != self.length:
-            raise ValueError(f"this source packs rows of {self.length} tokens, not {length}")
-        rows = (self.eval if split == "eval" else self.train).batch(self.samples(step, start, stop, split))
-        self.rows_read += stop - start if split == "train" else 0
-        return rows

@@ -86,13 +86,7 @@ def file_records(kind: str, file: Path) -> Iterator[tuple[str, dict]]:
             if not line.strip():
                 continue
             where = f"--data {file}, line {number}"
-            try:  # strictly: a key given twice, NaN or Infinity is no record either
-                record = loads(line.encode())
-            except Invalid as exc:
-                raise UserError(f"{where}: {exc}") from None
-            if not isinstance(record, dict):
-                raise UserError(f"{where}: not a JSON object")
-            yield where, record
+            yield where, jsonl_record(line.encode(), where)
     elif kind == "parquet":
         optional_module("pyarrow", "Parquet files")
         # An optional dependency (spmd[data]): imported when a Parquet file is read.
@@ -115,6 +109,21 @@ def file_records(kind: str, file: Path) -> Iterator[tuple[str, dict]]:
             raise UserError(f"--data {file}: not a readable datasets folder ({first_line(exc)})") from None
         for row, record in enumerate(dataset):
             yield f"--data {file}, row {row}", record
+
+
+def jsonl_record(line: bytes, where: str) -> dict:
+    """One JSONL line's record, read strictly: a key given twice, NaN or Infinity is no record either."""
+    try:
+        line.decode("utf-8")
+    except UnicodeDecodeError:
+        raise UserError(f"{where}: not UTF-8 text") from None
+    try:
+        record = loads(line)
+    except Invalid as exc:
+        raise UserError(f"{where}: {exc}") from None
+    if not isinstance(record, dict):
+        raise UserError(f"{where}: not a JSON object")
+    return record
 
 
 def _lines(file: Path) -> Iterator[str]:
@@ -155,20 +164,18 @@ def fine_tuning_format(path: str) -> str | None:
     return None
 
 
-def read_examples(path: str, tokenizer, loss_on: str = "completion") -> list[Example]:
-    """Every record under `path` as an example; a file holds one format."""
-    kind, files = record_files(path)
+def examples_of(items: Iterable[tuple[str, object, tuple[str, str]]], tokenizer,
+                loss_on: str = "completion") -> list[Example]:
+    """The examples of records read by spmd.data.index.RecordIndex.read: (where, record or
+    JSONL line, (format, where) of its file's first record)."""
     examples = []
-    for file in files:
-        first = None
-        for where, record in file_records(kind, file):
-            found = record_format(record, where)
-            if first is None:
-                first = (found, where)
-            elif found != first[0]:
-                raise UserError(f"{where}: a {found} record in a file of {first[0]} records ({first[1]}); "
-                                f"one file holds one format")
-            examples.append(example(record, where, tokenizer, loss_on))
+    for where, record, (expected, first) in items:
+        record = jsonl_record(record, where) if isinstance(record, bytes) else record
+        found = record_format(record, where)
+        if found != expected:
+            raise UserError(f"{where}: a {found} record in a file of {expected} records ({first}); "
+                            f"one file holds one format")
+        examples.append(example(record, where, tokenizer, loss_on))
     return examples
 
 

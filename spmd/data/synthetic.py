@@ -15,9 +15,10 @@ import jax
 import numpy as np
 
 from spmd.data.corpus import TokenSource, token_stream
-from spmd.data.packing import PackedSource
-from spmd.data.records import fine_tuning_format, read_examples
-from spmd.data.tokenizer import check_vocab, load_tokenizer, load_tokenizer_directory
+from spmd.data.packed_file import PackedFileSource, read_packed
+from spmd.data.records import fine_tuning_format
+from spmd.data.stream import record_source
+from spmd.data.tokenizer import load_tokenizer
 
 SUCCESSORS = 4  # each token can be followed by this many tokens
 
@@ -72,17 +73,18 @@ class MarkovSource:
 
 
 def make_source(cfg, vocab: int):
-    """The run's data: fine-tuning records packed into rows (spmd.data.packing.PackedSource),
-    other `--data` as windows of its token stream (spmd.data.corpus.TokenSource), else the
-    synthetic chain."""
+    """The run's data: fine-tuning records packed into rows as training reaches them
+    (spmd.data.stream.RecordSource), rows packed by spmd.corpus
+    (spmd.data.packed_file.PackedFileSource), other `--data` as windows of its token
+    stream (spmd.data.corpus.TokenSource), else the synthetic chain."""
     if not cfg.data:
         return MarkovSource(vocab, cfg.seed)
     held_out = cfg.eval_fraction if cfg.eval_every else 0.0
+    if (rows := read_packed(cfg.data)) is not None:
+        return PackedFileSource(rows, cfg.seq + 1, cfg.batch, cfg.seed, held_out, name=cfg.data, vocab=vocab)
     if fine_tuning_format(cfg.data):
-        tokenizer = load_tokenizer_directory(cfg.tokenizer)
-        check_vocab(tokenizer, vocab)
-        return PackedSource(read_examples(cfg.data, tokenizer, cfg.loss_on), cfg.seq + 1, cfg.batch, cfg.seed,
-                            held_out, name=cfg.data, tokenizer=tokenizer.name, overlong=cfg.overlong)
+        return record_source(cfg.data, cfg.tokenizer, cfg.seq + 1, cfg.batch, cfg.seed, held_out, vocab=vocab,
+                             loss_on=cfg.loss_on, overlong=cfg.overlong, workers=cfg.data_workers)
     tokenizer = load_tokenizer(cfg.tokenizer)
     stream = token_stream(cfg.data, tokenizer, cfg.text_field, cfg.token_dtype, vocab)
     return TokenSource(stream, cfg.seq + 1, cfg.batch, cfg.seed, held_out, name=cfg.data,
@@ -94,7 +96,7 @@ def global_batch(source, step: int, batch: int, length: int, sharding: jax.shard
                  split: str = "train") -> jax.Array | dict:
     """Step `step`'s batch (batch, length) as one global array, built from this process's
     rows of `source` (a MarkovSource, a spmd.data.corpus.TokenSource or a
-    spmd.data.packing.PackedSource): a dict of such arrays when the source's rows are
+    spmd.data.stream.RecordSource): a dict of such arrays when the source's rows are
     packed (tokens, segments, loss_mask).
 
     Every distinct row range that a local device holds is generated once (devices that

@@ -3,10 +3,12 @@ training's pipeline and computed by training's compiled evaluation."""
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterable
+
 import jax
 
 from spmd.base.errors import UserError
-from spmd.data.packing import PackedSource
 from spmd.data.synthetic import global_batch, make_source
 from spmd.parallel.layout import make_layout
 from spmd.parallel.step import build_program
@@ -21,24 +23,38 @@ def evaluate(cfg, checkpoint, batches: int | None, devices=None) -> tuple[float,
     start_devices(cfg)
     layout = make_layout(cfg, devices)
     source = make_source(cfg, layout.skeleton.model_cfg.vocab)
-    # Fine-tuning records: every example once, in order, the last batch filled with padding
-    # rows (which hold no targets). A token stream: its windows, in the run's order.
-    every_example = isinstance(source, PackedSource)
-    available = -(-source.train_samples // cfg.batch) if every_example else source.train_samples // cfg.batch
-    split = "in order" if every_example else "train"
+    try:
+        steps = _batches(source, cfg, batches)
+        evaluate_fn = build_program(cfg, layout, getattr(source, "packed", False)).compile_eval()
+        params = load_params(cfg, layout, checkpoint)
+        results = []
+        split = "in order" if getattr(source, "finite", False) else "train"
+        for j in steps:
+            batch = global_batch(source, j, cfg.batch, cfg.seq + 1, layout.batch_sharding, split)
+            results.append(evaluate_fn(params, batch))
+            # A bounded queue: hundreds of executions in flight abort XLA:CPU's collectives on
+            # emulated devices (seen with ep=2 at 494 batches), as in the training loop.
+            if len(results) > MAX_STEPS_IN_FLIGHT:
+                results[-MAX_STEPS_IN_FLIGHT - 1]["loss"].block_until_ready()
+    finally:
+        if hasattr(source, "close"):  # its worker processes
+            source.close()
+    loss, tokens = weighted_mean(jax.device_get(results))
+    return loss, tokens, len(results)
+
+
+def _batches(source, cfg, batches: int | None) -> Iterable[int]:
+    """The batches to evaluate. Fine-tuning records: every example once, in order, the
+    last batch filled with padding rows (which hold no targets). A token stream: its
+    windows, in the run's order."""
+    if getattr(source, "finite", False):
+        if not source.has_rows(0, "in order"):
+            raise UserError(f"--data {cfg.data}: no target tokens: no example has a token to learn after its first "
+                            f"within --seq {cfg.seq}")
+        return itertools.takewhile(lambda j: (batches is None or j < batches) and
+                                   source.has_rows(j * cfg.batch, "in order"), itertools.count())
+    available = source.train_samples // cfg.batch
     if available < 1:
         raise UserError(f"--data {cfg.data}: {source.train_samples} samples of {cfg.seq + 1} tokens do not fill one "
                         f"batch of {cfg.batch}; give a smaller --batch or --seq")
-    batches = min(batches or available, available)
-    evaluate_fn = build_program(cfg, layout, getattr(source, "packed", False)).compile_eval()
-    params = load_params(cfg, layout, checkpoint)
-    results = []
-    for j in range(batches):
-        batch = global_batch(source, j, cfg.batch, cfg.seq + 1, layout.batch_sharding, split)
-        results.append(evaluate_fn(params, batch))
-        # A bounded queue: hundreds of executions in flight abort XLA:CPU's collectives on
-        # emulated devices (seen with ep=2 at 494 batches), as in the training loop.
-        if len(results) > MAX_STEPS_IN_FLIGHT:
-            results[-MAX_STEPS_IN_FLIGHT - 1]["loss"].block_until_ready()
-    loss, tokens = weighted_mean(jax.device_get(results))
-    return loss, tokens, batches
+    return range(min(batches or available, available))

@@ -97,6 +97,7 @@ class TrainConfig:
     token_dtype: str = _field("uint16", "dtype of raw .bin token files (.npy files say their own)", choices=TOKEN_DTYPES)
     loss_on: str = _field("completion", "fine-tuning records (prompt/completion, chat messages): the tokens the loss is on: the completion and the assistant's turns, or all", choices=LOSS_ON)
     overlong: str = _field("truncate", "a fine-tuning example longer than --seq + 1 tokens: keep its start (truncate) or cut it into pieces, each its own example (split)", choices=OVERLONG)
+    data_workers: int | None = _field(None, "fine-tuning records: processes that tokenize them ahead of the steps (0: the trainer's own; default: one per CPU the process may use, less one, at most 8, when there are more than 2,048 records)", at_least=0)
     document_mask: bool = _field(False, "text and token data: documents do not see each other (attention stops at each end-of-text token, positions restart); default: windows of the stream, as in GPT-style pre-training")
     eval_every: int = _field(0, "every N steps, report the loss on held-out data (0: never)", at_least=0)
     eval_batches: int = _field(4, "batches of held-out data per evaluation", at_least=1)

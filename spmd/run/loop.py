@@ -20,7 +20,6 @@ from spmd.base.console import emit, human_bytes
 from spmd.base.errors import OutputFailed, why_io_failed
 from spmd.base.hardware import peak_tflops, train_flops_per_token
 from spmd.base.signals import StopSignals
-from spmd.data.packing import PackedSource
 from spmd.data.synthetic import Prefetcher, global_batch
 from spmd.formats.checkpoint import finalized_steps, make_meta
 from spmd.parallel.balance import REBALANCE_EVERY
@@ -74,6 +73,8 @@ class Run:
             return
         meta = make_meta(self.cfg, step, self.state["params"])
         meta["skipped_updates"] = self.skipped
+        if hasattr(self.source, "state"):  # where a resumed run finds its rows without walking the data
+            meta["data"] = self.source.state(step)
         with self._writing_checkpoint(step):
             if step in self.checkpoints.steps():  # a later checkpoint of a run this one resumed before
                 self.checkpoints.delete(step)
@@ -204,8 +205,9 @@ class Run:
                 versus = f"; synthetic floor {floor:.4f}; gap {last - floor:+.4f}"
             self.log(f"done: final loss {last:.4f} nats/token (mean of the last log window){versus}")
         steps = cfg.steps - self.start_step
+        packed = f"; {self.source.packed_so_far()}" if hasattr(self.source, "packed_so_far") else ""
         self.say(f"data: read {self.source.rows_read:,} training rows in {steps} steps "
-                 f"({self.source.rows_read / max(steps, 1):g} per step of the global batch's {cfg.batch})")
+                 f"({self.source.rows_read / max(steps, 1):g} per step of the global batch's {cfg.batch}){packed}")
         return Result(records, self.state, ok)
 
     def say(self, line: str) -> None:
@@ -216,12 +218,12 @@ class Run:
     def evaluate(self, step: int) -> float:
         """Mean loss over the targets of --eval-batches held-out batches (the same ones every time)."""
         cfg, layout = self.cfg, self.layout
-        batches = cfg.eval_batches
-        if isinstance(self.source, PackedSource):  # its held-out examples each at most once
-            batches = min(batches, -(-self.source.eval_samples // cfg.batch))
+        batches = range(cfg.eval_batches)
+        if getattr(self.source, "finite", False):  # its held-out examples each at most once
+            batches = [j for j in batches if self.source.has_rows(j * cfg.batch, "eval")]
         results = [self.eval_fn(self.state["params"],
                                 global_batch(self.source, j, cfg.batch, cfg.seq + 1, layout.batch_sharding, "eval"))
-                   for j in range(batches)]
+                   for j in batches]
         with self.watchdog.waiting(f"evaluation at step {step}"):
             return weighted_mean(jax.device_get(results))[0]
 

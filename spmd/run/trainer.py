@@ -33,7 +33,11 @@ from spmd.run.loop import Run
 def train(cfg: TrainConfig, layout, log=print) -> tuple[list[dict], dict]:
     """Run `cfg.steps` steps (resuming if a checkpoint says so); returns the records and final state."""
     run = prepare(cfg, layout, log)
-    result = run.loop()
+    try:
+        result = run.loop()
+    finally:
+        if hasattr(run.source, "close"):  # its worker processes
+            run.source.close()
     return result.records, result.state
 
 
@@ -52,6 +56,11 @@ def prepare(cfg: TrainConfig, layout, log=print):
     if lock:
         lock.take()
     source_dir, step, meta = _resume_source(cfg, program)
+    if getattr(data, "finite", False) and cfg.eval_every and not data.has_rows(0, "eval"):
+        raise UserError(f"--data {cfg.data}: no target tokens in the held-out examples (--eval-fraction)")
+    if source_dir is not None and hasattr(data, "resume") and not data.resume(meta.get("data")) and step:
+        log(f"data: the checkpoint holds no position in {cfg.data} for this run's rows; they are found by "
+            f"packing the records of its {step:,} steps again")
     step_fn = program.compile_step()
     # What each device holds and what crosses the wire, read from the compiled step.
     plan = make_plan(cfg, layout, compiled=step_fn, program=program,

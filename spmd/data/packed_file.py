@@ -1,0 +1,97 @@
+"""Pre-packed rows: fine-tuning records tokenized and packed once (`python -m spmd.corpus
+--seq N`) into one .npy file, memory-mapped by training as token files are.
+
+The file holds one array of shape (rows, seq + 1) whose fields are a row's `tokens`,
+`segments` and `loss_mask` (PACKED), the rows of spmd.data.packing in the records' order.
+Training reads it as spmd.data.corpus.TokenSource reads a token file: row r of step k's
+batch is training row `order[k * batch + r]` of its epoch (a seeded permutation per epoch),
+the held-out rows are the last ones, and an evaluation visits each row once.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from spmd.base.errors import UserError
+from spmd.data.corpus import shuffled
+from spmd.data.packing import Packing
+
+PACKED = np.dtype([("tokens", "<i4"), ("segments", "<i4"), ("loss_mask", "?")])
+
+
+def as_packed(rows: dict[str, np.ndarray]) -> np.ndarray:
+    """A batch of packed rows (spmd.data.packing.Packing.batch) as PACKED records."""
+    out = np.empty(rows["tokens"].shape, PACKED)
+    for name in PACKED.names:
+        out[name] = rows[name]
+    return out
+
+
+def read_packed(path: str) -> np.ndarray | None:
+    """The memory-mapped rows of a pre-packed .npy file; None for any other file."""
+    file = Path(path)
+    if file.suffix != ".npy" or not file.is_file():
+        return None
+    try:
+        rows = np.load(file, mmap_mode="r", allow_pickle=False)
+    except ValueError:
+        return None  # spmd.data.corpus names what is wrong with a token file
+    if rows.dtype.names is None:
+        return None
+    if rows.dtype != PACKED or rows.ndim != 2:
+        raise UserError(f"--data {path} holds a {rows.ndim}-d array of fields {', '.join(rows.dtype.names)}; "
+                        f"pre-packed rows are 2-d, of fields tokens (int32), segments (int32) and loss_mask (bool)")
+    return rows
+
+
+class PackedFileSource:
+    """The rows of a pre-packed file, served by (step, row)."""
+
+    packed = True  # its rows are dicts of tokens, segments and loss masks (spmd.parallel.step)
+    finite = True  # an evaluation visits each row once (spmd.inference.evaluation)
+
+    def __init__(self, rows: np.ndarray, length: int, batch: int, seed: int, eval_fraction: float = 0.0,
+                 name: str = "data", vocab: int | None = None):
+        if rows.shape[1] != length:
+            raise UserError(f"--data {name} holds rows of {rows.shape[1]} tokens, packed for --seq "
+                            f"{rows.shape[1] - 1}; this run has --seq {length - 1}")
+        self.stored, self.length, self.batch, self.seed, self.name = rows, length, batch, seed, name
+        held_out = int(np.ceil(len(rows) * eval_fraction)) if eval_fraction else 0
+        self.train_samples, self.eval_samples = len(rows) - held_out, held_out
+        if self.train_samples < 1 or (eval_fraction and held_out < 1):
+            raise UserError(f"--data {name}: {len(rows):,} row(s); too few for training"
+                            f"{' and evaluation' if eval_fraction else ''}")
+        if vocab is not None and len(rows):
+            top = max(int(rows[i:i + 4096]["tokens"].max()) for i in range(0, len(rows), 4096))
+            if top >= vocab:
+                raise UserError(f"--data {name}: token id {top:,} is outside the model's vocabulary of {vocab:,} "
+                                f"(packed with another tokenizer?)")
+        self.rows_read = 0
+
+    def describe(self, seq: int) -> str:
+        held_out = f", {self.eval_samples:,} held out" if self.eval_samples else ""
+        return (f"{self.name}: {len(self.stored):,} pre-packed rows of {seq}{held_out}; an epoch is "
+                f"{self.train_samples / self.batch:,.1f} steps")
+
+    def _indices(self, step: int, start: int, stop: int, split: str) -> np.ndarray:
+        index = step * self.batch + np.arange(start, stop)
+        if split == "eval":
+            return np.where(index < self.eval_samples, self.train_samples + index, -1)
+        if split == "in order":
+            return np.where(index < self.train_samples, index, -1)
+        return shuffled(index, self.train_samples, self.seed)
+
+    def rows(self, step: int, start: int, stop: int, length: int, split: str = "train") -> dict[str, np.ndarray]:
+        out = Packing.empty_batch(stop - start, length)
+        for i, r in enumerate(self._indices(step, start, stop, split).tolist()):
+            if r >= 0:  # past an ordered split's end: padding
+                row = self.stored[r]
+                for name in PACKED.names:
+                    out[name][i] = row[name]
+        self.rows_read += stop - start if split == "train" else 0
+        return out
+
+    def has_rows(self, row: int, split: str) -> bool:
+        return row < (self.eval_samples if split == "eval" else self.train_samples)
