@@ -243,6 +243,7 @@ def shuffled(index: np.ndarray, count: int, seed: int) -> np.ndarray:
     epochs, positions = np.divmod(index, count)
     return np.array([epoch_order(seed, int(e), count)[p] for e, p in zip(epochs, positions)], np.int64)
 
+
 class TokenSource:
     """Rows of packed samples, `length` tokens each, from one token stream.
 
