@@ -105,28 +105,42 @@ def test_json_has_the_documented_keys():
     assert 0 < data["predicted_step_time_s"] and 0 < data["predicted_mfu"] < 1
 
 
-def test_auto_finds_a_layout_where_pure_data_parallel_does_not_fit(monkeypatch):
-    import jax
+# A device with 48 MiB: the small model's replicas need 16 B x 3.3M parameters (50 MiB) for
+# their state alone; split over fsdp or tp, it fits. Run in a process of its own: XLA:CPU
+# crashed twice (a segmentation fault) compiling one of its candidates in a test worker
+# that had compiled hundreds of programs before, never in a fresh process (7 of 7).
+AUTO = """
+import dataclasses, json, sys
+import jax
+jax.config.update("jax_num_cpu_devices", 4)
+from spmd.base import hardware
+from spmd.config import TrainConfig, validate
+from spmd.parallel.layout import make_layout
+from spmd.planner import plan
+from spmd.planner.plan import auto, make_plan
 
-    from spmd.base import hardware
-    from spmd.planner import plan
-    from spmd.planner.plan import auto
+plan.AUTO_SHOWN = 2  # confirm the best two, not five: fewer compiles
+tiny_device = dataclasses.replace(hardware.get("h100"), name="48MiB", memory_gib=48 / 1024)
+devices = jax.devices()[:4]
+cfg = validate(TrainConfig(mesh="dp=4", model="small", batch=8, seq=64))
+pure_dp = make_plan(cfg, make_layout(cfg, devices), hardware=tiny_device)
+plans, searched = auto(cfg, devices, tiny_device, "4 emulated CPU devices")
+json.dump({"pure_dp_fits": pure_dp.fits, "searched": searched, "memory": tiny_device.memory_bytes(4),
+           "plans": [{"fits": p.fits, "peak": p.peak, "dp": p.layout.shape["dp"], "zero": p.cfg.zero,
+                      "step_s": p.prediction.step_s} for p in plans]}, sys.stdout)
+"""
 
-    monkeypatch.setattr(plan, "AUTO_SHOWN", 2)  # confirm the best two, not five: fewer compiles
 
-    # A device with 48 MiB: the small model's replicas need 16 B x 3.3M parameters (50 MiB)
-    # for their state alone; split over fsdp or tp, it fits.
-    tiny_device = dataclasses.replace(hardware.get("h100"), name="48MiB", memory_gib=48 / 1024)
-    devices = jax.devices()[:4]
-    cfg = validate(TrainConfig(mesh="dp=4", model="small", batch=8, seq=64))
-    pure_dp = make_plan(cfg, make_layout(cfg, devices), hardware=tiny_device)
-    assert pure_dp.fits is False
-
-    plans, searched = auto(cfg, devices, tiny_device, "4 emulated CPU devices")
-    assert 1 <= len(plans) <= 2 and "fit" in searched
-    assert all(p.fits and p.peak <= tiny_device.memory_bytes(4) for p in plans)
-    assert all(p.layout.shape["dp"] < 4 or p.cfg.zero > 0 for p in plans)  # never plain replicas
-    steps = [p.prediction.step_s for p in plans]
+def test_auto_finds_a_layout_where_pure_data_parallel_does_not_fit():
+    done = subprocess.run([sys.executable, "-c", AUTO], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout)
+    assert found["pure_dp_fits"] is False
+    plans = found["plans"]
+    assert 1 <= len(plans) <= 2 and "fit" in found["searched"]
+    assert all(p["fits"] and p["peak"] <= found["memory"] for p in plans)
+    assert all(p["dp"] < 4 or p["zero"] > 0 for p in plans)  # never plain replicas
+    steps = [p["step_s"] for p in plans]
     assert steps == sorted(steps)
 
 

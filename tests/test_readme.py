@@ -104,7 +104,7 @@ def stand_ins(work: Path) -> None:
 
 
 # Commands that read what an earlier one made: kept in one driver, in the README's order.
-CHAINED = re.compile(r"runs/|tokens\.npy|exported|Llama-3\.2-1B-ft")
+CHAINED = re.compile(r"runs/|tokens\.npy|packed\.npy|exported|Llama-3\.2-1B-ft")
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ row group at a time would decompress a group for every record.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -60,15 +61,21 @@ class RecordIndex:
         numbers = np.asarray(numbers, np.int64)
         files = np.searchsorted(self.starts, numbers, side="right") - 1
         out = []
-        for number, f in zip(numbers.tolist(), files.tolist()):
-            local, file = number - int(self.starts[f]), self.files[f]
-            if self.kind == "jsonl":
+        with contextlib.ExitStack() as stack:
+            handles: dict[int, int] = {}  # file number -> its descriptor, opened once for these reads
+            for number, f in zip(numbers.tolist(), files.tolist()):
+                local, file = number - int(self.starts[f]), self.files[f]
+                if self.kind != "jsonl":
+                    out.append((f"--data {file}, row {local}", self._row(f, local), self.formats[f]))
+                    continue
                 starts, ends, lines = self._parts[f]
-                with open(file, "rb") as handle:  # noqa: SIM115 - one read by offset
-                    raw = os.pread(handle.fileno(), int(ends[local] - starts[local]), int(starts[local]))
+                try:
+                    if f not in handles:
+                        handles[f] = stack.enter_context(open(file, "rb")).fileno()
+                    raw = os.pread(handles[f], int(ends[local] - starts[local]), int(starts[local]))
+                except OSError as exc:
+                    raise UserError(f"--data {file} cannot be read: {exc.strerror or exc}") from None
                 out.append((f"--data {file}, line {int(lines[local])}", raw, self.formats[f]))
-            else:
-                out.append((f"--data {file}, row {local}", self._row(f, local), self.formats[f]))
         return out
 
     def _row(self, f: int, row: int) -> dict:
