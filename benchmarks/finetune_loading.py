@@ -73,7 +73,10 @@ def main() -> None:
     try:
         records = make_chats(path, int(args.gib * 2**30))
         size = path.stat().st_size
-        os.posix_fadvise(os.open(path, os.O_RDONLY), 0, 0, os.POSIX_FADV_DONTNEED)  # start-up reads from the disk
+        if hasattr(os, "posix_fadvise"):  # the start-up reads the file from the disk, not the page cache
+            fd = os.open(path, os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
 
         started = time.perf_counter()
         source = record_source(str(path), str(ROOT / "tests" / "sft" / "chatml"), cfg.seq + 1, cfg.batch, cfg.seed)
@@ -112,7 +115,7 @@ def main() -> None:
 
     print(f"{records:,} chat records, {size / 2**30:.2f} GiB of JSONL; windows of {WINDOW:,} records, the first "
           f"packed into {first:,} rows of {cfg.seq + 1}; {default_workers()} worker process(es) on "
-          f"{len(os.sched_getaffinity(0))} CPUs")
+          f"{os.cpu_count()} CPUs")
     print(f"prepared: {prepared:,.0f} tokens/s ({args.windows} windows: reading, chat template, tokenizer, packing)")
     print(f"consumed: {consumed:,.0f} tokens/s (the default step: model small, mesh {cfg.mesh}, batch {cfg.batch} x "
           f"{cfg.seq}, {statistics.median(times) * 1e3:.1f} ms)")

@@ -28,7 +28,8 @@ _worker: dict = {}  # in a worker: its tokenizer and --loss-on
 def default_workers() -> int:
     """One worker per CPU this process may run on, less one for the trainer, at most
     MAX_WORKERS (the CPUs a scheduler gave the job: SLURM's --cpus-per-task)."""
-    return max(1, min(MAX_WORKERS, len(os.sched_getaffinity(0)) - 1))
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # macOS: all
+    return max(1, min(MAX_WORKERS, cpus - 1))
 
 
 class Tokenizing:
