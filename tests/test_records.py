@@ -331,7 +331,8 @@ def test_records_stream_by_step_whatever_the_processes_and_resume(tmp_path, toke
         assert (whole[key] == np.concatenate([h[key] for h in halves])).all()
     check_rows(whole, 33)
     assert source.rows_read == 16
-    epoch_rows = source._train.locate(10**4) and source._train.starts[source.epoch_windows]
+    source._train.locate(10**4)  # past the first epoch: its windows' starts are known
+    epoch_rows = source._train.starts[source.epoch_windows]
     rows = source._train.rows(np.arange(epoch_rows), 33)
     assert as_counter(rows) == pieces(examples[:180])  # an epoch: every training example once
 

@@ -231,6 +231,15 @@ def _check_ids(stream: np.ndarray, vocab: int | None, path: str) -> None:
                         f"(a file of another dtype than {stream.dtype}? see --token-dtype)")
 
 
+def held_out_split(count: int, eval_fraction: float, counted: str) -> tuple[int, int]:
+    """(training, held out) of `count` samples, the last `eval_fraction` of them held out;
+    refused (`counted` says how many there are) when either part would be empty."""
+    held_out = int(np.ceil(count * eval_fraction)) if eval_fraction else 0
+    if count - held_out < 1 or (eval_fraction and held_out < 1):
+        raise UserError(f"{counted}; too few for training{' and evaluation' if eval_fraction else ''}")
+    return count - held_out, held_out
+
+
 @functools.lru_cache(maxsize=4)
 def epoch_order(seed: int, epoch: int, count: int) -> np.ndarray:
     """Epoch `epoch`'s order of `count` samples: a permutation seeded by (seed, epoch)."""
@@ -259,11 +268,9 @@ class TokenSource:
         self.document_end, self.packed = document_end, document_end is not None
         self.name, self.tokenizer = name, tokenizer
         samples = (stream.size - 1) // (length - 1) if stream.size else 0
-        held_out = int(np.ceil(samples * eval_fraction)) if eval_fraction else 0
-        self.train_samples, self.eval_samples = samples - held_out, held_out
-        if self.train_samples < 1 or (eval_fraction and held_out < 1):
-            raise UserError(f"--data {name}: {stream.size:,} tokens make {samples} sample(s) of {length - 1} tokens; "
-                            f"too few for training{' and evaluation' if eval_fraction else ''}")
+        self.train_samples, self.eval_samples = held_out_split(
+            samples, eval_fraction, f"--data {name}: {stream.size:,} tokens make {samples} sample(s) of {length - 1} "
+                                    f"tokens")
         self.rows_read = 0
 
     def describe(self, seq: int) -> str:

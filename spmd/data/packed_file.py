@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from spmd.base.errors import UserError
-from spmd.data.corpus import shuffled
+from spmd.data.corpus import held_out_split, shuffled
 from spmd.data.packing import Packing
 
 PACKED = np.dtype([("tokens", "<i4"), ("segments", "<i4"), ("loss_mask", "?")])
@@ -58,11 +58,8 @@ class PackedFileSource:
             raise UserError(f"--data {name} holds rows of {rows.shape[1]} tokens, packed for --seq "
                             f"{rows.shape[1] - 1}; this run has --seq {length - 1}")
         self.stored, self.length, self.batch, self.seed, self.name = rows, length, batch, seed, name
-        held_out = int(np.ceil(len(rows) * eval_fraction)) if eval_fraction else 0
-        self.train_samples, self.eval_samples = len(rows) - held_out, held_out
-        if self.train_samples < 1 or (eval_fraction and held_out < 1):
-            raise UserError(f"--data {name}: {len(rows):,} row(s); too few for training"
-                            f"{' and evaluation' if eval_fraction else ''}")
+        self.train_samples, self.eval_samples = held_out_split(len(rows), eval_fraction,
+                                                               f"--data {name}: {len(rows):,} row(s)")
         if vocab is not None and len(rows):
             top = max(int(rows[i:i + 4096]["tokens"].max()) for i in range(0, len(rows), 4096))
             if top >= vocab:

@@ -26,7 +26,7 @@ import threading
 import numpy as np
 
 from spmd.base.errors import UserError
-from spmd.data.corpus import epoch_order
+from spmd.data.corpus import epoch_order, held_out_split
 from spmd.data.index import RecordIndex
 from spmd.data.packing import Packing, pack
 from spmd.data.tokenizer import check_vocab, load_tokenizer_directory
@@ -106,11 +106,8 @@ class RecordSource:
         self.index, self.tokenizing, self.length, self.batch, self.seed = index, tokenizing, length, batch, seed
         self.name, self.tokenizer, self.overlong = name, tokenizer, overlong
         examples = len(index)
-        held_out = int(np.ceil(examples * eval_fraction)) if eval_fraction else 0
-        if examples - held_out < 1 or (eval_fraction and held_out < 1):
-            raise UserError(f"--data {name}: {examples:,} example(s); too few for training"
-                            f"{' and evaluation' if eval_fraction else ''}")
-        self.train_examples, self.held_out = examples - held_out, held_out
+        self.train_examples, self.held_out = held_out_split(examples, eval_fraction,
+                                                            f"--data {name}: {examples:,} example(s)")
         self.epoch_windows = -(-self.train_examples // WINDOW)
         self.counts = collections.Counter()  # of the training windows packed so far (first packing of each)
         self._empty_windows = 0  # training windows in a row without a target token
@@ -120,7 +117,7 @@ class RecordSource:
                              self._submit)
         self.rows_read = 0
         # What a saved position is valid for: the same examples, rows and order.
-        self._identity = {"records": examples, "held_out": held_out, "length": length, "seed": seed,
+        self._identity = {"records": examples, "held_out": self.held_out, "length": length, "seed": seed,
                           "window_examples": WINDOW, "overlong": overlong, "loss_on": tokenizing.loss_on}
         # The first window now: a bad record or a template that fails stops the run here.
         self.first = self._train.locate(0)[0]
