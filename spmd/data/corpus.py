@@ -285,7 +285,6 @@ class TokenSource:
             return self.train_samples + index % self.eval_samples
         return shuffled(index, self.train_samples, self.seed)
 
-
     def rows(self, step: int, start: int, stop: int, length: int, split: str = "train") -> np.ndarray | dict:
         if length != self.length:
             raise ValueError(f"this source cuts samples of {self.length} tokens, not {length}")
