@@ -2,25 +2,29 @@
 
 from types import ModuleType
 
-from models import llama, qwen3
+from models import llama, mistral, qwen2, qwen3
 from models.llama import Llama, LlamaConfig, RopeScaling
 # What every family shares with Llama's (the trainer reads these, never a family's module):
 # remat policies, the decoding state, a Hugging Face tensor's description and config.json's size bound.
 from models.llama.hf import MAX_CONFIG_BYTES, Tensor
 from models.llama.model import REMAT_POLICIES, Decoding
+from models.mistral import MistralConfig
 from models.moe import MoEConfig, Routing
+from models.qwen2 import Qwen2Config
 from models.qwen3 import Qwen3Config
 
 # Each family: its config class -> its module class. A model class tells the trainer what
 # it needs beyond the call (see Llama: STACKED, LOOKUP_TABLE, decays, head_params), and
 # decodes with a key/value cache (cache_shape, decode).
-FAMILIES: dict[type, type] = {LlamaConfig: Llama, Qwen3Config: qwen3.Qwen3}
+FAMILIES: dict[type, type] = {LlamaConfig: Llama, Qwen3Config: qwen3.Qwen3, Qwen2Config: qwen2.Qwen2,
+                              MistralConfig: mistral.Mistral}
 # Each family's Hugging Face layout (see models.llama.hf): ARCHITECTURES it reads,
 # config_values (config.json checked against its field tables), config_from_hf,
 # config_to_hf, supported (why a config has no such layout), tensors, tensor_count (how
 # many published tensors a config implies, before any per-layer loop) and copies
 # (published tensors that may repeat another, as a tied head).
-HF_LAYOUTS: dict[type, ModuleType] = {LlamaConfig: llama.hf, Qwen3Config: qwen3.hf}
+HF_LAYOUTS: dict[type, ModuleType] = {LlamaConfig: llama.hf, Qwen3Config: qwen3.hf, Qwen2Config: qwen2.hf,
+                                      MistralConfig: mistral.hf}
 
 
 def model_class(cfg) -> type:
@@ -46,7 +50,8 @@ def hf_layout(cfg=None, architectures: list | None = None) -> ModuleType:
 
 
 # Every family's presets, by name.
-PRESETS: dict[str, LlamaConfig] = {**llama.PRESETS, **qwen3.PRESETS}
+PRESETS: dict[str, LlamaConfig] = {**llama.PRESETS, **qwen3.PRESETS, **qwen2.PRESETS, **mistral.PRESETS}
 
-__all__ = ["FAMILIES", "MAX_CONFIG_BYTES", "PRESETS", "REMAT_POLICIES", "Decoding", "Llama", "LlamaConfig", "MoEConfig",
-           "Qwen3Config", "RopeScaling", "Routing", "Tensor", "config_from_dict", "hf_layout", "model_class"]
+__all__ = ["FAMILIES", "MAX_CONFIG_BYTES", "PRESETS", "REMAT_POLICIES", "Decoding", "Llama", "LlamaConfig",
+           "MistralConfig", "MoEConfig", "Qwen2Config", "Qwen3Config", "RopeScaling", "Routing", "Tensor",
+           "config_from_dict", "hf_layout", "model_class"]

@@ -5,13 +5,18 @@ knowing.
 Masks compare positions, not indices, so the sequence may arrive in any order (a
 load-balanced layout reorders it): a query sees the keys at positions up to its own.
 Packed rows (several examples in one row, `Packing`) add segment ids: a query sees only
-the keys of its own example.
+the keys of its own example. A sliding window of w (Mistral, Gemma 3's local layers)
+hides the keys w or more positions before the query: it sees w keys, itself included
+(transformers' `sliding_window`). Windows and segments combine.
 
 Kernels (`KERNELS`), each `kernel(q, k, v, q_positions, k_positions, q_segments=None,
-k_segments=None)` (segments: (batch, s) and (batch, t) example ids, or None for one
-example per row):
-- xla: the scores materialized (seq x seq per head), softmax, values: the reference.
-- chunked: flash-style in plain JAX (models.flash): memory linear in the sequence.
+k_segments=None, window=None)` (segments: (batch, s) and (batch, t) example ids, or None
+for one example per row; window: an int, or None for none):
+- xla: the scores materialized, softmax, values: the reference. seq x seq per head; with
+  a window and positions in order, a band of 2 windows per query block, so that memory
+  and FLOPs grow with seq x window.
+- chunked: flash-style in plain JAX (models.flash): memory linear in the sequence; the
+  blocks a window hides are skipped.
 - cudnn: cuDNN's fused flash attention (`jax.nn.dot_product_attention`), NVIDIA GPUs.
 - splash: Pallas splash attention, TPUs.
 The fused kernels read the causal mask from indices, so they take only positions known
@@ -52,48 +57,94 @@ def same_segment(q_segments, k_segments) -> jax.Array | None:
     return q_segments[:, :, None] == k_segments[:, None, :]
 
 
+def visible(q_positions, k_positions, window: int | None = None) -> jax.Array:
+    """(s, t): whether each key is visible to each query: at or before it, and inside the window."""
+    # jnp, not numpy: positions may be numpy constants, and the mask is s x t.
+    behind = jnp.asarray(q_positions)[..., :, None] - jnp.asarray(k_positions)[..., None, :]
+    return (behind >= 0) if window is None else (behind >= 0) & (behind < window)
+
+
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array,
-                     k_positions: jax.Array, q_segments=None, k_segments=None) -> jax.Array:
+                     k_positions: jax.Array, q_segments=None, k_segments=None, window: int | None = None) -> jax.Array:
     """q (batch, s, kv_heads, groups, head_dim); k, v (batch, t, kv_heads, head_dim);
     positions (s,) and (t,); segments (batch, s) and (batch, t) or None. Query head (kv, g)
     reads key/value head kv (grouped-query)."""
-    scores = jnp.einsum("bskgd,btkd->bkgst", q, k).astype(jnp.float32) / math.sqrt(q.shape[-1])
-    # jnp, not numpy: positions may be numpy constants, and the mask is seq x seq.
-    visible = jnp.asarray(q_positions)[:, None] >= jnp.asarray(k_positions)[None, :]
+    if window is not None and window < k.shape[1] and in_order(q_positions, k_positions):
+        return _banded_attention(q, k, v, q_segments, window)
+    mask = visible(q_positions, k_positions, window)
     same = same_segment(q_segments, k_segments)
-    visible = visible if same is None else (visible[None] & same)[:, None, None]
-    scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
+    mask = mask if same is None else (mask[None] & same)[:, None, None]
+    return _softmax_values(q, k, v, mask)
+
+
+def _softmax_values(q, k, v, mask) -> jax.Array:
+    """softmax(q k^T / sqrt(d)) v over the keys `mask` shows (broadcast to (b, kv, g, s, t))."""
+    scores = jnp.einsum("bskgd,btkd->bkgst", q, k).astype(jnp.float32) / math.sqrt(q.shape[-1])
+    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     return jnp.einsum("bkgst,btkd->bskgd", probs, v)
 
 
-def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_slots: jax.Array, valid: jax.Array) -> jax.Array:
+def _banded_attention(q, k, v, segments, window: int) -> jax.Array:
+    """`causal_attention` of a sequence in order under a window: queries in blocks of one
+    window, each against the keys of its block and the one before (all it can see), so
+    the scores are (seq x 2 window) per head, not (seq x seq)."""
+    b, s = q.shape[:2]
+    n = -(-s // window)
+    pad = n * window - s  # padding at the end: after every real query, so never visible to one
+
+    def blocks(x, before: bool):
+        """(b, s, ...) -> (b * n, window, ...) blocks; `before`: each block's predecessor
+        (zeros before the first) and itself, (b * n, 2 window, ...)."""
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)).reshape(b, n, window, *x.shape[2:])
+        if before:
+            previous = jnp.pad(x[:, :-1], [(0, 0), (1, 0)] + [(0, 0)] * (x.ndim - 2))
+            x = jnp.concatenate([previous, x], axis=2)
+        return x.reshape(b * n, -1, *x.shape[3:])
+
+    q_at = np.arange(window)  # positions relative to the block's start
+    k_at = np.arange(-window, window)
+    mask = visible(q_at, k_at, window) & (np.arange(n)[:, None, None] * window + k_at >= 0)  # (n, w, 2w)
+    if segments is not None:  # the first block's missing keys and the end's padding are hidden by position
+        same = same_segment(blocks(segments, False), blocks(segments, True)).reshape(b, n, window, 2 * window)
+        mask = mask[None] & same
+    mask = jnp.broadcast_to(mask, (b, n, window, 2 * window)).reshape(b * n, 1, 1, window, 2 * window)
+    out = _softmax_values(blocks(q, False), blocks(k, True), blocks(v, True), mask)
+    return out.reshape(b, n * window, *q.shape[2:])[:, :s]
+
+
+def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_slots: jax.Array, valid: jax.Array,
+                     window: int | None = None) -> jax.Array:
     """Queries at cache slots `q_slots` (s,) against a whole key/value cache (batch, kv_heads,
-    t, head_dim): a query sees the slots up to its own that `valid` (batch, t) marks."""
+    t, head_dim): a query sees the slots up to its own that `valid` (batch, t) marks, and
+    inside the window (a row's tokens take consecutive slots, so slots count positions)."""
     scores = jnp.einsum("bskgd,bktd->bkgst", q, k).astype(jnp.float32) / math.sqrt(q.shape[-1])
-    visible = (jnp.arange(k.shape[2])[None, :] <= q_slots[:, None])[None] & valid[:, None, :]  # (b, s, t)
-    scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    shown = visible(q_slots, jnp.arange(k.shape[2]), window)[None] & valid[:, None, :]  # (b, s, t)
+    scores = jnp.where(shown[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     return jnp.einsum("bkgst,bktd->bskgd", probs, v)
 
 
-def cudnn_attention(q, k, v, q_positions, k_positions, q_segments=None, k_segments=None):
+def cudnn_attention(q, k, v, q_positions, k_positions, q_segments=None, k_segments=None, window=None):
     b, s, kv, g, d = q.shape
     why = (f"it takes bfloat16 or float16, not {q.dtype}" if q.dtype not in (jnp.bfloat16, jnp.float16)
            else "the positions are not 0, 1, 2, ... (its causal mask reads indices)"
            if not in_order(q_positions, k_positions)
            else "its path in JAX takes no segment ids (packed rows)" if q_segments is not None else None)
     if why:
-        return fallback("cudnn", why)(q, k, v, q_positions, k_positions, q_segments, k_segments)
+        return fallback("cudnn", why)(q, k, v, q_positions, k_positions, q_segments, k_segments, window)
     # Query head (kv, g) is head kv * groups + g: the one jax maps to key/value head kv.
-    out = jax.nn.dot_product_attention(q.reshape(b, s, kv * g, d), k, v, is_causal=True, implementation="cudnn")
+    # A window of w: w - 1 keys before the query, none after.
+    out = jax.nn.dot_product_attention(q.reshape(b, s, kv * g, d), k, v, is_causal=True, implementation="cudnn",
+                                       local_window_size=None if window is None else (window - 1, 0))
     return out.reshape(q.shape)
 
 
 SPLASH_BLOCKS = (512, 256, 128)  # block sizes splash attention tiles the sequence with, largest first
 
 
-def splash_attention(q, k, v, q_positions, k_positions, q_segments=None, k_segments=None, interpret: bool = False):
+def splash_attention(q, k, v, q_positions, k_positions, q_segments=None, k_segments=None, window=None,
+                     interpret: bool = False):
     """`interpret`: run the Pallas kernel in its interpreter (any backend; for tests).
     Packed rows: splash's own segment ids."""
     # Imported here: the TPU kernels' modules are not needed, and not imported, elsewhere.
@@ -105,13 +156,16 @@ def splash_attention(q, k, v, q_positions, k_positions, q_segments=None, k_segme
     if block is None or not in_order(q_positions, k_positions):
         why = (f"the sequence ({s}) is no multiple of {SPLASH_BLOCKS[-1]}" if block is None
                else "the positions are not 0, 1, 2, ... (its causal mask reads indices)")
-        return fallback("splash", why)(q, k, v, q_positions, k_positions, q_segments, k_segments)
+        return fallback("splash", why)(q, k, v, q_positions, k_positions, q_segments, k_segments, window)
     sizes = kernels.BlockSizes(**{name: block for name in (
         "block_q", "block_kv", "block_kv_compute", "block_q_dkv", "block_kv_dkv", "block_kv_dkv_compute",
         "block_q_dq", "block_kv_dq")})
     # One kernel per key/value head: its query heads share it (multi-query form).
-    kernel = kernels.make_splash_mqa_single_device(
-        masks.MultiHeadMask([masks.CausalMask((s, s))] * g), block_sizes=sizes, interpret=interpret)
+    # Causal, or a window of w: w - 1 keys before the query, none after (splash skips the
+    # blocks such a mask hides).
+    mask = masks.CausalMask((s, s)) if window is None else masks.LocalMask((s, s), (window - 1, 0), offset=0)
+    kernel = kernels.make_splash_mqa_single_device(masks.MultiHeadMask([mask] * g), block_sizes=sizes,
+                                                   interpret=interpret)
     heads_first = (q / math.sqrt(d)).astype(q.dtype).transpose(0, 2, 3, 1, 4)  # (b, kv, g, s, d): splash does not scale
     keys, values = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
     if q_segments is None:
@@ -148,16 +202,17 @@ def fallback(kernel: str, why: str):
 
 
 def kernel_attention(kernel):
-    """attend(q, k, v, positions) with `kernel` (a callable of KERNELS' form)."""
+    """attend(q, k, v, positions, segments, window) with `kernel` (a callable of KERNELS' form)."""
     return functools.partial(_self_attention, kernel)
 
 
-def _self_attention(kernel, q, k, v, positions, segments=None):
-    return kernel(q, k, v, positions, positions, segments, segments)
+def _self_attention(kernel, q, k, v, positions, segments=None, window=None):
+    return kernel(q, k, v, positions, positions, segments, segments, window)
 
 
 # Causal self-attention of a sequence with the given positions (and segment ids, for
-# packed rows): attend(q, k, v, positions, segments=None) is what models call;
+# packed rows; a window, for local attention): attend(q, k, v, positions, segments=None,
+# window=None) is what models call;
 # `attention_implementation(f)` swaps in f (e.g. ring attention).
 attend = Swappable("attention", kernel_attention(causal_attention))
 attention_implementation = attend.use

@@ -7,8 +7,9 @@ and ring attention across sp (spmd.parallel.context), which merges per-chunk res
 `merge` by their log-sum-exp. The mask compares positions, as models.attention does.
 
 Shapes: q (batch, s, kv_heads, groups, head_dim); k, v (batch, t, kv_heads, head_dim);
-positions (s,) and (t,); segment ids of packed rows (batch, s) and (batch, t), or None.
-The log-sum-exp is (batch, kv_heads, groups, s).
+positions (s,) and (t,); segment ids of packed rows (batch, s) and (batch, t), or None;
+a sliding window (an int, or None), whose hidden blocks are skipped. The log-sum-exp is
+(batch, kv_heads, groups, s).
 """
 
 from __future__ import annotations
@@ -28,14 +29,15 @@ _NOWHERE = 2**31 - 1  # position of padding keys: after every query
 _NO_SEGMENT = -1  # segment id of padding: no example's
 
 
-def attention(q, k, v, q_positions, k_positions, q_segments=None, k_segments=None,
+def attention(q, k, v, q_positions, k_positions, q_segments=None, k_segments=None, window: int | None = None,
               block: int | None = None) -> jax.Array:
-    """Causal attention (softmax(q k^T / sqrt(d)) v, by positions, within segments), in q's dtype."""
-    out, _ = attention_lse(q, k, v, q_positions, k_positions, q_segments, k_segments, block)
+    """Causal attention (softmax(q k^T / sqrt(d)) v, by positions, within segments and the
+    window), in q's dtype."""
+    out, _ = attention_lse(q, k, v, q_positions, k_positions, q_segments, k_segments, window, block)
     return out.astype(q.dtype)
 
 
-def attention_lse(q, k, v, q_positions, k_positions, q_segments=None, k_segments=None,
+def attention_lse(q, k, v, q_positions, k_positions, q_segments=None, k_segments=None, window: int | None = None,
                   block: int | None = None) -> tuple[jax.Array, jax.Array]:
     """(attention output in float32, log-sum-exp of each query's visible scores);
     `block`: tokens per block (default BLOCK)."""
@@ -48,7 +50,7 @@ def attention_lse(q, k, v, q_positions, k_positions, q_segments=None, k_segments
     segments = None
     if q_segments is not None:
         segments = (_pad_segments(q_segments, bq), _pad_segments(k_segments, bk))
-    out, lse = _flash(q, k, v, q_positions, k_positions, segments, bq, bk)
+    out, lse = _flash(q, k, v, q_positions, k_positions, segments, bq, bk, window)
     return out[:, :s], lse[..., :s]
 
 
@@ -90,10 +92,11 @@ def _unblock(x):
     return jnp.moveaxis(x, 0, 1).reshape(x.shape[1], -1, *x.shape[3:])
 
 
-def _scores(q, k, q_pos, k_pos, q_seg=None, k_seg=None):
+def _scores(q, k, q_pos, k_pos, q_seg, k_seg, window):
     """Scaled, masked scores of a block pair, float32 (b, kv, g, bq, bk)."""
     scores = jnp.einsum("bskgd,btkd->bkgst", q, k, preferred_element_type=jnp.float32) / math.sqrt(q.shape[-1])
-    visible = q_pos[:, None] >= k_pos[None, :]
+    behind = q_pos[:, None] - k_pos[None, :]
+    visible = behind >= 0 if window is None else (behind >= 0) & (behind < window)
     if q_seg is not None:
         visible = (visible[None] & (q_seg[:, :, None] == k_seg[:, None, :]))[:, None, None]
     return jnp.where(visible, scores, HIDDEN)
@@ -114,17 +117,19 @@ def _segment_blocks(segments, bq: int, bk: int):
     return _blocks(segments[0], bq), _blocks(segments[1], bk)
 
 
-def _visible(q_pos, k_pos):
-    """Whether any key of the block is visible to any query of the block."""
-    return jnp.max(q_pos) >= jnp.min(k_pos)
+def _visible(q_pos, k_pos, window):
+    """Whether any key of the block is visible to any query of the block (padding keys sit
+    at _NOWHERE, so the difference below stays within int32)."""
+    seen = jnp.max(q_pos) >= jnp.min(k_pos)
+    return seen if window is None else seen & (jnp.min(q_pos) - jnp.max(k_pos) < window)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def _flash(q, k, v, q_pos, k_pos, segments, bq: int, bk: int):
-    return _forward(q, k, v, q_pos, k_pos, segments, bq, bk)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _flash(q, k, v, q_pos, k_pos, segments, bq: int, bk: int, window: int | None):
+    return _forward(q, k, v, q_pos, k_pos, segments, bq, bk, window)
 
 
-def _forward(q, k, v, q_pos, k_pos, segments, bq, bk):
+def _forward(q, k, v, q_pos, k_pos, segments, bq, bk, window):
     q_pos, k_pos, segments = _varying(q_pos, k_pos, segments, q)
     qs_blocks, ks_blocks = _segment_blocks(segments, bq, bk)
     k_blocks, v_blocks, kp_blocks = _blocks(k, bk), _blocks(v, bk), k_pos.reshape(-1, bk)
@@ -137,7 +142,7 @@ def _forward(q, k, v, q_pos, k_pos, segments, bq, bk):
 
             def update(state):
                 out, top, total = state
-                scores = _scores(qb, kb, qp, kp, qs, ks)
+                scores = _scores(qb, kb, qp, kp, qs, ks, window)
                 new_top = jnp.maximum(top, jnp.max(scores, axis=-1))
                 weights = jnp.exp(scores - new_top[..., None])
                 rescale = jnp.exp(top - new_top)
@@ -145,7 +150,7 @@ def _forward(q, k, v, q_pos, k_pos, segments, bq, bk):
                 out = out * jnp.moveaxis(rescale, -1, 1)[..., None] + pv
                 return out, new_top, total * rescale + jnp.sum(weights, axis=-1)
 
-            return jax.lax.cond(_visible(qp, kp), update, lambda state: state, state), None
+            return jax.lax.cond(_visible(qp, kp, window), update, lambda state: state, state), None
 
         b, _, kv, g, _ = qb.shape
         start = (jnp.zeros(qb.shape, jnp.float32), jnp.full((b, kv, g, bq), HIDDEN, jnp.float32),
@@ -159,8 +164,8 @@ def _forward(q, k, v, q_pos, k_pos, segments, bq, bk):
     return _unblock(out), jnp.moveaxis(lse, 0, -2).reshape(*lse.shape[1:-1], -1)
 
 
-def _flash_forward(q, k, v, q_pos, k_pos, segments, bq, bk):
-    out, lse = _forward(q, k, v, q_pos, k_pos, segments, bq, bk)
+def _flash_forward(q, k, v, q_pos, k_pos, segments, bq, bk, window):
+    out, lse = _forward(q, k, v, q_pos, k_pos, segments, bq, bk, window)
     # Named as activations: a remat policy that keeps those (models.llama's "none") keeps
     # these. Otherwise, keeping matmul outputs, it would keep every block's scores so
     # as to recompute them without a matmul.
@@ -168,7 +173,7 @@ def _flash_forward(q, k, v, q_pos, k_pos, segments, bq, bk):
     return (out, lse), (q, k, v, q_pos, k_pos, segments, out, lse)
 
 
-def _flash_backward(bq, bk, residuals, cotangents):
+def _flash_backward(bq, bk, window, residuals, cotangents):
     """Scores recomputed block pair by block pair: for each key block, a pass over the
     query blocks accumulates its dK and dV and each query block's share of dQ."""
     q, k, v, q_pos, k_pos, segments, out, lse = residuals
@@ -191,7 +196,7 @@ def _flash_backward(bq, bk, residuals, cotangents):
 
             def contribute(grads):
                 d_k, d_v = grads
-                probs = jnp.exp(_scores(qb, kb, qp, kp, qs, ks) - lseb[..., None])  # (b, kv, g, bq, bk)
+                probs = jnp.exp(_scores(qb, kb, qp, kp, qs, ks, window) - lseb[..., None])  # (b, kv, g, bq, bk)
                 d_v = d_v + jnp.einsum("bkgst,bskgd->btkd", probs, dob, preferred_element_type=jnp.float32)
                 d_probs = jnp.einsum("bskgd,btkd->bkgst", dob, vb, preferred_element_type=jnp.float32)
                 d_scores = probs * (d_probs - rowb[..., None]) * scale
@@ -202,7 +207,7 @@ def _flash_backward(bq, bk, residuals, cotangents):
             def skip(grads):
                 return grads, jnp.zeros(qb.shape, jnp.float32)
 
-            return jax.lax.cond(_visible(qp, kp), contribute, skip, grads)
+            return jax.lax.cond(_visible(qp, kp, window), contribute, skip, grads)
 
         zeros = jnp.zeros(kb.shape, jnp.float32)
         (d_k, d_v), d_q_parts = jax.lax.scan(visit, (zeros, zeros),

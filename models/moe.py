@@ -61,6 +61,7 @@ class MoEConfig:
     shared_experts: int = 0  # a shared expert of width shared_experts x expert_mlp
     every: int = 1  # every n-th layer is an MoE layer; the others are dense
     scoring: str = "softmax"
+    normalize_top_k: bool = True  # gates: the k chosen scores over their sum (else the scores themselves)
     # How the model is trained to balance its experts, as its authors define it (training
     # reads these; the forward pass does not): the load-balancing loss per sequence
     # ("sequence") or pooled over the batch and every MoE layer ("pooled", transformers'
@@ -164,7 +165,7 @@ class MoE(nnx.Module):
         # The bias only chooses: the gates are the chosen experts' own scores.
         expert = _top_k(scores + self.bias[...] if hasattr(self, "bias") else scores, moe.top_k)
         top = jnp.take_along_axis(scores, expert, axis=-1)
-        gate = top / jnp.sum(top, axis=-1, keepdims=True)
+        gate = top / jnp.sum(top, axis=-1, keepdims=True) if moe.normalize_top_k else top
         capacity = self.routing.capacity(x.shape[1], moe)
         slot = capacity_slots(expert, positions, moe.experts) if capacity is not None else jnp.zeros_like(expert)
         kept = slot < capacity if capacity is not None else jnp.ones(slot.shape, bool)

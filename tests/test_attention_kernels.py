@@ -14,10 +14,11 @@ from conftest import assert_params_match, train_run
 from helpers import one_error_line
 
 from models import flash
+from models import attention
 from models.attention import causal_attention, cudnn_attention, splash_attention
 from spmd.config import TrainConfig, validate
 from spmd.parallel import kernels
-from spmd.parallel.context import zigzag_order
+from spmd.parallel.context import make_attention, zigzag_order
 from spmd.parallel.layout import make_layout
 from spmd.parallel.mesh import build_mesh
 from spmd.parallel.step import build_program
@@ -38,9 +39,9 @@ def _inputs(seq: int, batch=2, kv_heads=2, groups=3, head_dim=16, seed=0):
     return q, k, v
 
 
-def _value_and_grads(kernel, q, k, v, positions, segments=None):
+def _value_and_grads(kernel, q, k, v, positions, segments=None, window=None):
     def loss(q, k, v):
-        out = kernel(q, k, v, positions, positions, segments, segments)
+        out = kernel(q, k, v, positions, positions, segments, segments, window)
         return jnp.sum(out * jnp.sin(out))  # a loss whose gradient differs per element
 
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
@@ -139,6 +140,59 @@ def test_fused_kernels_take_what_they_can_and_say_when_they_cannot(capsys):
     want = causal_attention(q, k, v, positions, positions, segments, segments)
     np.testing.assert_allclose(packed.astype(jnp.float32), want.astype(jnp.float32), atol=0.02)
     assert "(its path in JAX takes no segment ids (packed rows))" in capsys.readouterr().out
+
+
+def _masked_scores(q, k, v, q_positions, k_positions, q_segments=None, k_segments=None, window=None):
+    """The reference of a windowed kernel: every score computed, then masked (no band, no skips)."""
+    behind = np.asarray(q_positions)[:, None] - np.asarray(k_positions)[None, :]
+    mask = (behind >= 0) & (behind < (window or len(behind)))
+    same = attention.same_segment(q_segments, k_segments)
+    return attention._softmax_values(q, k, v, mask if same is None else (mask[None] & same)[:, None, None])
+
+
+WINDOWED = {  # kernel, sequence, window: windows shorter than a block and longer, not dividing the sequence
+    "xla band": (causal_attention, 100, 12),
+    "chunked": (functools.partial(flash.attention, block=16), 100, 12),
+    "chunked, window over blocks": (functools.partial(flash.attention, block=16), 100, 29),
+    "splash": (functools.partial(splash_attention, interpret=True), 256, 24),
+}
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("case", WINDOWED)
+def test_windowed_kernels_equal_masked_scores(case, packed):
+    """A sliding window hides the keys w or more positions back, alone and with packed
+    examples; the xla kernel computes a band, the chunked one skips hidden blocks, splash
+    uses its local mask. A window that changed nothing would pass too, so the reference
+    differs from plain causal attention (packed examples are 1 to 40 tokens)."""
+    kernel, seq, window = WINDOWED[case]
+    q, k, v = _inputs(seq, batch=2, kv_heads=2, groups=2, head_dim=16)
+    positions, segments = np.arange(seq), _segments(seq, 2) if packed else None
+    want = _value_and_grads(_masked_scores, q, k, v, positions, segments, window)
+    assert not np.allclose(want[1][0], _value_and_grads(_masked_scores, q, k, v, positions, segments)[1][0])
+    _assert_same(_value_and_grads(kernel, q, k, v, positions, segments, window), want)
+
+
+@pytest.mark.parametrize("mode,sp", [("ring", 2), ("ring", 4), ("all-gather", 2)])
+def test_windows_across_sp_equal_masked_scores(mode, sp):
+    """Ring and all-gather attention over sp with a window shorter than an sp chunk (so
+    whole chunk pairs are hidden, and skipped) and packed examples."""
+    seq, window = 64, 6  # sp=4: 8 chunks of 8 tokens
+    mesh = build_mesh({"pp": 1, "dp": 1, "fsdp": 1, "ep": 1, "sp": sp, "tp": 1}, jax.devices()[:sp])
+    order = zigzag_order(seq, sp)
+    q, k, v = _inputs(seq, batch=2, kv_heads=2, groups=2, head_dim=16)
+    q, k, v = q[:, order], k[:, order], v[:, order]
+    segments = _segments(seq, 2)[:, order]
+    attend = make_attention(mesh, mode, kernel=flash.attention)
+
+    def loss(q, k, v, segments):
+        out = attend(q, k, v, order, segments, window)
+        return jnp.sum(out * jnp.sin(out))
+
+    split = jax.sharding.NamedSharding(mesh, jax.P(None, "sp"))
+    with jax.set_mesh(mesh):
+        got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(*jax.device_put((q, k, v, segments), split))
+    _assert_same(got, _value_and_grads(_masked_scores, q, k, v, order, segments, window))
 
 
 def test_auto_picks_the_chunked_kernel_on_the_cpu():

@@ -31,7 +31,8 @@ GOLDENS = Path(__file__).with_name("hf")
 DRIVER = Path(__file__).with_name("cli_driver.py")
 # Each model on a mesh that splits every kind of its weights: fsdp and tp, and ep for the experts.
 MESHES = {"llama-gqa": "dp=2,fsdp=2,tp=2", "llama-tied-rope": "fsdp=4,tp=2", "mixtral": "fsdp=2,ep=2,tp=2",
-          "qwen3": "fsdp=2,tp=4"}  # tp=4: beyond Qwen3's 2 key/value heads
+          "qwen3": "fsdp=2,tp=4", "qwen2": "fsdp=2,tp=4", "mistral": "fsdp=2,tp=4",  # tp=4: beyond 2 kv heads
+          "qwen3-moe": "fsdp=2,ep=2,tp=2"}
 # The issue's bound. What remains is float32 rounding in another summation order (XLA's
 # against torch's): measured 3e-6 to 5e-6 on these models, on one device and on meshes.
 LOGITS_ATOL = 1e-4
@@ -199,7 +200,10 @@ def _damaged(root: Path) -> dict[str, str]:
     copy("windowed", "mixtral", lambda c: c.update(sliding_window=4096))
     copy("qwen3_windowed", "qwen3", lambda c: c.update(use_sliding_window=True, sliding_window=16))
     copy("qwen3_local_layers", "qwen3", lambda c: c.update(layer_types=["sliding_attention", "full_attention"]))
-    copy("qwen3_moe", "qwen3", lambda c: c.update(architectures=["Qwen3MoeForCausalLM"]))
+    copy("qwen3_moe_mlp_only", "qwen3-moe", lambda c: c.update(mlp_only_layers=[1]))
+    copy("qwen2_o_bias", "qwen2", lambda c: c.update(attention_bias=True))
+    copy("qwen2_chunked", "qwen2", lambda c: c.update(layer_types=["chunked_attention", "full_attention"]))
+    copy("mistral_no_window", "mistral", lambda c: c.update(sliding_window=0))
     copy("quantized", "llama-tied-rope", lambda c: c.update(quantization_config={"quant_method": "gptq"}))
     (copy("missing_shard", "llama-gqa") / "model-00003-of-00007.safetensors").unlink()
     truncated = copy("truncated", "llama-tied-rope") / "model.safetensors"
@@ -235,7 +239,11 @@ CASES = {
     "qwen3 sliding window": (["--init-from", "{qwen3_windowed}"], "config.json use_sliding_window: only False"),
     "qwen3 local layers": (["--init-from", "{qwen3_local_layers}"],
                            "config.json layer_types: must hold only full_attention layers"),
-    "qwen3 moe": (["--init-from", "{qwen3_moe}"], "architectures: ['Qwen3MoeForCausalLM'] is not one of"),
+    "qwen3 moe dense layers": (["--init-from", "{qwen3_moe_mlp_only}"], "config.json mlp_only_layers: must be empty"),
+    "qwen2 bias on o": (["--init-from", "{qwen2_o_bias}"], "config.json attention_bias: is not a field"),
+    "unknown layer type": (["--init-from", "{qwen2_chunked}"],
+                           "config.json layer_types: must hold only full_attention layers"),
+    "window of 0": (["--init-from", "{mistral_no_window}"], "config.json sliding_window: must be a positive integer"),
     "missing shard": (["--init-from", "{missing_shard}"], "shard model-00003-of-00007.safetensors is missing"),
     "truncated": (["--init-from", "{truncated}"], "is truncated"),
     "wrong shape": (["--init-from", "{wrong_shape}"],

@@ -24,6 +24,12 @@ KNOWN_PARAMS = {
     "qwen3-0.6b": 596_049_920,
     "qwen3-8b": 8_190_735_360,
     "qwen3-32b": 32_762_123_264,
+    # The safetensors index's total_size / 2 (bfloat16) of each published checkpoint.
+    "qwen3-30b-a3b": 30_532_122_624,
+    "qwen3-235b-a22b": 235_093_634_560,
+    "qwen2.5-7b": 7_615_616_512,
+    "mistral-7b": 7_241_732_096,
+    "mistral-7b-v0.3": 7_248_023_552,
 }
 
 
@@ -31,7 +37,8 @@ KNOWN_PARAMS = {
 def test_real_presets_build_abstractly_with_published_sizes(name):
     skeleton = model_skeleton(name)  # shapes only: nothing is allocated
     assert skeleton.num_params == KNOWN_PARAMS[name] == PRESETS[name].num_params()
-    wkv = skeleton.names["blocks"]["attn"]["wkv"]
+    block = skeleton.names["blocks"]
+    wkv = block["moe"]["attn"]["wkv"] if PRESETS[name].moe else block["attn"]["wkv"]
     assert wkv == ("layers", "embed", "kv_heads", None, "head_dim")
 
 

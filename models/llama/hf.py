@@ -72,7 +72,7 @@ RULES = (
          "{num_key_value_heads} does not divide num_attention_heads {num_attention_heads}"),
     Rule("head_dim", lambda v: v["head_dim"] >= 1 and v["head_dim"] % 2 == 0,
          "must be a positive even number (got {head_dim}, from hidden_size / num_attention_heads if not given)"),
-    Rule("num_experts_per_tok", lambda v: v.get("num_experts_per_tok", 0) <= v.get("num_local_experts", 0),
+    Rule("num_experts_per_tok", lambda v: v.get("num_local_experts") is None or v["num_experts_per_tok"] <= v["num_local_experts"],
          "{num_experts_per_tok} is more than num_local_experts {num_local_experts}"),
 )
 LLAMA3_RULES = (  # the blend between the two divides by their difference
@@ -173,6 +173,8 @@ def config_to_hf(cfg: LlamaConfig) -> dict:
 def supported(cfg: LlamaConfig) -> str | None:
     """Why our config has no Hugging Face equivalent (None: it has one)."""
     moe = cfg.moe
+    if cfg.window or cfg.qkv_bias or cfg.qk_norm:
+        return "LlamaForCausalLM and MixtralForCausalLM have no sliding window, q/k/v biases or q/k norms"
     if moe and (moe.shared_experts or moe.every != 1 or moe.scoring != "softmax"):
         return "Mixtral has no shared experts, MoE in every layer and softmax routing"
     if moe and cfg.mlp != moe.expert_mlp:
@@ -184,64 +186,108 @@ def supported(cfg: LlamaConfig) -> str | None:
 
 @dataclasses.dataclass(frozen=True)
 class Tensor:
-    """One of our parameters (`ours`: its path; `stacked`: one slice per layer) and the
-    published tensors it is made of, for layer `i` when stacked."""
+    """One of our parameters (`ours`: its path) and the published tensors it is made of;
+    `stacked`: how many slices it has along the stacked layers' axis (0: not stacked), and
+    the published names are those of slice `i`."""
 
     ours: tuple[str, ...]
-    stacked: bool
-    names: Callable[[int], list[str]]  # layer -> published names
+    stacked: int
+    names: Callable[[int], list[str]]  # slice -> published names
     shapes: list[tuple[int, ...]]  # the published tensors' shapes
     to_ours: Callable[[list[np.ndarray]], np.ndarray]
     to_hf: Callable[[np.ndarray], list[np.ndarray]]
 
 
-def tensors(cfg: LlamaConfig) -> list[Tensor]:
-    e, h, k, d, v = cfg.embed, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.vocab
-    layer = "model.layers.{}."
+@dataclasses.dataclass(frozen=True)
+class Block:
+    """One block of each step of the stacked layers: its path (`ours`), the number of
+    steps, and the published layer of step i."""
 
-    def at(*names):
-        return lambda i: [(layer + n).format(i) for n in names]
+    ours: tuple
+    steps: int
+    layer_of: Callable[[int], int]
+    moe: bool  # the block's feed-forward is a mixture of experts
 
-    block = ("moe",) if cfg.moe else ()
+    def names(self, *names: str) -> Callable[[int], list[str]]:
+        """The published names of step i's tensors `names` (after `model.layers.N.`)."""
+        return lambda i: [f"model.layers.{self.layer_of(i)}.{n}" for n in names]
+
+
+def blocks(cfg: LlamaConfig) -> list[Block]:
+    """The blocks of a step: one block per layer; in an MoE model, moe.every - 1 dense
+    blocks then an MoE one (models.llama.MoEGroup)."""
+    if cfg.moe is None:
+        return [Block(("blocks",), cfg.layers, lambda i: i, False)]
+    every = cfg.moe.every
+    steps = cfg.layers // every
+    dense = [Block(("blocks", "dense", j), steps, lambda i, j=j: i * every + j, False) for j in range(every - 1)]
+    return [*dense, Block(("blocks", "moe"), steps, lambda i: i * every + every - 1, True)]
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertNames:
+    """Where a family publishes an MoE layer's router and experts (after `model.layers.N.`;
+    {j}: the expert)."""
+
+    router: str
+    gate: str
+    up: str
+    down: str
+
+
+MIXTRAL_EXPERTS = ExpertNames("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{j}.w1.weight",
+                              "block_sparse_moe.experts.{j}.w3.weight", "block_sparse_moe.experts.{j}.w2.weight")
+
+
+def tensors(cfg: LlamaConfig, experts: ExpertNames = MIXTRAL_EXPERTS) -> list[Tensor]:
+    e, v = cfg.embed, cfg.vocab
     found = [
-        Tensor(("embedding",), False, lambda i: ["model.embed_tokens.weight"], [(v, e)], _one, _listed),
-        Tensor(("final_norm", "scale"), False, lambda i: ["model.norm.weight"], [(e,)], _one, _listed),
-        Tensor(("blocks", *block, "attn_norm", "scale"), True, at("input_layernorm.weight"), [(e,)], _one, _listed),
-        Tensor(("blocks", *block, "mlp_norm", "scale"), True, at("post_attention_layernorm.weight"), [(e,)],
-               _one, _listed),
-        Tensor(("blocks", *block, "attn", "wq"), True, at("self_attn.q_proj.weight"), [(h * d, e)],
-               lambda t: t[0].T.reshape(e, h, d), lambda w: [w.reshape(e, h * d).T]),
-        # Query head n reads key/value head n // (h / k), as transformers' repeat_kv.
-        Tensor(("blocks", *block, "attn", "wkv"), True, at("self_attn.k_proj.weight", "self_attn.v_proj.weight"),
-               [(k * d, e), (k * d, e)], lambda t: np.stack([t[0].T, t[1].T], axis=1).reshape(e, 2, k, d).swapaxes(1, 2),
-               lambda w: [w[:, :, 0].reshape(e, k * d).T, w[:, :, 1].reshape(e, k * d).T]),
-        Tensor(("blocks", *block, "attn", "wo"), True, at("self_attn.o_proj.weight"), [(e, h * d)],
-               lambda t: t[0].T.reshape(h, d, e), lambda w: [w.reshape(h * d, e).T]),
+        Tensor(("embedding",), 0, lambda i: ["model.embed_tokens.weight"], [(v, e)], _one, _listed),
+        Tensor(("final_norm", "scale"), 0, lambda i: ["model.norm.weight"], [(e,)], _one, _listed),
     ]
     if not cfg.tie_embeddings:
-        found.append(Tensor(("head",), False, lambda i: ["lm_head.weight"], [(v, e)],
-                            lambda t: t[0].T, lambda w: [w.T]))
-    if cfg.moe is None:
-        m = cfg.mlp
-        found += [
-            Tensor(("blocks", "mlp", "gate_up"), True, at("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-                   [(m, e), (m, e)], lambda t: np.stack([t[0].T, t[1].T], axis=1),
-                   lambda w: [w[:, 0].T, w[:, 1].T]),
-            Tensor(("blocks", "mlp", "down"), True, at("mlp.down_proj.weight"), [(e, m)],
-                   lambda t: t[0].T, lambda w: [w.T]),
-        ]
-        return found
-    n, m = cfg.moe.experts, cfg.moe.expert_mlp
-    expert = "block_sparse_moe.experts.{}.{}.weight"
-    experts = lambda *ws: lambda i: [(layer + expert).format(i, j, w) for w in ws for j in range(n)]  # noqa: E731
-    return found + [
-        Tensor(("blocks", "moe", "mlp", "router"), True, at("block_sparse_moe.gate.weight"), [(n, e)],
+        found.append(Tensor(("head",), 0, lambda i: ["lm_head.weight"], [(v, e)], lambda t: t[0].T, lambda w: [w.T]))
+    for block in blocks(cfg):
+        found += _attention(cfg, block) + (_experts(cfg, block, experts) if block.moe else _mlp(cfg, block))
+    return found
+
+
+def _attention(cfg: LlamaConfig, b: Block) -> list[Tensor]:
+    e, h, k, d = cfg.embed, cfg.heads, cfg.kv_heads, cfg.head_dim
+    return [
+        Tensor((*b.ours, "attn_norm", "scale"), b.steps, b.names("input_layernorm.weight"), [(e,)], _one, _listed),
+        Tensor((*b.ours, "mlp_norm", "scale"), b.steps, b.names("post_attention_layernorm.weight"), [(e,)],
+               _one, _listed),
+        Tensor((*b.ours, "attn", "wq"), b.steps, b.names("self_attn.q_proj.weight"), [(h * d, e)],
+               lambda t: t[0].T.reshape(e, h, d), lambda w: [w.reshape(e, h * d).T]),
+        # Query head n reads key/value head n // (h / k), as transformers' repeat_kv.
+        Tensor((*b.ours, "attn", "wkv"), b.steps, b.names("self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+               [(k * d, e), (k * d, e)], lambda t: np.stack([t[0].T, t[1].T], axis=1).reshape(e, 2, k, d).swapaxes(1, 2),
+               lambda w: [w[:, :, 0].reshape(e, k * d).T, w[:, :, 1].reshape(e, k * d).T]),
+        Tensor((*b.ours, "attn", "wo"), b.steps, b.names("self_attn.o_proj.weight"), [(e, h * d)],
+               lambda t: t[0].T.reshape(h, d, e), lambda w: [w.reshape(h * d, e).T]),
+    ]
+
+
+def _mlp(cfg: LlamaConfig, b: Block) -> list[Tensor]:
+    e, m = cfg.embed, cfg.mlp
+    return [
+        Tensor((*b.ours, "mlp", "gate_up"), b.steps, b.names("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+               [(m, e), (m, e)], lambda t: np.stack([t[0].T, t[1].T], axis=1), lambda w: [w[:, 0].T, w[:, 1].T]),
+        Tensor((*b.ours, "mlp", "down"), b.steps, b.names("mlp.down_proj.weight"), [(e, m)],
                lambda t: t[0].T, lambda w: [w.T]),
-        # w1 is the gate and w3 the up projection of each expert; w2 its down projection.
-        Tensor(("blocks", "moe", "mlp", "gate_up"), True, experts("w1", "w3"), [(m, e)] * (2 * n),
+    ]
+
+
+def _experts(cfg: LlamaConfig, b: Block, names: ExpertNames) -> list[Tensor]:
+    e, n, m = cfg.embed, cfg.moe.experts, cfg.moe.expert_mlp
+    each = lambda *templates: b.names(*(t.format(j=j) for t in templates for j in range(n)))  # noqa: E731
+    return [
+        Tensor((*b.ours, "mlp", "router"), b.steps, b.names(names.router), [(n, e)], lambda t: t[0].T, lambda w: [w.T]),
+        Tensor((*b.ours, "mlp", "gate_up"), b.steps, each(names.gate, names.up), [(m, e)] * (2 * n),
                lambda t: np.stack([np.stack(t[:n]), np.stack(t[n:])], axis=2).transpose(0, 3, 2, 1),
                lambda w: [w[j, :, s].T for s in (0, 1) for j in range(n)]),
-        Tensor(("blocks", "moe", "mlp", "down"), True, experts("w2"), [(e, m)] * n,
+        Tensor((*b.ours, "mlp", "down"), b.steps, each(names.down), [(e, m)] * n,
                lambda t: np.stack(t).transpose(0, 2, 1), lambda w: list(w.transpose(0, 2, 1))),
     ]
 
@@ -250,8 +296,9 @@ def tensor_count(cfg: LlamaConfig) -> tuple[int, str]:
     """How many published tensors `tensors(cfg)` names, by arithmetic, and the config.json
     fields that decide it: a loader checks a config's depth against the files before it
     makes any list as long as the model."""
-    per_layer = 6 + (1 + 3 * cfg.moe.experts if cfg.moe else 3)  # norms, q, k, v, o; the MLP or router and experts
-    count = 2 + (not cfg.tie_embeddings) + cfg.layers * per_layer
+    attention = 6  # two norms, q, k, v, o
+    count = 2 + (not cfg.tie_embeddings) + cfg.layers * attention + (cfg.layers - cfg.moe_layers) * 3
+    count += cfg.moe_layers * (1 + 3 * cfg.moe.experts) if cfg.moe else 0  # router and experts
     fields = f"num_hidden_layers {cfg.layers}" + (f", num_local_experts {cfg.moe.experts}" if cfg.moe else "")
     return count, fields
 

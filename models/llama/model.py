@@ -1,7 +1,8 @@
 """A Llama-family decoder written for one device.
 
 RMSNorm, rotary embeddings, grouped-query attention (with Qwen3's RMSNorm of each query
-and key head, `qk_norm`) and a SwiGLU MLP, or a mixture of experts in every n-th layer
+and key head, `qk_norm`; Qwen2's query, key and value biases, `qkv_bias`; Mistral's
+sliding window, `window`) and a SwiGLU MLP, or a mixture of experts in every n-th layer
 (models.moe); the blocks are created stacked (one leading
 "layers" axis) and run with a scan, so compile time does not grow with depth. Every
 parameter and the important activations carry logical axis names (`batch, seq,
@@ -65,6 +66,8 @@ class LlamaConfig:
     tie_embeddings: bool = False
     moe: MoEConfig | None = None  # MoE feed-forward in every moe.every-th layer
     qk_norm: bool = False  # RMSNorm of each query and key head before the rotation (Qwen3)
+    window: int | None = None  # sliding window of every layer's attention: a query sees this many keys (Mistral)
+    qkv_bias: bool = False  # biases on the query, key and value projections, not the output's (Qwen2)
     family: str = "llama"  # which family's config this is, kept when it is saved as data (models.config_from_dict)
 
     @classmethod
@@ -90,6 +93,13 @@ class LlamaConfig:
         short_waves = wavelength < r.original_max_position / r.high_freq_factor
         return np.where(long_waves, slowed, np.where(short_waves, freqs, blended)).astype(np.float32)
 
+    def attended_keys(self, seq: int) -> float:
+        """Keys a query attends to, on average over a sequence of `seq` and every layer, in
+        the continuous form FLOP counts use (PaLM's): seq / 2 under the causal mask, and
+        w - w^2 / 2 seq under a window w (w for most queries, fewer for the first w)."""
+        w = min(self.window or seq, seq)
+        return w - w * w / (2 * seq)
+
     @property
     def moe_layers(self) -> int:
         return self.layers // self.moe.every if self.moe else 0
@@ -97,7 +107,8 @@ class LlamaConfig:
     def num_params(self, active: bool = False) -> int:
         """Parameter count from the shapes (matches the built model); `active`: only those
         one token multiplies with (its top-k experts)."""
-        attn = self.embed * self.head_dim * (2 * self.heads + 2 * self.kv_heads) + 2 * self.head_dim * self.qk_norm
+        attn = ((self.embed + self.qkv_bias) * self.head_dim * (self.heads + 2 * self.kv_heads)
+                + self.embed * self.heads * self.head_dim + 2 * self.head_dim * self.qk_norm)
         dense = self.layers - self.moe_layers
         blocks = self.layers * (attn + 2 * self.embed) + dense * 3 * self.embed * self.mlp
         if self.moe:
@@ -129,6 +140,10 @@ def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...], std: 
 
 def _ones(shape: tuple[int, ...], names: tuple[str, ...]) -> nnx.Param:
     return nnx.Param(jnp.ones(shape, jnp.float32), out_sharding=names, eager_sharding=False)
+
+
+def _zeros(shape: tuple[int, ...], names: tuple[str, ...]) -> nnx.Param:
+    return nnx.Param(jnp.zeros(shape, jnp.float32), out_sharding=names, eager_sharding=False)
 
 
 class RMSNorm(nnx.Module):
@@ -164,6 +179,9 @@ class Attention(nnx.Module):
         self.wq = _param(rngs, (e, h, d), ("embed", "heads", "head_dim"), e**-0.5)
         self.wkv = _param(rngs, (e, k, 2, d), ("embed", "kv_heads", None, "head_dim"), e**-0.5)
         self.wo = _param(rngs, (h, d, e), ("heads", "head_dim", "embed"), (h * d) ** -0.5)
+        if cfg.qkv_bias:  # laid out as wq and wkv are
+            self.bq = _zeros((h, d), ("heads", "head_dim"))
+            self.bkv = _zeros((k, 2, d), ("kv_heads", None, "head_dim"))
         if cfg.qk_norm:  # one scale per head dimension, shared by every head
             self.q_norm = RMSNorm(d, cfg.norm_eps, ("head_dim",))
             self.k_norm = RMSNorm(d, cfg.norm_eps, ("head_dim",))
@@ -174,9 +192,9 @@ class Attention(nnx.Module):
         (their positions are what the rotation reads)."""
         if packing is None:
             q, k, v = self._project(x, positions)
-            return self._output(attend(q, k, v, positions))
+            return self._output(attend(q, k, v, positions, None, self.cfg.window))
         q, k, v = self._project(x, packing.positions)
-        return self._output(attend(q, k, v, positions, packing.segments))
+        return self._output(attend(q, k, v, positions, packing.segments, self.cfg.window))
 
     def decode(self, x: jax.Array, positions: jax.Array, cache: dict, block: tuple[jax.Array, int],
                at: Decoding) -> tuple[jax.Array, dict]:
@@ -194,7 +212,7 @@ class Attention(nnx.Module):
             cache[name] = jax.lax.dynamic_update_slice(cache[name], new, start)
         names = ("batch", "kv_heads", None, "head_dim")
         k_all, v_all = (constrain(cache[name][block], *names).astype(q.dtype) for name in ("k", "v"))
-        return self._output(cached_attention(q, k_all, v_all, at.slots(x.shape[1]), at.valid)), cache
+        return self._output(cached_attention(q, k_all, v_all, at.slots(x.shape[1]), at.valid, self.cfg.window)), cache
 
     def _project(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Queries (batch, seq, kv slots, heads per slot, head_dim), keys and values (batch,
@@ -213,6 +231,11 @@ class Attention(nnx.Module):
         # Slots are split like the query heads.
         wqkv = assembled(jnp.concatenate([wq, wkv], axis=2), "embed", "heads", None, "head_dim")
         qkv = jnp.einsum("bse,ekgd->bskgd", x, wqkv)
+        if cfg.qkv_bias:  # side by side as the weights are: (slots, per_slot + 2, head_dim)
+            bq = weight(self.bq, dt, lay_out=False).reshape(slots, per_slot, cfg.head_dim)
+            bkv = weight(self.bkv, dt, lay_out=False)
+            bkv = jnp.repeat(bkv, c, axis=0) if c > 1 else bkv
+            qkv = qkv + assembled(jnp.concatenate([bq, bkv], axis=1), "heads", None, "head_dim")
         q, k = qkv[:, :, :, :per_slot].reshape(b, s, cfg.heads, cfg.head_dim), qkv[:, :, :, per_slot]
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -301,8 +324,9 @@ class Llama(nnx.Module):
 
     @staticmethod
     def decays(path: tuple[str, ...]) -> bool:
-        """Whether weight decay applies to the parameter at `path`: matrices yes, norm scales no."""
-        return path[-1] != "scale"
+        """Whether weight decay applies to the parameter at `path`: matrices yes; norm scales
+        and biases no (as transformers' Trainer leaves them)."""
+        return path[-1] not in ("scale", "bq", "bkv")
 
     @staticmethod
     def head_params(cfg: LlamaConfig) -> tuple[str, ...]:

@@ -1,61 +1,99 @@
-"""Qwen3 in Hugging Face's layout (Qwen3ForCausalLM): Llama's config.json and tensors, and
-each layer's `self_attn.q_norm` and `self_attn.k_norm`. Sliding windows, which published
-Qwen3 configs switch off (`use_sliding_window: false`), are refused when switched on."""
+"""Qwen3 in Hugging Face's layout: Qwen3ForCausalLM (dense) and Qwen3MoeForCausalLM.
+Llama's config.json and tensors, and each layer's `self_attn.q_norm` and `self_attn.k_norm`.
+
+Qwen3-MoE: `num_experts` experts of width `moe_intermediate_size` (router `mlp.gate`,
+experts `mlp.experts.N.{gate,up,down}_proj`), softmax scores and top-k, renormalized over
+the k when `norm_topk_prob`; every `decoder_sparse_step`-th layer is MoE, the others dense
+of width `intermediate_size`. Layers listed in `mlp_only_layers` (published configs list
+none) and sliding windows (published configs switch them off) are refused."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from models.llama import hf as llama
-from models.llama.hf import Tensor
+from models.llama.hf import ExpertNames, Tensor
+from models.moe import MoEConfig
+from models.qwen2.hf import WINDOW_RULES, WINDOWS
 from models.qwen3.model import Qwen3Config
-from spmd.base.schema import ANY, BOOLEAN, LIST, Field, Rule
+from spmd.base.schema import BOOLEAN, INTEGER, LIST, Field, Rule
 
-ARCHITECTURES = ("Qwen3ForCausalLM",)
-# Llama's fields, but a window only counts where use_sliding_window turns it on.
-CONFIG = (
-    *(f for f in llama.CONFIG if f.name != "sliding_window"),
-    Field("use_sliding_window", BOOLEAN, default=False, choices=(False,)),
-    Field("sliding_window", ANY, default=None),  # read by transformers only with use_sliding_window
-    Field("max_window_layers", ANY, default=None),  # likewise
-    Field("layer_types", LIST, default=None, nullable=True),
+DENSE, MOE = "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"
+ARCHITECTURES = (DENSE, MOE)
+# Llama's fields, with Qwen's window fields for its sliding_window.
+CONFIG = (*(f for f in llama.CONFIG if f.name != "sliding_window"), *WINDOWS)
+MOE_CONFIG = (
+    Field("num_experts", INTEGER, llama.POSITIVE, None, nullable=True),
+    Field("num_local_experts", INTEGER, llama.POSITIVE, None, nullable=True),  # transformers 5 writes this name
+    Field("num_experts_per_tok", INTEGER, llama.POSITIVE),
+    Field("moe_intermediate_size", INTEGER, llama.POSITIVE),
+    Field("norm_topk_prob", BOOLEAN, default=False),
+    Field("decoder_sparse_step", INTEGER, llama.POSITIVE, 1),
+    Field("mlp_only_layers", LIST, default=None, nullable=True),
 )
-RULES = (
-    *llama.RULES,
-    Rule("layer_types", lambda v: v["layer_types"] is None or set(v["layer_types"]) <= {"full_attention"},
-         "must hold only full_attention layers (got {layer_types}): sliding windows are not reproduced here"),
+RULES = (*llama.RULES, *WINDOW_RULES)
+MOE_RULES = (
+    Rule("num_experts", lambda v: (v["num_experts"] or v["num_local_experts"]) is not None,
+         "is missing (or num_local_experts)"),
+    Rule("num_experts_per_tok", lambda v: v["num_experts_per_tok"] <= (v["num_experts"] or v["num_local_experts"]),
+         "{num_experts_per_tok} is more than num_experts"),
+    Rule("decoder_sparse_step", lambda v: v["num_hidden_layers"] % v["decoder_sparse_step"] == 0,
+         "{decoder_sparse_step} does not divide num_hidden_layers {num_hidden_layers}"),
+    Rule("mlp_only_layers", lambda v: not v["mlp_only_layers"],
+         "must be empty (got {mlp_only_layers}): only every decoder_sparse_step-th layer's kind is reproduced"),
 )
-
+EXPERTS = ExpertNames("mlp.gate.weight", "mlp.experts.{j}.gate_proj.weight", "mlp.experts.{j}.up_proj.weight",
+                      "mlp.experts.{j}.down_proj.weight")
+QWEN3_MOE_AUX_LOSS_COEF = 0.001  # transformers' Qwen3MoeConfig default for router_aux_loss_coef
 
 copies = llama.copies  # a tied model's lm_head.weight copy, as Llama's (Qwen3-0.6B ships one)
 
 
 def config_values(hf: dict) -> dict:
-    return llama.checked(hf, ARCHITECTURES, lambda architecture: CONFIG, RULES)
+    return llama.checked(hf, ARCHITECTURES, lambda architecture: CONFIG + MOE_CONFIG if architecture == MOE
+                         else CONFIG, RULES + MOE_RULES if hf.get("architectures") == [MOE] else RULES)
 
 
 def config_from_hf(hf: dict) -> Qwen3Config:
-    """Our config of a Qwen3 config.json; anything it cannot compute exactly is refused."""
-    return llama.config_of(config_values(hf), Qwen3Config)
+    """Our config of a Qwen3 or Qwen3-MoE config.json; anything it cannot compute exactly is refused."""
+    v = config_values(hf)
+    cfg = llama.config_of(v, Qwen3Config)
+    if "num_experts_per_tok" not in v:
+        return cfg
+    # Trained as transformers trains it: the pooled balance loss, no z-loss.
+    coef = v["router_aux_loss_coef"]
+    return dataclasses.replace(cfg, moe=MoEConfig(
+        experts=v["num_experts"] or v["num_local_experts"], top_k=v["num_experts_per_tok"],
+        expert_mlp=v["moe_intermediate_size"], every=v["decoder_sparse_step"], normalize_top_k=v["norm_topk_prob"],
+        balance_loss="pooled", z_loss_weight=0.0,
+        aux_loss_weight=QWEN3_MOE_AUX_LOSS_COEF if coef is None else float(coef)))
 
 
 def config_to_hf(cfg: Qwen3Config) -> dict:
-    hf = llama.config_to_hf(cfg) | {"architectures": list(ARCHITECTURES), "model_type": "qwen3",
-                                    "use_sliding_window": False, "sliding_window": None}
+    hf = llama.config_to_hf(dataclasses.replace(cfg, moe=None)) | {
+        "architectures": [DENSE], "model_type": "qwen3", "use_sliding_window": False, "sliding_window": None}
     del hf["mlp_bias"]  # not a Qwen3 field
+    if cfg.moe:
+        m = cfg.moe
+        hf |= {"architectures": [MOE], "model_type": "qwen3_moe", "num_experts": m.experts,
+               "num_experts_per_tok": m.top_k, "moe_intermediate_size": m.expert_mlp, "norm_topk_prob": m.normalize_top_k,
+               "decoder_sparse_step": m.every, "mlp_only_layers": [], "router_aux_loss_coef": m.aux_loss_weight}
     return hf
 
 
 def supported(cfg: Qwen3Config) -> str | None:
     """Why our config has no Hugging Face equivalent (None: it has one)."""
-    if cfg.moe:
-        return "Qwen3ForCausalLM is dense (Qwen3-MoE is another architecture)"
+    if cfg.window or cfg.qkv_bias or not cfg.qk_norm:
+        return "Qwen3 has q/k norms, and no sliding window or q/k/v biases"
+    if cfg.moe and (cfg.moe.shared_experts or cfg.moe.scoring != "softmax"):
+        return "Qwen3-MoE has no shared experts and softmax routing"
     return None
 
 
 def tensors(cfg: Qwen3Config) -> list[Tensor]:
-    norms = [Tensor(("blocks", "attn", f"{x}_norm", "scale"), True,
-                    lambda i, x=x: [f"model.layers.{i}.self_attn.{x}_norm.weight"], [(cfg.head_dim,)],
-                    lambda t: t[0], lambda w: [w]) for x in ("q", "k")]
-    return llama.tensors(cfg) + norms
+    norms = [Tensor((*b.ours, "attn", f"{x}_norm", "scale"), b.steps, b.names(f"self_attn.{x}_norm.weight"),
+                    [(cfg.head_dim,)], lambda t: t[0], lambda w: [w]) for b in llama.blocks(cfg) for x in ("q", "k")]
+    return llama.tensors(cfg, EXPERTS) + norms
 
 
 def tensor_count(cfg: Qwen3Config) -> tuple[int, str]:

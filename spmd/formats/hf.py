@@ -177,7 +177,7 @@ class Directory:
     def _locate(self, held: dict[str, str], copies: dict[str, str]) -> dict[str, str]:
         """Where each tensor the model needs is; refused: one the files lack, and one the
         model has no place for (a copy only if it differs from what it copies)."""
-        needed = [name for t in self.tensors for i in range(self.cfg.layers if t.stacked else 1) for name in t.names(i)]
+        needed = [name for t in self.tensors for i in range(t.stacked or 1) for name in t.names(i)]
         for name in needed:
             if name not in held:
                 raise UserError(f"{self.what}: " + (f"{INDEX} does not list tensor {name}" if self.indexed else
@@ -195,7 +195,7 @@ class Directory:
 
     def _check_shapes(self) -> None:
         for t in self.tensors:
-            for i in range(self.cfg.layers if t.stacked else 1):
+            for i in range(t.stacked or 1):
                 for name, shape in zip(t.names(i), t.shapes):
                     file = self.files[self.where[name]]
                     if file.dtype(name) not in FLOATS:
@@ -265,7 +265,7 @@ def load_params(directory: Directory, layout) -> dict:
         lead = 2 if layout.repeats > 1 else 1  # (layers, ...), or a circular pipeline's (repeats, layers / repeats, ...)
         per_layer = jax.sharding.NamedSharding(sharding.mesh, jax.P(*_padded(sharding.spec, len(shape))[lead:]))
         stacked = _zeros(shape, sharding)
-        for i in range(directory.cfg.layers):
+        for i in range(t.stacked):
             stacked = _set_layer(stacked, _place(directory.layer(t, i), per_layer), np.unravel_index(i, shape[:lead]))
         placed[t.ours] = stacked
     return traverse_util.unflatten_dict(placed)
@@ -326,7 +326,7 @@ def write_hf(out: Path, params: dict, model_cfg, dtype, shard_bytes: int, copies
         raise UserError(f"this model has no Hugging Face layout: {why_not}")
     flat = traverse_util.flatten_dict(params)
     itemsize = np.dtype(dtype).itemsize
-    order = [(t, i) for t in layout.tensors(model_cfg) for i in range(model_cfg.layers if t.stacked else 1)]
+    order = [(t, i) for t in layout.tensors(model_cfg) for i in range(t.stacked or 1)]
     files: list[list[tuple[str, tuple[int, ...]]]] = [[]]
     size = 0
     for t, i in order:

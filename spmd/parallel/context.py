@@ -9,7 +9,8 @@ chunks i and 2n-1-i, one early and one late, so under the causal mask every rank
 same work. The trainer reorders tokens, targets and positions this way before the model
 (`zigzag_order`); masks compare positions, so the loss is that of the original order.
 
-Packed rows: the segment ids of the keys travel (or are gathered) with them.
+Packed rows: the segment ids of the keys travel (or are gathered) with them. A sliding
+window hides more chunk pairs, which are skipped too.
 
 - ring: K/V blocks travel the ring with `ppermute`, n-1 hops; each chunk pair is
   attended with the chunked kernel's pieces (models.flash), and the results merged by
@@ -47,7 +48,7 @@ def zigzag_order(seq: int, n: int) -> np.ndarray:
 
 def make_attention(mesh: jax.sharding.Mesh, mode: str, batch_axes: tuple[str, ...] = BATCH_AXES,
                    kernel=causal_attention):
-    """attention(q, k, v, positions, segments=None) for sequences laid out by `zigzag_order` over sp.
+    """attention(q, k, v, positions, segments=None, window=None) for sequences laid out by `zigzag_order` over sp.
     `batch_axes`: the axes that split the rows here; those a surrounding vmap over batch
     shards has taken (gradient accumulation) are left out, and vmap adds them back.
     `kernel` (models.attention.KERNELS' form): what all-gather mode attends with."""
@@ -57,9 +58,10 @@ def make_attention(mesh: jax.sharding.Mesh, mode: str, batch_axes: tuple[str, ..
     # (Manual over sp alone, XLA gathered the whole batch for the all-gather variant.)
     split = jax.P(batch_axes or None, AXIS)
 
-    def attention(q, k, v, positions, segments=None):
+    def attention(q, k, v, positions, segments=None, window=None):
         del positions  # each rank knows its own: they follow from the layout
-        return jax.shard_map(body, mesh=inside_map(mesh), in_specs=(split, split, split, split), out_specs=split,
+        return jax.shard_map(functools.partial(body, window=window), mesh=inside_map(mesh),
+                             in_specs=(split, split, split, split), out_specs=split,
                              axis_names=still_automatic({AXIS, *BATCH_AXES}), check_vma=False)(q, k, v, segments)
 
     return attention
@@ -100,7 +102,7 @@ def _positions(chunk_index, chunk: int) -> jax.Array:
     return chunk_index * chunk + jnp.arange(chunk)
 
 
-def _gathered(q, k, v, segments, *, n: int, kernel):
+def _gathered(q, k, v, segments, *, n: int, kernel, window):
     rank = jax.lax.axis_index(AXIS)
     chunk = q.shape[1] // 2
     q_positions = jnp.concatenate([_positions(rank, chunk), _positions(2 * n - 1 - rank, chunk)])
@@ -109,7 +111,7 @@ def _gathered(q, k, v, segments, *, n: int, kernel):
     v_all = checkpoint_name(jax.lax.all_gather(v, AXIS, axis=1, tiled=True), ACTIVATION)
     k_positions = jnp.asarray(zigzag_order(2 * n * chunk, n))
     k_segments = None if segments is None else jax.lax.all_gather(segments, AXIS, axis=1, tiled=True)
-    return kernel(q, k_all, v_all, q_positions, k_positions, segments, k_segments)
+    return kernel(q, k_all, v_all, q_positions, k_positions, segments, k_segments, window)
 
 
 # ----------------------------------------------------------------------------- ring
@@ -119,14 +121,20 @@ def _halves(x, chunk: int):
     return (None, None) if x is None else (x[:, :chunk], x[:, chunk:])
 
 
-def _ring(q, k, v, segments, *, n: int):
+def _ring(q, k, v, segments, *, n: int, window):
     rank = jax.lax.axis_index(AXIS)
     chunk = q.shape[1] // 2
     q_chunks = list(zip(_halves(q, chunk), (rank, 2 * n - 1 - rank), _halves(segments, chunk)))
     ring = [(j, (j + 1) % n) for j in range(n)]
 
     def attend_chunk(qc, kc, vc, qi, ki, qs, ks):
-        return flash.attention_lse(qc, kc, vc, _positions(qi, chunk), _positions(ki, chunk), qs, ks)
+        return flash.attention_lse(qc, kc, vc, _positions(qi, chunk), _positions(ki, chunk), qs, ks, window)
+
+    def seen(qi, ki):
+        """Whether any key of chunk ki is visible to a query of chunk qi: not after it, and
+        (under a window) its last key less than a window before the chunk's first query."""
+        causal = qi >= ki
+        return causal if window is None else causal & (qi * chunk - (ki * chunk + chunk - 1) < window)
 
     def visit(states, k, v, k_segments, source):
         """Merge the attention of the local queries on the K/V block that `source` holds."""
@@ -135,8 +143,8 @@ def _ring(q, k, v, segments, *, n: int):
         states = list(states)
         for kc, vc, ki, ks in k_chunks:
             for i, (qc, qi, qs) in enumerate(q_chunks):
-                # A key chunk after the query chunk is hidden by the causal mask: skip it.
-                part = jax.lax.cond(qi >= ki, attend_chunk, lambda qc, *_: flash.nothing(qc),
+                # A key chunk after the query chunk (or out of its window) is hidden: skip it.
+                part = jax.lax.cond(seen(qi, ki), attend_chunk, lambda qc, *_: flash.nothing(qc),
                                     qc, kc, vc, qi, ki, qs, ks)
                 states[i] = flash.merge(states[i], part)
         return tuple(states)

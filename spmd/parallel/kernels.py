@@ -40,7 +40,7 @@ def describe(requested: str, device) -> str:
 
 
 def make_kernel(mesh: jax.sharding.Mesh, name: str, batch_axes: tuple[str, ...] = BATCH_AXES, kernel=None):
-    """attend(q, k, v, positions, segments=None) with kernel `name` (or the callable `kernel`, of
+    """attend(q, k, v, positions, segments=None, window=None) with kernel `name` (or the callable `kernel`, of
     KERNELS' form) on `mesh`: a fused kernel in a map over the row and head axes."""
     kernel = kernel or KERNELS[name]
     if name not in FUSED or mesh.devices.size == 1:
@@ -48,9 +48,9 @@ def make_kernel(mesh: jax.sharding.Mesh, name: str, batch_axes: tuple[str, ...] 
     # q (batch, seq, kv slots, per slot, head_dim); k, v (batch, seq, kv slots, head_dim).
     split = jax.P(batch_axes or None, None, HEADS_AXIS)  # the same for all three
 
-    def attention(q, k, v, positions, segments=None):
+    def attention(q, k, v, positions, segments=None, window=None):
         def local(q, k, v, segments):
-            return kernel(q, k, v, positions, positions, segments, segments)
+            return kernel(q, k, v, positions, positions, segments, segments, window)
 
         rows = jax.P(batch_axes or None)  # segment ids (batch, seq): a device's own rows
         return jax.shard_map(local, mesh=inside_map(mesh), in_specs=(split, split, split, rows), out_specs=split,

@@ -8,7 +8,8 @@ Each golden is a small random model saved by transformers in float32, with the t
 small enough to commit (tens of kB) and has every feature the loader reads: GQA, a
 sharded checkpoint with its index, tied embeddings with Llama 3.1 rope scaling (set so
 that all three frequency bands occur within the sequence), a Mixtral MoE, a Qwen3 (query
-and key norms, its own head size, tied).
+and key norms, its own head size, tied), a Qwen2 (q/k/v biases), a Mistral (a sliding
+window) and a Qwen3-MoE (dense and MoE layers).
 
     python tests/hf/make_goldens.py --check DIR GOLDEN
 
@@ -23,8 +24,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM,
-                          Qwen3Config, Qwen3ForCausalLM)
+from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
+                          MixtralConfig, MixtralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                          Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 HERE = Path(__file__).parent
 SHAPE = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -44,6 +46,16 @@ GOLDENS = {
     # Query and key norms; a head size that is not hidden / heads (16, not 8); tied, as the small Qwen3s.
     "qwen3": (Qwen3ForCausalLM, Qwen3Config(**(SHAPE | dict(head_dim=16)), rope_theta=1000000.0,
                                             tie_word_embeddings=True), None),
+    # Biases on q, k and v (not o); tied, as the small Qwen2.5s.
+    "qwen2": (Qwen2ForCausalLM, Qwen2Config(**{k: v for k, v in SHAPE.items() if k != "head_dim"},
+                                            rope_theta=1000000.0, tie_word_embeddings=True), None),
+    # A window of 6: shorter than the sequence and than an sp chunk (64 tokens over sp=4: 8).
+    "mistral": (MistralForCausalLM, MistralConfig(**SHAPE, sliding_window=6), None),
+    # A dense layer, then an MoE one (decoder_sparse_step 2) with experts narrower than the
+    # dense MLP; top-k weights not renormalized (Mixtral's are).
+    "qwen3-moe": (Qwen3MoeForCausalLM, Qwen3MoeConfig(**SHAPE, moe_intermediate_size=32, num_experts=4,
+                                                     num_experts_per_tok=2, decoder_sparse_step=2,
+                                                     norm_topk_prob=False, rope_theta=1000000.0), None),
 }
 BATCH, SEQ = 2, 64
 PROMPTS, GENERATED = (1, 7, 20), 24
