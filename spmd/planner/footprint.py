@@ -80,7 +80,10 @@ def activation_bytes(cfg, layout: Layout, compute_bytes: int) -> float:
     # scores, weights and their gradient for one block of queries and keys, one layer.
     sp = layout.shape["sp"]
     kept_scores = cfg.attention_kernel == "xla" and not (sp > 1 and cfg.attention == "ring")
-    attention = 4 * e + (2 * qkv + 2 * heads + (m.heads * cfg.seq if kept_scores else 0)) / t
+    # Under a window the xla kernel keeps a band of two windows per query, where the
+    # sequence is in order (one sp rank: sp's zig-zag is not).
+    row = 2 * m.window if m.window and m.window < cfg.seq and sp == 1 else cfg.seq
+    attention = 4 * e + (2 * qkv + 2 * heads + (m.heads * row if kept_scores else 0)) / t
     block = min(flash.BLOCK, cfg.seq // (2 * sp) if sp > 1 and cfg.attention == "ring" else cfg.seq)
     block_scores = 0 if kept_scores else 3 * 4 * m.heads / t * block * block * tokens / cfg.seq
     everything = attention + 3 * m.mlp / t
