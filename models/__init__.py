@@ -2,7 +2,8 @@
 
 from types import ModuleType
 
-from models import llama, mistral, qwen2, qwen3
+from models import gemma3, llama, mistral, qwen2, qwen3
+from models.gemma3 import Gemma3Config
 from models.llama import Llama, LlamaConfig, RopeScaling
 # What every family shares with Llama's (the trainer reads these, never a family's module):
 # remat policies, the decoding state, a Hugging Face tensor's description and config.json's size bound.
@@ -17,14 +18,14 @@ from models.qwen3 import Qwen3Config
 # it needs beyond the call (see Llama: STACKED, LOOKUP_TABLE, decays, head_params), and
 # decodes with a key/value cache (cache_shape, decode).
 FAMILIES: dict[type, type] = {LlamaConfig: Llama, Qwen3Config: qwen3.Qwen3, Qwen2Config: qwen2.Qwen2,
-                              MistralConfig: mistral.Mistral}
+                              MistralConfig: mistral.Mistral, Gemma3Config: gemma3.Gemma3}
 # Each family's Hugging Face layout (see models.llama.hf): ARCHITECTURES it reads,
 # config_values (config.json checked against its field tables), config_from_hf,
 # config_to_hf, supported (why a config has no such layout), tensors, tensor_count (how
 # many published tensors a config implies, before any per-layer loop) and copies
 # (published tensors that may repeat another, as a tied head).
 HF_LAYOUTS: dict[type, ModuleType] = {LlamaConfig: llama.hf, Qwen3Config: qwen3.hf, Qwen2Config: qwen2.hf,
-                                      MistralConfig: mistral.hf}
+                                      MistralConfig: mistral.hf, Gemma3Config: gemma3.hf}
 
 
 def model_class(cfg) -> type:
@@ -50,8 +51,9 @@ def hf_layout(cfg=None, architectures: list | None = None) -> ModuleType:
 
 
 # Every family's presets, by name.
-PRESETS: dict[str, LlamaConfig] = {**llama.PRESETS, **qwen3.PRESETS, **qwen2.PRESETS, **mistral.PRESETS}
+PRESETS: dict[str, LlamaConfig] = {**llama.PRESETS, **qwen3.PRESETS, **qwen2.PRESETS, **mistral.PRESETS,
+                                   **gemma3.PRESETS}
 
-__all__ = ["FAMILIES", "MAX_CONFIG_BYTES", "PRESETS", "REMAT_POLICIES", "Decoding", "Llama", "LlamaConfig",
+__all__ = ["FAMILIES", "MAX_CONFIG_BYTES", "PRESETS", "REMAT_POLICIES", "Decoding", "Gemma3Config", "Llama", "LlamaConfig",
            "MistralConfig", "MoEConfig", "Qwen2Config", "Qwen3Config", "RopeScaling", "Routing", "Tensor",
            "config_from_dict", "hf_layout", "model_class"]

@@ -32,7 +32,7 @@ DRIVER = Path(__file__).with_name("cli_driver.py")
 # Each model on a mesh that splits every kind of its weights: fsdp and tp, and ep for the experts.
 MESHES = {"llama-gqa": "dp=2,fsdp=2,tp=2", "llama-tied-rope": "fsdp=4,tp=2", "mixtral": "fsdp=2,ep=2,tp=2",
           "qwen3": "fsdp=2,tp=4", "qwen2": "fsdp=2,tp=4", "mistral": "fsdp=2,tp=4",  # tp=4: beyond 2 kv heads
-          "qwen3-moe": "fsdp=2,ep=2,tp=2"}
+          "qwen3-moe": "fsdp=2,ep=2,tp=2", "gemma3": "fsdp=2,tp=4"}
 # The bound. What remains is float32 rounding in another summation order (XLA's
 # against torch's): measured 3e-6 to 5e-6 on these models, on one device and on meshes.
 LOGITS_ATOL = 1e-4
@@ -204,6 +204,9 @@ def _damaged(root: Path) -> dict[str, str]:
     copy("qwen2_o_bias", "qwen2", lambda c: c.update(attention_bias=True))
     copy("qwen2_chunked", "qwen2", lambda c: c.update(layer_types=["chunked_attention", "full_attention"]))
     copy("mistral_no_window", "mistral", lambda c: c.update(sliding_window=0))
+    copy("gemma3_softcap", "gemma3", lambda c: c.update(final_logit_softcapping=30.0))
+    copy("gemma3_yarn", "gemma3", lambda c: c["rope_parameters"]["full_attention"].update(rope_type="yarn"))
+    copy("gemma3_layer_type", "gemma3", lambda c: c["layer_types"].__setitem__(0, "chunked_attention"))
     copy("quantized", "llama-tied-rope", lambda c: c.update(quantization_config={"quant_method": "gptq"}))
     (copy("missing_shard", "llama-gqa") / "model-00003-of-00007.safetensors").unlink()
     truncated = copy("truncated", "llama-tied-rope") / "model.safetensors"
@@ -244,6 +247,10 @@ CASES = {
     "unknown layer type": (["--init-from", "{qwen2_chunked}"],
                            "config.json layer_types: must hold only full_attention layers"),
     "window of 0": (["--init-from", "{mistral_no_window}"], "config.json sliding_window: must be a positive integer"),
+    "soft-capping": (["--init-from", "{gemma3_softcap}"], "config.json final_logit_softcapping: only None is supported"),
+    "gemma3 rope type": (["--init-from", "{gemma3_yarn}"],
+                         "config.json rope_parameters.full_attention.rope_type: 'yarn' is not supported"),
+    "gemma3 layer type": (["--init-from", "{gemma3_layer_type}"], "config.json layer_types: must hold"),
     "missing shard": (["--init-from", "{missing_shard}"], "shard model-00003-of-00007.safetensors is missing"),
     "truncated": (["--init-from", "{truncated}"], "is truncated"),
     "wrong shape": (["--init-from", "{wrong_shape}"],

@@ -30,6 +30,10 @@ KNOWN_PARAMS = {
     "qwen2.5-7b": 7_615_616_512,
     "mistral-7b": 7_241_732_096,
     "mistral-7b-v0.3": 7_248_023_552,
+    # Gemma 3 1B: the API's safetensors total. 27B: the text model; the checkpoint's
+    # 27,432,406,640 adds its vision tower (416,866,032) and projector (6,194,304).
+    "gemma3-1b": 999_885_952,
+    "gemma3-27b": 27_009_346_304,
 }
 
 

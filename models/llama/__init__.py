@@ -3,7 +3,8 @@ and Mixtral (Llama blocks whose MLP is a mixture of experts). `model` is the Fla
 `hf` its Hugging Face layout (config.json and tensors), `presets` its named shapes."""
 
 from models.llama import hf
-from models.llama.model import REMAT_POLICIES, Decoding, Llama, LlamaConfig, RopeScaling
+from models.llama.config import LlamaConfig, RopeScaling
+from models.llama.model import REMAT_POLICIES, Decoding, Llama
 from models.llama.presets import PRESETS
 
 __all__ = ["PRESETS", "REMAT_POLICIES", "Decoding", "Llama", "LlamaConfig", "RopeScaling", "hf"]

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from models.llama.model import LlamaConfig, RopeScaling
+from models.llama.config import LlamaConfig, RopeScaling
 from models.moe import MoEConfig
 from spmd.base.schema import (ANY, BOOLEAN, INTEGER, LIST, MAPPING, NUMBER, STRING, Bounds, Field, Invalid, Rule, check,
                               enforce)

@@ -13,6 +13,8 @@ here knows about meshes, devices or parallel strategies.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +23,8 @@ from flax import nnx
 
 from models.annotate import ACTIVATION, assembled, constrain, copies, weight
 from models.attention import Packing, attend, cached_attention
-from models.moe import MoE, MoEConfig, Routing
+from models.llama.config import LlamaConfig
+from models.moe import MoE, Routing
 
 # Activation checkpointing of each block. Every policy keeps only what it lists, so a
 # weight as used (`models.annotate.weight`: cast, and gathered if it is stored split) is
@@ -34,88 +37,6 @@ REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
-
-
-@dataclasses.dataclass(frozen=True)
-class RopeScaling:
-    """Llama 3.1's stretch of the rotary frequencies for long contexts: wavelengths longer
-    than original_max_position / low_freq_factor are slowed by `factor`, those shorter
-    than original_max_position / high_freq_factor kept, those between blended smoothly."""
-
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position: int
-
-    def with_factor(self, factor: float) -> RopeScaling:
-        return dataclasses.replace(self, factor=factor)
-
-
-@dataclasses.dataclass(frozen=True)
-class LlamaConfig:
-    vocab: int
-    embed: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    mlp: int
-    rope_theta: float = 10_000.0
-    rope_scaling: RopeScaling | None = None
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = False
-    moe: MoEConfig | None = None  # MoE feed-forward in every moe.every-th layer
-    qk_norm: bool = False  # RMSNorm of each query and key head before the rotation (Qwen3)
-    window: int | None = None  # sliding window of every layer's attention: a query sees this many keys (Mistral)
-    qkv_bias: bool = False  # biases on the query, key and value projections, not the output's (Qwen2)
-    family: str = "llama"  # which family's config this is, kept when it is saved as data (models.config_from_dict)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> LlamaConfig:
-        """The config of `dataclasses.asdict(config)` (as a run saves it)."""
-        nested = {"rope_scaling": RopeScaling, "moe": MoEConfig}
-        return cls(**{k: nested[k](**v) if k in nested and v is not None else v for k, v in d.items()})
-
-    @property
-    def rope_frequencies(self) -> np.ndarray:
-        """Angle per position of each rotated pair (head_dim / 2,), float32."""
-        # As transformers computes them, in float32, so that long positions agree too.
-        exponent = np.arange(0, self.head_dim, 2).astype(np.float32) / np.float32(self.head_dim)
-        freqs = np.float32(1.0) / np.float32(self.rope_theta) ** exponent
-        r = self.rope_scaling
-        if r is None:
-            return freqs
-        wavelength = 2 * np.pi / freqs
-        slowed = freqs / r.factor
-        blend = (r.original_max_position / wavelength - r.low_freq_factor) / (r.high_freq_factor - r.low_freq_factor)
-        blended = (1 - blend) * slowed + blend * freqs
-        long_waves = wavelength > r.original_max_position / r.low_freq_factor
-        short_waves = wavelength < r.original_max_position / r.high_freq_factor
-        return np.where(long_waves, slowed, np.where(short_waves, freqs, blended)).astype(np.float32)
-
-    def attended_keys(self, seq: int) -> float:
-        """Keys a query attends to, on average over a sequence of `seq` and every layer, in
-        the continuous form FLOP counts use (PaLM's): seq / 2 under the causal mask, and
-        w - w^2 / 2 seq under a window w (w for most queries, fewer for the first w)."""
-        w = min(self.window or seq, seq)
-        return w - w * w / (2 * seq)
-
-    @property
-    def moe_layers(self) -> int:
-        return self.layers // self.moe.every if self.moe else 0
-
-    def num_params(self, active: bool = False) -> int:
-        """Parameter count from the shapes (matches the built model); `active`: only those
-        one token multiplies with (its top-k experts)."""
-        attn = ((self.embed + self.qkv_bias) * self.head_dim * (self.heads + 2 * self.kv_heads)
-                + self.embed * self.heads * self.head_dim + 2 * self.head_dim * self.qk_norm)
-        dense = self.layers - self.moe_layers
-        blocks = self.layers * (attn + 2 * self.embed) + dense * 3 * self.embed * self.mlp
-        if self.moe:
-            per_layer = self.moe.active_per_layer if active else self.moe.params_per_layer
-            blocks += self.moe_layers * per_layer(self.embed)
-        head = 0 if self.tie_embeddings else self.embed * self.vocab
-        return self.vocab * self.embed + blocks + self.embed + head
 
 
 @jax.tree_util.register_dataclass
@@ -147,14 +68,17 @@ def _zeros(shape: tuple[int, ...], names: tuple[str, ...]) -> nnx.Param:
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, names: tuple[str, ...] = ("embed",)):
-        self.scale = _ones((dim,), names)
-        self.eps = eps
+    """`offset`: scaled by 1 + its weight, which starts at 0 (Gemma's form)."""
+
+    def __init__(self, dim: int, eps: float, names: tuple[str, ...] = ("embed",), offset: bool = False):
+        self.scale = _zeros((dim,), names) if offset else _ones((dim,), names)
+        self.eps, self.offset = eps, offset
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (normed * weight(self.scale, jnp.float32)).astype(x.dtype)
+        scale = weight(self.scale, jnp.float32)
+        return (normed * (1.0 + scale if self.offset else scale)).astype(x.dtype)
 
 
 def rotary(x: jax.Array, positions: jax.Array, freqs: np.ndarray) -> jax.Array:
@@ -183,25 +107,30 @@ class Attention(nnx.Module):
             self.bq = _zeros((h, d), ("heads", "head_dim"))
             self.bkv = _zeros((k, 2, d), ("kv_heads", None, "head_dim"))
         if cfg.qk_norm:  # one scale per head dimension, shared by every head
-            self.q_norm = RMSNorm(d, cfg.norm_eps, ("head_dim",))
-            self.k_norm = RMSNorm(d, cfg.norm_eps, ("head_dim",))
+            self.q_norm = RMSNorm(d, cfg.norm_eps, ("head_dim",), cfg.norm_offset)
+            self.k_norm = RMSNorm(d, cfg.norm_eps, ("head_dim",), cfg.norm_offset)
         self.cfg, self.dtype = cfg, dtype
 
-    def __call__(self, x: jax.Array, positions: jax.Array, packing: Packing | None = None) -> jax.Array:
+    def __call__(self, x: jax.Array, positions: jax.Array, packing: Packing | None = None,
+                 local: jax.Array | None = None) -> jax.Array:
         """`positions` (seq,): the columns' order; `packing`: the examples of packed rows
-        (their positions are what the rotation reads)."""
-        if packing is None:
-            q, k, v = self._project(x, positions)
-            return self._output(attend(q, k, v, positions, None, self.cfg.window))
-        q, k, v = self._project(x, packing.positions)
-        return self._output(attend(q, k, v, positions, packing.segments, self.cfg.window))
+        (their positions are what the rotation reads); `local`: whether this layer is a
+        sliding one, where layers differ (`LlamaConfig.layer_types`)."""
+        segments = None if packing is None else packing.segments
+        q, k, v = self._project(x, positions if packing is None else packing.positions, local)
+        if local is None:
+            return self._output(attend(q, k, v, positions, segments, self.cfg.window))
+        # Both kinds are compiled (a kernel takes its window while tracing); a layer runs one.
+        out = jax.lax.cond(local, lambda: attend(q, k, v, positions, segments, self.cfg.window),
+                           lambda: attend(q, k, v, positions, segments, None))
+        return self._output(out)
 
     def decode(self, x: jax.Array, positions: jax.Array, cache: dict, block: tuple[jax.Array, int],
-               at: Decoding) -> tuple[jax.Array, dict]:
+               at: Decoding, local: jax.Array | None = None) -> tuple[jax.Array, dict]:
         """Attention of new tokens (`positions` (batch, seq)) to themselves and to what the
         key/value cache holds for `block` (its index in `cache`'s two leading dimensions);
         their keys and values are written into the cache, in place, at `at`."""
-        q, k, v = self._project(x, positions)
+        q, k, v = self._project(x, positions, local)
         b, s, _, _, d = q.shape
         q = q.reshape(b, s, self.cfg.kv_heads, -1, d)  # the cache holds each kv head once
         cache = dict(cache)
@@ -212,9 +141,13 @@ class Attention(nnx.Module):
             cache[name] = jax.lax.dynamic_update_slice(cache[name], new, start)
         names = ("batch", "kv_heads", None, "head_dim")
         k_all, v_all = (constrain(cache[name][block], *names).astype(q.dtype) for name in ("k", "v"))
-        return self._output(cached_attention(q, k_all, v_all, at.slots(x.shape[1]), at.valid, self.cfg.window)), cache
+        window = self.cfg.window
+        if local is not None:  # a window past the cache's end shows all of it
+            window = jnp.where(local, window, k_all.shape[2] + 1)
+        return self._output(cached_attention(q, k_all, v_all, at.slots(x.shape[1]), at.valid, window)), cache
 
-    def _project(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def _project(self, x: jax.Array, positions: jax.Array, local: jax.Array | None = None
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Queries (batch, seq, kv slots, heads per slot, head_dim), keys and values (batch,
         seq, kv slots, head_dim), rotated by their positions. A slot is a kv head, or one of
         its `copies` (models.annotate) when a trainer splits the query heads more finely."""
@@ -239,8 +172,12 @@ class Attention(nnx.Module):
         q, k = qkv[:, :, :, :per_slot].reshape(b, s, cfg.heads, cfg.head_dim), qkv[:, :, :, per_slot]
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = constrain(rotary(q, positions, cfg.rope_frequencies), "batch", "seq", "heads", "head_dim")
-        k = constrain(rotary(k, positions, cfg.rope_frequencies), "batch", "seq", "kv_heads", "head_dim")
+        freqs = cfg.rope_frequencies if local is None else jnp.where(local, cfg.local_rope_frequencies,
+                                                                     cfg.rope_frequencies)
+        if cfg.query_scale is not None:  # the kernels divide by sqrt(head_dim): the scale asked for, in its place
+            q = q * np.float32(math.sqrt(cfg.head_dim / cfg.query_scale)).astype(q.dtype)
+        q = constrain(rotary(q, positions, freqs), "batch", "seq", "heads", "head_dim")
+        k = constrain(rotary(k, positions, freqs), "batch", "seq", "kv_heads", "head_dim")
         v = constrain(qkv[:, :, :, per_slot + 1], "batch", "seq", "kv_heads", "head_dim")
         return q.reshape(b, s, slots, per_slot, cfg.head_dim), k, v
 
@@ -250,51 +187,68 @@ class Attention(nnx.Module):
         return jnp.einsum("bshd,hde->bse", out, weight(self.wo, self.dtype))
 
 
+# The gated MLP's activations: SwiGLU's, and GeGLU's with tanh-approximated GELU (Gemma's).
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
+
+
 class SwiGLU(nnx.Module):
+    """The gated MLP: act(x gate) * (x up), down (`LlamaConfig.activation`)."""
+
     def __init__(self, cfg: LlamaConfig, dtype, rngs: nnx.Rngs):
         e, m = cfg.embed, cfg.mlp
         # Gate and up projections in one matmul (one gradient for x): [:, 0] gate, [:, 1] up.
         self.gate_up = _param(rngs, (e, 2, m), ("embed", None, "mlp"), e**-0.5)
         self.down = _param(rngs, (m, e), ("mlp", "embed"), m**-0.5)
-        self.dtype = dtype
+        self.dtype, self.activation = dtype, cfg.activation
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dt = self.dtype
         gate_up = jnp.einsum("bse,eim->bsim", x, weight(self.gate_up, dt))
         gate, up = gate_up[:, :, 0], gate_up[:, :, 1]
-        hidden = constrain(jax.nn.silu(gate) * up, "batch", "seq", "mlp")
+        hidden = constrain(ACTIVATIONS[self.activation](gate) * up, "batch", "seq", "mlp")
         return jnp.einsum("bsm,me->bse", hidden, weight(self.down, dt))
 
 
 class Block(nnx.Module):
-    """Attention then a feed-forward layer: SwiGLU, or a mixture of experts (`routing`)."""
+    """Attention then a feed-forward layer: SwiGLU, or a mixture of experts (`routing`).
+    With `sandwich_norms` (Gemma 3) each one's output is normed too before it is added."""
 
     def __init__(self, cfg: LlamaConfig, dtype, rngs: nnx.Rngs, routing: Routing | None = None):
-        self.attn_norm = RMSNorm(cfg.embed, cfg.norm_eps)
+        norm = functools.partial(RMSNorm, cfg.embed, cfg.norm_eps, offset=cfg.norm_offset)
+        self.attn_norm = norm()
         self.attn = Attention(cfg, dtype, rngs)
-        self.mlp_norm = RMSNorm(cfg.embed, cfg.norm_eps)
+        self.mlp_norm = norm()
         self.mlp = SwiGLU(cfg, dtype, rngs) if routing is None else MoE(cfg.embed, cfg.moe, routing, dtype, rngs)
+        if cfg.sandwich_norms:
+            self.post_attn_norm, self.post_mlp_norm = norm(), norm()
 
-    def __call__(self, x: jax.Array, positions: jax.Array, packing: Packing | None = None) -> tuple[jax.Array, dict]:
+    def __call__(self, x: jax.Array, positions: jax.Array, packing: Packing | None = None,
+                 local: jax.Array | None = None) -> tuple[jax.Array, dict]:
         """The new residual stream, and the MoE layer's statistics (empty if dense)."""
         # The residual stream (and the norms on it) may be split along the sequence more
         # finely than the attention and MLP inside ("residual_seq", e.g. Megatron-SP).
-        x = x + self.attn(constrain(self.attn_norm(x), "batch", "seq", "embed"), positions, packing)
-        x = constrain(x, "batch", "residual_seq", "embed")
+        y = self.attn(constrain(self.attn_norm(x), "batch", "seq", "embed"), positions, packing, local)
+        x = constrain(x + self._post(y, "post_attn_norm"), "batch", "residual_seq", "embed")
         normed = constrain(self.mlp_norm(x), "batch", "seq", "embed")
         if isinstance(self.mlp, MoE):
             y, stats = self.mlp(normed, positions)
         else:
             y, stats = self.mlp(normed), {}
-        return constrain(x + y, "batch", "residual_seq", "embed"), stats
+        return constrain(x + self._post(y, "post_mlp_norm"), "batch", "residual_seq", "embed"), stats
 
-    def decode(self, x: jax.Array, positions: jax.Array, cache: dict, block: tuple[jax.Array, int], at: Decoding):
+    def decode(self, x: jax.Array, positions: jax.Array, cache: dict, block: tuple[jax.Array, int], at: Decoding,
+               local: jax.Array | None = None):
         """As a call, for new tokens against a key/value cache (see Attention.decode)."""
-        y, cache = self.attn.decode(constrain(self.attn_norm(x), "batch", "seq", "embed"), positions, cache, block, at)
-        x = x + y
+        y, cache = self.attn.decode(constrain(self.attn_norm(x), "batch", "seq", "embed"), positions, cache, block, at,
+                                    local)
+        x = x + self._post(y, "post_attn_norm")
         normed = constrain(self.mlp_norm(x), "batch", "seq", "embed")
         y = self.mlp(normed, at.slots(x.shape[1]))[0] if isinstance(self.mlp, MoE) else self.mlp(normed)
-        return constrain(x + y, "batch", "seq", "embed"), cache
+        return constrain(x + self._post(y, "post_mlp_norm"), "batch", "seq", "embed"), cache
+
+    def _post(self, y: jax.Array, norm: str) -> jax.Array:
+        """A sublayer's output as added to the residual stream (normed, with sandwich norms)."""
+        return getattr(self, norm)(y) if hasattr(self, norm) else y
 
 
 class MoEGroup(nnx.Module):
@@ -349,7 +303,7 @@ class Llama(nnx.Module):
             return MoEGroup(cfg, dtype, rngs, routing) if cfg.moe else Block(cfg, dtype, rngs)
 
         self.blocks = make_blocks(rngs)
-        self.final_norm = RMSNorm(cfg.embed, cfg.norm_eps)
+        self.final_norm = RMSNorm(cfg.embed, cfg.norm_eps, offset=cfg.norm_offset)
         if not cfg.tie_embeddings:
             self.head = _param(rngs, (cfg.embed, cfg.vocab), ("embed", "vocab"), cfg.embed**-0.5)
 
@@ -366,7 +320,7 @@ class Llama(nnx.Module):
         (`models.moe`; empty for a dense model)."""
         if positions is None:
             positions = np.arange(tokens.shape[1])  # a constant: kernels can see the order
-        x, stats = self.run_layers(self.blocks, self.embed(tokens), positions, packing)
+        x, stats = self.run_layers(self.blocks, self.embed(tokens), positions, packing, self.layer_kinds(self.cfg))
         return self.logits(x), stats
 
     # The three parts of `forward`, for a trainer that runs the layers elsewhere (e.g. in
@@ -374,22 +328,32 @@ class Llama(nnx.Module):
 
     def embed(self, tokens: jax.Array) -> jax.Array:
         # A lookup has no FLOPs to save: rows are read (and their gradient summed) in float32.
-        x = jnp.take(weight(self.embedding, jnp.float32), tokens, axis=0).astype(self.dtype)
-        return constrain(x, "batch", "residual_seq", "embed")
+        x = jnp.take(weight(self.embedding, jnp.float32), tokens, axis=0)
+        if self.cfg.embed_scale:
+            x = x * np.float32(math.sqrt(self.cfg.embed))
+        return constrain(x.astype(self.dtype), "batch", "residual_seq", "embed")
 
     def run_layers(self, blocks: Block | MoEGroup, x: jax.Array, positions: jax.Array,
-                   packing: Packing | None = None) -> tuple[jax.Array, dict]:
-        """Run stacked `blocks` (this model's, or a slice of them along the layer axis) in order."""
-        def run_block(block: Block | MoEGroup, x: jax.Array) -> tuple[jax.Array, dict]:
-            return block(x, positions, packing)
+                   packing: Packing | None = None, local: jax.Array | None = None) -> tuple[jax.Array, dict]:
+        """Run stacked `blocks` (this model's, or a slice of them along the layer axis) in
+        order; `local`: which of them are sliding layers (`layer_kinds`), where layers differ."""
+        def run_block(block: Block | MoEGroup, x: jax.Array, local) -> tuple[jax.Array, dict]:
+            return block(x, positions, packing) if local is None else block(x, positions, packing, local)
 
         run_block = nnx.remat(run_block, policy=REMAT_POLICIES[self.remat])
 
-        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0), transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def over_layers(x: jax.Array, block: Block | MoEGroup) -> tuple[jax.Array, dict]:
-            return run_block(block, x)
+        @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0), transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def over_layers(x: jax.Array, block: Block | MoEGroup, local) -> tuple[jax.Array, dict]:
+            return run_block(block, x, local)
 
-        return over_layers(x, blocks)
+        return over_layers(x, blocks, local)
+
+    @staticmethod
+    def layer_kinds(cfg: LlamaConfig) -> np.ndarray | None:
+        """Per step of the stacked layers, whether it is a sliding-window layer, where the
+        layers are not all alike (None where they are). A trainer that runs slices of the
+        layers elsewhere (pipeline stages) passes the slices' kinds to `run_layers`."""
+        return cfg.local_layers
 
     # Decoding with a key/value cache: a prompt's tokens at once (prefill), then one token
     # at a time, each attending to the cache instead of recomputing the past.
@@ -413,8 +377,10 @@ class Llama(nnx.Module):
         @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=nnx.Carry, transform_metadata={nnx.PARTITION_NAME: "layers"})
         def over_layers(carry: tuple[jax.Array, dict], unit: Block | MoEGroup, i: jax.Array):
             x, cache = carry
+            kinds = self.layer_kinds(self.cfg)
+            local = None if kinds is None else jnp.asarray(kinds)[i]
             for j, block in enumerate(unit.blocks if isinstance(unit, MoEGroup) else [unit]):
-                x, cache = block.decode(x, positions, cache, (i, j), at)
+                x, cache = block.decode(x, positions, cache, (i, j), at, local)
             return x, cache
 
         steps = cache["k"].shape[0]

@@ -1,7 +1,7 @@
 """The Llama family's named models: shapes of published checkpoints, and small ones for
 tests, CPU demos and planning."""
 
-from models.llama.model import LlamaConfig, RopeScaling
+from models.llama.config import LlamaConfig, RopeScaling
 from models.moe import MoEConfig
 
 # The published configs' rope_scaling (Llama 3.2 slows the long waves by 32, not 8).

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from models.llama.model import Llama, LlamaConfig
+from models.llama.config import LlamaConfig
+from models.llama.model import Llama
 
 
 @dataclasses.dataclass(frozen=True)

@@ -62,8 +62,11 @@ class StageParts(NamedTuple):
         return None if packing is None else jax.tree.map(lambda a: to_microbatches(a, shards, schedule), packing)
 
 
+LAYER_KINDS = "layer_kinds"  # the key of the layers' kinds among the blocks a pipeline takes
+
+
 def _stage_parts(graphdef, params, rows, in_stage, stacked: str, order: np.ndarray | None,
-                 router=None) -> StageParts:
+                 router=None, repeats: int = 1) -> StageParts:
     """What a pipelined step is made of: the model less its stages' weights (a model of
     their shapes holds their place; `model_of(outer)`), the non-stacked parameters, the
     batch's columns (in the order sp lays them out), the stages' input `blocks`, and
@@ -74,7 +77,9 @@ def _stage_parts(graphdef, params, rows, in_stage, stacked: str, order: np.ndarr
     The blocks are the stacked weights, with the MoE layers' router state if the model
     keeps one (spmd.parallel.balance): the schedules differentiate whole chunks, so it rides in them
     as float32 (exact for slot numbers), with a zero gradient (it only chooses experts);
-    `_weights_of` takes it out of their gradients."""
+    `_weights_of` takes it out of their gradients. A model whose layers differ in kind
+    (`layer_kinds`: Gemma 3's sliding and global layers) has each layer's kind ride in them
+    the same way (`LAYER_KINDS`), so that every schedule's chunks carry their own."""
     columns = _columns(rows, order)
     positions = columns.positions  # a constant (numpy), which the stages' map may close over
     outer = {name: value for name, value in params.items() if name != stacked}
@@ -83,11 +88,19 @@ def _stage_parts(graphdef, params, rows, in_stage, stacked: str, order: np.ndarr
         blocks = _merged(blocks, jax.tree.map(lambda x: x.astype(jnp.float32), router[stacked]))
     no_blocks = jax.tree.map(lambda w: jax.ShapeDtypeStruct(w.shape, w.dtype), blocks)
     model_of = lambda outer: nnx.merge(graphdef, _merged(outer, {stacked: no_blocks}))  # noqa: E731
-    blocks_graph = nnx.split(getattr(model_of(outer), stacked))[0]
+    model = model_of(outer)
+    blocks_graph = nnx.split(getattr(model, stacked))[0]
+    kinds = model.layer_kinds(model.cfg)
+    if kinds is not None:  # each chunk's layer kinds ride with its weights, as float32 (exact for 0 and 1)
+        stored = (repeats, -1) if repeats > 1 else (-1,)  # as the stacked layers are stored
+        blocks = {**blocks, LAYER_KINDS: jnp.asarray(kinds, jnp.float32).reshape(stored)}
 
     def stage(chunk, x, packing=None):
+        chunk = dict(chunk)
+        local = chunk.pop(LAYER_KINDS, None)
         with in_stage():
-            return model_of(outer).run_layers(nnx.merge(blocks_graph, chunk), x, positions, packing)
+            return model_of(outer).run_layers(nnx.merge(blocks_graph, chunk), x, positions, packing,
+                                              None if local is None else local > 0.5)
 
     return StageParts(model_of, outer, columns, blocks, stage)
 
@@ -113,7 +126,7 @@ def _pipelined_loss(graphdef, params, rows, layout: Layout, in_stage, order, aux
     embedding, head and loss run outside, on rows split over the data axes and pp."""
     schedule, shards = layout.schedule, layout.batch_shards
     stacked = model_class(layout.skeleton.model_cfg).STACKED
-    parts = _stage_parts(graphdef, params, rows, in_stage, stacked, order, router)
+    parts = _stage_parts(graphdef, params, rows, in_stage, stacked, order, router, layout.repeats)
     model, columns = parts.model_of(parts.outer), parts.columns
     x = to_microbatches(model.embed(columns.inputs), shards, schedule)
     out, stats = pipeline(layout.mesh, schedule, parts.stage, parts.blocks, x, _row_spec(layout),
@@ -128,7 +141,7 @@ def _one_f_one_b_grads(graphdef, params, rows, layout: Layout, in_stage, order, 
     the stages' gradients itself (spmd.parallel.pipeline.one_f_one_b); autodiff does the rest."""
     schedule, shards = layout.schedule, layout.batch_shards
     family = model_class(layout.skeleton.model_cfg)
-    parts = _stage_parts(graphdef, params, rows, in_stage, family.STACKED, order, router)
+    parts = _stage_parts(graphdef, params, rows, in_stage, family.STACKED, order, router, layout.repeats)
     model_of, outer, columns = parts.model_of, parts.outer, parts.columns
     head_names = family.head_params(layout.skeleton.model_cfg)
     # Packed rows: each microbatch's loss over its share of the step's count (the schedule

@@ -9,7 +9,7 @@ small enough to commit (tens of kB) and has every feature the loader reads: GQA,
 sharded checkpoint with its index, tied embeddings with Llama 3.1 rope scaling (set so
 that all three frequency bands occur within the sequence), a Mixtral MoE, a Qwen3 (query
 and key norms, its own head size, tied), a Qwen2 (q/k/v biases), a Mistral (a sliding
-window) and a Qwen3-MoE (dense and MoE layers).
+window), a Qwen3-MoE (dense and MoE layers) and a Gemma 3 (sliding and global layers).
 
     python tests/hf/make_goldens.py --check DIR GOLDEN
 
@@ -24,7 +24,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
+from transformers import (AutoModelForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM,
+                          MistralConfig, MistralForCausalLM,
                           MixtralConfig, MixtralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
                           Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
@@ -56,6 +57,13 @@ GOLDENS = {
     "qwen3-moe": (Qwen3MoeForCausalLM, Qwen3MoeConfig(**SHAPE, moe_intermediate_size=32, num_experts=4,
                                                      num_experts_per_tok=2, decoder_sparse_step=2,
                                                      norm_topk_prob=False, rope_theta=1000000.0), None),
+    # Sliding, sliding, global, sliding (pattern 3: pipeline stages of 2 layers hold
+    # different kinds); a window of 6; linear rope scaling on the global layer; a query
+    # scale that is not the head size.
+    "gemma3": (Gemma3ForCausalLM, Gemma3TextConfig(
+        **(SHAPE | dict(num_hidden_layers=4)), sliding_window=6, sliding_window_pattern=3, query_pre_attn_scalar=12,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}), None),
 }
 BATCH, SEQ = 2, 64
 PROMPTS, GENERATED = (1, 7, 20), 24

@@ -1,0 +1,127 @@
+"""The Llama family's config: the shapes and the choices of one model, as data. The other
+families' configs extend it with their defaults (models/<family>/model.py), and the
+module (models.llama.model) reads its flags."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from models.moe import MoEConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1's stretch of the rotary frequencies for long contexts: wavelengths longer
+    than original_max_position / low_freq_factor are slowed by `factor`, those shorter
+    than original_max_position / high_freq_factor kept, those between blended smoothly."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position: int
+
+    def with_factor(self, factor: float) -> RopeScaling:
+        return dataclasses.replace(self, factor=factor)
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    vocab: int
+    embed: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    mlp: int
+    rope_theta: float = 10_000.0
+    rope_scaling: RopeScaling | None = None
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    moe: MoEConfig | None = None  # MoE feed-forward in every moe.every-th layer
+    qk_norm: bool = False  # RMSNorm of each query and key head before the rotation (Qwen3)
+    window: int | None = None  # sliding window of every layer's attention: a query sees this many keys (Mistral)
+    qkv_bias: bool = False  # biases on the query, key and value projections, not the output's (Qwen2)
+    # Gemma 3's choices (models/gemma3):
+    layer_types: tuple[str, ...] | None = None  # per layer, "sliding_attention" (the window) or "full_attention"
+    local_rope_theta: float | None = None  # the rope base of the sliding layers (None: rope_theta)
+    rope_linear_factor: float = 1.0  # positions slowed by this on the full-attention layers (linear rope scaling)
+    query_scale: float | None = None  # scores scaled by query_scale ** -0.5 (query_pre_attn_scalar; None: head_dim)
+    norm_offset: bool = False  # RMSNorm scales by 1 + its weight, which starts at 0
+    sandwich_norms: bool = False  # a norm after attention and after the MLP too, before each residual sum
+    activation: str = "silu"  # of the gated MLP: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    embed_scale: bool = False  # embeddings times sqrt(embed)
+    family: str = "llama"  # which family's config this is, kept when it is saved as data (models.config_from_dict)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> LlamaConfig:
+        """The config of `dataclasses.asdict(config)` (as a run saves it)."""
+        values = dict(d)
+        for name, nested in (("rope_scaling", RopeScaling), ("moe", MoEConfig)):
+            if values.get(name) is not None:
+                values[name] = nested(**values[name])
+        if values.get("layer_types") is not None:  # saved as a list; a config is hashable
+            values["layer_types"] = tuple(values["layer_types"])
+        return cls(**values)
+
+    def _frequencies(self, theta: float) -> np.ndarray:
+        # As transformers computes them, in float32, so that long positions agree too.
+        exponent = np.arange(0, self.head_dim, 2).astype(np.float32) / np.float32(self.head_dim)
+        return np.float32(1.0) / np.float32(theta) ** exponent
+
+    @property
+    def local_rope_frequencies(self) -> np.ndarray:
+        """The sliding layers' angles per position (they have no scaling)."""
+        return self._frequencies(self.local_rope_theta or self.rope_theta)
+
+    @property
+    def local_layers(self) -> np.ndarray | None:
+        """Per layer, whether it is a sliding one (None: every layer alike, windowed if `window`)."""
+        return None if self.layer_types is None else np.array([t == "sliding_attention" for t in self.layer_types])
+
+    @property
+    def rope_frequencies(self) -> np.ndarray:
+        """Angle per position of each rotated pair (head_dim / 2,), float32."""
+        freqs = self._frequencies(self.rope_theta)
+        if self.rope_linear_factor != 1.0:
+            freqs = (freqs / np.float32(self.rope_linear_factor)).astype(np.float32)
+        r = self.rope_scaling
+        if r is None:
+            return freqs
+        wavelength = 2 * np.pi / freqs
+        slowed = freqs / r.factor
+        blend = (r.original_max_position / wavelength - r.low_freq_factor) / (r.high_freq_factor - r.low_freq_factor)
+        blended = (1 - blend) * slowed + blend * freqs
+        long_waves = wavelength > r.original_max_position / r.low_freq_factor
+        short_waves = wavelength < r.original_max_position / r.high_freq_factor
+        return np.where(long_waves, slowed, np.where(short_waves, freqs, blended)).astype(np.float32)
+
+    def attended_keys(self, seq: int) -> float:
+        """Keys a query attends to, on average over a sequence of `seq` and every layer, in
+        the continuous form FLOP counts use (PaLM's): seq / 2 under the causal mask, and
+        w - w^2 / 2 seq under a window w (w for most queries, fewer for the first w)."""
+        w = min(self.window or seq, seq)
+        windowed = w - w * w / (2 * seq)
+        if self.layer_types is None:
+            return windowed
+        local = float(np.mean(self.local_layers))
+        return local * windowed + (1 - local) * seq / 2
+
+    @property
+    def moe_layers(self) -> int:
+        return self.layers // self.moe.every if self.moe else 0
+
+    def num_params(self, active: bool = False) -> int:
+        """Parameter count from the shapes (matches the built model); `active`: only those
+        one token multiplies with (its top-k experts)."""
+        attn = ((self.embed + self.qkv_bias) * self.head_dim * (self.heads + 2 * self.kv_heads)
+                + self.embed * self.heads * self.head_dim + 2 * self.head_dim * self.qk_norm)
+        dense = self.layers - self.moe_layers
+        norms = (4 if self.sandwich_norms else 2) * self.embed
+        blocks = self.layers * (attn + norms) + dense * 3 * self.embed * self.mlp
+        if self.moe:
+            per_layer = self.moe.active_per_layer if active else self.moe.params_per_layer
+            blocks += self.moe_layers * per_layer(self.embed)
+        head = 0 if self.tie_embeddings else self.embed * self.vocab
+        return self.vocab * self.embed + blocks + self.embed + head
