@@ -4,6 +4,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import train_run
@@ -87,6 +88,17 @@ def test_compiled_collectives_and_state_match_theory(mesh, devices, overrides):
     # The state XLA takes as arguments (less the batch) is what theory says each device
     # holds, plus the int32 step counters (the train step's and the optimizer's).
     assert 0 <= plan.measured_state - plan.theory_state <= 16
+
+
+def test_layers_of_two_kinds_count_their_ring_once():
+    """Gemma 3's sliding and global layers each run ring attention over sp, in the two
+    branches of a conditional; one branch runs per layer, so the K/V hops count once
+    (counted in both branches they were 2.00 of theory)."""
+    golden = Path(__file__).with_name("hf") / "gemma3"
+    run = train_run("sp=2,tp=2", 4, model=None, init_from=str(golden))  # shared with test_parity
+    plan = make_plan(run.cfg, run.layout, compiled=run.compiled)
+    (ring,) = [r for r in plan.rows if (r.op, r.axes) == ("collective-permute", "sp")]
+    assert ring.measured == pytest.approx(ring.theory, rel=0.05), ring
 
 
 def test_json_has_the_documented_keys():

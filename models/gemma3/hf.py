@@ -113,11 +113,16 @@ def config_to_hf(cfg: Gemma3Config) -> dict:
         "vocab_size": cfg.vocab, "hidden_size": cfg.embed, "num_hidden_layers": cfg.layers,
         "num_attention_heads": cfg.heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
         "intermediate_size": cfg.mlp, "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": cfg.norm_eps,
-        "query_pre_attn_scalar": cfg.query_scale, "sliding_window": cfg.window, "layer_types": list(cfg.layer_types),
+        "query_pre_attn_scalar": _integral(cfg.query_scale), "sliding_window": cfg.window, "layer_types": list(cfg.layer_types),
         "rope_parameters": {"full_attention": full | {"rope_theta": cfg.rope_theta},
                             "sliding_attention": {"rope_type": "default", "rope_theta": cfg.local_rope_theta}},
         "tie_word_embeddings": cfg.tie_embeddings, "final_logit_softcapping": None, "attn_logit_softcapping": None,
     }
+
+
+def _integral(x: float) -> int | float:
+    """An int where the value is one (transformers' Gemma3TextConfig types the field as int)."""
+    return int(x) if float(x).is_integer() else x
 
 
 def supported(cfg: Gemma3Config) -> str | None:

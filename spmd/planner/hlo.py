@@ -80,21 +80,40 @@ class HloModule:
         return [c for c in self.collectives
                 if c.op in ops and (inside_loops is None or (c.computation in looped) == inside_loops)]
 
-    def runs_per_step(self) -> dict[str, int]:
+    def runs_per_step(self) -> dict[str, float]:
         """How many times each computation runs in one execution of the entry computation.
 
         A loop without a known trip count is counted once (and such loops are rare after
-        XLA's loop analysis; the train step's scans all have one)."""
+        XLA's loop analysis; the train step's scans all have one). The branches of a
+        conditional that move the same collectives (a layer that runs one of two kinds of
+        attention, each over sp) share its runs: one of them runs each time."""
         runs = {self.entry: 1}
         todo = [self.entry]
         while todo:
             comp = todo.pop()
+            shares = self._shared_branches(comp)
             for callee in self.calls.get(comp, ()):
-                times = runs[comp] * self.trip_counts.get(callee, 1)
+                times = runs[comp] * self.trip_counts.get(callee, 1) * shares.get(callee, 1)
                 if runs.get(callee, 0) < times:
                     runs[callee] = times
                     todo.append(callee)
         return runs
+
+    def _shared_branches(self, computation: str) -> dict[str, float]:
+        """The branches of `computation`'s conditionals whose collectives are alike, each
+        with its share (1 / branches) of the conditional's runs; branches that differ run
+        as often as the conditional, as any of them might."""
+        shares = {}
+        for instr in self.instructions.get(computation, {}).values():
+            if instr.op != "conditional":
+                continue
+            branches = [c for c in self.calls.get(computation, ()) if re.search(rf"%?\b{re.escape(c)}(?![\w.\-])",
+                                                                                  instr.attributes)]
+            moved = [sorted((c.op, c.operand_bytes) for c in self.collectives if c.computation in self.reachable({b}))
+                     for b in branches]
+            if len(branches) > 1 and moved[0] and all(m == moved[0] for m in moved):
+                shares |= dict.fromkeys(branches, 1 / len(branches))
+        return shares
 
     def users(self, computation: str, name: str) -> list[Instruction]:
         return [i for i in self.instructions[computation].values() if name in i.operands]
