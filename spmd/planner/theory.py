@@ -204,7 +204,11 @@ def collectives(cfg, layout: Layout) -> list[Expected]:
         fused = _table_scatter_axes(cfg, layout) if p.path == model_class(model_cfg).LOOKUP_TABLE else ()
         if fused:  # reduce-scattered together with tp's (_tensor_parallel); the rest reduces that shard
             token_axes, grad_numel = tuple(a for a in token_axes if a not in fused), grad_numel / ways(fused, shape)
-        out += _gradients(cfg, layout, p, token_axes, grad_numel, widths, stage_runs)
+        # A tied table's two uses (the lookup, the head) are reduced each on its own, as
+        # computed (models.annotate.weight reduces each use's gradient where it is taken).
+        per_use = [(w,) for w in widths] if len(widths) > 1 and not _accumulated(cfg, layout) else [widths]
+        for use in per_use:
+            out += _gradients(cfg, layout, p, token_axes, grad_numel, use, stage_runs)
         out += _shared_kv_heads(cfg, layout, p, max(widths), stage_runs)
         regather = live(set(spec_axes(p.names, rules.opt_state)) - set(at_rest), shape)
         if regather:
