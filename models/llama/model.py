@@ -165,10 +165,11 @@ class Attention(nnx.Module):
         wqkv = assembled(jnp.concatenate([wq, wkv], axis=2), "embed", "heads", None, "head_dim")
         qkv = jnp.einsum("bse,ekgd->bskgd", x, wqkv)
         if cfg.qkv_bias:  # side by side as the weights are: (slots, per_slot + 2, head_dim)
-            bq = weight(self.bq, dt, lay_out=False).reshape(slots, per_slot, cfg.head_dim)
-            bkv = weight(self.bkv, dt, lay_out=False)
+            # Added in float32, as norm scales are used: their gradients are sums over every token.
+            bq = weight(self.bq, jnp.float32, lay_out=False).reshape(slots, per_slot, cfg.head_dim)
+            bkv = weight(self.bkv, jnp.float32, lay_out=False)
             bkv = jnp.repeat(bkv, c, axis=0) if c > 1 else bkv
-            qkv = qkv + assembled(jnp.concatenate([bq, bkv], axis=1), "heads", None, "head_dim")
+            qkv = (qkv + assembled(jnp.concatenate([bq, bkv], axis=1), "heads", None, "head_dim")).astype(dt)
         q, k = qkv[:, :, :, :per_slot].reshape(b, s, cfg.heads, cfg.head_dim), qkv[:, :, :, per_slot]
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)

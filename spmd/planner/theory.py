@@ -82,11 +82,12 @@ class Param:
 
 def uses(p: Param, model_cfg, compute_bytes: int) -> tuple[int, ...]:
     """Bytes per element of each use of a parameter, as models.llama computes with it:
-    vectors (norm scales) and the lookup table in float32, matrices in the compute dtype,
-    and a tied embedding also as the output head."""
+    vectors (norm scales), what is added per element without multiplying the residual
+    stream (biases, which have no embed dimension) and the lookup table in float32,
+    matrices in the compute dtype, and a tied embedding also as the output head."""
     if p.path == model_class(model_cfg).LOOKUP_TABLE:  # its rows are read in float32
         return (p.itemsize, compute_bytes) if model_cfg.tie_embeddings else (p.itemsize,)
-    return (p.itemsize,) if _is_vector(p) else (compute_bytes,)
+    return (p.itemsize,) if _is_vector(p) or "embed" not in p.names else (compute_bytes,)
 
 
 def _is_vector(p: Param) -> bool:
@@ -414,6 +415,14 @@ def _expert_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
         counts = sequences * 2 * model.moe.experts * 4
         out.append(Expected("all-gather", "sp", model.moe_layers * stage_overhead(layout) * 2 * (sp - 1) * counts,
                             "capacity: each chunk's choices per expert, to rank them in the sequence"))
+    tokens = live((*layout.data_axes, "sp"), layout.shape)
+    if model.moe.balance_loss == "pooled" and tokens and not layout.schedule:
+        # The pooled balance loss (transformers') needs each layer's choices and mean router
+        # probability per expert over the whole batch, and the load per expert is reported:
+        # three float32 vectors per MoE layer, summed over the axes that split the tokens.
+        n = ways(tokens, layout.shape)
+        out.append(Expected("all-reduce", "+".join(tokens), model.moe_layers * 3 * model.moe.experts * 4
+                            * 2 * (n - 1) / n, "MoE statistics: choices, router probability and load per expert"))
     if ep == 1:
         return out
     if routing(cfg).slots:  # expert copies: each copy's gradient summed with its twins' (spmd.parallel.balance.tie)
