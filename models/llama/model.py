@@ -2,7 +2,8 @@
 
 RMSNorm, rotary embeddings, grouped-query attention (with Qwen3's RMSNorm of each query
 and key head, `qk_norm`; Qwen2's query, key and value biases, `qkv_bias`; Mistral's
-sliding window, `window`) and a SwiGLU MLP, or a mixture of experts in every n-th layer
+sliding window, `window`; Gemma 3's sliding and global layers and its norms, see
+models.gemma3) and a SwiGLU MLP, or a mixture of experts in every n-th layer
 (models.moe); the blocks are created stacked (one leading
 "layers" axis) and run with a scan, so compile time does not grow with depth. Every
 parameter and the important activations carry logical axis names (`batch, seq,

@@ -107,10 +107,10 @@ class HloModule:
         for instr in self.instructions.get(computation, {}).values():
             if instr.op != "conditional":
                 continue
-            branches = [c for c in self.calls.get(computation, ()) if re.search(rf"%?\b{re.escape(c)}(?![\w.\-])",
-                                                                                  instr.attributes)]
-            moved = [sorted((c.op, c.operand_bytes) for c in self.collectives if c.computation in self.reachable({b}))
-                     for b in branches]
+            branches = [c for c in self.calls.get(computation, ())
+                        if re.search(rf"(?<![\w.\-]){re.escape(c)}(?![\w.\-])", instr.attributes)]
+            reached = [self.reachable({b}) for b in branches]
+            moved = [sorted((c.op, c.operand_bytes) for c in self.collectives if c.computation in r) for r in reached]
             if len(branches) > 1 and moved[0] and all(m == moved[0] for m in moved):
                 shares |= dict.fromkeys(branches, 1 / len(branches))
         return shares
