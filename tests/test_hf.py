@@ -2,9 +2,9 @@
 
 The golden models in tests/hf/ were written by transformers (tests/hf/make_goldens.py,
 run by hand): small random Llama (GQA, a sharded checkpoint with its index and a BPE
-tokenizer), Llama with tied embeddings and Llama 3.1 rope scaling, and Mixtral (4
-experts, top-2), each with transformers' float32 logits for fixed tokens. No torch and no
-network here.
+tokenizer), Llama with tied embeddings and Llama 3.1 rope scaling, Mixtral (4 experts,
+top-2), Qwen3, Qwen2, Mistral, Qwen3-MoE and Gemma 3, each with transformers' float32
+logits for fixed tokens. No torch and no network here.
 """
 
 import dataclasses
@@ -22,8 +22,11 @@ from helpers import one_error_line
 
 from models import PRESETS, hf_layout
 from models.llama.hf import config_from_hf
+from spmd.config import TrainConfig, validate
 from spmd.formats.safetensors import SafeTensors, Writer
-from spmd.hf import from_pretrained
+from spmd.hf import Directory, from_pretrained, load_params
+from spmd.parallel.layout import make_layout
+from spmd.parallel.step import build_program
 
 pytestmark = pytest.mark.xdist_group("hf")
 
@@ -52,6 +55,27 @@ def test_logits_equal_transformers(name, mesh):
     want = np.load(GOLDENS / name / "logits.npy")
     assert logits.dtype == np.float32 and logits.shape == want.shape
     np.testing.assert_allclose(logits, want, rtol=0, atol=LOGITS_ATOL)
+
+
+@pytest.mark.parametrize("name", ["mistral", "gemma3"])
+def test_windowed_models_over_sp_give_the_loss_of_transformers_logits(name):
+    """The golden's next-token loss from the trainer's own program on sp=2,tp=2 (ring
+    attention; chunks of 15 tokens, so the window of 6 hides whole chunk pairs) against the
+    cross-entropy of transformers' logits. Same float32 rounding bound as the logits,
+    relative to a loss of about 5."""
+    folder = GOLDENS / name
+    tokens = np.load(folder / "tokens.npy")[:, :61]  # 60 inputs, each one's next token
+    logits = np.load(folder / "logits.npy")[:, :60].astype(np.float64)  # causal: the first 60 see only these
+    top = logits.max(-1, keepdims=True)
+    log_probs = logits - top - np.log(np.sum(np.exp(logits - top), -1, keepdims=True))
+    want = -np.mean(np.take_along_axis(log_probs, tokens[:, 1:, None], axis=-1))
+    cfg = validate(TrainConfig(mesh="sp=2,tp=2", model=None, init_from=str(folder), batch=2, seq=60))
+    layout = make_layout(cfg, jax.devices()[:4])
+    program = build_program(cfg, layout)
+    params = load_params(Directory(folder), layout)
+    with jax.set_mesh(layout.mesh):
+        got = program.evaluate(params, jax.device_put(tokens.astype(np.int32), layout.batch_sharding))
+    np.testing.assert_allclose(float(got["loss"]), want, rtol=LOGITS_ATOL / 5)
 
 
 def nnx_state(model):
