@@ -33,6 +33,7 @@ class Interrupts:
         self.exit_codes = exit_codes
         self.handler: Callable[[int], None] | None = None
         self.cleanups: list[Callable[[], None]] = []
+        self.stopping = threading.Event()  # set once a signal is ending the process (its cleanups under way)
         self._stderr = os.dup(2)  # a held-back stderr (spmd.base.errors) must not swallow the line
 
     def say(self, line: str) -> None:
@@ -44,6 +45,7 @@ class Interrupts:
             if self.handler is not None:
                 self.handler(signum)
                 continue
+            self.stopping.set()
             for cleanup in self.cleanups:
                 cleanup()
             self.say(f"{signal.Signals(signum).name}: {self.stopped}")

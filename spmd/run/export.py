@@ -9,6 +9,8 @@ import dataclasses
 import errno
 import os
 import shutil
+import threading
+import time
 from pathlib import Path
 
 from models import hf_layout
@@ -21,6 +23,8 @@ from spmd.parallel.skeleton import model_config
 from spmd.run.bootstrap import start_devices
 from spmd.run.resolve import validate
 from spmd.run.weights import Checkpoint, check_source_flags, checkpoint_config, restore_params
+
+REMOVE_TRIES = 100  # rmtree passes over a temporary a writer may still be filling (about a second)
 
 
 def restored(cfg, checkpoint: Checkpoint, mesh: str | None, cpu_devices: int | None):
@@ -87,7 +91,13 @@ def write(out: Path, flag_value: str, produce) -> None:
     tmp = temporary_name(out)
 
     def remove() -> None:
-        shutil.rmtree(tmp, ignore_errors=True)
+        # From the signal thread, the writer may still add files while the tree goes
+        # (rmtree then leaves the directory): again until it is gone.
+        for _ in range(REMOVE_TRIES):
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not tmp.exists():
+                break
+            time.sleep(0.01)
         for directory in made:
             with contextlib.suppress(OSError):
                 directory.rmdir()
@@ -101,6 +111,8 @@ def write(out: Path, flag_value: str, produce) -> None:
             produce(tmp)
             os.replace(tmp, out)  # over an empty directory too
         except BaseException as exc:  # noqa: BLE001 - whatever the file system or Orbax raised
+            if served() and served().stopping.is_set():  # a signal took the temporary: its thread says so and exits
+                threading.Event().wait()
             remove()
             if isinstance(exc, KeyboardInterrupt):
                 why, code = "interrupted", 130
