@@ -18,16 +18,12 @@ from spmd.base.schema import ANY, BOOLEAN, INTEGER, LIST, MAPPING, NUMBER, STRIN
 ARCHITECTURES = ("Gemma3ForCausalLM",)
 POSITIVE = llama.POSITIVE
 LAYER_TYPES = ("sliding_attention", "full_attention")
+# Llama's fields of the same meaning (the shapes, and what is read past: ids, provenance).
+SHARED = ("architectures", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+          "num_key_value_heads", "intermediate_size", "rms_norm_eps")
 CONFIG = (
-    Field("architectures", LIST),
-    Field("vocab_size", INTEGER, POSITIVE),
-    Field("hidden_size", INTEGER, POSITIVE),
-    Field("num_hidden_layers", INTEGER, POSITIVE),
-    Field("num_attention_heads", INTEGER, POSITIVE),
-    Field("num_key_value_heads", INTEGER, POSITIVE, None, nullable=True),  # None: num_attention_heads
+    *(f for f in llama.CONFIG if f.name in SHARED or (f.kind is ANY and not f.choices)),
     Field("head_dim", INTEGER, POSITIVE, 256),
-    Field("intermediate_size", INTEGER, POSITIVE),
-    Field("rms_norm_eps", NUMBER, POSITIVE, 1e-6),
     Field("query_pre_attn_scalar", NUMBER, POSITIVE, 256),
     Field("sliding_window", INTEGER, POSITIVE, 4096),
     Field("sliding_window_pattern", INTEGER, POSITIVE, 6),  # the published form of layer_types
@@ -46,9 +42,7 @@ CONFIG = (
     Field("use_bidirectional_attention", BOOLEAN, default=False, choices=(False,), nullable=True),
     Field("attention_bias", BOOLEAN, default=False, choices=(False,)),
     Field("attention_dropout", NUMBER, default=0, choices=(0,)),
-    *(Field(name, ANY, default=None) for name in (
-        "_name_or_path", "model_type", "bos_token_id", "eos_token_id", "pad_token_id", "torch_dtype", "dtype",
-        "transformers_version", "use_cache", "initializer_range", "cache_implementation")),
+    Field("cache_implementation", ANY, default=None),
 )
 RULES = (
     *llama.RULES,
