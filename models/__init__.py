@@ -6,8 +6,9 @@ from models import gemma3, llama, mistral, qwen2, qwen3
 from models.gemma3 import Gemma3Config
 from models.llama import Llama, LlamaConfig, RopeScaling
 # What every family shares with Llama's (the trainer reads these, never a family's module):
-# remat policies, the decoding state, a Hugging Face tensor's description and config.json's size bound.
-from models.llama.hf import MAX_CONFIG_BYTES, Tensor
+# remat policies, the decoding state, a Hugging Face tensor's description, config.json's size bound
+# and the names PEFT gives LoRA adapters' tensors (every family's projections are Llama's).
+from models.llama.hf import MAX_CONFIG_BYTES, Tensor, adapter_tensors
 from models.llama.model import REMAT_POLICIES, Decoding
 from models.mistral import MistralConfig
 from models.moe import MoEConfig, Routing
@@ -54,6 +55,6 @@ def hf_layout(cfg=None, architectures: list | None = None) -> ModuleType:
 PRESETS: dict[str, LlamaConfig] = {**llama.PRESETS, **qwen3.PRESETS, **qwen2.PRESETS, **mistral.PRESETS,
                                    **gemma3.PRESETS}
 
-__all__ = ["FAMILIES", "MAX_CONFIG_BYTES", "PRESETS", "REMAT_POLICIES", "Decoding", "Gemma3Config", "Llama", "LlamaConfig",
+__all__ = ["FAMILIES", "MAX_CONFIG_BYTES", "adapter_tensors", "PRESETS", "REMAT_POLICIES", "Decoding", "Gemma3Config", "Llama", "LlamaConfig",
            "MistralConfig", "MoEConfig", "Qwen2Config", "Qwen3Config", "RopeScaling", "Routing", "Tensor",
            "config_from_dict", "hf_layout", "model_class"]

@@ -80,6 +80,7 @@ class Run:
     cfg: TrainConfig
     compiled: object  # the compiled train step
     router: dict | None = None  # the MoE layers' router state at the end (spmd.parallel.balance), if kept
+    frozen: dict | None = None  # a LoRA run's base weights at the end
 
 
 @functools.lru_cache(maxsize=None)
@@ -104,7 +105,7 @@ def _run(mesh: str, devices: int, items: tuple) -> Run:
             state = program.rebalance(state)  # as the training loop does
     metrics = {name: np.array([m[name] for m in steps]) for name in steps[0]}
     return Run(metrics["loss"], metrics, jax.device_get(state["params"]), compiled.as_text(), layout, program, cfg,
-               compiled, jax.device_get(state.get("routing")))
+               compiled, jax.device_get(state.get("routing")), jax.device_get(state.get("frozen")))
 
 
 def init_config(cfg: TrainConfig) -> TrainConfig:

@@ -11,6 +11,7 @@ import pytest
 # One worker runs them all: the module's fixture runs every case, through one driver.
 pytestmark = pytest.mark.xdist_group("cli")
 DRIVER = Path(__file__).with_name("cli_driver.py")
+HF = Path(__file__).with_name("hf")
 
 CASES = {
     "mesh product is not the device count": (["--mesh", "dp=3", "--cpu-devices", "8"], "needs 3 devices"),
@@ -59,6 +60,19 @@ CASES = {
     "token file of the wrong dtype": (["--data", "{int64_tokens}"], "holds a 1-d int64 array"),
     "dcn that does not divide the mesh": (["--dcn", "dp=4"], "--dcn dp=4 does not divide the mesh's dp=2"),
     "some process flags missing": (["--num-processes", "2"], "several processes need all of --coordinator"),
+    "lora target the model lacks": (["--lora-rank", "4", "--lora-targets", "q_proj,w1"],
+                                    "--lora-targets q_proj,w1: w1 is not a projection of tiny"),
+    "lora rank 0": (["--lora-rank", "0"], "--lora-rank must be at least 1, got 0"),
+    "lora rank above a projection's smaller side": (["--lora-rank", "33"],
+                                                    "--lora-rank 33 is more than k_proj's smaller side (64 -> 32 in tiny)"),
+    "lora flag without a rank": (["--lora-alpha", "16"], "--lora-alpha applies to LoRA runs; give --lora-rank R"),
+    "lora on experts": (["--model", "moe-tiny", "--lora-rank", "4", "--lora-targets", "q_proj,gate_proj"],
+                        "--lora-targets gate_proj: the MLPs of moe-tiny are experts, which take no adapters"),
+    "adapter without its base": (["--adapter", str(HF / "lora-peft")], "--adapter needs --init-from"),
+    # peft's adapter of llama-gqa (queries 4 heads x 8) on Qwen3's golden (4 heads x 16).
+    "adapter whose shapes do not fit the base": (
+        ["--init-from", str(HF / "qwen3"), "--adapter", str(HF / "lora-peft")],
+        "self_attn.q_proj.lora_B.weight has shape [32, 4]; --init-from's config.json makes it [64, 4]"),
 }
 # spmd.plan takes the same flags; these are its own.
 PLAN_CASES = {

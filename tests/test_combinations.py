@@ -44,6 +44,8 @@ def _config(names) -> tuple:
         options["megatron_sp"] = True
     if "ZeRO" in names:
         options["zero"] = 1
+    if "LoRA" in names:
+        options["lora_rank"] = 4
     cfg = validate(TrainConfig(mesh=",".join(f"{a}={n}" for a, n in mesh.items()), batch=64, seq=32, **options))
     return cfg, resolve_mesh(mesh, 2 ** len(mesh))
 

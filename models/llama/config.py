@@ -5,6 +5,7 @@ module (models.llama.model) reads its flags."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 
@@ -107,6 +108,20 @@ class LlamaConfig:
             return windowed
         local = float(np.mean(self.local_layers))
         return local * windowed + (1 - local) * seq / 2
+
+    def projection_shapes(self) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
+        """Each projection's input and output dimensions as the model lays them out, by its
+        Hugging Face name (the LoRA targets, models.lora)."""
+        e, h, k, d, m = self.embed, self.heads, self.kv_heads, self.head_dim, self.mlp
+        return {"q_proj": ((e,), (h, d)), "k_proj": ((e,), (k, d)), "v_proj": ((e,), (k, d)), "o_proj": ((h, d), (e,)),
+                "gate_proj": ((e,), (m,)), "up_proj": ((e,), (m,)), "down_proj": ((m,), (e,))}
+
+    def adapter_params(self, rank: int, targets: tuple[str, ...]) -> int:
+        """Parameters of LoRA adapters of `rank` on `targets` (none on experts)."""
+        shapes = self.projection_shapes()
+        size = lambda t: rank * (math.prod(shapes[t][0]) + math.prod(shapes[t][1]))  # noqa: E731
+        mlp = sum(size(t) for t in targets if t in ("gate_proj", "up_proj", "down_proj"))
+        return self.layers * sum(size(t) for t in targets) - self.moe_layers * mlp
 
     @property
     def moe_layers(self) -> int:

@@ -11,6 +11,7 @@ stored for, as `models.llama.rotary` does: no permutation of heads is needed.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 import numpy as np
@@ -290,6 +291,39 @@ def _experts(cfg: LlamaConfig, b: Block, names: ExpertNames) -> list[Tensor]:
         Tensor((*b.ours, "mlp", "down"), b.steps, each(names.down), [(e, m)] * n,
                lambda t: np.stack(t).transpose(0, 2, 1), lambda w: list(w.transpose(0, 2, 1))),
     ]
+
+
+# Where each LoRA target (models.lora) is: the module it adapts, and its module name after
+# `model.layers.N.`.
+PROJECTIONS = {"q_proj": ("attn", "self_attn.q_proj"), "k_proj": ("attn", "self_attn.k_proj"),
+               "v_proj": ("attn", "self_attn.v_proj"), "o_proj": ("attn", "self_attn.o_proj"),
+               "gate_proj": ("mlp", "mlp.gate_proj"), "up_proj": ("mlp", "mlp.up_proj"), "down_proj": ("mlp", "mlp.down_proj")}
+
+
+PEFT_PREFIX = "base_model.model."  # PEFT's name of the adapted model, before the model's own names
+
+
+def adapter_tensors(cfg: LlamaConfig, targets: tuple[str, ...], rank: int) -> list[Tensor]:
+    """A LoRA adapter's tensors as PEFT saves them: per adapted projection of each layer,
+    `<module>.lora_A.weight` (rank, inputs) and `<module>.lora_B.weight` (outputs, rank);
+    ours are A (*inputs, rank) and B (rank, *outputs). Experts take none."""
+    found = []
+    for block in blocks(cfg):
+        for target in targets:
+            (module, name), (inputs, outputs) = PROJECTIONS[target], cfg.projection_shapes()[target]
+            if module == "mlp" and block.moe:
+                continue
+            ours, n_in, n_out = (*block.ours, module, f"lora_{target}"), math.prod(inputs), math.prod(outputs)
+            published = lambda matrix, name=name, block=block: lambda i: [  # noqa: E731
+                PEFT_PREFIX + n for n in block.names(f"{name}.{matrix}.weight")(i)]
+            found += [
+                Tensor((*ours, "a"), block.steps, published("lora_A"), [(rank, n_in)],
+                       lambda t, inputs=inputs: t[0].T.reshape(*inputs, rank), lambda w, n=n_in: [w.reshape(n, rank).T]),
+                Tensor((*ours, "b"), block.steps, published("lora_B"), [(n_out, rank)],
+                       lambda t, outputs=outputs: t[0].T.reshape(rank, *outputs),
+                       lambda w, n=n_out: [w.reshape(rank, n).T]),
+            ]
+    return found
 
 
 def tensor_count(cfg: LlamaConfig) -> tuple[int, str]:

@@ -25,6 +25,9 @@ from flax import nnx
 from models.annotate import ACTIVATION, assembled, constrain, copies, weight
 from models.attention import Packing, attend, cached_attention
 from models.llama.config import LlamaConfig
+from models.lora import Adapter, LoRA, current_layer, dropping
+from models.lora import layer as lora_layer
+from models.lora import merged as merged_adapters
 from models.moe import MoE, Routing
 
 # Activation checkpointing of each block. Every policy keeps only what it lists, so a
@@ -95,7 +98,7 @@ def rotary(x: jax.Array, positions: jax.Array, freqs: np.ndarray) -> jax.Array:
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: LlamaConfig, dtype, rngs: nnx.Rngs, lora: LoRA | None = None):
         e, h, k, d = cfg.embed, cfg.heads, cfg.kv_heads, cfg.head_dim
         # Queries; keys and values in one projection ([:, :, 0] keys, [:, :, 1] values).
         # Query head n reads key/value head n // (heads / kv_heads), so a split of the
@@ -110,6 +113,12 @@ class Attention(nnx.Module):
         if cfg.qk_norm:  # one scale per head dimension, shared by every head
             self.q_norm = RMSNorm(d, cfg.norm_eps, ("head_dim",), cfg.norm_offset)
             self.k_norm = RMSNorm(d, cfg.norm_eps, ("head_dim",), cfg.norm_offset)
+        embed, kv = ((e,), ("embed",)), ((k, d), ("kv_heads", "head_dim"))
+        for target, (inputs, in_names), (outputs, out_names) in (
+                ("q_proj", embed, ((h, d), ("heads", "head_dim"))), ("k_proj", embed, kv), ("v_proj", embed, kv),
+                ("o_proj", ((h, d), ("heads", "head_dim")), embed)):
+            if lora and lora.adapts(target):
+                setattr(self, f"lora_{target}", Adapter(lora, target, inputs, in_names, outputs, out_names, rngs))
         self.cfg, self.dtype = cfg, dtype
 
     def __call__(self, x: jax.Array, positions: jax.Array, packing: Packing | None = None,
@@ -172,6 +181,9 @@ class Attention(nnx.Module):
             bkv = jnp.repeat(bkv, c, axis=0) if c > 1 else bkv
             qkv = (qkv + assembled(jnp.concatenate([bq, bkv], axis=1), "heads", None, "head_dim")).astype(dt)
         q, k = qkv[:, :, :, :per_slot].reshape(b, s, cfg.heads, cfg.head_dim), qkv[:, :, :, per_slot]
+        v = qkv[:, :, :, per_slot + 1]
+        q = _adapted(self, q, x, "q_proj")
+        k, v = (_adapted(self, w, x, target, c) for w, target in ((k, "k_proj"), (v, "v_proj")))
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         freqs = cfg.rope_frequencies if local is None else jnp.where(local, cfg.local_rope_frequencies,
@@ -180,13 +192,24 @@ class Attention(nnx.Module):
             q = q * np.float32(math.sqrt(cfg.head_dim / cfg.query_scale)).astype(q.dtype)
         q = constrain(rotary(q, positions, freqs), "batch", "seq", "heads", "head_dim")
         k = constrain(rotary(k, positions, freqs), "batch", "seq", "kv_heads", "head_dim")
-        v = constrain(qkv[:, :, :, per_slot + 1], "batch", "seq", "kv_heads", "head_dim")
+        v = constrain(v, "batch", "seq", "kv_heads", "head_dim")
         return q.reshape(b, s, slots, per_slot, cfg.head_dim), k, v
 
     def _output(self, out: jax.Array) -> jax.Array:
         b, s = out.shape[:2]
         out = constrain(out.reshape(b, s, self.cfg.heads, self.cfg.head_dim), "batch", "seq", "heads", "head_dim")
-        return jnp.einsum("bshd,hde->bse", out, weight(self.wo, self.dtype))
+        return _adapted(self, jnp.einsum("bshd,hde->bse", out, weight(self.wo, self.dtype)), out, "o_proj")
+
+
+def _adapted(module: nnx.Module, y: jax.Array, x: jax.Array, target: str, copies: int = 1) -> jax.Array:
+    """A projection's output `y` of `x`, plus that of the module's adapter of `target`
+    (models.lora), if it has one; keys' and values' with each kv head `copies` times, as
+    they are computed with."""
+    adapter = getattr(module, f"lora_{target}", None)
+    if adapter is None:
+        return y
+    delta = adapter(x)
+    return y + (jnp.repeat(delta, copies, axis=2) if copies > 1 else delta)
 
 
 # The gated MLP's activations: SwiGLU's, and GeGLU's with tanh-approximated GELU (Gemma's).
@@ -196,31 +219,37 @@ ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, 
 class SwiGLU(nnx.Module):
     """The gated MLP: act(x gate) * (x up), down (`LlamaConfig.activation`)."""
 
-    def __init__(self, cfg: LlamaConfig, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: LlamaConfig, dtype, rngs: nnx.Rngs, lora: LoRA | None = None):
         e, m = cfg.embed, cfg.mlp
         # Gate and up projections in one matmul (one gradient for x): [:, 0] gate, [:, 1] up.
         self.gate_up = _param(rngs, (e, 2, m), ("embed", None, "mlp"), e**-0.5)
         self.down = _param(rngs, (m, e), ("mlp", "embed"), m**-0.5)
+        embed, mlp = ((e,), ("embed",)), ((m,), ("mlp",))
+        for target, inputs, outputs in (("gate_proj", embed, mlp), ("up_proj", embed, mlp), ("down_proj", mlp, embed)):
+            if lora and lora.adapts(target):
+                setattr(self, f"lora_{target}", Adapter(lora, target, *inputs, *outputs, rngs))
         self.dtype, self.activation = dtype, cfg.activation
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dt = self.dtype
         gate_up = jnp.einsum("bse,eim->bsim", x, weight(self.gate_up, dt))
-        gate, up = gate_up[:, :, 0], gate_up[:, :, 1]
+        gate, up = _adapted(self, gate_up[:, :, 0], x, "gate_proj"), _adapted(self, gate_up[:, :, 1], x, "up_proj")
         hidden = constrain(ACTIVATIONS[self.activation](gate) * up, "batch", "seq", "mlp")
-        return jnp.einsum("bsm,me->bse", hidden, weight(self.down, dt))
+        return _adapted(self, jnp.einsum("bsm,me->bse", hidden, weight(self.down, dt)), hidden, "down_proj")
+
 
 
 class Block(nnx.Module):
     """Attention then a feed-forward layer: SwiGLU, or a mixture of experts (`routing`).
     With `sandwich_norms` (Gemma 3) each one's output is normed too before it is added."""
 
-    def __init__(self, cfg: LlamaConfig, dtype, rngs: nnx.Rngs, routing: Routing | None = None):
+    def __init__(self, cfg: LlamaConfig, dtype, rngs: nnx.Rngs, routing: Routing | None = None,
+                 lora: LoRA | None = None):
         norm = functools.partial(RMSNorm, cfg.embed, cfg.norm_eps, offset=cfg.norm_offset)
         self.attn_norm = norm()
-        self.attn = Attention(cfg, dtype, rngs)
+        self.attn = Attention(cfg, dtype, rngs, lora)
         self.mlp_norm = norm()
-        self.mlp = SwiGLU(cfg, dtype, rngs) if routing is None else MoE(cfg.embed, cfg.moe, routing, dtype, rngs)
+        self.mlp = SwiGLU(cfg, dtype, rngs, lora) if routing is None else MoE(cfg.embed, cfg.moe, routing, dtype, rngs)
         if cfg.sandwich_norms:
             self.post_attn_norm, self.post_mlp_norm = norm(), norm()
 
@@ -257,14 +286,17 @@ class MoEGroup(nnx.Module):
     """moe.every layers: every-1 dense blocks, then one MoE block (the unit that is stacked
     and scanned in an MoE model, so every scan step has the same structure)."""
 
-    def __init__(self, cfg: LlamaConfig, dtype, rngs: nnx.Rngs, routing: Routing):
-        self.dense = nnx.List([Block(cfg, dtype, rngs) for _ in range(cfg.moe.every - 1)])
-        self.moe = Block(cfg, dtype, rngs, routing)
+    def __init__(self, cfg: LlamaConfig, dtype, rngs: nnx.Rngs, routing: Routing, lora: LoRA | None = None):
+        self.dense = nnx.List([Block(cfg, dtype, rngs, lora=lora) for _ in range(cfg.moe.every - 1)])
+        self.moe = Block(cfg, dtype, rngs, routing, lora)
 
     def __call__(self, x: jax.Array, positions: jax.Array, packing: Packing | None = None) -> tuple[jax.Array, dict]:
-        for block in self.dense:
-            x, _ = block(x, positions, packing)
-        return self.moe(x, positions, packing)
+        first = current_layer() * len(self.blocks)  # the group's first layer (for adapters' dropout)
+        for j, block in enumerate(self.dense):
+            with lora_layer(first + j):
+                x, _ = block(x, positions, packing)
+        with lora_layer(first + len(self.dense)):
+            return self.moe(x, positions, packing)
 
     @property
     def blocks(self) -> list[Block]:
@@ -284,13 +316,24 @@ class Llama(nnx.Module):
         and biases no (as transformers' Trainer leaves them)."""
         return path[-1] not in ("scale", "bq", "bkv")
 
+    # Where each LoRA target is among the weights: the weight beside its adapter, and its
+    # part of a fused weight (keys and values [:, :, 0|1], gate and up [:, 0|1]).
+    FUSED = {"q_proj": ("wq", None), "k_proj": ("wkv", 0), "v_proj": ("wkv", 1), "o_proj": ("wo", None),
+             "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1), "down_proj": ("down", None)}
+
+    @classmethod
+    def merge_adapters(cls, params: dict, cfg: LlamaConfig, lora: LoRA) -> dict:
+        """The parameters with their LoRA adapters merged into the weights (models.lora.merged)."""
+        inputs = {target: len(shapes[0]) for target, shapes in cfg.projection_shapes().items()}
+        return merged_adapters(params, lora, cls.FUSED, inputs)
+
     @staticmethod
     def head_params(cfg: LlamaConfig) -> tuple[str, ...]:
         """The top-level parameters that `logits` reads (a tied model's head is its table)."""
         return ("final_norm", "embedding" if cfg.tie_embeddings else "head")
 
     def __init__(self, cfg: LlamaConfig, *, dtype=jnp.float32, remat: str = "none",
-                 routing: Routing = Routing(), rngs: nnx.Rngs):
+                 routing: Routing = Routing(), lora: LoRA | None = None, rngs: nnx.Rngs):
         if remat not in REMAT_POLICIES:
             raise ValueError(f"remat must be one of {sorted(REMAT_POLICIES)}, got {remat!r}")
         self.cfg, self.dtype, self.remat = cfg, dtype, remat
@@ -302,7 +345,7 @@ class Llama(nnx.Module):
         @nnx.split_rngs(splits=cfg.moe_layers or cfg.layers)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
         def make_blocks(rngs: nnx.Rngs) -> Block | MoEGroup:
-            return MoEGroup(cfg, dtype, rngs, routing) if cfg.moe else Block(cfg, dtype, rngs)
+            return MoEGroup(cfg, dtype, rngs, routing, lora) if cfg.moe else Block(cfg, dtype, rngs, lora=lora)
 
         self.blocks = make_blocks(rngs)
         self.final_norm = RMSNorm(cfg.embed, cfg.norm_eps, offset=cfg.norm_offset)
@@ -336,19 +379,25 @@ class Llama(nnx.Module):
         return constrain(x.astype(self.dtype), "batch", "residual_seq", "embed")
 
     def run_layers(self, blocks: Block | MoEGroup, x: jax.Array, positions: jax.Array,
-                   packing: Packing | None = None, local: jax.Array | None = None) -> tuple[jax.Array, dict]:
+                   packing: Packing | None = None, local: jax.Array | None = None,
+                   layers: jax.Array | None = None) -> tuple[jax.Array, dict]:
         """Run stacked `blocks` (this model's, or a slice of them along the layer axis) in
-        order; `local`: which of them are sliding layers (`layer_kinds`), where layers differ."""
+        order; `local`: which of them are sliding layers (`layer_kinds`), where layers differ;
+        `layers`: their indices in the model (default: from 0), which adapters' dropout reads."""
         def run_block(block: Block | MoEGroup, x: jax.Array, local) -> tuple[jax.Array, dict]:
             return block(x, positions, packing) if local is None else block(x, positions, packing, local)
 
         run_block = nnx.remat(run_block, policy=REMAT_POLICIES[self.remat])
 
-        @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0), transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def over_layers(x: jax.Array, block: Block | MoEGroup, local) -> tuple[jax.Array, dict]:
-            return run_block(block, x, local)
+        @nnx.scan(in_axes=(nnx.Carry, 0, 0, 0), out_axes=(nnx.Carry, 0),
+                  transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def over_layers(x: jax.Array, block: Block | MoEGroup, local, index) -> tuple[jax.Array, dict]:
+            with lora_layer(index):
+                return run_block(block, x, local)
 
-        return over_layers(x, blocks, local)
+        if layers is None and dropping():  # (only then: a run without dropout scans nothing more)
+            layers = jnp.arange(jax.tree.leaves(nnx.state(blocks))[0].shape[0])
+        return over_layers(x, blocks, local, layers)
 
     @staticmethod
     def layer_kinds(cfg: LlamaConfig) -> np.ndarray | None:

@@ -65,6 +65,7 @@ def add_model_source(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", type=nonempty, help="a run directory (latest step) or one step's directory")
     parser.add_argument("--step", type=integer, help="which step of a run directory (default: the latest)")
     parser.add_argument("--init-from", type=nonempty, help="a Hugging Face model directory instead of a checkpoint")
+    parser.add_argument("--adapter", type=nonempty, help="with --init-from: a PEFT LoRA adapter directory to apply")
     parser.add_argument("--mesh", type=nonempty, default="dp=1",
                         help="mesh axis sizes: tp splits the heads, dp/fsdp/ep the batch (default: one device)")
     parser.add_argument("--cpu-devices", type=integer, help="emulated CPU devices (default: what the mesh needs)")

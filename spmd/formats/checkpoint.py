@@ -59,6 +59,8 @@ def _model_shapes(shapes: dict[str, list[int]], repeats: int) -> dict[str, list[
 
 
 def make_meta(cfg, step: int, params) -> dict:
+    """The record of a checkpoint of `params` (the trained ones: a LoRA run's adapters,
+    whose frozen base the config names: its --init-from, or its --seed's initialization)."""
     return {"format": FORMAT, "step": step, "model": cfg.model_name, "config": dataclasses.asdict(cfg),
             "param_shapes": _shapes_of(params)}
 
@@ -99,12 +101,12 @@ class Checkpoints:
         return read_meta(self.directory, step)
 
     def restore(self, step: int, abstract_state: dict, items=None, repeats: int = 1) -> dict:
-        """Read `items` (default: all of `abstract_state` but the step, which is the
-        checkpoint's) of checkpoint `step` into the shardings of `abstract_state`, whose
+        """Read `items` (default: the arrays of `abstract_state` a checkpoint holds: not the
+        step, which is the checkpoint's, nor a LoRA run's frozen base) of checkpoint `step` into the shardings of `abstract_state`, whose
         stacked layers are stored for `repeats` (spmd.parallel.skeleton.restack). A checkpoint whose
         layers are stored otherwise is read as it was saved, checked, then restacked once."""
         meta = self.meta(step)
-        items = items or tuple(name for name in abstract_state if name != "step")
+        items = items or tuple(name for name in abstract_state if name in ARRAY_ITEMS)
         saved = stacked_repeats(meta.get("config", {}))
         targets = {name: abstract_state[name] for name in items}
         as_saved = targets if saved == repeats else _as_saved(targets, repeats, saved)
@@ -239,6 +241,12 @@ def check_compatible(meta: dict, cfg, params_shapes, where: Path) -> None:
     (as the model has them: a pipeline may store its stacked layers otherwise)."""
     want = _model_shapes(_shapes_of(params_shapes), stacked_repeats(dataclasses.asdict(cfg)))
     have_shapes = _model_shapes(meta.get("param_shapes", {}), stacked_repeats(meta.get("config", {})))
+    saved_rank = meta.get("config", {}).get("lora_rank") or None
+    if saved_rank != cfg.lora_rank:
+        trained = f"with --lora-rank {saved_rank}" if saved_rank else "as a full fine-tune"
+        ours = f"--lora-rank {cfg.lora_rank}" if cfg.lora_rank else "no --lora-rank"
+        raise UserError(f"checkpoint {where} was trained {trained}; this run has {ours}: give "
+                        + (f"--lora-rank {saved_rank} (and its --lora-targets)" if saved_rank else "no --lora-rank"))
     saved_copies = meta.get("config", {}).get("redundant_experts") or 0
     if have_shapes != want and saved_copies != cfg.redundant_experts:  # experts + R slots hold the experts
         raise UserError(f"checkpoint {where} was trained with --redundant-experts {saved_copies}; this run has "

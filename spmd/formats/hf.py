@@ -95,7 +95,78 @@ def max_positions(directory: str, what: str = "--init-from") -> int:
     return _config_json(str(directory), what)[0]["max_position_embeddings"]
 
 
-class Directory:
+class TensorFiles:
+    """Safetensors files in a directory (`path`, named `what` in messages) that hold the
+    published tensors of our parameters (`tensors`, models.Tensor), each located (`where`),
+    checked and read one layer at a time. `single`: the file's name when there is one;
+    `described_by`: what says which tensors there must be; `shaped_by`: their shapes."""
+
+    path: Path
+    what: str
+    tensors: list[Tensor]
+    single: str = SINGLE
+    described_by: str = "the model of config.json"
+    shaped_by: str = "config.json"
+    indexed: bool = False
+
+    def _open(self, file: str, holds: str) -> SafeTensors:
+        kind = file_kind(self.path / file)
+        if kind == "missing":
+            raise UserError(f"{self.what}: shard {file} is missing (it holds {holds})")
+        if kind != REGULAR:
+            raise UserError(f"{self.what}: {file} {not_a_file(kind)}")
+        try:
+            self.files[file] = SafeTensors(self.path / file)
+        except Damaged as exc:
+            raise UserError(self._damaged(exc)) from None
+        except OSError as exc:
+            raise UserError(f"{self.what}: {file} cannot be read ({exc.strerror})") from None
+        return self.files[file]
+
+    def _damaged(self, exc: Exception) -> str:
+        """The message of a damaged file, named inside the directory (the directory is named first)."""
+        return f"{self.what}: " + str(exc).removeprefix(f"{self.path}/")
+
+    def _locate(self, held: dict[str, str], copies: dict[str, str]) -> dict[str, str]:
+        """Where each tensor the model needs is; refused: one the files lack, and one the
+        model has no place for (a copy only if it differs from what it copies)."""
+        needed = [name for t in self.tensors for i in range(t.stacked or 1) for name in t.names(i)]
+        for name in needed:
+            if name not in held:
+                raise UserError(f"{self.what}: " + (f"{INDEX} does not list tensor {name}" if self.indexed else
+                                                    f"tensor {name} is not in {self.single}"))
+        known = set(needed)
+        for name in (name for name in held if name not in known):
+            of = copies.get(name)
+            if of is None:
+                raise UserError(f"{self.what}: {held[name]} holds tensor {name}, which {self.described_by} "
+                                "has no place for")
+            if not self.files[held[name]].same(name, self.files[held[of]], of):
+                raise UserError(f"{self.what}: tensor {name} differs from {of}, which config.json ties it to "
+                                "(tie_word_embeddings true); set it false to use this head")
+        return {name: held[name] for name in needed}
+
+    def _check_shapes(self) -> None:
+        for t in self.tensors:
+            for i in range(t.stacked or 1):
+                for name, shape in zip(t.names(i), t.shapes):
+                    file = self.files[self.where[name]]
+                    if file.dtype(name) not in FLOATS:
+                        raise UserError(f"{self.what}: tensor {name} holds {file.dtype(name)}, not floating point")
+                    if file.shape(name) != shape:
+                        raise UserError(f"{self.what}: tensor {name} has shape {list(file.shape(name))}; "
+                                        f"{self.shaped_by} makes it {list(shape)}")
+
+    def layer(self, t: Tensor, i: int) -> np.ndarray:
+        """Our parameter `t` of layer `i` (or the whole of an unstacked one), float32."""
+        try:
+            parts = [self.files[self.where[name]].read(name).astype(np.float32) for name in t.names(i)]
+        except (Damaged, OSError) as exc:
+            raise UserError(self._damaged(exc)) from None
+        return t.to_ours(parts)
+
+
+class Directory(TensorFiles):
     """A Hugging Face model directory, checked whole before anything is read: config.json,
     the index and every header pass their schemas; the tensors the files hold are exactly
     those the config needs (counted first, so a config's depth is checked against the files
@@ -156,62 +227,6 @@ class Directory:
             raise UserError(f"{where}: {file!r} names a file outside the directory")
         return str(parts)
 
-    def _open(self, file: str, holds: str) -> SafeTensors:
-        kind = file_kind(self.path / file)
-        if kind == "missing":
-            raise UserError(f"{self.what}: shard {file} is missing (it holds {holds})")
-        if kind != REGULAR:
-            raise UserError(f"{self.what}: {file} {not_a_file(kind)}")
-        try:
-            self.files[file] = SafeTensors(self.path / file)
-        except Damaged as exc:
-            raise UserError(self._damaged(exc)) from None
-        except OSError as exc:
-            raise UserError(f"{self.what}: {file} cannot be read ({exc.strerror})") from None
-        return self.files[file]
-
-    def _damaged(self, exc: Exception) -> str:
-        """The message of a damaged file, named inside the directory (the directory is named first)."""
-        return f"{self.what}: " + str(exc).removeprefix(f"{self.path}/")
-
-    def _locate(self, held: dict[str, str], copies: dict[str, str]) -> dict[str, str]:
-        """Where each tensor the model needs is; refused: one the files lack, and one the
-        model has no place for (a copy only if it differs from what it copies)."""
-        needed = [name for t in self.tensors for i in range(t.stacked or 1) for name in t.names(i)]
-        for name in needed:
-            if name not in held:
-                raise UserError(f"{self.what}: " + (f"{INDEX} does not list tensor {name}" if self.indexed else
-                                                    f"tensor {name} is not in {SINGLE}"))
-        known = set(needed)
-        for name in (name for name in held if name not in known):
-            of = copies.get(name)
-            if of is None:
-                raise UserError(f"{self.what}: {held[name]} holds tensor {name}, which the model of config.json "
-                                "has no place for")
-            if not self.files[held[name]].same(name, self.files[held[of]], of):
-                raise UserError(f"{self.what}: tensor {name} differs from {of}, which config.json ties it to "
-                                "(tie_word_embeddings true); set it false to use this head")
-        return {name: held[name] for name in needed}
-
-    def _check_shapes(self) -> None:
-        for t in self.tensors:
-            for i in range(t.stacked or 1):
-                for name, shape in zip(t.names(i), t.shapes):
-                    file = self.files[self.where[name]]
-                    if file.dtype(name) not in FLOATS:
-                        raise UserError(f"{self.what}: tensor {name} holds {file.dtype(name)}, not floating point")
-                    if file.shape(name) != shape:
-                        raise UserError(f"{self.what}: tensor {name} has shape {list(file.shape(name))}; "
-                                        f"config.json makes it {list(shape)}")
-
-    def layer(self, t: Tensor, i: int) -> np.ndarray:
-        """Our parameter `t` of layer `i` (or the whole of an unstacked one), float32."""
-        try:
-            parts = [self.files[self.where[name]].read(name).astype(np.float32) for name in t.names(i)]
-        except (Damaged, OSError) as exc:
-            raise UserError(self._damaged(exc)) from None
-        return t.to_ours(parts)
-
 
 def tokenizer_of(directory: str | Path, what: str = "--init-from") -> str | None:
     """A Hugging Face directory's tokenizer.json, if it has one (checked: a file, JSON with
@@ -251,9 +266,11 @@ def _companion(path: Path, what: str, fields, limit: int) -> None:
 
 # ------------------------------------------------------------------ loading
 
-def load_params(directory: Directory, layout) -> dict:
-    """The directory's parameters placed in `layout`'s parameter shardings (pure dict)."""
-    _check_fits(directory, layout)
+def load_params(directory: TensorFiles, layout) -> dict:
+    """The directory's parameters (a model's, or an adapter's: `TensorFiles`) placed in
+    `layout`'s parameter shardings (pure dict)."""
+    if isinstance(directory, Directory):  # an adapter is small beside its model
+        _check_fits(directory, layout)
     shardings = traverse_util.flatten_dict(layout.shardings(layout.rules.params))
     shapes = traverse_util.flatten_dict(layout.skeleton.shapes)
     placed = {}
@@ -342,7 +359,7 @@ def write_hf(out: Path, params: dict, model_cfg, dtype, shard_bytes: int, copies
     writers = iter(Writer(out / name, entries, dtype) for name, entries in zip(names, files))
     writer, left = next(writers), len(files[0])
     for t, i in order:
-        value = _gathered(flat[t.ours], i if t.stacked else None)
+        value = gathered(flat[t.ours], i if t.stacked else None)
         for name, array in zip(t.names(i), t.to_hf(value)):
             if not left:
                 writer.close()
@@ -376,7 +393,7 @@ def save_pretrained(out: str | Path, params: dict, model_cfg, dtype: str = "floa
     return write_hf(out, params, model_cfg, dtype, max_shard_bytes, copies)
 
 
-def _gathered(array, layer: int | None) -> np.ndarray:
+def gathered(array, layer: int | None) -> np.ndarray:
     """Layer `layer` of a stacked parameter (layers, ...), or an unstacked one, whole on
     this host, float32."""
     value = array if layer is None else array[layer]

@@ -34,12 +34,14 @@ def model_source(args):
         raise UserError("give one of --checkpoint RUN and --init-from DIR")
     if args.step is not None and not args.checkpoint:
         raise UserError("--step applies to --checkpoint")
+    if args.adapter and not args.init_from:
+        raise UserError("--adapter applies to --init-from; a LoRA run's checkpoint holds its adapters")
     check_source_flags(args.step, args.cpu_devices)
     if args.checkpoint:
         cfg, checkpoint = checkpoint_config(args.checkpoint, args.step)
         tokenizer = checkpoint.meta.get("config", {}).get("tokenizer")
     else:
-        cfg, checkpoint = validate(TrainConfig(init_from=args.init_from)), None
+        cfg, checkpoint = validate(TrainConfig(init_from=args.init_from, adapter=args.adapter)), None
         tokenizer = tokenizer_of(args.init_from)
     if tokenizer and not Path(tokenizer).is_file():
         raise UserError(f"the run's tokenizer {tokenizer} is gone; the prompts cannot be tokenized")

@@ -34,6 +34,7 @@ FEATURES: dict[str, Callable] = {
     "ZeRO": lambda cfg, shape, model: cfg.zero > 0,
     "expert balancing": lambda cfg, shape, model: model.moe is not None and bool(
         cfg.router_bias_rate or cfg.redundant_experts),
+    "LoRA": lambda cfg, shape, model: bool(cfg.lora_rank),
 }
 # Every combination of FEATURES combines, but these (each with why, as the user reads it):
 # none today. (Pipeline stages with sp and ep in capacity mode were refused, while XLA ranked the

@@ -30,9 +30,11 @@ class Layout:
     skeleton: ModelSkeleton
     schedule: Schedule | None = None  # pipeline stages (pp > 1)
 
-    def shardings(self, table: Mapping) -> dict:
-        """NamedSharding per parameter, under one rules table (params, grads or opt_state)."""
-        return jax.tree.map(lambda n: self.named(spec_for(n, table)), self.skeleton.names, is_leaf=is_names)
+    def shardings(self, table: Mapping, trained: bool = False) -> dict:
+        """NamedSharding per parameter, under one rules table (params, grads or opt_state);
+        `trained`: of the parameters that train only (the adapters, with LoRA)."""
+        names = self.skeleton.trained(self.skeleton.names) if trained else self.skeleton.names
+        return jax.tree.map(lambda n: self.named(spec_for(n, table)), names, is_leaf=is_names)
 
     def named(self, spec: jax.sharding.PartitionSpec) -> jax.sharding.NamedSharding:
         return jax.sharding.NamedSharding(self.mesh, spec)
@@ -68,15 +70,15 @@ class Layout:
         return tuple(a for a in BATCH_AXES if not (split_experts and a == "ep"))
 
     def per_shard_specs(self, axes: tuple[str, ...]) -> dict:
-        """Specs of gradients kept per shard of `axes`: a leading axis split over them,
-        the rest as stored."""
+        """Specs of gradients (of the parameters that train) kept per shard of `axes`: a
+        leading axis split over them, the rest as stored."""
         def spec(names):
             return jax.P(axes, *without_axes(spec_for(names, self.rules.grads), axes))
-        return jax.tree.map(spec, self.skeleton.names, is_leaf=is_names)
+        return jax.tree.map(spec, self.skeleton.trained(self.skeleton.names), is_leaf=is_names)
 
     def opt_state_shardings(self, tx: optax.GradientTransformation, abstract_opt_state) -> object:
         return optax.tree_map_params(
-            tx, lambda _, s: s, abstract_opt_state, self.shardings(self.rules.opt_state),
+            tx, lambda _, s: s, abstract_opt_state, self.shardings(self.rules.opt_state, trained=True),
             transform_non_params=lambda _: self.replicated,
         )
 

@@ -236,9 +236,10 @@ def _run_chunk(stage_fn, policy, chunks, repeat, x, side):
     return jax.checkpoint(run, policy=policy)(chunks, repeat, x, side)
 
 
-def _no_statistics(stage_fn, chunks, x, side) -> dict:
+def _no_statistics(stage_fn, chunks, x, side, fixed=None) -> dict:
     """Zeros shaped like what `stage_fn` reports for one chunk, one entry per chunk."""
-    shapes = jax.eval_shape(stage_fn, jax.tree.map(lambda w: w[0], chunks), x, side)[1]
+    first = lambda tree: jax.tree.map(lambda w: w[0], tree)  # noqa: E731
+    shapes = jax.eval_shape(stage_fn, first(chunks), x, side, first(fixed))[1]
     v = jax.tree.leaves(chunks)[0].shape[0]
     return jax.tree.map(lambda s: jnp.zeros((v, *s.shape), s.dtype), shapes)
 
@@ -309,31 +310,32 @@ def _head(head_fn, head_params, targets, seed: float):
     return lambda y, k, here: jax.lax.cond(here, on_this_device, elsewhere, y, k)
 
 
-def _split_vjp(stage_fn, chunk, example: jax.Array, side_example=None):
+def _split_vjp(stage_fn, chunk, example: jax.Array, side_example=None, fixed=None):
     """The stage's forward and backward passes as two functions joined by arrays:
-    forward(chunk, x, side) -> (y, residuals), backward(chunk, residuals, dy) -> (d_chunk,
-    dx), and the residuals' shapes. The weights are left out of the residuals: the backward
+    forward(chunk, x, side, fixed) -> (y, residuals), backward(chunk, residuals, dy, fixed)
+    -> (d_chunk, dx), and the residuals' shapes; `fixed`: weights of the chunk that are not
+    differentiated (frozen ones). The weights are left out of the residuals: the backward
     pass reads them again rather than a copy being kept per microbatch in flight. What it
     reads of the side inputs is a residual."""
     found = {}
 
-    def structure(chunk, x, side):
-        _, vjp = jax.vjp(lambda chunk, x: stage_fn(chunk, x, side), chunk, x)
+    def structure(chunk, x, side, fixed):
+        _, vjp = jax.vjp(lambda chunk, x: stage_fn(chunk, x, side, fixed), chunk, x)
         leaves, found["tree"] = jax.tree.flatten(vjp)
-        weights = jax.tree.leaves(chunk)
+        weights = jax.tree.leaves((chunk, fixed))
         # For each leaf of the backward pass, which weight it is (-1: a residual).
         found["where"] = tuple(next((j for j, w in enumerate(weights) if leaf is w), -1) for leaf in leaves)
         return [leaf for leaf, j in zip(leaves, found["where"]) if j < 0]
 
-    shapes = jax.eval_shape(structure, chunk, example, side_example)
+    shapes = jax.eval_shape(structure, chunk, example, side_example, fixed)
     tree, where = found["tree"], found["where"]
 
-    def forward(chunk, x, side=None):
-        y, vjp = jax.vjp(lambda chunk, x: stage_fn(chunk, x, side), chunk, x)
+    def forward(chunk, x, side=None, fixed=None):
+        y, vjp = jax.vjp(lambda chunk, x: stage_fn(chunk, x, side, fixed), chunk, x)
         return y, [leaf for leaf, j in zip(jax.tree.leaves(vjp), where) if j < 0]
 
-    def backward(chunk, residuals, cotangent):
-        weights, kept = jax.tree.leaves(chunk), iter(residuals)
+    def backward(chunk, residuals, cotangent, fixed=None):
+        weights, kept = jax.tree.leaves((chunk, fixed)), iter(residuals)
         return jax.tree.unflatten(tree, [weights[j] if j >= 0 else next(kept) for j in where])(cotangent)
 
     return forward, backward, shapes
@@ -349,7 +351,7 @@ def _order(i, p: int, v: int):
 
 
 def one_f_one_b(mesh, schedule: Schedule, stage_fn, head_fn, blocks, head, x: jax.Array, targets,
-                rows: jax.P, statistics_weights=None, side=None):
+                rows: jax.P, statistics_weights=None, side=None, fixed=None):
     """Loss and gradients with the 1F1B schedule, or interleaved 1F1B (`repeats` v > 1:
     stage s holds chunks s, s+p, ... stored as for circular), with no `jax.grad` around
     it: the backward pass is interleaved with the forward here.
@@ -362,7 +364,9 @@ def one_f_one_b(mesh, schedule: Schedule, stage_fn, head_fn, blocks, head, x: ja
     each statistic adds to what is minimized, per microbatch of the whole batch (e.g. an
     MoE balance loss's weight over the number of MoE layers); None: nothing.
     x: (m, mb, ...) embedded microbatches, split over pp along m; targets (m, mb, ...), or
-    a tree of such arrays; `rows`: one microbatch's spec; `side`: the microbatches' side inputs.
+    a tree of such arrays; `rows`: one microbatch's spec; `side`: the microbatches' side inputs;
+    `fixed`: stacked weights stored as `blocks` are, which the stages read but which are not
+    differentiated (a frozen base), passed to `stage_fn(chunk, x, side, fixed_chunk)`.
     Returns (loss, d_blocks, d_head, dx, statistics): the mean loss, the gradients of the
     stacked layers (split over pp) and of `head`, dx, the gradient of x (laid out like x),
     from which the embedding's follows, and the layers' statistics (`layer_statistics`)."""
@@ -372,20 +376,20 @@ def one_f_one_b(mesh, schedule: Schedule, stage_fn, head_fn, blocks, head, x: ja
     # forward (the head's gradient at hand): stage p-1's first forward of round v-1.
     first_backward = v * p - 1
 
-    def run(blocks, head_params, x, targets, side):
+    def run(blocks, head_params, x, targets, side, fixed):
         stage, x = jax.lax.axis_index(AXIS), x[0]
         last = stage == p - 1
-        chunks = jax.tree.map(lambda w: stage_view(w, v), blocks)
+        chunks, fixed_chunks = (jax.tree.map(lambda w: stage_view(w, v), tree) for tree in (blocks, fixed))
         if v == 1:  # the same weights every tick: nothing picked
-            def pick(r):
+            def pick(r, chunks=chunks):
                 return jax.tree.map(lambda w: w[0], chunks)
         else:
-            def pick(r):
+            def pick(r, chunks=chunks):
                 return jax.tree.map(lambda w: w[r], chunks)
         dp = jax.lax.psum(1, BATCH_AXIS)
         seed = 1.0 / (m * dp)  # each dp shard's microbatch loss is a mean over its own rows
-        forward, backward, shapes = _split_vjp(stage_fn, pick(0), x[0], micro(side, 0))
-        no_stats = _no_statistics(stage_fn, chunks, x[0], micro(side, 0))
+        forward, backward, shapes = _split_vjp(stage_fn, pick(0), x[0], micro(side, 0), pick(0, fixed_chunks))
+        no_stats = _no_statistics(stage_fn, chunks, x[0], micro(side, 0), fixed_chunks)
         stats_weights = _weighted_statistics(no_stats, statistics_weights, seed)
         head = _head(head_fn, head_params, targets, seed)
 
@@ -399,7 +403,7 @@ def one_f_one_b(mesh, schedule: Schedule, stage_fn, head_fn, blocks, head, x: ja
                 # Stage 0 starts a microbatch's first round from x; later rounds continue
                 # from what the last stage sent it in the previous tick.
                 inp = jnp.where((stage == 0) & (r == 0), x[k], arrived)
-                (y, stats), residuals = forward(pick(r), inp, micro(side, k))
+                (y, stats), residuals = forward(pick(r), inp, micro(side, k), pick(r, fixed_chunks))
                 totals = _statistics(stats, valid, r, totals)
                 ring = [buf.at[i % slots].set(res) for buf, res in zip(ring, residuals)]
                 final = last & (r == v - 1)
@@ -417,7 +421,8 @@ def one_f_one_b(mesh, schedule: Schedule, stage_fn, head_fn, blocks, head, x: ja
                 # residuals live at most 2(vp-1) ticks: 2vp-1 slots).
                 i = group_start + r * p + j % p
                 cotangent = jnp.where(last & (r == v - 1), dy, returned) if forwards else returned
-                d_chunk, d_inp = backward(pick(r), [buf[i % slots] for buf in ring], (cotangent, stats_weights))
+                d_chunk, d_inp = backward(pick(r), [buf[i % slots] for buf in ring], (cotangent, stats_weights),
+                                          pick(r, fixed_chunks))
                 d_chunks = jax.tree.map(lambda acc, g: acc.at[r].add(jnp.where(valid, g, 0)), d_chunks, d_chunk)
                 slot = jnp.clip(k, 0, m - 1)
                 dx = dx.at[slot].set(jnp.where(valid & (stage == 0) & (r == 0), d_inp, dx[slot]))
@@ -444,8 +449,8 @@ def one_f_one_b(mesh, schedule: Schedule, stage_fn, head_fn, blocks, head, x: ja
     copies = jax.P(AXIS, None, BATCH_AXIS)
     per_microbatch = jax.P(None, BATCH_AXIS)
     loss, d_blocks, d_head, dx, stats = jax.shard_map(
-        run, mesh=mesh, in_specs=(stacked_spec(v), jax.P(), copies, per_microbatch, per_microbatch),
+        run, mesh=mesh, in_specs=(stacked_spec(v), jax.P(), copies, per_microbatch, per_microbatch, stacked_spec(v)),
         out_specs=(jax.P(), stacked_spec(v), jax.P(), copies, jax.P(AXIS)), axis_names=frozenset(MANUAL_AXES),
         check_vma=False,
-    )(blocks, head, _copies(x, mesh, rows), targets, side)
+    )(blocks, head, _copies(x, mesh, rows), targets, side, fixed or {})
     return loss, d_blocks, d_head, _from_stage_0(dx, mesh, rows), layer_statistics(stats)

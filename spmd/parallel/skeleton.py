@@ -12,6 +12,8 @@ import jax.numpy as jnp
 from flax import nnx, traverse_util
 
 from models import FAMILIES, PRESETS, REMAT_POLICIES, LlamaConfig, Routing, model_class
+from models.lora import LoRA
+from models.lora import split as lora_split
 from models.moe import RouterState
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -48,10 +50,19 @@ class ModelSkeleton:
     # The MoE layers' router state (models.moe.RouterState), when the routing keeps one.
     router_shapes: dict = dataclasses.field(default_factory=dict)
     router_names: dict = dataclasses.field(default_factory=dict)
+    lora: LoRA | None = None  # adapters (models.lora): only they train, the rest is frozen
 
     @property
     def num_params(self) -> int:
         return sum(math.prod(s.shape) for s in jax.tree.leaves(self.shapes))
+
+    def trained(self, tree: dict) -> dict:
+        """The part of a tree shaped like the parameters that trains: the adapters with LoRA."""
+        return lora_split(tree)[0] if self.lora else tree
+
+    def frozen(self, tree: dict) -> dict | None:
+        """The part that does not train (the base weights with LoRA), or None."""
+        return lora_split(tree)[1] if self.lora else None
 
 
 def routing(cfg) -> Routing:
@@ -62,17 +73,28 @@ def routing(cfg) -> Routing:
     return Routing(cfg.moe_dispatch, cfg.capacity_factor, balanced, slots, cfg.router_bias_weight and not balanced)
 
 
+def lora(cfg) -> LoRA | None:
+    """The run's adapters (--lora-rank, models.lora), or None: a full fine-tune."""
+    if not cfg.lora_rank:
+        return None
+    return LoRA(cfg.lora_rank, cfg.lora_alpha, tuple(t.strip() for t in cfg.lora_targets.split(",")))
+
+
 def skeleton_for(cfg) -> ModelSkeleton:
-    return model_skeleton(model_config(cfg), cfg.dtype, cfg.remat, routing(cfg))
+    return model_skeleton(model_config(cfg), cfg.dtype, cfg.remat, routing(cfg), lora(cfg))
+
+
+def build_model(model_cfg, dtype: str, remat: str, routing: Routing, lora: LoRA | None, rngs: nnx.Rngs):
+    return model_class(model_cfg)(model_cfg, dtype=DTYPES[dtype], remat=remat, routing=routing, lora=lora, rngs=rngs)
 
 
 @functools.lru_cache(maxsize=32)  # read-only; spmd.plan --auto builds many layouts of one model
 def model_skeleton(model: str | LlamaConfig, dtype: str = "float32", remat: str = "none",
-                   routing: Routing = Routing()) -> ModelSkeleton:
-    """`model`: a preset's name or a model config. The graph holds dtype, remat and routing."""
+                   routing: Routing = Routing(), lora: LoRA | None = None) -> ModelSkeleton:
+    """`model`: a preset's name or a model config. The graph holds dtype, remat, routing
+    and the adapters."""
     model_cfg = PRESETS[model] if isinstance(model, str) else model
-    abstract = nnx.eval_shape(lambda: model_class(model_cfg)(model_cfg, dtype=DTYPES[dtype], remat=remat, routing=routing,
-                                            rngs=nnx.Rngs(0)))
+    abstract = nnx.eval_shape(lambda: build_model(model_cfg, dtype, remat, routing, lora, nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     shapes, names, router_shapes, router_names = {}, {}, {}, {}
     for path, var in nnx.to_flat_state(state):
@@ -80,7 +102,7 @@ def model_skeleton(model: str | LlamaConfig, dtype: str = "float32", remat: str 
         kept_in[0][path] = jax.ShapeDtypeStruct(var.shape, var.dtype)
         kept_in[1][path] = tuple(var.get_metadata()["out_sharding"])
     tree = traverse_util.unflatten_dict
-    return ModelSkeleton(model_cfg, graphdef, tree(shapes), tree(names), tree(router_shapes), tree(router_names))
+    return ModelSkeleton(model_cfg, graphdef, tree(shapes), tree(names), tree(router_shapes), tree(router_names), lora)
 
 
 def restacked(skeleton: ModelSkeleton, repeats: int) -> ModelSkeleton:

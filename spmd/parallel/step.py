@@ -16,6 +16,7 @@ another), and the shards are summed once after it: the `no_sync` of DDP, for fre
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from typing import NamedTuple
 
@@ -28,6 +29,8 @@ from flax import nnx
 from models import REMAT_POLICIES, model_class
 from models.annotate import computed_copies, storage
 from models.attention import KERNELS, Packing, attention_implementation
+from models.lora import dropout as lora_dropout
+from models.lora import dropping, folded, joined
 from models.moe import expert_implementation, slots_implementation
 from spmd.parallel import balance
 from spmd.parallel.context import make_attention, make_capacity_slots, zigzag_order
@@ -41,7 +44,7 @@ from spmd.parallel.objective import (AuxLosses, Columns, _aux_weights_per_layer,
 from spmd.parallel.optim import applied_updates, make_optimizer, schedule
 from spmd.parallel.pipeline import MANUAL_AXES, from_microbatches, one_f_one_b, pipeline, to_microbatches
 from spmd.parallel.rules import spec_for
-from spmd.parallel.skeleton import DTYPES, is_names, routing
+from spmd.parallel.skeleton import DTYPES, build_model, is_names, lora, routing
 from spmd.parallel.zero_bubble import zb_v
 
 
@@ -50,7 +53,8 @@ class StageParts(NamedTuple):
     outer: dict  # the non-stacked parameters
     columns: Columns  # the batch as the model reads it
     blocks: dict  # what the stages take: the stacked weights (and router state)
-    stage: object  # stage(chunk, x, packing=None) -> (y, statistics)
+    stage: object  # stage(chunk, x, packing=None, fixed=None) -> (y, statistics)
+    fixed: dict | None = None  # the stacked weights the stages read but do not differentiate
 
     def embedded(self) -> jax.Array:
         return self.model_of(self.outer).embed(self.columns.inputs)
@@ -63,10 +67,11 @@ class StageParts(NamedTuple):
 
 
 LAYER_KINDS = "layer_kinds"  # the key of the layers' kinds among the blocks a pipeline takes
+LAYER_INDICES = "layer_indices"  # and of their indices, which adapters' dropout reads
 
 
 def _stage_parts(graphdef, params, rows, in_stage, stacked: str, order: np.ndarray | None,
-                 router=None, repeats: int = 1) -> StageParts:
+                 router=None, repeats: int = 1, frozen=None) -> StageParts:
     """What a pipelined step is made of: the model less its stages' weights (a model of
     their shapes holds their place; `model_of(outer)`), the non-stacked parameters, the
     batch's columns (in the order sp lays them out), the stages' input `blocks`, and
@@ -79,35 +84,40 @@ def _stage_parts(graphdef, params, rows, in_stage, stacked: str, order: np.ndarr
     as float32 (exact for slot numbers), with a zero gradient (it only chooses experts);
     `_weights_of` takes it out of their gradients. A model whose layers differ in kind
     (`layer_kinds`: Gemma 3's sliding and global layers) has each layer's kind ride in them
-    the same way (`LAYER_KINDS`), so that every schedule's chunks carry their own."""
+    the same way (`LAYER_KINDS`), so that every schedule's chunks carry their own.
+
+    `frozen`: parameters that are not trained (a LoRA run's base, `params` being the
+    adapters); their stacked part is the stages' `fixed` weights, which the schedules pass
+    beside each chunk without differentiating them."""
     columns = _columns(rows, order)
     positions = columns.positions  # a constant (numpy), which the stages' map may close over
-    outer = {name: value for name, value in params.items() if name != stacked}
+    every = params if frozen is None else joined(frozen, params)
+    outer = {name: value for name, value in every.items() if name != stacked}
     blocks = params[stacked]
+    fixed = None if frozen is None else frozen[stacked]
     if router:
-        blocks = _merged(blocks, jax.tree.map(lambda x: x.astype(jnp.float32), router[stacked]))
-    no_blocks = jax.tree.map(lambda w: jax.ShapeDtypeStruct(w.shape, w.dtype), blocks)
-    model_of = lambda outer: nnx.merge(graphdef, _merged(outer, {stacked: no_blocks}))  # noqa: E731
+        blocks = joined(blocks, jax.tree.map(lambda x: x.astype(jnp.float32), router[stacked]))
+    no_blocks = jax.tree.map(lambda w: jax.ShapeDtypeStruct(w.shape, w.dtype), every[stacked])
+    model_of = lambda outer: nnx.merge(graphdef, joined(outer, {stacked: no_blocks}))  # noqa: E731
     model = model_of(outer)
     blocks_graph = nnx.split(getattr(model, stacked))[0]
     kinds = model.layer_kinds(model.cfg)
+    stored = (repeats, -1) if repeats > 1 else (-1,)  # as the stacked layers are stored
     if kinds is not None:  # each chunk's layer kinds ride with its weights, as float32 (exact for 0 and 1)
-        stored = (repeats, -1) if repeats > 1 else (-1,)  # as the stacked layers are stored
         blocks = {**blocks, LAYER_KINDS: jnp.asarray(kinds, jnp.float32).reshape(stored)}
+    if dropping():  # and their indices (exact in float32)
+        steps = jax.tree.leaves(no_blocks)[0].shape[:len(stored)]
+        blocks = {**blocks, LAYER_INDICES: jnp.arange(math.prod(steps), dtype=jnp.float32).reshape(stored)}
 
-    def stage(chunk, x, packing=None):
-        chunk = dict(chunk)
-        local = chunk.pop(LAYER_KINDS, None)
+    def stage(chunk, x, packing=None, fixed=None):
+        chunk = joined(fixed or {}, chunk)
+        local, indices = chunk.pop(LAYER_KINDS, None), chunk.pop(LAYER_INDICES, None)
         with in_stage():
             return model_of(outer).run_layers(nnx.merge(blocks_graph, chunk), x, positions, packing,
-                                              None if local is None else local > 0.5)
+                                              None if local is None else local > 0.5,
+                                              None if indices is None else indices.astype(jnp.int32))
 
-    return StageParts(model_of, outer, columns, blocks, stage)
-
-
-def _merged(tree: dict, more: dict) -> dict:
-    """Nested dicts with the leaves of `more` added to those of `tree`."""
-    return {**tree, **{k: _merged(tree[k], v) if isinstance(v, dict) and k in tree else v for k, v in more.items()}}
+    return StageParts(model_of, outer, columns, blocks, stage, fixed)
 
 
 def _weights_of(tree: dict, weights: dict) -> dict:
@@ -136,14 +146,16 @@ def _pipelined_loss(graphdef, params, rows, layout: Layout, in_stage, order, aux
 
 
 def _one_f_one_b_grads(graphdef, params, rows, layout: Layout, in_stage, order, aux: AuxLosses, router=None,
-                       denominator=None) -> tuple[dict, dict]:
+                       denominator=None, frozen=None) -> tuple[dict, dict]:
     """Metrics and gradients of `_pipelined_loss` under the 1F1B schedule, which computes
-    the stages' gradients itself (spmd.parallel.pipeline.one_f_one_b); autodiff does the rest."""
+    the stages' gradients itself (spmd.parallel.pipeline.one_f_one_b); autodiff does the rest.
+    Gradients of `params` only, not of the `frozen` rest (a LoRA run's base)."""
     schedule, shards = layout.schedule, layout.batch_shards
     family = model_class(layout.skeleton.model_cfg)
-    parts = _stage_parts(graphdef, params, rows, in_stage, family.STACKED, order, router, layout.repeats)
+    parts = _stage_parts(graphdef, params, rows, in_stage, family.STACKED, order, router, layout.repeats, frozen)
     model_of, outer, columns = parts.model_of, parts.outer, parts.columns
-    head_names = family.head_params(layout.skeleton.model_cfg)
+    trained = {name: value for name, value in params.items() if name != family.STACKED}  # of the outer ones
+    head_names = [name for name in family.head_params(layout.skeleton.model_cfg) if name in trained]
     # Packed rows: each microbatch's loss over its share of the step's count (the schedule
     # averages the microbatches' losses over them and over dp).
     part = None if denominator is None else denominator / (schedule.microbatches * layout.shape["dp"])
@@ -153,14 +165,14 @@ def _one_f_one_b_grads(graphdef, params, rows, layout: Layout, in_stage, order, 
         with in_stage():
             return _objective(model_of({**outer, **head_params}).logits(y), targets, {}, AuxLosses(), weights, part)[0]
 
-    x, embed_vjp = jax.vjp(lambda outer: to_microbatches(model_of(outer).embed(columns.inputs), shards, schedule),
-                           outer)
+    x, embed_vjp = jax.vjp(lambda t: to_microbatches(model_of({**outer, **t}).embed(columns.inputs), shards, schedule),
+                           trained)
     run = zb_v if schedule.name == "zb-v" else one_f_one_b
     labels = jax.tree.map(lambda a: to_microbatches(a, shards, schedule), (columns.targets, columns.weights))
     loss, d_blocks, d_head, dx, stats = run(
         layout.mesh, schedule, parts.stage, head, parts.blocks, {name: outer[name] for name in head_names}, x,
         labels, _row_spec(layout), _aux_weights_per_layer(aux, layout.skeleton.model_cfg.moe_layers),
-        parts.side(shards, schedule))
+        parts.side(shards, schedule), parts.fixed)
     (grads,) = embed_vjp(dx)
     grads = grads | {name: jax.tree.map(jnp.add, grads[name], d_head[name]) for name in head_names}
     d_blocks = _weights_of(d_blocks, params[family.STACKED])
@@ -215,6 +227,20 @@ def model_context(layout: Layout, attention: str = "ring", local_axes: tuple[str
     return stack
 
 
+def _fresh_params(cfg, layout: Layout, key) -> dict:
+    """A fresh model's parameters, as the layout stores them. Adapters draw from a stream of
+    their own, so the base is the same with or without them."""
+    model = build_model(layout.skeleton.model_cfg, cfg.dtype, cfg.remat, routing(cfg), lora(cfg),
+                        nnx.Rngs(params=key, lora=jax.random.fold_in(key, 1)))
+    return layout.stored(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+
+
+def initial_params(cfg, layout: Layout):
+    """key -> a fresh model's parameters (a jitted function), born in `layout`'s shardings."""
+    return jax.jit(functools.partial(_fresh_params, cfg, layout), out_shardings=layout.shardings(layout.rules.params),
+                   compiler_options=init_compiler_options(layout))
+
+
 def init_compiler_options(layout: Layout) -> dict:
     """The initializer runs once: on the CPU, LLVM optimizing its random draws took 7 of
     its 8 seconds (tiny model), so it is compiled unoptimized there."""
@@ -238,14 +264,22 @@ class Program:
         self.expert_dims = balance.expert_dims(layout.skeleton.names)
         self.tx = make_optimizer(cfg, layout.skeleton.model_cfg, clip=not self.copies)
         self.lr_at = schedule(cfg)
+        skeleton = layout.skeleton
+        # With LoRA only the adapters train (the state's "params"); the rest is "frozen".
         param_sh = layout.shardings(layout.rules.params)
-        self.grad_sh = layout.shardings(layout.rules.grads)
+        self.grad_sh = layout.shardings(layout.rules.grads, trained=True)
         shapes = jax.eval_shape(self._init, jax.random.key(0))
         state_sh = {
             "step": layout.replicated,
-            "params": param_sh,
+            "params": skeleton.trained(param_sh),
             "opt_state": layout.opt_state_shardings(self.tx, shapes["opt_state"]),
         }
+        if skeleton.lora:
+            state_sh["frozen"] = skeleton.frozen(param_sh)
+            # Fresh adapters for a base read from elsewhere (a Hugging Face directory).
+            self.new_adapters = jax.jit(lambda key: skeleton.trained(self._model_params(key)),
+                                        out_shardings=state_sh["params"],
+                                        compiler_options=init_compiler_options(layout))
         if "routing" in shapes:
             state_sh["routing"] = jax.tree.map(lambda n: layout.named(spec_for(n, layout.rules.params)),
                                                layout.skeleton.router_names, is_leaf=is_names)
@@ -261,7 +295,8 @@ class Program:
         self.start = jax.jit(self._start, in_shardings=(param_sh,), out_shardings=state_sh, donate_argnums=0)
         self.step = jax.jit(self._train_step, in_shardings=(state_sh, batch_sh),
                             out_shardings=(state_sh, layout.replicated), donate_argnums=0)
-        # evaluate(params, rows[, router]): the router state too, if the model keeps one.
+        # evaluate(params, rows[, router]): all the model's parameters (`model_params`), and
+        # the router state too, if the model keeps one.
         eval_sh = (param_sh, batch_sh) + ((state_sh["routing"],) if "routing" in state_sh else ())
         self.evaluate = jax.jit(self._eval_loss, in_shardings=eval_sh, out_shardings=layout.replicated)
         if self.copies:  # the placement is an input: every rebalancing runs this one program
@@ -276,32 +311,44 @@ class Program:
     def compile_eval(self):
         router = (self.abstract_state["routing"],) if "routing" in self.abstract_state else ()
         with jax.set_mesh(self.layout.mesh):
-            return self.evaluate.lower(self.abstract_state["params"], self.batch_struct, *router).compile()
+            return self.evaluate.lower(model_params(self.abstract_state), self.batch_struct, *router).compile()
 
     # ------------------------------------------------------------ the jitted functions
 
+    def _model_params(self, key):
+        return _fresh_params(self.cfg, self.layout, key)
+
     def _init(self, key):
-        model_cfg, cfg = self.layout.skeleton.model_cfg, self.cfg
-        model = model_class(model_cfg)(model_cfg, dtype=DTYPES[cfg.dtype], remat=cfg.remat, routing=routing(cfg),
-                                       rngs=nnx.Rngs(params=key))
-        return self._start(self.layout.stored(nnx.to_pure_dict(nnx.state(model, nnx.Param))))
+        return self._start(self._model_params(key))
 
     def _start(self, params):
-        state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": self.tx.init(params)}
+        """The state of a run starting from `params` (all the model's, adapters included)."""
+        skeleton = self.layout.skeleton
+        trained = skeleton.trained(params)
+        state = {"step": jnp.zeros((), jnp.int32), "params": trained, "opt_state": self.tx.init(trained)}
+        if skeleton.lora:  # stored in --base-dtype
+            state["frozen"] = jax.tree.map(lambda w: w.astype(DTYPES[self.cfg.base_dtype]), skeleton.frozen(params))
         if self.layout.skeleton.router_shapes:  # as the model starts it: no bias, even load, copies in order
             state["routing"] = balance.initial(self.layout.skeleton.router_shapes)
         return state
 
-    def _train_step(self, state, rows):
-        cfg, params, router = self.cfg, state["params"], state.get("routing")
+    def metrics_and_grads(self, state, rows):
+        """The step's metrics and the gradients of the trained parameters (the adapters of a
+        LoRA run), for one global batch, whatever accumulates or pipelines them."""
+        params, router, frozen = state["params"], state.get("routing"), state.get("frozen")
         # Packed rows: the loss is a mean over the step's counted targets, wherever they are.
         denominator = target_count(rows) if self.packed else None
-        if cfg.grad_accum == 1:
-            metrics, grads = self._loss_and_grads(params, rows, router, denominator)
-        elif self.layout.schedule:
-            metrics, grads = self._pipeline_rounds(params, rows, router, denominator)
-        else:
-            metrics, grads = self._accumulated(params, rows, router, denominator)
+        # Adapters' dropout: masks drawn anew each step (and each microbatch of it).
+        with lora_dropout(self.cfg.lora_dropout, jax.random.fold_in(jax.random.key(self.cfg.seed), state["step"])):
+            if self.cfg.grad_accum == 1:
+                return self._loss_and_grads(params, rows, router, denominator, frozen)
+            if self.layout.schedule:
+                return self._pipeline_rounds(params, rows, router, denominator, frozen)
+            return self._accumulated(params, rows, router, denominator, frozen)
+
+    def _train_step(self, state, rows):
+        cfg, params, router, frozen = self.cfg, state["params"], state.get("routing"), state.get("frozen")
+        metrics, grads = self.metrics_and_grads(state, rows)
         loss = metrics["loss"]
         grads = jax.lax.with_sharding_constraint(grads, self.grad_sh)
         if self.copies:
@@ -321,6 +368,8 @@ class Program:
             "params": keep_if_finite(optax.apply_updates(params, updates), params),
             "opt_state": keep_if_finite(opt_state, state["opt_state"]),
         }
+        if frozen is not None:
+            new_state["frozen"] = frozen
         if router is not None:
             new_state["routing"] = keep_if_finite(
                 balance.updated(router, metrics["expert_load"], cfg.router_bias_rate), router)
@@ -366,22 +415,26 @@ class Program:
     def _aux_losses(self) -> AuxLosses:
         return aux_losses(self.cfg)
 
-    def _loss(self, params, rows, router=None, denominator=None):
+    def _loss(self, params, rows, router=None, denominator=None, frozen=None):
+        """The loss of `params` (the trained ones, with the `frozen` rest if any)."""
+        params = params if frozen is None else joined(frozen, params)
         if self.layout.schedule:
             return _pipelined_loss(self.graphdef, params, rows, self.layout, self._in_stage, self.order,
                                    self._aux_losses, router, denominator)
         return _loss(self.graphdef, params, rows, self.order, self._aux_losses, router, denominator)
 
-    def _loss_and_grads(self, params, rows, router=None, denominator=None):
+    def _loss_and_grads(self, params, rows, router=None, denominator=None, frozen=None):
+        """Metrics, and the gradients of the trained `params` (not of the `frozen` rest)."""
         schedule = self.layout.schedule
         with self._annotated():
             if schedule and schedule.writes_backward:
                 return _one_f_one_b_grads(self.graphdef, params, rows, self.layout, self._in_stage, self.order,
-                                          self._aux_losses, router, denominator)
-            (_, metrics), grads = jax.value_and_grad(self._loss, has_aux=True)(params, rows, router, denominator)
+                                          self._aux_losses, router, denominator, frozen)
+            (_, metrics), grads = jax.value_and_grad(self._loss, has_aux=True)(params, rows, router, denominator,
+                                                                               frozen)
             return metrics, grads
 
-    def _accumulated(self, params, rows, router=None, denominator=None):
+    def _accumulated(self, params, rows, router=None, denominator=None, frozen=None):
         """Gradient accumulation: each shard of the accumulation axes sums its own
         microbatches' gradients (a vmap over those shards), and the shards are summed
         once after the scan. Inside the vmap, the other axes (sp, tp, and ep with split
@@ -401,14 +454,17 @@ class Program:
 
         def shard_grads(p, shard_rows):
             with self._annotated(local_axes=axes):
-                (_, metrics), grads = jax.value_and_grad(self._loss, has_aux=True)(p, shard_rows, router, part)
+                (_, metrics), grads = jax.value_and_grad(self._loss, has_aux=True)(p, shard_rows, router, part,
+                                                                                   frozen)
                 return metrics, grads
 
         per_shard = jax.vmap(shard_grads, in_axes=(None, 0), spmd_axis_name=axes)
         metric_shapes, _ = jax.eval_shape(per_shard, params, jax.tree.map(lambda m: m[0], micro))
 
         def body(carry, mb):
-            metrics, grads = per_shard(params, mb)
+            mb, i = mb
+            with folded(i):
+                metrics, grads = per_shard(params, mb)
             total_metrics, total = carry
             total = jax.tree.map(jnp.add, total, grads)
             total = jax.tree.map(jax.lax.with_sharding_constraint, total, per_shard_spec)
@@ -417,13 +473,13 @@ class Program:
         zeros = jax.tree.map(lambda p, s: jax.lax.with_sharding_constraint(jnp.zeros((shards, *p.shape), p.dtype), s),
                              params, per_shard_spec)
         no_metrics = jax.tree.map(lambda m: jnp.zeros(m.shape, m.dtype), metric_shapes)
-        (metrics, grads), _ = jax.lax.scan(body, (no_metrics, zeros), micro)
+        (metrics, grads), _ = jax.lax.scan(body, (no_metrics, zeros), (micro, jnp.arange(k)))
         # The one reduction over the accumulation axes: sum the shards' gradients.
         scale = 1.0 / (k * shards)
         return (jax.tree.map(lambda m: jnp.sum(m, axis=0) * scale, metrics),
                 jax.tree.map(lambda g: jnp.sum(g, axis=0) * scale, grads))
 
-    def _pipeline_rounds(self, params, rows, router=None, denominator=None):
+    def _pipeline_rounds(self, params, rows, router=None, denominator=None, frozen=None):
         """Accumulation with pipeline stages: one full pipeline pass per round (each
         reduces its gradients over dp as it ends), summed in a scan."""
         layout = self.layout
@@ -433,12 +489,21 @@ class Program:
         part = None if denominator is None else denominator / k  # each round's share of the step's count
 
         def body(total, round_rows):
-            return jax.tree.map(jnp.add, total, self._loss_and_grads(params, round_rows, router, part)), None
+            round_rows, i = round_rows
+            with folded(i):
+                return jax.tree.map(jnp.add, total, self._loss_and_grads(params, round_rows, router, part, frozen)), None
 
-        shapes = jax.eval_shape(self._loss_and_grads, params, jax.tree.map(lambda r: r[0], rounds), router, part)
-        total, _ = jax.lax.scan(body, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), rounds)
+        shapes = jax.eval_shape(self._loss_and_grads, params, jax.tree.map(lambda r: r[0], rounds), router, part,
+                                frozen)
+        total, _ = jax.lax.scan(body, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), (rounds, jnp.arange(k)))
         return jax.tree.map(lambda x: x / k, total)
 
 
 def build_program(cfg, layout: Layout, packed: bool = False) -> Program:
     return Program(cfg, layout, packed)
+
+
+def model_params(state: dict) -> dict:
+    """All the model's parameters in a train state: the trained ones, with the frozen base
+    of a LoRA run."""
+    return state["params"] if "frozen" not in state else joined(state["frozen"], state["params"])

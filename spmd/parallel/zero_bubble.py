@@ -56,23 +56,25 @@ class SplitError(ValueError):
     pass
 
 
-def split_backward(stage_fn, chunk, example, side_example=None):
-    """A chunk's forward pass and its backward pass in two parts:
-    forward(chunk, x, side) -> ((y, statistics), b_residuals, w_residuals);
-    backward_input(chunk, b_residuals, cotangents) -> (d_weights, dx, bw_residuals), where
+def split_backward(stage_fn, chunk, example, side_example=None, fixed=None):
+    """A chunk's forward pass and its backward pass in two parts (`fixed`: weights not
+    differentiated, as for spmd.parallel.pipeline._split_vjp):
+    forward(chunk, x, side, fixed) -> ((y, statistics), b_residuals, w_residuals);
+    backward_input(chunk, b_residuals, cotangents, fixed) -> (d_weights, dx, bw_residuals), where
     d_weights has the gradients of the weights that B computes anyway (vectors such as
     norm scales, whose gradients read only what the chain reads) and None elsewhere;
     backward_weight(bw_residuals, w_residuals) -> the other weights' gradients (None for
     B's). Also returns the shapes of the three residual lists."""
-    forward, backward, res_shapes = _split_vjp(stage_fn, chunk, example, side_example)
-    weights, weights_tree = jax.tree.flatten(chunk)
-    ct_shapes = jax.eval_shape(stage_fn, chunk, example, side_example)
-    nw, nr = len(weights), len(res_shapes)
+    forward, backward, res_shapes = _split_vjp(stage_fn, chunk, example, side_example, fixed)
+    weights, weights_tree = jax.tree.flatten((chunk, fixed))
+    ct_shapes = jax.eval_shape(stage_fn, chunk, example, side_example, fixed)
+    # nw gradients (of the chunk's weights) out; nk weights (the fixed ones too) in.
+    nw, nk, nr = len(jax.tree.leaves(chunk)), len(weights), len(res_shapes)
 
     def flat_backward(*args):
-        w, r, c = args[:nw], args[nw:nw + nr], args[nw + nr:]
-        d_chunk, dx = backward(jax.tree.unflatten(weights_tree, w), list(r), jax.tree.unflatten(
-            jax.tree.structure(ct_shapes), c))
+        w, r, c = args[:nk], args[nk:nk + nr], args[nk + nr:]
+        chunk, fixed = jax.tree.unflatten(weights_tree, w)
+        d_chunk, dx = backward(chunk, list(r), jax.tree.unflatten(jax.tree.structure(ct_shapes), c), fixed)
         return [*jax.tree.leaves(d_chunk), dx]
 
     shapes = [jax.ShapeDtypeStruct(w.shape, w.dtype) for w in weights] + list(res_shapes) + [
@@ -84,7 +86,7 @@ def split_backward(stage_fn, chunk, example, side_example=None):
     # The forward residuals that the input gradient does not read: only W reads them.
     _, used_by_dx = pe.dce_jaxpr(jaxpr, [False] * nw + [True])
     unknown = [False] * inputs
-    for i in range(nc + nw, nc + nw + nr):
+    for i in range(nc + nk, nc + nk + nr):
         unknown[i] = not used_by_dx[i]
     if not any(unknown):
         raise SplitError("no forward residual is read by the weight gradients alone (a remat policy "
@@ -105,19 +107,19 @@ def split_backward(stage_fn, chunk, example, side_example=None):
     known, known_used = pe.dce_jaxpr(known, [True] * n_known_out + list(res_used))
     b_inputs = [i for i in range(inputs) if not unknown[i]]
     b_inputs = [i for i, used in zip(b_inputs, known_used) if used]
-    b_res = [i - nc - nw for i in b_inputs if nc + nw <= i < nc + nw + nr]
-    w_res = [i - nc - nw for i in w_inputs]
-    assert all(nc + nw <= i < nc + nw + nr for i in w_inputs), "W reads only forward residuals"
+    b_res = [i - nc - nk for i in b_inputs if nc + nk <= i < nc + nk + nr]
+    w_res = [i - nc - nk for i in w_inputs]
+    assert all(nc + nk <= i < nc + nk + nr for i in w_inputs), "W reads only forward residuals"
     bw_shapes = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in known.outvars[n_known_out:]]
 
-    def forward_split(chunk, x, side=None):
-        out, residuals = forward(chunk, x, side)
+    def forward_split(chunk, x, side=None, fixed=None):
+        out, residuals = forward(chunk, x, side, fixed)
         return out, [residuals[i] for i in b_res], [residuals[i] for i in w_res]
 
-    def backward_input(chunk, b_residuals, cotangents):
-        args = consts + jax.tree.leaves(chunk) + [None] * nr + jax.tree.leaves(cotangents)
+    def backward_input(chunk, b_residuals, cotangents, fixed=None):
+        args = consts + jax.tree.leaves((chunk, fixed)) + [None] * nr + jax.tree.leaves(cotangents)
         for i, r in zip(b_res, b_residuals):
-            args[nc + nw + i] = r
+            args[nc + nk + i] = r
         outs = core.eval_jaxpr(known, (), *[args[i] for i in b_inputs])
         known_outs, bw = iter(outs[:n_known_out]), outs[n_known_out:]
         grads = [None if unk else next(known_outs) for unk in out_unknown]
@@ -196,7 +198,7 @@ def executed_over_useful(p: int, m: int, f: float = 1.0, b: float = 1.0, w: floa
 
 
 def zb_v(mesh, schedule: Schedule, stage_fn, head_fn, blocks, head, x: jax.Array, targets,
-         rows: jax.P, statistics_weights=None, side=None):
+         rows: jax.P, statistics_weights=None, side=None, fixed=None):
     """Loss and gradients with the zb-v schedule; arguments and results as
     `spmd.parallel.pipeline.one_f_one_b`'s (blocks stored as circular's with 2 chunks)."""
     p, m = schedule.stages, schedule.microbatches
@@ -204,17 +206,17 @@ def zb_v(mesh, schedule: Schedule, stage_fn, head_fn, blocks, head, x: jax.Array
     b_slots, w_slots, bw_slots = table["slots"]
     mirror = [(s, p - 1 - s) for s in range(p)]  # chunk p+s is chunk 2p-1-(p-1-s)
 
-    def run(blocks, head_params, x, targets, side):
+    def run(blocks, head_params, x, targets, side, fixed):
         stage, x = jax.lax.axis_index(AXIS), x[0]
-        chunks = jax.tree.map(lambda w: stage_view(w, 2), blocks)
         # Device d runs chunk d and chunk 2p-1-d: the second from device p-1-d.
-        chunks = jax.tree.map(lambda w: jnp.stack([w[0], jax.lax.ppermute(w[1], AXIS, mirror)]), chunks)
-        pick = lambda c: jax.tree.map(lambda w: w[c], chunks)  # noqa: E731
+        chunks, fixed_chunks = (jax.tree.map(lambda w: jnp.stack([w[0], jax.lax.ppermute(w[1], AXIS, mirror)]),
+                                             jax.tree.map(lambda w: stage_view(w, 2), tree)) for tree in (blocks, fixed))
+        pick = lambda c, chunks=chunks: jax.tree.map(lambda w: w[c], chunks)  # noqa: E731
         dp = jax.lax.psum(1, BATCH_AXIS)
         seed = 1.0 / (m * dp)
         forward, backward_input, backward_weight, (b_shapes, w_shapes, bw_shapes) = split_backward(
-            stage_fn, pick(0), x[0], micro(side, 0))
-        no_stats = _no_statistics(stage_fn, chunks, x[0], micro(side, 0))
+            stage_fn, pick(0), x[0], micro(side, 0), pick(0, fixed_chunks))
+        no_stats = _no_statistics(stage_fn, chunks, x[0], micro(side, 0), fixed_chunks)
         stats_weights = _weighted_statistics(no_stats, statistics_weights, seed)
         order = jnp.asarray(table["w_order"])[stage]  # (2m, 4)
         first = stage == 0
@@ -233,7 +235,7 @@ def zb_v(mesh, schedule: Schedule, stage_fn, head_fn, blocks, head, x: jax.Array
                 valid = (k >= 0) & (k < m)
                 k = jnp.clip(k, 0, m - 1)
                 inp = jnp.where(c == 0, jnp.where(first, x[k], f_in), jnp.where(stage == p - 1, f_own, f_in))
-                (y, stats), b_res, w_res = forward(pick(c), inp, micro(side, k))
+                (y, stats), b_res, w_res = forward(pick(c), inp, micro(side, k), pick(c, fixed_chunks))
                 totals = _statistics(stats, valid, c, totals)
                 b_ring = [buf.at[t % b_slots].set(r) for buf, r in zip(b_ring, b_res)]
                 w_ring = [buf.at[t % w_slots].set(r) for buf, r in zip(w_ring, w_res)]
@@ -252,7 +254,7 @@ def zb_v(mesh, schedule: Schedule, stage_fn, head_fn, blocks, head, x: jax.Array
                 ct = jnp.where(c == 1, jnp.where(first, dy, b_in) if dy is not None else b_in,
                                jnp.where(stage == p - 1, b_own, b_in))
                 grads, d_inp, bw_res = backward_input(pick(c), [buf[f_tick % b_slots] for buf in b_ring],
-                                                      (ct, stats_weights))
+                                                      (ct, stats_weights), pick(c, fixed_chunks))
                 d_chunks = accumulate(d_chunks, grads, c, valid)
                 bw_ring = [buf.at[t % bw_slots].set(r) for buf, r in zip(bw_ring, bw_res)]
                 dx = dx.at[k].set(jnp.where(valid & first & (c == 0), d_inp, dx[k]))
@@ -301,10 +303,10 @@ def zb_v(mesh, schedule: Schedule, stage_fn, head_fn, blocks, head, x: jax.Array
 
     copies, per_microbatch = jax.P(AXIS, None, BATCH_AXIS), jax.P(None, BATCH_AXIS)
     loss, d_blocks, d_head, dx, stats = jax.shard_map(
-        run, mesh=mesh, in_specs=(stacked_spec(2), jax.P(), copies, per_microbatch, per_microbatch),
+        run, mesh=mesh, in_specs=(stacked_spec(2), jax.P(), copies, per_microbatch, per_microbatch, stacked_spec(2)),
         out_specs=(jax.P(), stacked_spec(2), jax.P(), copies, jax.P(AXIS)), axis_names=frozenset(MANUAL_AXES),
         check_vma=False,
-    )(blocks, head, _copies(x, mesh, rows), targets, side)
+    )(blocks, head, _copies(x, mesh, rows), targets, side, fixed or {})
     # Device d's second chunk is stored on device p-1-d: its statistics go there.
     stats = jax.tree.map(lambda x: jnp.stack([x[:, 0], x[::-1, 1]], axis=1), stats)
     return loss, d_blocks, d_head, _from_stage_0(dx, mesh, rows), layer_statistics(stats)

@@ -28,12 +28,12 @@ def memory(cfg, layout: Layout) -> dict[str, float]:
     def held(p: Param, axes, bytes_each=None) -> float:
         return p.numel * (bytes_each or p.itemsize) / ways(axes, shape)
 
-    def total(table) -> float:
-        return sum(held(p, spec_axes(p.names, table)) for p in params(layout))
+    def total(table, trained_only: bool = False) -> float:
+        return sum(held(p, spec_axes(p.names, table)) for p in params(layout, cfg) if p.trained or not trained_only)
 
     model = layout.skeleton.model_cfg
     gathered = gradients = 0.0
-    for p in params(layout):
+    for p in params(layout, cfg):
         compute = spec_axes(p.names, used_table)
         if live(set(spec_axes(p.names, rules.params)) - set(compute), shape):
             used = held(p, compute, sum(uses(p, model, compute_bytes)))
@@ -43,7 +43,9 @@ def memory(cfg, layout: Layout) -> dict[str, float]:
         # With accumulation each device sums its own microbatches' gradients (laid out as
         # computed, float32) and reduces once; so does each dp shard of pipeline stages
         # over the ticks (reduced over fsdp each tick); otherwise the reduced gradient is
-        # what is held.
+        # what is held. A LoRA run's frozen weights have none.
+        if not p.trained:
+            continue
         if cfg.grad_accum > 1:
             gradients += held(p, compute, 4)
         elif layout.schedule and p.stacked:
@@ -54,7 +56,7 @@ def memory(cfg, layout: Layout) -> dict[str, float]:
     router = sum(s.size * s.dtype.itemsize for s in jax.tree.leaves(layout.skeleton.router_shapes))
     return {
         "params": total(rules.params) + router,
-        "opt_state": 2 * total(rules.opt_state),  # Adam's mu and nu, float32 like the parameters
+        "opt_state": 2 * total(rules.opt_state, trained_only=True),  # Adam's mu and nu, float32 like the parameters
         "gradients": gradients,
         "gathered_weights": gathered,
         "activations": activation_bytes(cfg, layout, compute_bytes),

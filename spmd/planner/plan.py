@@ -61,6 +61,7 @@ class Plan:
     batch_bytes: int  # the batch's share of the arguments
     rows: list[Row]
     prediction: object | None
+    full_state: float | None = None  # a LoRA run's: the state of a full fine-tune of its model on its mesh
 
     @property
     def devices(self) -> int:
@@ -112,6 +113,7 @@ class Plan:
             "hardware": self.hardware.name if self.hardware else None,
             "per_device": {
                 "state_bytes": round(self.theory_state),
+                "full_fine_tune_state_bytes": None if self.full_state is None else round(self.full_state),
                 "measured_state_bytes": self.measured_state,
                 "theory": {k: round(v) for k, v in self.theory_memory.items()},
                 "xla": {f"{k}_bytes": v for k, v in self.xla.items()} if self.xla else None,
@@ -169,7 +171,17 @@ def make_plan(cfg, layout, compiled=None, hardware=None, planned_on: str | None 
                              [(r.op, r.axes, r.measured) for r in rows], hardware)
     kind = layout.mesh.devices.flat[0].device_kind
     return Plan(cfg, layout, planned_on or kind, hardware, footprint.memory(cfg, layout), xla, batch_bytes,
-                rows, prediction)
+                rows, prediction, full_fine_tune_state(cfg, layout))
+
+
+def full_fine_tune_state(cfg, layout) -> float | None:
+    """What a LoRA run's state would be per device as a full fine-tune of the same model on
+    the same mesh (theory); None for a full fine-tune."""
+    if not layout.skeleton.lora:
+        return None
+    full = dataclasses.replace(cfg, lora_rank=None)
+    memory = footprint.memory(full, make_layout(full, list(layout.mesh.devices.flat), for_training=False))
+    return memory["params"] + memory["opt_state"]
 
 
 # ----------------------------------------------------------------------------- devices

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import jax
+
 from spmd.base.console import human_bytes
 from spmd.parallel import kernels
 from spmd.planner.roofline import OVERLAPPED_AXES, crosses_nodes
@@ -15,13 +17,22 @@ def describe_run(cfg, layout, plan, data: str, compile_s: float) -> list[str]:
     return [
         f"mesh: {layout.describe()} over {devices.size} x {kind} "
         f"(axes {', '.join(f'{a}={n}' for a, n in layout.shape.items())})",
-        f"model: {cfg.model_name}, {skel.num_params:,} parameters, compute {cfg.dtype}, remat {cfg.remat}, "
+        f"model: {cfg.model_name}, {skel.num_params:,} parameters{_trained(skel)}, compute {cfg.dtype}, "
+        f"remat {cfg.remat}, "
         f"attention kernel {kernels.describe(cfg.attention_kernel, devices.flat[0])}",
         f"batch: {cfg.batch} x {cfg.seq} tokens, grad-accum {cfg.grad_accum}, zero {cfg.zero}",
         f"data: {data}",
         *plan_summary(plan),
         f"ready in {compile_s:.1f} s (initialize or restore, then compile)",
     ]
+
+
+def _trained(skeleton) -> str:
+    """Which parameters train, when not all do (LoRA)."""
+    if not skeleton.lora:
+        return ""
+    trained = sum(s.size for s in jax.tree.leaves(skeleton.trained(skeleton.shapes)))
+    return f" ({trained:,} of them trained: LoRA rank {skeleton.lora.rank} on {', '.join(skeleton.lora.targets)})"
 
 
 # ----------------------------------------------------------------------------- spmd.plan
@@ -50,6 +61,9 @@ def plan_table(plan) -> list[str]:
         lines.append(f"  {label:26}{human_bytes(plan.theory_memory[key]):>12}")
     measured = human_bytes(plan.measured_state) if plan.measured_state is not None else "-"
     lines.append(f"  {'state (params + optimizer)':26}{human_bytes(plan.theory_state):>12}{measured:>12}")
+    if plan.full_state is not None:
+        lines.append(f"  {'  as a full fine-tune':26}{human_bytes(plan.full_state):>12}"
+                     f"{'':>12}  LoRA holds {plan.theory_state / plan.full_state:.1%} of it")
     if plan.xla:
         for key, label in _XLA_ROWS:
             lines.append(f"  {label:26}{'':>12}{human_bytes(plan.xla[key]):>12}")
@@ -117,8 +131,9 @@ def auto_table(plans) -> list[str]:
 def plan_summary(plan) -> list[str]:
     """The compact version printed at the start of every training run."""
     mem = plan.theory_memory
+    full = "" if plan.full_state is None else f"; a full fine-tune: {human_bytes(plan.full_state)}"
     lines = [f"state per device: params {human_bytes(mem['params'])}, optimizer {human_bytes(mem['opt_state'])} "
-             f"(XLA: {human_bytes(plan.measured_state or 0)} in all); {verdict(plan)}"]
+             f"(XLA: {human_bytes(plan.measured_state or 0)} in all{full}); {verdict(plan)}"]
     shown = [r for r in plan.rows if r.count and (r.theory or r.unexpected)]
     lines += [f"  {r.op} {r.axes}{' *' if r.from_all_reduce else ''}: {r.count} per step, {human_bytes(r.measured)}"
               f" (theory {human_bytes(r.theory) if r.theory else '-'}, {_ratio(r).strip()})" for r in shown]

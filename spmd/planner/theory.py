@@ -56,6 +56,7 @@ import jax.numpy as jnp
 from flax import traverse_util
 
 from models import model_class
+from models.lora import MLP_TARGETS, is_adapter
 from spmd.parallel import pipeline, zero_bubble
 from spmd.parallel.layout import Layout
 from spmd.parallel.mesh import AXES, BATCH_AXES
@@ -78,27 +79,37 @@ class Param:
     itemsize: int
     names: tuple
     stacked: bool  # one slice per layer, used inside the layer scan
+    trained: bool = True  # False: a LoRA run's frozen base (no gradient, no optimizer state)
+    adapter: bool = False  # a LoRA adapter's matrix (models.lora)
 
 
 def uses(p: Param, model_cfg, compute_bytes: int) -> tuple[int, ...]:
     """Bytes per element of each use of a parameter, as models.llama computes with it:
     vectors (norm scales), what is added per element without multiplying the residual
     stream (biases, which have no embed dimension) and the lookup table in float32,
-    matrices in the compute dtype, and a tied embedding also as the output head."""
+    matrices (adapters' too) in the compute dtype, and a tied embedding also as the output head."""
     if p.path == model_class(model_cfg).LOOKUP_TABLE:  # its rows are read in float32
-        return (p.itemsize, compute_bytes) if model_cfg.tie_embeddings else (p.itemsize,)
-    return (p.itemsize,) if _is_vector(p) or "embed" not in p.names else (compute_bytes,)
+        return (4, compute_bytes) if model_cfg.tie_embeddings else (4,)
+    return (4,) if not p.adapter and (_is_vector(p) or "embed" not in p.names) else (compute_bytes,)
 
 
 def _is_vector(p: Param) -> bool:
     return len([n for n in p.names if n != "layers"]) == 1
 
 
-def params(layout: Layout) -> list[Param]:
+def params(layout: Layout, cfg=None) -> list[Param]:
+    """The model's parameters; of a LoRA run (`cfg`), the frozen ones stored in --base-dtype."""
     shapes = traverse_util.flatten_dict(layout.skeleton.shapes)
     names = traverse_util.flatten_dict(layout.skeleton.names, is_leaf=lambda _, v: is_names(v))
-    return [Param(".".join(map(str, path)), math.prod(shapes[path].shape), jnp.dtype(shapes[path].dtype).itemsize,
-                  names[path], "layers" in names[path]) for path in shapes]
+    lora = layout.skeleton.lora is not None
+    base_bytes = jnp.dtype(DTYPES[cfg.base_dtype]).itemsize if lora and cfg is not None else 4
+    found = []
+    for path in shapes:
+        trained = not lora or is_adapter(path)
+        found.append(Param(".".join(map(str, path)), math.prod(shapes[path].shape),
+                           jnp.dtype(shapes[path].dtype).itemsize if trained else base_bytes, names[path],
+                           "layers" in names[path], trained, lora and trained))
+    return found
 
 
 def live(axes, shape: Mapping[str, int]) -> tuple[str, ...]:
@@ -173,7 +184,7 @@ def collectives(cfg, layout: Layout) -> list[Expected]:
     # microbatch; in pipeline stages a 1/v chunk of them each tick.
     stage_runs = cfg.grad_accum * (layout.schedule.microbatches if layout.schedule else 1) * stage_overhead(layout)
     out: list[Expected] = []
-    for p in params(layout):
+    for p in params(layout, cfg):
         compute = spec_axes(p.names, used_table)
         summed = residual_tokens if _is_vector(p) else plain_tokens
         if _is_vector(p) and "head_dim" in p.names:  # a per-head norm (Qwen3's q/k): every head's share adds up
@@ -207,6 +218,8 @@ def collectives(cfg, layout: Layout) -> list[Expected]:
             token_axes, grad_numel = tuple(a for a in token_axes if a not in fused), grad_numel / ways(fused, shape)
         # A tied table's two uses (the lookup, the head) are reduced each on its own, as
         # computed (models.annotate.weight reduces each use's gradient where it is taken).
+        if not p.trained:  # a frozen weight is only read
+            continue
         per_use = [(w,) for w in widths] if len(widths) > 1 and not _accumulated(cfg, layout) else [widths]
         for use in per_use:
             out += _gradients(cfg, layout, p, token_axes, grad_numel, use, stage_runs)
@@ -220,7 +233,7 @@ def collectives(cfg, layout: Layout) -> list[Expected]:
     out += _tensor_parallel(cfg, layout, compute_bytes)
     out += _sequence_parallel(cfg, layout, compute_bytes)
     out += _expert_parallel(cfg, layout, compute_bytes)
-    out += _pipeline(cfg, layout, compute_bytes)
+    out += [e for e in _pipeline(cfg, layout, compute_bytes) if e.bytes_per_device]
     return out
 
 
@@ -301,6 +314,35 @@ def _table_scatter_axes(cfg, layout: Layout) -> tuple[str, ...]:
     return live([a for a in stored if a != "tp" and a in (*layout.data_axes, "sp")], shape)
 
 
+def _adapters_over_tp(cfg, layout: Layout, token_bytes: float, per_layer: float) -> list[Expected]:
+    """LoRA adapters on projections whose heads or MLP width tp splits: the rank-wide
+    product of each is summed over tp like the projection's: forward where the input is
+    split (o_proj, down_proj: A's), backward where the output is (the others: the gradient
+    of A x); under remat "full" the forward ones again. Keys' and values' where tp goes
+    beyond the kv heads (c devices share one): the gradient of a head's output summed over
+    the c (tp:inner{c}), then that of A x over the heads (tp:outer{kv})."""
+    lora, model, t, c = layout.skeleton.lora, layout.skeleton.model_cfg, layout.shape["tp"], layout.kv_copies
+    if lora is None:
+        return []
+    dense = model.layers - model.moe_layers
+
+    def count(targets) -> int:
+        return sum((dense if target in MLP_TARGETS else model.layers) for target in targets if target in lora.targets)
+
+    forward = count(("o_proj", "down_proj")) * (2 if cfg.remat == "full" else 1)
+    backward = count(("q_proj", "gate_proj", "up_proj") + (("k_proj", "v_proj") if c == 1 else ()))
+    rank = token_bytes * lora.rank
+    out = [Expected("all-reduce", "tp", per_layer * (forward + backward) * 2 * (t - 1) / t * rank,
+                    "LoRA: adapters' rank-wide products on split projections")]
+    kv, shared = model.kv_heads, per_layer * count(("k_proj", "v_proj")) if c > 1 else 0
+    if shared:
+        out += [Expected("all-reduce", f"tp:inner{c}", shared * 2 * (c - 1) / c * token_bytes * model.head_dim,
+                         "LoRA: a shared kv head's output gradient, over the devices sharing it"),
+                Expected("all-reduce", f"tp:outer{kv}", shared * 2 * (kv - 1) / kv * rank,
+                         "LoRA: keys' and values' rank-wide products over the kv heads")]
+    return out
+
+
 def _tensor_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
     t = layout.shape["tp"]
     if t == 1:
@@ -337,6 +379,7 @@ def _tensor_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
             "Megatron: block outputs forward, block input gradients backward")
     if _picks_again(layout) and cfg.remat == "full":
         reduced(activation, per_layer * 2 * model.layers, "circular stages: each tick's forward again")
+    out += _adapters_over_tp(cfg, layout, tokens * compute_bytes, per_layer)
     if moe_layers:
         rows = expert_rows(cfg, layout) * model.embed * compute_bytes
         out.append(Expected("all-reduce", "tp", per_layer * moe_layers * 2 * 2 * (t - 1) / t * rows,
@@ -455,18 +498,22 @@ def _pipeline(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
     rows = tokens_per_device(cfg, layout.shape) * p * layout.skeleton.model_cfg.embed * compute_bytes / split
     ticks = v * m * stage_overhead(layout)  # v*m + p - 1
     leaves = (p - 1) / p
+    # The rows entering have a gradient only where the embedding trains (not under LoRA).
+    entering = 0 if layout.skeleton.lora else 1
     if schedule.name == "zb-v":
         # One send per tick each way (none where the tick's pairing is empty: p = 2, every
         # other tick), the second chunk's weights exchanged entering and their gradients
         # leaving (float32, as stored); rows and targets enter and their gradient leaves as
         # for 1f1b.
-        weights = sum(p_.numel * p_.itemsize / ways(spec_axes(p_.names, layout.rules.params), layout.shape)
-                      for p_ in params(layout) if p_.stacked) / 2
+        def stored(p_):
+            return p_.numel * p_.itemsize / ways(spec_axes(p_.names, layout.rules.params), layout.shape)
+        weights = sum(stored(p_) for p_ in params(layout, cfg) if p_.stacked) / 2
+        gradients = sum(stored(p_) for p_ in params(layout, cfg) if p_.stacked and p_.trained) / 2
         targets = tokens_per_device(cfg, layout.shape) * p * 4
-        return [Expected("collective-permute", "pp", zero_bubble.sends(p, m) * rows / m + 2 * weights,
+        return [Expected("collective-permute", "pp", zero_bubble.sends(p, m) * rows / m + weights + gradients,
                          "chunk outputs and their gradients; the second chunk's weights and gradients"),
                 Expected("all-gather", "pp", leaves * (rows + targets), "rows and targets entering the stages"),
-                Expected("reduce-scatter", "pp", leaves * rows, "the gradient of the rows entering")]
+                Expected("reduce-scatter", "pp", entering * leaves * rows, "the gradient of the rows entering")]
     if _head_in_stages(layout):
         # Forward sends in the warm-up and steady ticks, backward ones in the steady and
         # cool-down ticks; where the cool-down is one tick (1f1b, p = 2: vp - 1 ticks) its
@@ -476,10 +523,10 @@ def _pipeline(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
         targets = tokens_per_device(cfg, layout.shape) * p * 4
         return [Expected("collective-permute", "pp", sends * rows / m, "stage outputs forward, their gradients back"),
                 Expected("all-gather", "pp", leaves * (rows + targets), "rows and targets entering the stages"),
-                Expected("reduce-scatter", "pp", leaves * rows, "the gradient of the rows entering")]
+                Expected("reduce-scatter", "pp", entering * leaves * rows, "the gradient of the rows entering")]
     return [Expected("collective-permute", "pp", 2 * ticks * rows / m, "stage outputs forward, their gradients back"),
             Expected("all-gather", "pp", 2 * leaves * rows, "rows entering the stages; output gradients"),
-            Expected("reduce-scatter", "pp", 2 * leaves * rows, "rows leaving the stages; input gradients")]
+            Expected("reduce-scatter", "pp", (1 + entering) * leaves * rows, "rows leaving the stages; input gradients")]
 
 
 def by_op_and_axes(expected: list[Expected]) -> dict[tuple[str, str], float]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import math
 import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -17,6 +18,7 @@ from pathlib import Path
 import yaml
 
 from models import PRESETS
+from models.lora import ATTENTION_TARGETS, MLP_TARGETS, TARGETS
 from spmd.base import hardware
 from spmd.base.cli import (DTYPES, LOSS_ON, OVERLONG, SEED, TOKEN_DTYPES, OneLineErrorParser, finite, flag_of, integer,
                            nonempty)
@@ -109,6 +111,12 @@ class TrainConfig:
     step_timeout: float = _field(300.0, "seconds the host waits for a step before deciding a process died or hangs, and exiting with an error", above=0)
     join_timeout: int = _field(300, "several processes: seconds to wait for all of them to join the run before giving up", at_least=1)
     ignore_fit: bool = _field(False, "train even when the plan says the step does not fit the devices' memory")
+    lora_rank: int | None = _field(None, "train low-rank adapters (LoRA, as PEFT defines them) of this rank on --lora-targets, the base weights frozen (default: a full fine-tune)", at_least=1)
+    lora_alpha: float = _field(8.0, "LoRA: the adapters' output is scaled by alpha / rank (PEFT's lora_alpha)", above=0)
+    lora_targets: str = _field("q_proj,k_proj,v_proj,o_proj", "LoRA: the projections adapted, in Hugging Face names (q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj)")
+    lora_dropout: float = _field(0.0, "LoRA: the probability of dropping each element of an adapter's input, in training (PEFT's lora_dropout)", at_least=0, below=1)
+    base_dtype: str = _field("float32", "LoRA: the dtype the frozen base weights are stored in", choices=DTYPES)
+    adapter: str | None = _field(None, "LoRA: start from a PEFT adapter directory (adapter_config.json, adapter_model.safetensors) on --init-from's model")
     heartbeat_timeout: int = _field(100, "several processes: seconds without a heartbeat before the others give up on a process", at_least=1)
     # Not a flag: the model config when it is no preset (--init-from's config.json, or a
     # resumed checkpoint's); saved with the run, so the run can be resumed and exported.
@@ -269,6 +277,7 @@ def check(cfg: TrainConfig) -> TrainConfig:
     cfg.mesh_spec  # noqa: B018  (parsed here: a bad --mesh or --dcn is refused before anything else)
     _validate_moe(cfg, model_config(cfg))
     _validate_pipeline(cfg)
+    _validate_lora(cfg, model_config(cfg))
     cfg.profile_range  # noqa: B018  (parsed here: a bad range is refused before anything runs)
     if cfg.save_every and not cfg.out:
         raise UserError("--save-every needs --out DIR")
@@ -305,6 +314,39 @@ def _validate_moe(cfg: TrainConfig, model_cfg) -> None:
     if cfg.layers is not None and cfg.layers % model_cfg.moe.every:
         raise UserError(f"--layers {cfg.layers}: {cfg.model_name} has MoE in every {model_cfg.moe.every}th layer; "
                         f"give a multiple of {model_cfg.moe.every}")
+
+
+LORA_FLAGS = {"lora_alpha": 8.0, "lora_targets": ",".join(ATTENTION_TARGETS), "lora_dropout": 0.0,
+              "base_dtype": "float32", "adapter": None}
+
+
+def _validate_lora(cfg: TrainConfig, model_cfg) -> None:
+    if cfg.adapter and not cfg.init_from:
+        raise UserError("--adapter needs --init-from, the base model the adapter was trained on")
+    if not cfg.lora_rank:
+        given = [name for name, default in LORA_FLAGS.items() if getattr(cfg, name) != default]
+        if given:
+            raise UserError(f"{flag_of(given[0])} applies to LoRA runs; give --lora-rank R")
+        return
+    targets = [t.strip() for t in cfg.lora_targets.split(",")]
+    unknown = [t for t in targets if t not in TARGETS]
+    if unknown or not all(targets):
+        raise UserError(f"--lora-targets {cfg.lora_targets}: {unknown[0] if unknown else 'an empty name'} is not a "
+                        f"projection of {cfg.model_name}; its projections are {', '.join(TARGETS)}")
+    if len(set(targets)) != len(targets):
+        raise UserError(f"--lora-targets {cfg.lora_targets} names a projection twice")
+    mlp = [t for t in targets if t in MLP_TARGETS]
+    if mlp and model_cfg.moe is not None:
+        raise UserError(f"--lora-targets {mlp[0]}: the MLPs of {cfg.model_name} are experts, which take no adapters; "
+                        f"target its attention projections ({', '.join(ATTENTION_TARGETS)})")
+    for target in targets:
+        inputs, outputs = (math.prod(dims) for dims in model_cfg.projection_shapes()[target])
+        if cfg.lora_rank > min(inputs, outputs):
+            raise UserError(f"--lora-rank {cfg.lora_rank} is more than {target}'s smaller side ({inputs} -> {outputs} "
+                            f"in {cfg.model_name}); give at most {min(inputs, outputs)}")
+    if cfg.redundant_experts:
+        raise UserError("--redundant-experts and --lora-rank: expert copies move trained experts between devices; "
+                        "a LoRA run's experts are frozen")
 
 
 def _validate_pipeline(cfg: TrainConfig) -> None:

@@ -13,26 +13,47 @@ import threading
 import time
 from pathlib import Path
 
-from models import hf_layout
+import jax
+
+from models import hf_layout, model_class
 from spmd.base.errors import EXIT_OUTPUT_FAILED, UserError, held_stderr, why_io_failed
 from spmd.base.paths import Output, check_writable_dir, claim, regular_file, remove_stale_temporaries, temporary_name
 from spmd.base.signals import served
 from spmd.formats.hf import GENERATION_CONFIG, TOKENIZER_FILES, companions
+from spmd.formats.peft import write_peft
 from spmd.parallel.layout import make_layout
-from spmd.parallel.skeleton import model_config
+from spmd.parallel.skeleton import model_config, skeleton_for
 from spmd.run.bootstrap import start_devices
+from spmd.run.config import TrainConfig
 from spmd.run.resolve import validate
-from spmd.run.weights import Checkpoint, check_source_flags, checkpoint_config, restore_params
+from spmd.run.weights import Checkpoint, check_source_flags, checkpoint_config, load_params
 
 REMOVE_TRIES = 100  # rmtree passes over a temporary a writer may still be filling (about a second)
 
 
-def restored(cfg, checkpoint: Checkpoint, mesh: str | None, cpu_devices: int | None):
-    """The checkpoint's parameters on `mesh` (None: the mesh that wrote them), with the
-    run's config for that mesh. -> (params, config)"""
+def restored(cfg, checkpoint: Checkpoint | None, mesh: str | None, cpu_devices: int | None):
+    """The checkpoint's parameters (None: --init-from's with --adapter's) on `mesh` (None:
+    the mesh that wrote them, or one device), with the run's config for that mesh.
+    -> (params, config)"""
     cfg = validate(dataclasses.replace(cfg, mesh=mesh or cfg.mesh))
     start_devices(cfg, cpu_devices=cpu_devices)  # before Orbax starts JAX
-    return restore_params(checkpoint, cfg, make_layout(cfg, for_training=False)), cfg
+    return load_params(cfg, make_layout(cfg, for_training=False), checkpoint), cfg
+
+
+def merged(params: dict, cfg) -> dict:
+    """The parameters of a LoRA run's model with its adapters merged into the weights (as
+    PEFT's merge_and_unload); any other model's as they are."""
+    skeleton = skeleton_for(cfg)
+    if not skeleton.lora:
+        return params
+    model_cfg = skeleton.model_cfg
+    return jax.jit(lambda p: model_class(model_cfg).merge_adapters(p, model_cfg, skeleton.lora))(params)
+
+
+def write_adapter(out: Path, params: dict, cfg, base: str | None, dtype: str) -> list[str]:
+    """A LoRA run's adapters as a PEFT adapter directory for the base model `base`."""
+    skeleton = skeleton_for(cfg)
+    return write_peft(out, skeleton.trained(params), skeleton.model_cfg, skeleton.lora, base, dtype, cfg.lora_dropout)
 
 
 def hf_parts(cfg, meta: dict):
@@ -65,13 +86,29 @@ def checked(args):
     the checkpoint (its step and its run's config), and that `--out` can be written and
     is no input. `args`: spmd.export's flags. -> (out, the run's config, the checkpoint)"""
     check_source_flags(args.step, args.cpu_devices)
-    cfg, checkpoint = checkpoint_config(args.checkpoint, args.step)
+    if bool(args.checkpoint) == bool(args.init_from):
+        raise UserError("give one of --checkpoint RUN and --init-from DIR --adapter ADAPTER")
+    if args.init_from:
+        if not args.adapter or args.format != "hf":
+            raise UserError("--init-from exports a model with a PEFT adapter merged: give --adapter DIR and "
+                            "--format hf")
+        if args.step is not None:
+            raise UserError("--step applies to --checkpoint")
+        cfg, checkpoint = validate(TrainConfig(init_from=args.init_from, adapter=args.adapter, mesh="dp=1")), None
+        config = {"init_from": args.init_from}
+    else:
+        if args.adapter:
+            raise UserError("--adapter applies to --init-from; a LoRA run's checkpoint holds its adapters")
+        cfg, checkpoint = checkpoint_config(args.checkpoint, args.step)
+        config = checkpoint.meta.get("config", {})  # --format hf copies the run's tokenizer files from these
+    if args.format == "peft" and not cfg.lora_rank:
+        raise UserError(f"--format peft: {args.checkpoint} was trained without adapters (no --lora-rank); "
+                        "export its model with --format hf")
 
     out = Path(args.out).resolve()
-    config = checkpoint.meta.get("config", {})  # --format hf copies the run's tokenizer files from these
     claim([Output("--out", args.out, directory=True)], {
-        "--checkpoint": checkpoint.run_dir, "the run's --init-from": config.get("init_from"),
-        "the run's tokenizer": config.get("tokenizer")})
+        "--checkpoint": checkpoint and checkpoint.run_dir, "--init-from": args.init_from, "--adapter": args.adapter,
+        "the run's --init-from": config.get("init_from"), "the run's tokenizer": config.get("tokenizer")})
     if out.exists() and any(out.iterdir()):
         raise UserError(f"--out {args.out} is not empty; give a new or empty directory")
     if out.exists():  # the export is written beside it, then renamed over it

@@ -23,6 +23,7 @@ from spmd.base.signals import StopSignals
 from spmd.data.synthetic import Prefetcher, global_batch
 from spmd.formats.checkpoint import finalized_steps, make_meta
 from spmd.parallel.balance import REBALANCE_EVERY
+from spmd.parallel.step import model_params
 from spmd.planner.report import describe_run
 from spmd.run.distributed import Watchdog
 from spmd.run.observe import Profile, Scalars, duration, peak_memory_bytes
@@ -221,7 +222,7 @@ class Run:
         batches = range(cfg.eval_batches)
         if getattr(self.source, "finite", False):  # its held-out examples each at most once
             batches = [j for j in batches if self.source.has_rows(j * cfg.batch, "eval")]
-        results = [self.eval_fn(self.state["params"],
+        results = [self.eval_fn(model_params(self.state),
                                 global_batch(self.source, j, cfg.batch, cfg.seq + 1, layout.batch_sharding, "eval"))
                    for j in batches]
         with self.watchdog.waiting(f"evaluation at step {step}"):

@@ -13,6 +13,8 @@ from models import config_from_dict
 from spmd.base.cli import flag_of
 from spmd.base.errors import UserError
 from spmd.formats.hf import Directory, tokenizer_of
+from spmd.formats.peft import CONFIG as ADAPTER_CONFIG
+from spmd.formats.peft import AdapterFiles, read_adapter_config
 from spmd.run.config import TrainConfig, check, parse
 
 
@@ -36,6 +38,24 @@ def parse_with_extras(argv: Sequence[str] | None = None, prog: str = "python -m 
     return validate(cfg), ns
 
 
+def with_adapter(cfg: TrainConfig) -> TrainConfig:
+    """`cfg` with the LoRA of its --adapter's adapter_config.json (rank, alpha, targets)."""
+    if not cfg.adapter:
+        return cfg
+    lora, _ = read_adapter_config(cfg.adapter)
+    theirs = {"lora_rank": lora.rank, "lora_alpha": lora.alpha, "lora_targets": ",".join(lora.targets)}
+    differ = [name for name, value in theirs.items() if getattr(cfg, name) not in (DEFAULTS[name], value)]
+    if differ:
+        raise UserError(f"{flag_of(differ[0])} {getattr(cfg, differ[0])} and --adapter: the adapter's rank, alpha and "
+                        f"targets are those of its {ADAPTER_CONFIG} ({flag_of(differ[0])} {theirs[differ[0]]})")
+    cfg = dataclasses.replace(cfg, **theirs)
+    AdapterFiles(cfg.adapter, cfg.architecture, lora, base="--init-from's config.json")  # its tensors checked now
+    return cfg
+
+
+DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+
+
 def resolve_model(cfg: TrainConfig) -> TrainConfig:
     """`cfg` with its model: `architecture` read from --init-from's config.json or the
     checkpoint's record, or `model` the default preset."""
@@ -50,7 +70,7 @@ def resolve_model(cfg: TrainConfig) -> TrainConfig:
                 raise UserError(f"{flag_of(name)} and --init-from: the model's shape is --init-from's config.json")
         read = Directory(cfg.init_from).cfg  # every file checked, before anything is allocated
         tokenizer = cfg.tokenizer or (tokenizer_of(cfg.init_from) if cfg.data else None)  # the checkpoint's
-        return dataclasses.replace(cfg, architecture=read, tokenizer=tokenizer)
+        return with_adapter(dataclasses.replace(cfg, architecture=read, tokenizer=tokenizer))
     if isinstance(cfg.architecture, dict):  # a saved run's
         return dataclasses.replace(cfg, architecture=config_from_dict(cfg.architecture))
     if cfg.architecture is None and cfg.model is None:

@@ -9,11 +9,13 @@ devices).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
 import jax
 
+from models.lora import joined
 from spmd.base.console import human_bytes
 from spmd.base.errors import UserError
 from spmd.base.hardware import device_memory
@@ -23,6 +25,7 @@ from spmd.data import make_source
 from spmd.formats.checkpoint import (Checkpoints, check_compatible, check_resumable, finalized_steps, keeps_router,
                                      locate, read_meta)
 from spmd.formats.hf import Directory, load_params
+from spmd.formats.peft import AdapterFiles
 from spmd.parallel.balance import initial
 from spmd.parallel.step import build_program
 from spmd.planner.plan import default_hardware, make_plan
@@ -73,17 +76,18 @@ def prepare(cfg: TrainConfig, layout, log=print):
             state = _restore(source, step, meta, program)
         finally:
             source.close()
+        if layout.skeleton.lora:  # the checkpoint holds the adapters; the base is read again
+            base = cfg.init_from or meta["config"].get("init_from")
+            state["frozen"] = _fresh_state(dataclasses.replace(cfg, init_from=base, adapter=None), program)["frozen"]
         log(f"resumed from {source_dir / str(step)} (written on mesh {meta['config']['mesh']})")
         later = [s for s in finalized_steps(source_dir) if s > step]
         if later and cfg.out and Path(cfg.out).resolve() == source_dir.resolve():
             log(f"the later checkpoints of {source_dir} ({', '.join(map(str, later))}) are replaced as this run "
                 "reaches their steps")
-    elif cfg.init_from:
-        state = program.start(load_params(Directory(cfg.init_from), layout))
-        log(f"started from {cfg.init_from}")
     else:
-        with jax.set_mesh(layout.mesh):
-            state = program.init(jax.random.key(cfg.seed))
+        state = _fresh_state(cfg, program)
+        if cfg.init_from:
+            log(f"started from {cfg.init_from}" + (f" with the adapter {cfg.adapter}" if cfg.adapter else ""))
     eval_fn = program.compile_eval() if cfg.eval_every else None
     out = None
     if lock:
@@ -96,6 +100,21 @@ def prepare(cfg: TrainConfig, layout, log=print):
     return Run(cfg, layout, plan, step_fn, state, step, out, setup_s, data, eval_fn,
                skipped=meta.get("skipped_updates", 0), log=log, lock=lock, resumed=source_dir is not None,
                rebalance=program.rebalance if program.copies else None)
+
+
+def _fresh_state(cfg, program) -> dict:
+    """The state a run starts from: --init-from's weights (with LoRA: and fresh adapters, or
+    those of --adapter), or the model initialized from --seed."""
+    layout = program.layout
+    with jax.set_mesh(layout.mesh):
+        if not cfg.init_from:
+            return program.init(jax.random.key(cfg.seed))
+        params = load_params(Directory(cfg.init_from), layout)
+        if layout.skeleton.lora:
+            adapters = (load_params(AdapterFiles(cfg.adapter, layout.skeleton.model_cfg, layout.skeleton.lora), layout)
+                        if cfg.adapter else program.new_adapters(jax.random.key(cfg.seed)))
+            params = joined(params, adapters)
+        return program.start(params)
 
 
 def _restore(source, step: int, meta: dict, program) -> dict:

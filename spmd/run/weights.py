@@ -16,14 +16,17 @@ from pathlib import Path
 import jax
 
 from models import config_from_dict
+from models.lora import joined
 from spmd.base.errors import UserError
 from spmd.formats.checkpoint import (Checkpoints, check_compatible, finalized_steps, has_bias, keeps_router, locate,
                                      read_meta)
 from spmd.formats.hf import Directory
 from spmd.formats.hf import load_params as load_hf
+from spmd.formats.peft import AdapterFiles
 from spmd.parallel import balance
 from spmd.parallel.rules import spec_for
 from spmd.parallel.skeleton import is_names, skeleton_for
+from spmd.parallel.step import initial_params
 from spmd.run.config import TrainConfig
 from spmd.run.resolve import validate
 
@@ -100,22 +103,42 @@ def restore_params(checkpoint: Checkpoint, cfg, layout) -> dict:
     """The checkpoint's parameters, read straight into `layout`'s shardings (checked against
     their checksums). A run that balanced its experts (spmd.parallel.balance) saved them in slots,
     with its router state: its copies are read whole, and each expert's first one kept;
-    its selection bias becomes the served model's weight."""
+    its selection bias becomes the served model's weight. A LoRA run saved its adapters:
+    they come with the base it names (its --init-from, or its seed's initialization)."""
     abstract = abstract_params(layout)
     trained = run_config(checkpoint.meta)
+    if layout.skeleton.lora:
+        base = dataclasses.replace(cfg, init_from=checkpoint.meta["config"].get("init_from"), adapter=None)
+        return joined(base_params(base, layout), _restored(checkpoint, cfg, layout.skeleton.trained(abstract)))
     saved = {"params": abstract}
     if keeps_router(dataclasses.asdict(trained)):
         saved = _as_trained(trained, layout)
-    check_compatible(checkpoint.meta, cfg, saved["params"], checkpoint.where)
-    source = Checkpoints(checkpoint.run_dir)
-    try:
-        state = source.restore(checkpoint.step, saved)
-    finally:
-        source.close()
+    state = _restored(checkpoint, cfg, saved["params"], saved)
     if "routing" not in state:
         return state["params"]
     served = jax.jit(functools.partial(_served, trained, layout), out_shardings=jax.tree.map(lambda a: a.sharding, abstract))
     return served(state["params"], state["routing"])
+
+
+def _restored(checkpoint: Checkpoint, cfg, params, saved: dict | None = None) -> dict:
+    """The checkpoint's items `saved` (default: {"params": params}, returning the params),
+    checked to hold `params`."""
+    check_compatible(checkpoint.meta, cfg, params, checkpoint.where)
+    source = Checkpoints(checkpoint.run_dir)
+    try:
+        state = source.restore(checkpoint.step, saved or {"params": params})
+    finally:
+        source.close()
+    return state if saved else state["params"]
+
+
+def base_params(cfg, layout) -> dict:
+    """The frozen base of a LoRA run on `layout`: --init-from's weights, or the model its
+    --seed initializes (as the run's program draws it: the same base)."""
+    if cfg.init_from:
+        return layout.skeleton.frozen(load_hf(Directory(cfg.init_from), layout))
+    with jax.set_mesh(layout.mesh):
+        return layout.skeleton.frozen(initial_params(cfg, layout)(jax.random.key(cfg.seed)))
 
 
 def _as_trained(trained, layout) -> dict:
@@ -142,8 +165,12 @@ def _served(trained, layout, params: dict, router: dict) -> dict:
 
 
 def load_params(cfg, layout, checkpoint: Checkpoint | None) -> dict:
-    """The parameters of `checkpoint`, or of `cfg.init_from` (a Hugging Face directory)."""
+    """The parameters of `checkpoint`, or of `cfg.init_from` (a Hugging Face directory),
+    with `cfg.adapter`'s (a PEFT adapter directory) if given."""
     if checkpoint is not None:
         return restore_params(checkpoint, cfg, layout)
-
-    return load_hf(Directory(cfg.init_from), layout)
+    params = load_hf(Directory(cfg.init_from), layout)
+    if cfg.adapter:
+        skeleton = layout.skeleton
+        params = joined(params, load_hf(AdapterFiles(cfg.adapter, skeleton.model_cfg, skeleton.lora), layout))
+    return params
