@@ -42,7 +42,7 @@ REFUSED_HERE = {
 # data.md writes tokens.npy, which clusters.md reads. (Within a page, its own order:
 # huggingface.md trains runs/ft, then exports it.)
 PAGES = ("README.md", "docs/training.md", "docs/planner.md", "docs/parallelism.md", "docs/moe.md",
-         "docs/pipelines.md", "docs/checkpoints.md", "docs/huggingface.md", "docs/generation.md",
+         "docs/pipelines.md", "docs/checkpoints.md", "docs/huggingface.md", "docs/lora.md", "docs/generation.md",
          "docs/data.md", "docs/clusters.md", "docs/performance.md", "docs/how-it-works.md",
          "docs/architecture.md", "docs/README.md")
 # How many commands ran when they were all in README.md: the split into docs/ keeps every one.

@@ -86,7 +86,9 @@ CASES = {
     # spmd.export
     "export: unknown flag": ("spmd.export", ["--checkpoint", "{run}", "--out", "e", "--bogus"],
                              "unrecognized arguments: --bogus"),
-    "export: missing flags": ("spmd.export", [], "the following arguments are required: --checkpoint, --out"),
+    "export: missing flags": ("spmd.export", [], "the following arguments are required: --out"),
+    "export: neither checkpoint nor base": ("spmd.export", ["--out", "{file}/e"],
+                                            "give one of --checkpoint RUN and --init-from DIR --adapter ADAPTER"),
     "export: out is a file": ("spmd.export", ["--checkpoint", "{run}", "--out", "{file}"], "is a file, not a directory"),
     "export: out under a file": ("spmd.export", ["--checkpoint", "{run}", "--out", "{file}/e"], "cannot be created"),
     "export: out read-only": ("spmd.export", ["--checkpoint", "{run}", "--out", "{ro}/e"], "Read-only file system"),

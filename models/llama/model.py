@@ -392,7 +392,7 @@ class Llama(nnx.Module):
         @nnx.scan(in_axes=(nnx.Carry, 0, 0, 0), out_axes=(nnx.Carry, 0),
                   transform_metadata={nnx.PARTITION_NAME: "layers"})
         def over_layers(x: jax.Array, block: Block | MoEGroup, local, index) -> tuple[jax.Array, dict]:
-            with lora_layer(index):
+            with lora_layer(0 if index is None else index):
                 return run_block(block, x, local)
 
         if layers is None and dropping():  # (only then: a run without dropout scans nothing more)
