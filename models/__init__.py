@@ -55,6 +55,6 @@ def hf_layout(cfg=None, architectures: list | None = None) -> ModuleType:
 PRESETS: dict[str, LlamaConfig] = {**llama.PRESETS, **qwen3.PRESETS, **qwen2.PRESETS, **mistral.PRESETS,
                                    **gemma3.PRESETS}
 
-__all__ = ["FAMILIES", "MAX_CONFIG_BYTES", "adapter_tensors", "PRESETS", "REMAT_POLICIES", "Decoding", "Gemma3Config", "Llama", "LlamaConfig",
+__all__ = ["FAMILIES", "MAX_CONFIG_BYTES", "PRESETS", "REMAT_POLICIES", "Decoding", "Gemma3Config", "Llama", "LlamaConfig",
            "MistralConfig", "MoEConfig", "Qwen2Config", "Qwen3Config", "RopeScaling", "Routing", "Tensor",
-           "config_from_dict", "hf_layout", "model_class"]
+           "adapter_tensors", "config_from_dict", "hf_layout", "model_class"]

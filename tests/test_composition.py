@@ -20,7 +20,6 @@ LAYOUTS = [
     ("pp=2,ep=2", 4, MOE | {"layers": 8, "pp_schedule": "circular", "pp_repeats": 2, "microbatches": 2}),
     # interleaved-1f1b and zb-v with MoE on pp=2,ep=2: in test_balance, with the router's bias
     # (and expert copies for zb-v) on top.
-    ("pp=2,sp=2,ep=2", 8, MOE),
     # Capacity 1.0 drops a fifth of the choices: ranked along sequences split over sp.
     ("pp=2,sp=2,ep=2", 8, MOE | {"moe_dispatch": "capacity", "capacity_factor": 1.0}),
     ("pp=2,sp=2", 4, {}),

@@ -35,11 +35,9 @@ LAYOUTS = [
     # 1F1B with fsdp, ZeRO-1 over dp... and two accumulated pipeline passes.
     ("pp=2,fsdp=2,tp=2", 8, {"pp_schedule": "1f1b", "microbatches": 2, "grad_accum": 2, "zero": 1}),
     # Interleaved 1F1B: two chunks per stage (pp=4: one layer each).
-    ("pp=2", 2, {"pp_schedule": "interleaved-1f1b", "pp_repeats": 2, "microbatches": 4}),
     ("pp=4", 4, {"pp_schedule": "interleaved-1f1b", "pp_repeats": 2, "microbatches": 8}),
     ("pp=2,dp=2,tp=2", 8, {"pp_schedule": "interleaved-1f1b", "pp_repeats": 2, "microbatches": 4}),
     # zb-v: 2 x pp chunks in a V (pp=2: two layers each, pp=4: one).
-    ("pp=2", 2, {"pp_schedule": "zb-v", "microbatches": 4}),
     ("pp=4", 4, {"pp_schedule": "zb-v", "microbatches": 8}),
     ("pp=2,dp=2,tp=2", 8, {"pp_schedule": "zb-v", "microbatches": 4}),
     # ... with fsdp (the second chunk's weights exchanged split over it), ZeRO-1, two passes.
@@ -89,7 +87,7 @@ def _stage_flops(run) -> float:
     return hlo.loop_dot_flops(hlo.parse(run.hlo))
 
 
-@pytest.mark.parametrize("i", [0, 1, 2, 8], ids=[IDS[0], IDS[1], IDS[2], IDS[8]])
+@pytest.mark.parametrize("i", [0, 1, 2, 7], ids=[IDS[0], IDS[1], IDS[2], IDS[7]])
 def test_executed_compute_is_the_bubble_formula(deep_reference, i):
     """p devices execute (v*m + p - 1) / (v*m) times the layer work of one device: the
     bubble ticks compute on padding, and nothing else is repeated."""
@@ -188,7 +186,7 @@ def test_circular_checkpoint_restores_onto_a_layout_without_pipeline(tmp_path):
         np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("i", [1, 2, 3, 9, 12], ids=[IDS[1], IDS[2], IDS[3], IDS[9], IDS[12]])
+@pytest.mark.parametrize("i", [1, 2, 3, 8, 10], ids=[IDS[1], IDS[2], IDS[3], IDS[8], IDS[10]])
 def test_plan_matches_the_compiled_pipeline(i):
     """spmd.plan's theory of pipeline stages (the pp permutes, the rows entering and
     leaving, the bubble ticks' tp traffic, dp reduced once) against the compiled step."""

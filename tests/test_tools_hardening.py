@@ -89,6 +89,8 @@ CASES = {
     "export: missing flags": ("spmd.export", [], "the following arguments are required: --out"),
     "export: neither checkpoint nor base": ("spmd.export", ["--out", "{file}/e"],
                                             "give one of --checkpoint RUN and --init-from DIR --adapter ADAPTER"),
+    "export: peft of a run without adapters": ("spmd.export", ["--checkpoint", "{run}", "--format", "peft", "--out", "e"],
+                                               "was trained without adapters (no --lora-rank)"),
     "export: out is a file": ("spmd.export", ["--checkpoint", "{run}", "--out", "{file}"], "is a file, not a directory"),
     "export: out under a file": ("spmd.export", ["--checkpoint", "{run}", "--out", "{file}/e"], "cannot be created"),
     "export: out read-only": ("spmd.export", ["--checkpoint", "{run}", "--out", "{ro}/e"], "Read-only file system"),

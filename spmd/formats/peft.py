@@ -58,7 +58,8 @@ def read_adapter_config(directory: str, what: str = "--adapter") -> tuple[LoRA, 
     where = f"{what} {directory}"
     kind = file_kind(Path(directory))
     if kind != "a directory":
-        raise UserError(f"{where} does not exist" if kind == "missing" else f"{where} {not_a_file(kind, 'a directory')}")
+        raise UserError(f"{where} does not exist" if kind == "missing" else
+                        f"{where} {not_a_file(kind, 'a directory')}")
     path = Path(directory) / CONFIG
     if file_kind(path) == "missing":
         raise UserError(f"{where} has no {CONFIG} (give a PEFT adapter directory)")
