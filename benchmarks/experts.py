@@ -33,7 +33,7 @@ from spmd.config import TrainConfig, model_config, validate  # noqa: E402
 from spmd.parallel.layout import make_layout  # noqa: E402
 from spmd.planner.plan import make_plan  # noqa: E402
 from spmd.base.console import human_bytes  # noqa: E402
-from spmd.planner.theory import tokens_per_device  # noqa: E402
+from spmd.planner.counting import tokens_per_device  # noqa: E402
 
 # For the timing: big enough that the experts' matmuls, not overheads, set the step time.
 PRESETS["bench-moe"] = dataclasses.replace(

@@ -40,7 +40,8 @@ from spmd.planner import hlo  # noqa: E402
 from spmd.config import TrainConfig, validate  # noqa: E402
 from spmd.parallel.layout import make_layout  # noqa: E402
 from spmd.parallel.pipeline import Schedule  # noqa: E402
-from spmd.parallel.step import _stage_parts, build_program  # noqa: E402
+from spmd.parallel.staged import stage_parts  # noqa: E402
+from spmd.parallel.step import build_program  # noqa: E402
 from spmd.parallel.pipeline import _split_vjp  # noqa: E402
 from spmd.parallel.zero_bubble import executed_over_useful, split_backward, timetable  # noqa: E402
 from spmd.planner.hlo import chunk_dot_flops  # noqa: E402
@@ -64,7 +65,7 @@ def zb_v_formula(p: int, m: int, batch: int, layers: int) -> tuple[float, tuple[
         params = one.init(jax.random.key(0))["params"]
     rows = jax.numpy.zeros((batch // m, BASE["seq"] + 1), jax.numpy.int32)
     with one._annotated():
-        parts = _stage_parts(one.graphdef, params, rows, one._annotated, "blocks", None)
+        parts = stage_parts(one.graphdef, params, rows, one._annotated, "blocks", None)
         chunk = jax.tree.map(lambda w: w[: layers // (2 * p)], params["blocks"])
         f, b, w = chunk_dot_flops(parts.stage, chunk, parts.embedded())
     return executed_over_useful(p, m, f, b, w), (f, b, w)
@@ -122,7 +123,7 @@ def ring_bytes(p: int, m: int) -> tuple[str, float]:
     rows = jax.numpy.zeros((4, BASE["seq"] + 1), jax.numpy.int32)
     mib = lambda shapes: sum(s.size * s.dtype.itemsize for s in shapes) / 2**20  # noqa: E731
     with one._annotated():
-        parts = _stage_parts(one.graphdef, params, rows, one._annotated, "blocks", None)
+        parts = stage_parts(one.graphdef, params, rows, one._annotated, "blocks", None)
         stage, x = parts.stage, parts.embedded()
         chunk = jax.tree.map(lambda w: w[: BASE["layers"] // (2 * p)], params["blocks"])
         shapes = [mib(s) for s in split_backward(stage, chunk, x)[3]]

@@ -14,7 +14,8 @@ from spmd.config import TrainConfig, validate
 from spmd.formats.checkpoint import Checkpoints, make_meta
 from spmd.parallel.layout import make_layout
 from spmd.parallel.skeleton import restack
-from spmd.parallel.step import _stage_parts, build_program
+from spmd.parallel.staged import stage_parts
+from spmd.parallel.step import build_program
 from spmd.parallel.zero_bubble import executed_over_useful
 from spmd.planner import hlo
 from spmd.planner.hlo import chunk_dot_flops
@@ -131,7 +132,7 @@ def test_zb_v_executes_its_formula(deep_reference):
     p, m = schedule.stages, schedule.microbatches
     rows = jnp.zeros((PARITY["batch"] // m, PARITY["seq"] + 1), jnp.int32)
     with program._annotated():
-        parts = _stage_parts(program.graphdef, deep_reference.params, rows, program._annotated, "blocks", None)
+        parts = stage_parts(program.graphdef, deep_reference.params, rows, program._annotated, "blocks", None)
         chunk = jax.tree.map(lambda w: w[: DEEP["layers"] // (2 * p)], deep_reference.params["blocks"])
         f, b, w = chunk_dot_flops(parts.stage, chunk, parts.embedded())
     assert f == b == w > 0

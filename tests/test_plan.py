@@ -12,6 +12,7 @@ from conftest import train_run
 from spmd.config import TrainConfig, validate
 from spmd.parallel.layout import make_layout
 from spmd.planner import footprint, theory
+from spmd.planner.counting import by_op_and_axes
 from spmd.planner.plan import make_plan
 
 pytestmark = pytest.mark.xdist_group("layouts")  # they share compiled runs (conftest)
@@ -27,7 +28,7 @@ def _theory(mesh, devices=8, **overrides):
 
     cfg = validate(TrainConfig(mesh=mesh, model="tiny", batch=32, seq=32, **overrides))
     layout = make_layout(cfg, jax.devices()[:devices])
-    totals = theory.by_op_and_axes(theory.collectives(cfg, layout))
+    totals = by_op_and_axes(theory.collectives(cfg, layout))
     return footprint.memory(cfg, layout), {k: round(v) for k, v in totals.items()}
 
 

@@ -14,8 +14,8 @@ from spmd.parallel import pipeline
 from spmd.parallel.layout import Layout
 from spmd.parallel.rules import axes_of
 from spmd.parallel.skeleton import DTYPES
-from spmd.planner.theory import (Param, compute_table, expert_rows, live, params, spec_axes, tokens_per_device, uses,
-                                 ways)
+from spmd.planner.counting import (Param, compute_table, expert_rows, live, params, spec_axes, tokens_per_device, uses,
+                                   ways)
 
 
 def memory(cfg, layout: Layout) -> dict[str, float]:

@@ -22,8 +22,8 @@ from spmd.parallel.mesh import accelerator_plugin_installed
 from spmd.parallel.skeleton import REMAT
 from spmd.parallel.step import build_program
 from spmd.planner import footprint, hlo, theory, traffic
+from spmd.planner.counting import by_op_and_axes
 from spmd.planner.roofline import predict
-from spmd.planner.theory import by_op_and_axes
 
 SMALL_BYTES = 1024  # collectives moving less each time are scalars (loss, norms, MoE statistics): listed, not flagged
 AUTO_SHOWN = 5

@@ -1,0 +1,156 @@
+"""Pipelined steps: the model split into what runs outside the stages (the embedding, the
+head and the loss) and what the stages run (chunks of the stacked layers), and the loss and
+gradients of a step under each schedule (spmd.parallel.pipeline, spmd.parallel.zero_bubble):
+GPipe and circular differentiated by autodiff, 1F1B and zb-v computing the stages'
+gradients themselves."""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models import REMAT_POLICIES, model_class
+from models.attention import Packing
+from models.lora import dropping, joined
+from spmd.parallel.layout import Layout
+from spmd.parallel.mesh import BATCH_AXES
+from spmd.parallel.objective import AuxLosses, Columns, _aux_weights_per_layer, _columns, _moe_metrics, _objective
+from spmd.parallel.pipeline import from_microbatches, one_f_one_b, pipeline, to_microbatches
+from spmd.parallel.rules import spec_for
+from spmd.parallel.zero_bubble import zb_v
+
+
+class StageParts(NamedTuple):
+    model_of: object  # outer params -> the model, its stages' weights as placeholders
+    outer: dict  # the non-stacked parameters
+    columns: Columns  # the batch as the model reads it
+    blocks: dict  # what the stages take: the stacked weights (and router state)
+    stage: object  # stage(chunk, x, packing=None, fixed=None) -> (y, statistics)
+    fixed: dict | None = None  # the stacked weights the stages read but do not differentiate
+
+    def embedded(self) -> jax.Array:
+        return self.model_of(self.outer).embed(self.columns.inputs)
+
+    def side(self, shards: int, schedule) -> Packing | None:
+        """What the stages read of each microbatch besides its activations: its examples'
+        segment ids and positions (packed rows), as (m, mb, seq) arrays; else None."""
+        packing = self.columns.packing
+        return None if packing is None else jax.tree.map(lambda a: to_microbatches(a, shards, schedule), packing)
+
+
+LAYER_KINDS = "layer_kinds"  # the key of the layers' kinds among the blocks a pipeline takes
+LAYER_INDICES = "layer_indices"  # and of their indices, which adapters' dropout reads
+
+
+def stage_parts(graphdef, params, rows, in_stage, stacked: str, order: np.ndarray | None,
+                 router=None, repeats: int = 1, frozen=None) -> StageParts:
+    """What a pipelined step is made of: the model less its stages' weights (a model of
+    their shapes holds their place; `model_of(outer)`), the non-stacked parameters, the
+    batch's columns (in the order sp lays them out), the stages' input `blocks`, and
+    `stage(chunk, x, packing)`, which runs a chunk of them on one microbatch (of packed
+    rows: with its examples) under the rules inside the stages and returns its output and
+    its layers' statistics (MoE layers').
+
+    The blocks are the stacked weights, with the MoE layers' router state if the model
+    keeps one (spmd.parallel.balance): the schedules differentiate whole chunks, so it rides in them
+    as float32 (exact for slot numbers), with a zero gradient (it only chooses experts);
+    `_weights_of` takes it out of their gradients. A model whose layers differ in kind
+    (`layer_kinds`: Gemma 3's sliding and global layers) has each layer's kind ride in them
+    the same way (`LAYER_KINDS`), so that every schedule's chunks carry their own.
+
+    `frozen`: parameters that are not trained (a LoRA run's base, `params` being the
+    adapters); their stacked part is the stages' `fixed` weights, which the schedules pass
+    beside each chunk without differentiating them."""
+    columns = _columns(rows, order)
+    positions = columns.positions  # a constant (numpy), which the stages' map may close over
+    every = params if frozen is None else joined(frozen, params)
+    outer = {name: value for name, value in every.items() if name != stacked}
+    blocks = params[stacked]
+    fixed = None if frozen is None else frozen[stacked]
+    if router:
+        blocks = joined(blocks, jax.tree.map(lambda x: x.astype(jnp.float32), router[stacked]))
+    no_blocks = jax.tree.map(lambda w: jax.ShapeDtypeStruct(w.shape, w.dtype), every[stacked])
+    model_of = lambda outer: nnx.merge(graphdef, joined(outer, {stacked: no_blocks}))  # noqa: E731
+    model = model_of(outer)
+    blocks_graph = nnx.split(getattr(model, stacked))[0]
+    kinds = model.layer_kinds(model.cfg)
+    stored = (repeats, -1) if repeats > 1 else (-1,)  # as the stacked layers are stored
+    if kinds is not None:  # each chunk's layer kinds ride with its weights, as float32 (exact for 0 and 1)
+        blocks = {**blocks, LAYER_KINDS: jnp.asarray(kinds, jnp.float32).reshape(stored)}
+    if dropping():  # and their indices (exact in float32)
+        steps = jax.tree.leaves(no_blocks)[0].shape[:len(stored)]
+        blocks = {**blocks, LAYER_INDICES: jnp.arange(math.prod(steps), dtype=jnp.float32).reshape(stored)}
+
+    def stage(chunk, x, packing=None, fixed=None):
+        chunk = joined(fixed or {}, chunk)
+        local, indices = chunk.pop(LAYER_KINDS, None), chunk.pop(LAYER_INDICES, None)
+        with in_stage():
+            return model_of(outer).run_layers(nnx.merge(blocks_graph, chunk), x, positions, packing,
+                                              None if local is None else local > 0.5,
+                                              None if indices is None else indices.astype(jnp.int32))
+
+    return StageParts(model_of, outer, columns, blocks, stage, fixed)
+
+
+def _weights_of(tree: dict, weights: dict) -> dict:
+    """The part of `tree` (blocks' gradients) at the paths of `weights`."""
+    return {k: _weights_of(tree[k], v) if isinstance(v, dict) else tree[k] for k, v in weights.items()}
+
+
+def _row_spec(layout: Layout) -> jax.P:
+    """One microbatch of the residual stream (batch, seq, embed) as the rules lay it out."""
+    return spec_for(("batch", "residual_seq", "embed"), {**layout.rules.activations, "batch": BATCH_AXES})
+
+
+def pipelined_loss(graphdef, params, rows, layout: Layout, in_stage, order, aux: AuxLosses, router=None,
+                    denominator=None) -> tuple[jax.Array, dict]:
+    """`_loss` with the stacked layers run as pipeline stages (spmd.parallel.pipeline); the
+    embedding, head and loss run outside, on rows split over the data axes and pp."""
+    schedule, shards = layout.schedule, layout.batch_shards
+    stacked = model_class(layout.skeleton.model_cfg).STACKED
+    parts = stage_parts(graphdef, params, rows, in_stage, stacked, order, router, layout.repeats)
+    model, columns = parts.model_of(parts.outer), parts.columns
+    x = to_microbatches(model.embed(columns.inputs), shards, schedule)
+    out, stats = pipeline(layout.mesh, schedule, parts.stage, parts.blocks, x, _row_spec(layout),
+                          REMAT_POLICIES[model.remat], parts.side(shards, schedule))
+    logits = model.logits(from_microbatches(out, shards, schedule))
+    return _objective(logits, columns.targets, stats, aux, columns.weights, denominator)
+
+
+def one_f_one_b_grads(graphdef, params, rows, layout: Layout, in_stage, order, aux: AuxLosses, router=None,
+                       denominator=None, frozen=None) -> tuple[dict, dict]:
+    """Metrics and gradients of `pipelined_loss` under the 1F1B schedule, which computes
+    the stages' gradients itself (spmd.parallel.pipeline.one_f_one_b); autodiff does the rest.
+    Gradients of `params` only, not of the `frozen` rest (a LoRA run's base)."""
+    schedule, shards = layout.schedule, layout.batch_shards
+    family = model_class(layout.skeleton.model_cfg)
+    parts = stage_parts(graphdef, params, rows, in_stage, family.STACKED, order, router, layout.repeats, frozen)
+    model_of, outer, columns = parts.model_of, parts.outer, parts.columns
+    trained = {name: value for name, value in params.items() if name != family.STACKED}  # of the outer ones
+    head_names = [name for name in family.head_params(layout.skeleton.model_cfg) if name in trained]
+    # Packed rows: each microbatch's loss over its share of the step's count (the schedule
+    # averages the microbatches' losses over them and over dp).
+    part = None if denominator is None else denominator / (schedule.microbatches * layout.shape["dp"])
+
+    def head(head_params, y, labels):
+        targets, weights = labels
+        with in_stage():
+            return _objective(model_of({**outer, **head_params}).logits(y), targets, {}, AuxLosses(), weights, part)[0]
+
+    x, embed_vjp = jax.vjp(lambda t: to_microbatches(model_of({**outer, **t}).embed(columns.inputs), shards, schedule),
+                           trained)
+    run = zb_v if schedule.name == "zb-v" else one_f_one_b
+    labels = jax.tree.map(lambda a: to_microbatches(a, shards, schedule), (columns.targets, columns.weights))
+    loss, d_blocks, d_head, dx, stats = run(
+        layout.mesh, schedule, parts.stage, head, parts.blocks, {name: outer[name] for name in head_names}, x,
+        labels, _row_spec(layout), _aux_weights_per_layer(aux, layout.skeleton.model_cfg.moe_layers),
+        parts.side(shards, schedule), parts.fixed)
+    (grads,) = embed_vjp(dx)
+    grads = grads | {name: jax.tree.map(jnp.add, grads[name], d_head[name]) for name in head_names}
+    d_blocks = _weights_of(d_blocks, params[family.STACKED])
+    return {"loss": loss} | (_moe_metrics(stats, aux.balance) if stats else {}), grads | {family.STACKED: d_blocks}

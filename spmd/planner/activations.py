@@ -1,0 +1,217 @@
+"""The activations' collectives a layout should cost, per step and device, axis by axis:
+Megatron's all-reduces over tp (and LoRA adapters' rank-wide ones), the keys and values
+over sp, the routed tokens over ep, and the stage outputs over pp (spmd.planner.theory
+says how; this module counts them)."""
+
+from __future__ import annotations
+
+from models.lora import MLP_TARGETS
+from spmd.parallel import zero_bubble
+from spmd.parallel.layout import Layout
+from spmd.parallel.mesh import BATCH_AXES
+from spmd.parallel.rules import axes_of
+from spmd.parallel.skeleton import routing
+from spmd.planner.counting import (Expected, expert_rows, head_in_stages, live, params, picks_again, spec_axes,
+                                   stage_overhead, table_scatter_axes, tokens_per_device, ways)
+
+
+def adapters_over_tp(cfg, layout: Layout, token_bytes: float, per_layer: float) -> list[Expected]:
+    """LoRA adapters on projections whose heads or MLP width tp splits: the rank-wide
+    product of each is summed over tp like the projection's: forward where the input is
+    split (o_proj, down_proj: A's), backward where the output is (the others: the gradient
+    of A x); under remat "full" the forward ones again. Keys' and values' where tp goes
+    beyond the kv heads (c devices share one): the gradient of a head's output summed over
+    the c (tp:inner{c}), then that of A x over the heads (tp:outer{kv})."""
+    lora, model, t, c = layout.skeleton.lora, layout.skeleton.model_cfg, layout.shape["tp"], layout.kv_copies
+    if lora is None:
+        return []
+    dense = model.layers - model.moe_layers
+
+    def count(targets) -> int:
+        return sum((dense if target in MLP_TARGETS else model.layers) for target in targets if target in lora.targets)
+
+    forward = count(("o_proj", "down_proj")) * (2 if cfg.remat == "full" else 1)
+    backward = count(("q_proj", "gate_proj", "up_proj") + (("k_proj", "v_proj") if c == 1 else ()))
+    rank = token_bytes * lora.rank
+    out = [Expected("all-reduce", "tp", per_layer * (forward + backward) * 2 * (t - 1) / t * rank,
+                    "LoRA: adapters' rank-wide products on split projections")]
+    kv, shared = model.kv_heads, per_layer * count(("k_proj", "v_proj")) if c > 1 else 0
+    if shared:
+        out += [Expected("all-reduce", f"tp:inner{c}", shared * 2 * (c - 1) / c * token_bytes * model.head_dim,
+                         "LoRA: a shared kv head's output gradient, over the devices sharing it"),
+                Expected("all-reduce", f"tp:outer{kv}", shared * 2 * (kv - 1) / kv * rank,
+                         "LoRA: keys' and values' rank-wide products over the kv heads")]
+    return out
+
+
+def tensor_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
+    t = layout.shape["tp"]
+    if t == 1:
+        return []
+    model = layout.skeleton.model_cfg
+    tokens = tokens_per_device(cfg, layout.shape)
+    activation = tokens * model.embed * compute_bytes  # outside pipeline stages: the head's input
+    # 1f1b runs the head on the last stage, per microbatch: in a branch that every device's
+    # program holds in each of its v*m + p - 1 forward ticks (taken there on the last stage
+    # only, by interleaved-1f1b only in a microbatch's last round), so the compiled step
+    # counts it once per tick, on a microbatch of its pp group's rows.
+    head_tokens = tokens * (layout.shape["pp"] * layout.schedule.repeats * stage_overhead(layout)
+                            if head_in_stages(layout) else 1)
+    head_input = head_tokens * model.embed * compute_bytes
+    per_layer = stage_overhead(layout)  # the layers' activations, in pipeline stages, bubble ticks included
+    lookup = tokens * model.embed * 4  # float32 rows (the model's LOOKUP_TABLE)
+    vocab_split = "tp" in axes_of(layout.rules.activations["vocab"])
+    out = []
+
+    def reduced(nbytes: float, times: float, why: str):
+        """`times` all-reduces of `nbytes`; under Megatron-SP each is a reduce-scatter
+        into the sequence-split residual stream and an all-gather out of it."""
+        if cfg.megatron_sp:
+            out.append(Expected("reduce-scatter", "tp", times * (t - 1) / t * nbytes, why))
+            out.append(Expected("all-gather", "tp", times * (t - 1) / t * nbytes, why))
+        else:
+            out.append(Expected("all-reduce", "tp", times * 2 * (t - 1) / t * nbytes, why))
+
+    # Per layer: the attention and MLP outputs forward, their input gradients backward. An
+    # MoE layer's experts reduce their rows instead (and its shared expert the tokens).
+    moe_layers = model.moe_layers
+    dense = model.layers - moe_layers + (moe_layers if model.moe and model.moe.shared_experts else 0)
+    reduced(activation, per_layer * (2 * model.layers + 2 * dense),
+            "Megatron: block outputs forward, block input gradients backward")
+    if picks_again(layout) and cfg.remat == "full":
+        reduced(activation, per_layer * 2 * model.layers, "circular stages: each tick's forward again")
+    out += adapters_over_tp(cfg, layout, tokens * compute_bytes, per_layer)
+    if moe_layers:
+        rows = expert_rows(cfg, layout) * model.embed * compute_bytes
+        out.append(Expected("all-reduce", "tp", per_layer * moe_layers * 2 * 2 * (t - 1) / t * rows,
+                            "experts: their outputs forward, their input gradients backward"))
+    if cfg.remat == "full":
+        # The forward is recomputed up to the MLP (its output is not needed for gradients).
+        layers = per_layer * model.layers
+        if cfg.megatron_sp:  # attention input and output, and the MLP's input, again
+            out.append(Expected("all-gather", "tp", 2 * layers * (t - 1) / t * activation, "remat"))
+            out.append(Expected("reduce-scatter", "tp", layers * (t - 1) / t * activation, "remat"))
+        else:
+            reduced(activation, layers, "remat: the attention output again")
+    if vocab_split and cfg.megatron_sp:
+        # XLA gathers the float32 table for the lookup (and reduce-scatters its gradient)
+        # rather than reduce-scattering the looked-up rows.
+        table = model.vocab * model.embed * 4
+        out.append(Expected("all-gather", "tp", (t - 1) / t * table, "vocab split: the table, for the lookup"))
+        fused = table_scatter_axes(cfg, layout)
+        n = t * ways(fused, layout.shape)
+        out.append(Expected("reduce-scatter", "+".join(live((*fused, "tp"), layout.shape)), (n - 1) / n * table,
+                            "vocab split: the table's gradient"))
+        reduced(head_input, 1, "vocab split: the output head's input")
+    elif vocab_split:
+        reduced(lookup, 1, "vocab split: embedding lookup (float32 rows)")
+        reduced(head_input, 1, "vocab split: the output head's input")
+    if vocab_split:
+        out.append(Expected("all-reduce", "tp", 2 * (t - 1) / t * head_tokens * 4 * 3, "vocab split: softmax statistics"))
+    return out
+
+
+def sequence_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
+    """K/V traffic of attention over sp (spmd.parallel.context), per layer."""
+    n = layout.shape["sp"]
+    if n == 1:
+        return []
+    model, shape = layout.skeleton.model_cfg, layout.shape
+    kv_heads = model.kv_heads * layout.kv_copies / ways(("tp",), shape) if layout.kv_copies > 1 else \
+        model.kv_heads / ways(axes_of(layout.rules.activations["kv_heads"]), shape)
+    block = cfg.batch / ways(BATCH_AXES, shape) * cfg.seq / n * kv_heads * model.head_dim * compute_bytes
+    recomputed = cfg.remat != "none"  # "none" keeps the received blocks; the others fetch them again
+    # In pipeline stages a device runs 1/pp of the layers, in every tick (bubbles included).
+    layers = model.layers * stage_overhead(layout) / shape["pp"]
+    if cfg.attention == "ring":
+        hops = 2 * (n - 1) * (3 if recomputed else 2)  # K and V: forward, their gradients back, [forward again]
+        return [Expected("collective-permute", "sp", layers * hops * block, "ring attention: K/V blocks")]
+    gathers = 2 * (2 if recomputed else 1)
+    return [Expected("all-gather", "sp", layers * gathers * (n - 1) * block, "attention: K and V gathered"),
+            Expected("reduce-scatter", "sp", layers * 2 * (n - 1) * block, "attention: K/V gradients")]
+
+
+def expert_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
+    """All-to-all of tokens over ep, per MoE layer (spmd.parallel.experts); in capacity mode with
+    the sequence split over sp, the per-expert counts of every chunk's choices, gathered
+    over sp to rank each choice in its sequence."""
+    ep, sp, model = layout.shape["ep"], layout.shape["sp"], layout.skeleton.model_cfg
+    if model.moe is None:
+        return []
+    out = []
+    if sp > 1 and cfg.moe_dispatch == "capacity":
+        # Each rank's two chunks' choices counted per expert (int32), gathered from the
+        # others (spmd.parallel.context.make_capacity_slots); XLA runs the gather twice per layer.
+        sequences = tokens_per_device(cfg, layout.shape) * sp / cfg.seq
+        counts = sequences * 2 * model.moe.experts * 4
+        out.append(Expected("all-gather", "sp", model.moe_layers * stage_overhead(layout) * 2 * (sp - 1) * counts,
+                            "capacity: each chunk's choices per expert, to rank them in the sequence"))
+    tokens = live((*layout.data_axes, "sp"), layout.shape)
+    if model.moe.balance_loss == "pooled" and tokens and not layout.schedule:
+        # The pooled balance loss (transformers') needs each layer's choices and mean router
+        # probability per expert over the whole batch, and the load per expert is reported:
+        # three float32 vectors per MoE layer, summed over the axes that split the tokens.
+        n = ways(tokens, layout.shape)
+        out.append(Expected("all-reduce", "+".join(tokens), model.moe_layers * 3 * model.moe.experts * 4
+                            * 2 * (n - 1) / n, "MoE statistics: choices, router probability and load per expert"))
+    if ep == 1:
+        return out
+    if routing(cfg).slots:  # expert copies: each copy's gradient summed with its twins' (spmd.parallel.balance.tie)
+        expert_grads = model.moe_layers * model.moe.experts * 3 * model.embed * model.moe.expert_mlp * 4
+        out.append(Expected("all-reduce", "ep", 2 * (ep - 1) / ep * expert_grads,
+                            "expert copies: gradients summed per expert"))
+    rows, leaves = expert_rows(cfg, layout), (ep - 1) / ep
+    dropless = cfg.moe_dispatch == "dropless"
+    exchange = rows * model.embed * compute_bytes * leaves
+    indices = rows * 4 * leaves if dropless else 0  # each row's expert, forward only
+    recomputed = cfg.remat != "none"  # the others run the forward exchanges again
+    per_layer = (3 if recomputed else 2) * 2 * exchange + (2 if recomputed else 1) * indices
+    # In pipeline stages every tick runs the stage's layers, bubbles included.
+    return out + [Expected("all-to-all", "ep", model.moe_layers * stage_overhead(layout) * per_layer,
+                           f"experts: routed tokens, {'padded dropless blocks' if dropless else 'capacity buffers'}")]
+
+
+def pipeline_stages(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
+    """Activations between pipeline stages (spmd.parallel.pipeline): each tick a stage's output
+    microbatch to the next stage, forward and (its gradient) backward; entering, the
+    embedded rows all-gathered over pp, leaving, the outputs reduce-scattered (and
+    backward their gradients the other way)."""
+    schedule = layout.schedule
+    if schedule is None:
+        return []
+    p, m, v = schedule.stages, schedule.microbatches, schedule.repeats
+    # The device's rows of the step before pp splits them (m microbatches), as the
+    # residual stream lays them out (Megatron-SP splits their sequence over tp).
+    split = layout.shape["tp"] if cfg.megatron_sp else 1
+    rows = tokens_per_device(cfg, layout.shape) * p * layout.skeleton.model_cfg.embed * compute_bytes / split
+    ticks = v * m * stage_overhead(layout)  # v*m + p - 1
+    leaves = (p - 1) / p
+    # The rows entering have a gradient only where the embedding trains (not under LoRA).
+    entering = 0 if layout.skeleton.lora else 1
+    if schedule.name == "zb-v":
+        # One send per tick each way (none where the tick's pairing is empty: p = 2, every
+        # other tick), the second chunk's weights exchanged entering and their gradients
+        # leaving (float32, as stored); rows and targets enter and their gradient leaves as
+        # for 1f1b.
+        def stored(p_):
+            return p_.numel * p_.itemsize / ways(spec_axes(p_.names, layout.rules.params), layout.shape)
+        weights = sum(stored(p_) for p_ in params(layout, cfg) if p_.stacked) / 2
+        gradients = sum(stored(p_) for p_ in params(layout, cfg) if p_.stacked and p_.trained) / 2
+        targets = tokens_per_device(cfg, layout.shape) * p * 4
+        return [Expected("collective-permute", "pp", zero_bubble.sends(p, m) * rows / m + weights + gradients,
+                         "chunk outputs and their gradients; the second chunk's weights and gradients"),
+                Expected("all-gather", "pp", leaves * (rows + targets), "rows and targets entering the stages"),
+                Expected("reduce-scatter", "pp", entering * leaves * rows, "the gradient of the rows entering")]
+    if head_in_stages(layout):
+        # Forward sends in the warm-up and steady ticks, backward ones in the steady and
+        # cool-down ticks; where the cool-down is one tick (1f1b, p = 2: vp - 1 ticks) its
+        # unused send is dropped. Only x enters (with the targets, int32) and only its
+        # gradient leaves.
+        sends = 2 * ticks - (1 if v * p == 2 else 0)
+        targets = tokens_per_device(cfg, layout.shape) * p * 4
+        return [Expected("collective-permute", "pp", sends * rows / m, "stage outputs forward, their gradients back"),
+                Expected("all-gather", "pp", leaves * (rows + targets), "rows and targets entering the stages"),
+                Expected("reduce-scatter", "pp", entering * leaves * rows, "the gradient of the rows entering")]
+    return [Expected("collective-permute", "pp", 2 * ticks * rows / m, "stage outputs forward, their gradients back"),
+            Expected("all-gather", "pp", 2 * leaves * rows, "rows entering the stages; output gradients"),
+            Expected("reduce-scatter", "pp", (1 + entering) * leaves * rows, "rows leaving the stages; input gradients")]

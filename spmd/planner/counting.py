@@ -1,0 +1,146 @@
+"""What the planner's theory counts with: the parameters as it sees them (their bytes, how
+each is used and whether it trains), the ways an axis set splits, the tokens a device
+computes on, the pipeline's overheads, and the `Expected` collectives it reports
+(spmd.planner.theory for the parameters' traffic, spmd.planner.activations for the
+activations', spmd.planner.footprint for memory)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+
+import jax.numpy as jnp
+from flax import traverse_util
+
+from models import model_class
+from models.lora import is_adapter
+from spmd.parallel.layout import Layout
+from spmd.parallel.mesh import AXES, BATCH_AXES
+from spmd.parallel.rules import axes_of, spec_for
+from spmd.parallel.skeleton import DTYPES, is_names, routing
+
+
+@dataclasses.dataclass(frozen=True)
+class Expected:
+    op: str
+    axes: str  # "+"-joined mesh axes, outer to inner (as spmd.planner.traffic names them)
+    bytes_per_device: float
+    why: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Param:
+    path: str
+    numel: int
+    itemsize: int
+    names: tuple
+    stacked: bool  # one slice per layer, used inside the layer scan
+    trained: bool = True  # False: a LoRA run's frozen base (no gradient, no optimizer state)
+    adapter: bool = False  # a LoRA adapter's matrix (models.lora)
+
+
+def uses(p: Param, model_cfg, compute_bytes: int) -> tuple[int, ...]:
+    """Bytes per element of each use of a parameter, as models.llama computes with it:
+    vectors (norm scales), what is added per element without multiplying the residual
+    stream (biases, which have no embed dimension) and the lookup table in float32,
+    matrices (adapters' too) in the compute dtype, and a tied embedding also as the output head."""
+    if p.path == model_class(model_cfg).LOOKUP_TABLE:  # its rows are read in float32
+        return (4, compute_bytes) if model_cfg.tie_embeddings else (4,)
+    return (4,) if not p.adapter and (is_vector(p) or "embed" not in p.names) else (compute_bytes,)
+
+
+def is_vector(p: Param) -> bool:
+    return len([n for n in p.names if n != "layers"]) == 1
+
+
+def params(layout: Layout, cfg=None) -> list[Param]:
+    """The model's parameters; of a LoRA run (`cfg`), the frozen ones stored in --base-dtype."""
+    shapes = traverse_util.flatten_dict(layout.skeleton.shapes)
+    names = traverse_util.flatten_dict(layout.skeleton.names, is_leaf=lambda _, v: is_names(v))
+    lora = layout.skeleton.lora is not None
+    base_bytes = jnp.dtype(DTYPES[cfg.base_dtype]).itemsize if lora and cfg is not None else 4
+    found = []
+    for path in shapes:
+        trained = not lora or is_adapter(path)
+        found.append(Param(".".join(map(str, path)), math.prod(shapes[path].shape),
+                           jnp.dtype(shapes[path].dtype).itemsize if trained else base_bytes, names[path],
+                           "layers" in names[path], trained, lora and trained))
+    return found
+
+
+def live(axes, shape: Mapping[str, int]) -> tuple[str, ...]:
+    return tuple(a for a in AXES if a in axes and shape[a] > 1)
+
+
+def ways(axes, shape: Mapping[str, int]) -> int:
+    return math.prod(shape[a] for a in axes)
+
+
+def spec_axes(names, table) -> tuple[str, ...]:
+    return tuple(a for entry in spec_for(names, table) for a in axes_of(entry))
+
+
+def tokens_per_device(cfg, shape: Mapping[str, int], microbatch: bool = False) -> int:
+    """Tokens one device computes on in a step (or in one accumulated microbatch), outside
+    pipeline stages (where pp splits the rows too)."""
+    rows = cfg.microbatch if microbatch else cfg.batch
+    return rows * cfg.seq // (ways(BATCH_AXES, shape) * shape["sp"] * shape["pp"])
+
+
+def stage_overhead(layout: Layout) -> float:
+    """Executed over useful work of the stacked layers: every stage runs every tick of
+    its schedule, (v*m + p - 1)/(v*m) of the useful ones (1f1b: GPipe's, v = 1;
+    interleaved-1f1b: circular's); 1
+    without a pipeline. Each device runs 1/p of the layers on p times `tokens_per_device`."""
+    return 1 / (1 - layout.schedule.bubble) if layout.schedule else 1.0
+
+
+def head_in_stages(layout: Layout) -> bool:
+    return layout.schedule is not None and layout.schedule.writes_backward
+
+
+def picks_again(layout: Layout) -> bool:
+    """Whether autodiff's backward pass picks each tick's chunk again under the model's
+    remat policy (circular: spmd.parallel.pipeline._run_chunk); the written-out backward of
+    interleaved-1f1b runs each chunk's backward once."""
+    return layout.schedule is not None and layout.schedule.repeats > 1 and not layout.schedule.writes_backward
+
+
+def compute_table(layout: Layout) -> Mapping:
+    """How parameters are laid out where used: the activations' rules, and under pipeline
+    stages the stacked layers split over pp (each stage runs its own)."""
+    table = layout.rules.activations
+    return {**table, "layers": "pp"} if layout.schedule else table
+
+
+def table_scatter_axes(cfg, layout: Layout) -> tuple[str, ...]:
+    """Under Megatron-SP with the vocabulary split over tp, XLA reduce-scatters the lookup
+    table's gradient over tp and over the token axes it is stored split over (fsdp, sp) in
+    one collective: those axes."""
+    shape, rules = layout.shape, layout.rules
+    if not (cfg.megatron_sp and shape["tp"] > 1 and "tp" in axes_of(rules.activations["vocab"])):
+        return ()
+    table = next(p for p in params(layout) if p.path == model_class(layout.skeleton.model_cfg).LOOKUP_TABLE)
+    stored = spec_axes(table.names, rules.grads)
+    return live([a for a in stored if a != "tp" and a in (*layout.data_axes, "sp")], shape)
+
+
+def expert_rows(cfg, layout: Layout) -> int:
+    """Rows of tokens each device runs through its experts per MoE layer (spmd.parallel.experts):
+    capacity mode's buffers, or the dropless choices (padded per destination over ep)."""
+    moe, ep, sp = layout.skeleton.model_cfg.moe, layout.shape["ep"], layout.shape["sp"]
+    tokens = tokens_per_device(cfg, layout.shape)
+    capacity = routing(cfg).capacity(cfg.seq, moe)
+    slots = routing(cfg).slots or moe.experts  # with copies (spmd.parallel.balance), each slot is an expert here
+    if capacity is not None:  # per sequence; a device's chunk of c tokens fills at most c slots
+        chunk = cfg.seq // sp
+        return tokens // chunk * slots * min(capacity, chunk)
+    return tokens * ep * min(moe.top_k, slots // ep)
+
+
+def by_op_and_axes(expected: list[Expected]) -> dict[tuple[str, str], float]:
+    totals: dict[tuple[str, str], float] = {}
+    for e in expected:
+        totals[(e.op, e.axes)] = totals.get((e.op, e.axes), 0.0) + e.bytes_per_device
+    return totals
