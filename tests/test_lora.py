@@ -178,7 +178,7 @@ def test_lora_run_checkpoints_adapters_resumes_on_another_mesh_and_exports(tmp_p
     """A LoRA run on the golden: its checkpoints hold only the adapters; preempted after
     step 2, it resumes on another mesh; exported as a PEFT directory it loads to the same
     logits as its merged Hugging Face export; a PEFT adapter merges as peft's
-    merge_and_unload does."""
+    merge_and_unload does, and starts a run."""
     run, metrics = tmp_path / "run", tmp_path / "metrics.jsonl"
     command = ["-m", "spmd.train", "--init-from", str(BASE), "--lora-rank", "4", "--lora-alpha", "16",
                "--lora-targets", ALL, "--steps", "4", "--save-every", "2", "--batch", "8", "--seq", "16",
@@ -217,6 +217,15 @@ def test_lora_run_checkpoints_adapters_resumes_on_another_mesh_and_exports(tmp_p
     assert sorted(got) == sorted(want)
     for name in want:
         np.testing.assert_allclose(got[name], want[name], rtol=0, atol=1e-6, err_msg=name)
+    # peft's adapter to continue training (--steps 0 saves the start): its tensors, read
+    # onto fsdp=2 and written back, are peft's to the bit.
+    _run("-m", "spmd.train", "--init-from", str(BASE), "--adapter", str(GOLDENS / "lora-peft"), "--steps", "0",
+         "--batch", "8", "--seq", "16", "--mesh", "fsdp=2", "--out", str(tmp_path / "continued"))
+    _run("-m", "spmd.export", "--checkpoint", str(tmp_path / "continued"), "--format", "peft", "--out",
+         str(tmp_path / "again"))
+    want = _tensors(GOLDENS / "lora-peft" / "adapter_model.safetensors")
+    got = _tensors(tmp_path / "again" / "adapter_model.safetensors")
+    assert sorted(got) == sorted(want) and all(np.array_equal(got[name], want[name]) for name in want)
     # (A full fine-tune's checkpoint exported as --format peft: tests/test_tools_hardening.py.)
 
 

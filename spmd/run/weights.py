@@ -84,13 +84,13 @@ def checkpoint_config(path: str, step: int | None = None, flag: str = "--checkpo
 
 def run_config(meta: dict):
     """The config of the run that wrote a checkpoint, without its inputs (data, the
-    directory it started from, the checkpoint it resumed)."""
+    directory and adapter it started from, the checkpoint it resumed)."""
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     config = {k: v for k, v in meta.get("config", {}).items() if k in fields}
     if isinstance(config.get("architecture"), dict):  # a model that is no preset, saved as data
 
         config["architecture"] = config_from_dict(config["architecture"])
-    return TrainConfig(**config | {"init_from": None, "resume": None, "data": None, "tokenizer": None})
+    return TrainConfig(**config | {"init_from": None, "resume": None, "data": None, "tokenizer": None, "adapter": None})
 
 
 def abstract_params(layout) -> dict:
