@@ -26,7 +26,9 @@ from spmd.planner import footprint
 from spmd.planner.plan import make_plan
 from spmd.run.weights import checkpoint_config, restore_params
 
-pytestmark = pytest.mark.xdist_group("layouts")  # they share compiled runs (conftest)
+# Their compiled runs are their own (the layouts' worker keeps the parity matrix's): a group
+# of their own, on whichever worker is free.
+pytestmark = pytest.mark.xdist_group("lora")
 
 ALL = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 GOLDENS = Path(__file__).with_name("hf")

@@ -43,6 +43,8 @@ LAYOUTS = [
     ("pp=2,dp=2,tp=2", 8, {"pp_schedule": "zb-v", "microbatches": 4}),
     # ... with fsdp (the second chunk's weights exchanged split over it), ZeRO-1, two passes.
     ("pp=2,fsdp=2,tp=2", 8, {"pp_schedule": "zb-v", "microbatches": 2, "grad_accum": 2, "zero": 1}),
+    # pp=2 alone: each chunk's scan keeps two layers (test_zb_v_executes_its_formula).
+    ("pp=2", 2, {"pp_schedule": "zb-v", "microbatches": 4}),
 ]
 IDS = [f"{m}{''.join(f'-{k}{v}' for k, v in o.items())}" for m, _, o in LAYOUTS]
 
@@ -110,7 +112,7 @@ def test_one_f_one_b_keeps_fewer_activations_than_gpipe():
 def test_interleaved_one_f_one_b_keeps_about_one_f_one_bs_activations():
     """pp=4, m=8, v=2: a ring of 2vp - 1 = 15 chunk residuals, 7.5 stages' worth of
     microbatches, against 1F1B's 7 and GPipe's 11."""
-    gpipe, one_f_one_b, interleaved = (_run(i).compiled.memory_analysis().temp_size_in_bytes for i in (0, 2, 8))
+    gpipe, one_f_one_b, interleaved = (_run(i).compiled.memory_analysis().temp_size_in_bytes for i in (0, 2, 7))
     # 7.5/7 of 1F1B's kept activations at most (the rest alike); with the tick's being
     # built apart before they are filed (a chunk's, 1/v, against a stage's) both hold 8.
     # Measured 0.94 of 1F1B's temporaries (10.5 / 11.2 MiB). Keeping every tick's, as
@@ -127,7 +129,7 @@ def test_zb_v_executes_its_formula(deep_reference):
     1 + 2(p-1)/(3m) = 7/6 at p=2, m=4, against 1F1B's 5/4. (pp=2: a chunk's layer scan
     has two layers and stays a loop in every tick; one-layer scans in one-pair runs of
     ticks are unrolled by XLA and fall out of the loop count.)"""
-    run, program = _run(10), deep_reference.program
+    run, program = _run(len(LAYOUTS) - 1), deep_reference.program
     schedule = run.layout.schedule
     p, m = schedule.stages, schedule.microbatches
     rows = jnp.zeros((PARITY["batch"] // m, PARITY["seq"] + 1), jnp.int32)

@@ -74,7 +74,8 @@ def stage_parts(graphdef, params, rows, in_stage, stacked: str, order: np.ndarra
     fixed = None if frozen is None else frozen[stacked]
     if router:
         blocks = joined(blocks, jax.tree.map(lambda x: x.astype(jnp.float32), router[stacked]))
-    no_blocks = jax.tree.map(lambda w: jax.ShapeDtypeStruct(w.shape, w.dtype), every[stacked])
+    # (The router state among them: the model of their shapes holds its place too.)
+    no_blocks = jax.tree.map(lambda w: jax.ShapeDtypeStruct(w.shape, w.dtype), joined(fixed or {}, blocks))
     model_of = lambda outer: nnx.merge(graphdef, joined(outer, {stacked: no_blocks}))  # noqa: E731
     model = model_of(outer)
     blocks_graph = nnx.split(getattr(model, stacked))[0]
