@@ -26,9 +26,7 @@ from spmd.planner import footprint
 from spmd.planner.plan import make_plan
 from spmd.run.weights import checkpoint_config, restore_params
 
-# Their compiled runs are their own (the layouts' worker keeps the parity matrix's): a group
-# of their own, on whichever worker is free.
-pytestmark = pytest.mark.xdist_group("lora")
+pytestmark = pytest.mark.xdist_group("layouts")  # the one-device reference run is the parity tests'
 
 ALL = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 GOLDENS = Path(__file__).with_name("hf")
@@ -51,10 +49,12 @@ def _plan_matches(run) -> None:
 
 
 def test_a_lora_run_starts_as_its_base_trains_only_its_adapters_and_matches_one_device(reference):
-    one = train_run("", 1, lora_rank=4, lora_targets=ALL)
+    # Not kept in the session's cache (no other test reads them): a worker holds every cached
+    # run's compiled step, and the layouts' worker holds many.
+    one = train_run("", 1, cached=False, lora_rank=4, lora_targets=ALL)
     # B starts at zero: step 0 is the base model's, to the bit.
     assert one.losses[0] == reference.losses[0]
-    run = train_run("fsdp=2,tp=2", 4, lora_rank=4, lora_targets=ALL)
+    run = train_run("fsdp=2,tp=2", 4, cached=False, lora_rank=4, lora_targets=ALL)
     np.testing.assert_allclose(run.losses, one.losses, rtol=1e-5, atol=0)  # as tests/test_parity.py
     assert_params_match(run.params, one.params)
     # The base is bit for bit what it started as; only the adapters moved.
@@ -68,7 +68,7 @@ def test_a_lora_run_starts_as_its_base_trains_only_its_adapters_and_matches_one_
 
 
 def test_a_frozen_base_in_bfloat16_is_stored_and_planned_as_such():
-    run = train_run("dp=2", 2, lora_rank=4, base_dtype="bfloat16")
+    run = train_run("dp=2", 2, cached=False, lora_rank=4, base_dtype="bfloat16")
     start = initial_state(init_config(run.cfg))["frozen"]
     for got, want in zip(jax.tree.leaves(run.frozen), jax.tree.leaves(start), strict=True):
         assert got.dtype == jax.numpy.bfloat16 and np.array_equal(got, want)
