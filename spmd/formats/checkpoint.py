@@ -102,9 +102,10 @@ class Checkpoints:
 
     def restore(self, step: int, abstract_state: dict, items=None, repeats: int = 1) -> dict:
         """Read `items` (default: the arrays of `abstract_state` a checkpoint holds: not the
-        step, which is the checkpoint's, nor a LoRA run's frozen base) of checkpoint `step` into the shardings of `abstract_state`, whose
-        stacked layers are stored for `repeats` (spmd.parallel.skeleton.restack). A checkpoint whose
-        layers are stored otherwise is read as it was saved, checked, then restacked once."""
+        step, which is the checkpoint's, nor a LoRA run's frozen base) of checkpoint `step`
+        into the shardings of `abstract_state`, whose stacked layers are stored for `repeats`
+        (spmd.parallel.skeleton.restack). A checkpoint whose layers are stored otherwise is
+        read as it was saved, checked, then restacked once."""
         meta = self.meta(step)
         items = items or tuple(name for name in abstract_state if name in ARRAY_ITEMS)
         saved = stacked_repeats(meta.get("config", {}))

@@ -56,7 +56,7 @@ def _json(path: Path, what: str, limit: int):
         raise UserError(f"{what}: {path.name} {exc}") from None
 
 
-def _what_directory(directory: str, what: str) -> str:
+def what_directory(directory: str, what: str) -> str:
     """`what directory`, checked to be a directory."""
     what = f"{what} {directory}"
     kind = file_kind(Path(directory))
@@ -70,7 +70,7 @@ def _what_directory(directory: str, what: str) -> str:
 @functools.lru_cache(maxsize=8)
 def _config_json(directory: str, what: str) -> tuple[dict, object]:
     """config.json checked against its family's schema: (its values, our model config)."""
-    what = _what_directory(directory, what)
+    what = what_directory(directory, what)
     path = Path(directory) / "config.json"
     if file_kind(path) == "missing":
         raise UserError(f"{what} has no config.json (give a Hugging Face model directory)")

@@ -21,7 +21,7 @@ from models.lora import TARGETS, LoRA
 from spmd.base.errors import UserError, file_kind
 from spmd.base.schema import (ANY, BOOLEAN, INTEGER, MAPPING, NUMBER, REGULAR, STRING, Bounds, Field, Invalid, check,
                               list_of, not_a_file, read_json)
-from spmd.formats.hf import TensorFiles, gathered
+from spmd.formats.hf import TensorFiles, gathered, what_directory
 from spmd.formats.safetensors import Writer
 
 CONFIG = "adapter_config.json"
@@ -55,11 +55,7 @@ FIELDS = (
 
 def read_adapter_config(directory: str, what: str = "--adapter") -> tuple[LoRA, dict]:
     """The LoRA of a PEFT adapter directory's adapter_config.json (checked), and its values."""
-    where = f"{what} {directory}"
-    kind = file_kind(Path(directory))
-    if kind != "a directory":
-        raise UserError(f"{where} does not exist" if kind == "missing" else
-                        f"{where} {not_a_file(kind, 'a directory')}")
+    where = what_directory(directory, what)
     path = Path(directory) / CONFIG
     if file_kind(path) == "missing":
         raise UserError(f"{where} has no {CONFIG} (give a PEFT adapter directory)")
