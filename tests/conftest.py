@@ -21,6 +21,11 @@ import tempfile  # noqa: E402
 _OWN_CACHE = None
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _OWN_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="spmd-tests-jax-cache-")
+# Shared by processes that run at once, the cache must lock: without a size limit JAX's file
+# cache neither locks nor writes atomically, so one process could read an entry another is
+# still writing and crash deserializing it (a worker's segfault in CI). A limit switches on
+# its file lock around every read and write; this one (64 GiB) is never reached.
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(64 << 30))
 
 # The tests compile unoptimized CPU code, in this process and in the CLI's subprocesses:
 # most of XLA:CPU's compile time is LLVM optimizing the code, while what the tests check
