@@ -37,8 +37,11 @@ import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
+import collections  # noqa: E402
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
+import gc  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -88,7 +91,39 @@ class Run:
     frozen: dict | None = None  # a LoRA run's base weights at the end
 
 
-@functools.lru_cache(maxsize=None)
+# A compiled CPU program keeps its code in memory maps (600-900 for one of these steps, with
+# its initializer), and Linux caps the maps of a process (vm.max_map_count, 65,530 by
+# default): a worker that kept every run crossed it late in the suite, and XLA crashed
+# there (a segfault serializing or loading an executable). So a worker keeps its runs
+# until its maps pass half the cap, then lets go of the least recently used.
+_RUNS: collections.OrderedDict = collections.OrderedDict()
+MAPS = Path("/proc/self/maps")
+MAP_CAP = Path("/proc/sys/vm/max_map_count")
+
+
+def _cached_run(*key) -> Run:
+    if key in _RUNS:
+        _RUNS.move_to_end(key)
+        return _RUNS[key]
+    _make_room()
+    _RUNS[key] = run = _run(*key)
+    return run
+
+
+def _make_room() -> None:
+    if not (MAPS.exists() and MAP_CAP.exists()):
+        return  # not Linux: no such cap
+    budget = int(MAP_CAP.read_text()) // 2
+    while _RUNS and _count_maps() > budget:
+        _RUNS.popitem(last=False)
+        gc.collect()  # the executables go with their last reference
+
+
+def _count_maps() -> int:
+    with MAPS.open() as maps:
+        return sum(1 for _ in maps)
+
+
 def _run(mesh: str, devices: int, items: tuple) -> Run:
     cfg = validate(TrainConfig(mesh=mesh, **dict(PARITY, **dict(items))))
     layout = make_layout(cfg, jax.devices()[:devices])
@@ -129,10 +164,10 @@ def initial_state(cfg: TrainConfig) -> dict:
 
 def train_run(mesh: str, devices: int, *, cached: bool = True, **overrides) -> Run:
     """Train PARITY's config for its steps on the first `devices` devices (cached, unless a
-    run no other test shares: a worker keeps every cached run's compiled step and HLO)."""
+    run no other test shares: a cached run holds its compiled step until `_make_room`)."""
     defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)} | PARITY
     changed = {k: v for k, v in overrides.items() if defaults.get(k) != v}  # one cache entry per config
-    return (_run if cached else _run.__wrapped__)(mesh, devices, tuple(sorted(changed.items())))
+    return (_cached_run if cached else _run)(mesh, devices, tuple(sorted(changed.items())))
 
 
 @pytest.fixture(scope="session")

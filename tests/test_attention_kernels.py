@@ -212,7 +212,7 @@ def test_kernels_train_like_todays_attention(monkeypatch, kernel, mesh, devices)
     8-token chunks one block each."""
     reference = train_run("", 1, attention_kernel="xla")
     monkeypatch.setattr(flash, "BLOCK", 12)
-    run = conftest._run.__wrapped__(mesh, devices, (("attention_kernel", kernel),))  # not cached: BLOCK differs
+    run = conftest._run(mesh, devices, (("attention_kernel", kernel),))  # not cached: BLOCK differs
     np.testing.assert_allclose(run.losses, reference.losses, rtol=1e-5, atol=0)
     np.testing.assert_allclose(run.metrics["grad_norm"], reference.metrics["grad_norm"], rtol=1e-4)
     assert_params_match(run.params, reference.params)
