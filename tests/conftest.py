@@ -26,6 +26,9 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 # still writing and crash deserializing it (a worker's segfault in CI). A limit switches on
 # its file lock around every read and write; this one (64 GiB) is never reached.
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(64 << 30))
+# Every program, not only those that took a second to compile: the CLI's subprocesses each
+# compile dozens of small ones (initializers, reshards, the checkpoint's), the same each time.
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 # The tests compile unoptimized CPU code, in this process and in the CLI's subprocesses:
 # most of XLA:CPU's compile time is LLVM optimizing the code, while what the tests check

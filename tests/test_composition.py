@@ -14,7 +14,6 @@ pytestmark = pytest.mark.xdist_group("composition")
 MOE = {"model": "moe-tiny", "layers": 4}  # 2 scan steps of a dense and an MoE block: one per stage
 LAYOUTS = [
     # (mesh, devices, overrides)
-    ("pp=2,ep=2", 4, MOE),
     ("pp=2,ep=2,dp=2", 8, MOE | {"zero": 1}),
     ("pp=2,ep=2", 4, MOE | {"pp_schedule": "1f1b", "microbatches": 4}),
     ("pp=2,ep=2", 4, MOE | {"layers": 8, "pp_schedule": "circular", "pp_repeats": 2, "microbatches": 2}),

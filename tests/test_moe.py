@@ -17,15 +17,18 @@ pytestmark = pytest.mark.xdist_group("moe")  # the all-to-all test reads the par
 # moe-tiny: 8 experts, top-2. A capacity factor of experts / k gives every expert room for
 # a whole sequence, so capacity mode drops nothing and must match dropless exactly.
 NO_DROPS = {"moe_dispatch": "capacity", "capacity_factor": 4.0}
-LAYOUTS = [(mesh, devices, mode) for mode in ({}, NO_DROPS)
-           for mesh, devices in (("ep=2", 2), ("ep=4", 4), ("ep=8", 8), ("ep=2,fsdp=2,tp=2", 8))]
+# A capacity factor of 1 drops about a fifth of the choices (test_with_sp_capacity_...).
+DROPS = {"moe_dispatch": "capacity", "capacity_factor": 1.0}
+LAYOUTS = [(mesh, devices, {}) for mesh, devices in (("ep=2", 2), ("ep=4", 4), ("ep=8", 8), ("ep=2,fsdp=2,tp=2", 8))]
+LAYOUTS += [(mesh, devices, NO_DROPS) for mesh, devices in (("ep=2", 2), ("ep=8", 8), ("ep=2,fsdp=2,tp=2", 8))]
 # Accumulation: capacity and the balance loss are per sequence, so microbatches compose.
 # With ep the experts' all-to-all runs inside the per-shard vmap over dp and fsdp; dropless
 # runs its grouped matmul there too (models.ragged).
 ACCUMULATED = [("dp=2,fsdp=2", 4, NO_DROPS), ("dp=2", 2, {}), ("ep=2", 2, {}), ("ep=2", 2, NO_DROPS)]
 LAYOUTS += [(mesh, devices, mode | {"grad_accum": 2}) for mesh, devices, mode in ACCUMULATED]
-# With sp each device routes its chunk of every sequence.
-LAYOUTS += [("sp=2,ep=2", 4, {}), ("sp=2,ep=2", 4, NO_DROPS)]
+# With sp each device routes its chunk of every sequence (and drops what one device drops:
+# test_with_sp_capacity_drops_what_one_device_drops).
+LAYOUTS += [("sp=2,ep=2", 4, {})]
 
 
 @pytest.fixture(scope="module")
@@ -51,9 +54,9 @@ def test_expert_parallel_layout_matches_one_device(moe_reference, mesh, devices,
     ("ep=2", 2, {}), ("ep=2", 2, NO_DROPS), ("ep=2,fsdp=2,tp=2", 8, NO_DROPS),
     ("ep=2,fsdp=2,tp=2", 8, {"dtype": "bfloat16"}),  # compiles (bf16 gradients of replicated experts once crashed XLA:CPU)
     ("ep=2", 2, {"grad_accum": 2}), ("ep=2", 2, NO_DROPS | {"grad_accum": 2}), ("sp=2,ep=2", 4, {}),
-    ("sp=2,ep=2", 4, NO_DROPS),
+    ("sp=2,ep=2", 4, DROPS),
 ], ids=["ep2-dropless", "ep2-capacity", "ep2-fsdp2-tp2-capacity", "ep2-fsdp2-tp2-dropless-bf16", "ep2-dropless-accum",
-        "ep2-capacity-accum", "sp2-ep2-dropless", "sp2-ep2-capacity"])
+        "ep2-capacity-accum", "sp2-ep2-dropless", "sp2-ep2-capacity-drops"])
 def test_tokens_move_by_all_to_all_and_expert_weights_are_never_gathered_over_ep(mesh, devices, mode):
     run = train_run(mesh, devices, model="moe-tiny", **mode)  # compiled once, shared with the parity test
     rows = {(r.op, r.axes): r for r in make_plan(run.cfg, run.layout, compiled=run.compiled).rows}
@@ -74,9 +77,8 @@ def test_tokens_move_by_all_to_all_and_expert_weights_are_never_gathered_over_ep
 def test_with_sp_capacity_drops_what_one_device_drops():
     """Capacity is per whole sequence even when sp splits it: each device ranks its chunk's
     choices by their place in the sequence, so the same choices are dropped."""
-    drops = {"moe_dispatch": "capacity", "capacity_factor": 1.0}
-    one = train_run("", 1, model="moe-tiny", **drops)
-    split = train_run("sp=2,ep=2", 4, model="moe-tiny", **drops)
+    one = train_run("", 1, model="moe-tiny", **DROPS)
+    split = train_run("sp=2,ep=2", 4, model="moe-tiny", **DROPS)  # compiled once, shared with the all-to-all test
     assert np.all(one.metrics["dropped"] > 0.1)  # a fifth of the choices: the test means something
     np.testing.assert_array_equal(split.metrics["dropped"], one.metrics["dropped"])
     np.testing.assert_allclose(split.losses, one.losses, rtol=LOSS_RTOL, atol=0)
