@@ -23,8 +23,8 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _OWN_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="spmd-tests-jax-cache-")
 # Shared by processes that run at once, the cache must lock: without a size limit JAX's file
 # cache neither locks nor writes atomically, so one process could read an entry another is
-# still writing and crash deserializing it (a worker's segfault in CI). A limit switches on
-# its file lock around every read and write; this one (64 GiB) is never reached.
+# still writing and deserialize a truncated program. A limit switches on its file lock
+# around every read and write; this one (64 GiB) is never reached.
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(64 << 30))
 # Every program, not only those that took a second to compile: the CLI's subprocesses each
 # compile dozens of small ones (initializers, reshards, the checkpoint's), the same each time.
@@ -97,8 +97,8 @@ class Run:
 # A compiled CPU program keeps its code in memory maps (600-900 for one of these steps, with
 # its initializer), and Linux caps the maps of a process (vm.max_map_count, 65,530 by
 # default): a worker that kept every run crossed it late in the suite, and XLA crashed
-# there (a segfault serializing or loading an executable). So a worker keeps its runs
-# until its maps pass half the cap, then lets go of the least recently used.
+# there (LLVM: "Cannot allocate memory", then an abort or a segfault). So once a worker's
+# maps pass half the cap, it clears JAX's caches, then lets go of its least recently used runs.
 _RUNS: collections.OrderedDict = collections.OrderedDict()
 MAPS = Path("/proc/self/maps")
 MAP_CAP = Path("/proc/sys/vm/max_map_count")
