@@ -1,7 +1,9 @@
 """Every preset in mesh_configs/ plans cleanly and fits the hardware it names.
 
 Each is planned as a user would (`python -m spmd.plan --config FILE --json`): the real
-step compiled for the preset's mesh on emulated CPU devices (up to 128 here).
+step compiled for the preset's mesh on emulated CPU devices (up to 128 here). The commands
+run in one driver (tests/cli_driver.py), each in its own forked process: one import of
+JAX for all of them.
 """
 
 import json
@@ -12,7 +14,10 @@ import sys
 import pytest
 import yaml
 
+pytestmark = pytest.mark.xdist_group("presets")  # the tests read one driver's results
+
 ROOT = pathlib.Path(__file__).parents[1]
+DRIVER = pathlib.Path(__file__).with_name("cli_driver.py")
 PRESETS = sorted(p for p in ROOT.joinpath("mesh_configs").glob("*.yaml")
                  if "hardware" in yaml.safe_load(p.read_text()))
 
@@ -34,12 +39,20 @@ def test_the_presets_cover_the_documented_set_ups():
     assert not missing
 
 
+@pytest.fixture(scope="module")
+def plans() -> dict:
+    cases = [{"module": "spmd.plan", "argv": ["--config", str(p), "--json"], "cwd": str(ROOT)} for p in PRESETS]
+    done = subprocess.run([sys.executable, str(DRIVER)], input=json.dumps(cases), capture_output=True, text=True,
+                          timeout=1200)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return dict(zip(PRESETS, json.loads(done.stdout)))
+
+
 @pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.stem)
-def test_preset_plans_cleanly_and_fits(preset):
-    out = subprocess.run([sys.executable, "-m", "spmd.plan", "--config", str(preset), "--json"],
-                         capture_output=True, text=True, cwd=ROOT, timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
-    plan = json.loads(out.stdout)
+def test_preset_plans_cleanly_and_fits(plans, preset):
+    out = plans[preset]
+    assert out["code"] == 0, out["stderr"][-2000:]
+    plan = json.loads(out["stdout"])
     assert plan["hardware"] == yaml.safe_load(preset.read_text())["hardware"]
     assert plan["fits"] is True, plan["per_device"]
     # Every collective the layout should emit is there, within 5% of its theory (measured:
