@@ -29,7 +29,7 @@ EXIT_PEER_FAILED = 4
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    serve_signals()  # first: every thread started from here on leaves SIGINT/SIGTERM to it
+    serve_signals()  # first: every thread started from here on leaves SIGINT/SIGTERM/SIGUSR1 to it
     quiet_library_threads()
     with one_line_errors():
         # The library is imported once signals are served (numpy starts threads when

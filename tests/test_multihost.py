@@ -115,7 +115,7 @@ def test_killing_one_process_makes_the_other_exit_with_an_error(runs):
 def test_the_processes_come_from_flags_else_the_environment_else_there_is_one():
     from spmd.base.errors import UserError
     from spmd.config import TrainConfig
-    from spmd.run.distributed import processes
+    from spmd.run.distributed import one_task_per_node, processes
 
     flags = TrainConfig(coordinator="10.0.0.1:1234", num_processes=4, process_id=3)
     env = {"JAX_COORDINATOR_ADDRESS": "h:99", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1"}
@@ -124,7 +124,11 @@ def test_the_processes_come_from_flags_else_the_environment_else_there_is_one():
     assert (got.count, got.index, got.coordinator, got.found_in) == (4, 3, "10.0.0.1:1234", "flags")
     got = processes(TrainConfig(), env)
     assert (got.count, got.index, got.coordinator, got.found_in) == (2, 1, "h:99", "environment")
-    assert processes(TrainConfig(), slurm).found_in == "SLURM"  # JAX reads the job's layout itself
+    got = processes(TrainConfig(), {**slurm, "SLURM_PROCID": "5"})  # JAX finds the coordinator itself
+    assert (got.count, got.index, got.coordinator, got.found_in) == (16, 5, None, "SLURM")
+    # One task per node drives all the node's GPUs; several share them, one GPU each (JAX's default).
+    assert one_task_per_node({**slurm, "SLURM_STEP_NUM_NODES": "16"})
+    assert not one_task_per_node({**slurm, "SLURM_STEP_NUM_NODES": "2"}) and not one_task_per_node({})
     assert processes(TrainConfig(coordinator="auto"), {}).count == 0  # JAX detects the cluster
     assert not processes(TrainConfig(), {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1"}).multi
     assert not processes(TrainConfig(), {}).multi

@@ -1,5 +1,10 @@
-"""SIGINT and SIGTERM: before training they end the run cleanly; during it they ask the
-loop to stop after a step and save (`spmd.run.loop.StopSignals`).
+"""SIGINT, SIGTERM and SIGUSR1: before training they end the run cleanly; during it they
+ask the loop to stop after a step and save (`spmd.base.signals.StopSignals`).
+
+SIGTERM is how a scheduler stops a job (SLURM's preemption and `scancel`, Kubernetes'
+pod deletion); SIGUSR1 is the warning SLURM sends ahead of a time limit when a job asks
+for it (`--signal=USR1@SECONDS`). Both stop after the step and save: the steps after a
+warning would be lost at the limit anyway, and the job can be requeued at once.
 
 Python runs a signal handler in the main thread, between two bytecodes: a Ctrl-C during
 a long XLA compile waits for the compile, then unwinds as a KeyboardInterrupt through
@@ -16,15 +21,17 @@ import sys
 import threading
 from collections.abc import Callable
 
-SIGNALS = {signal.SIGINT, signal.SIGTERM}
-EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 0}  # Ctrl-C as a shell reports it; a scheduler's stop is no failure
-STOPPED = {signal.SIGINT: 130, signal.SIGTERM: 143}  # a command that, stopped, has produced nothing: both fail
+SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGUSR1}
+# Ctrl-C as a shell reports it; a scheduler's stop or time-limit warning is no failure.
+EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 0, signal.SIGUSR1: 0}
+# A command that, stopped, has produced nothing fails: the code a shell reports for the signal.
+STOPPED = {sig: 128 + sig for sig in SIGNALS}
 
 _served: Interrupts | None = None
 
 
 class Interrupts:
-    """The process's SIGINT and SIGTERM, served by one thread. Until the training loop
+    """The process's SIGINT, SIGTERM and SIGUSR1, served by one thread. Until the training loop
     takes them (`handler`), a signal ends the process: the `cleanups` run, one line is
     printed, and the process exits with its code in `exit_codes`."""
 
@@ -54,7 +61,7 @@ class Interrupts:
 
 def serve(stopped: str = "stopped during start-up, before the first step; nothing was written",
           exit_codes: dict[int, int] = EXIT_CODES) -> Interrupts:
-    """From now on this process's SIGINT and SIGTERM are served by `Interrupts` (call it
+    """From now on this process's SIGINT, SIGTERM and SIGUSR1 are served by `Interrupts` (call it
     first thing in a command's main, before threads exist: they inherit the blocked mask)."""
     global _served
     if _served is None:
@@ -74,7 +81,7 @@ def served() -> Interrupts | None:
 
 
 class StopSignals:
-    """SIGTERM or SIGINT asks the loop to stop after the current step (and save); a second
+    """SIGTERM, SIGUSR1 or SIGINT asks the loop to stop after the current step (and save); a second
     SIGINT aborts at once. A command-line run's signals come from its signal thread
     (spmd.base.signals); a library caller's through Python's handlers, while the loop runs."""
 
@@ -86,7 +93,7 @@ class StopSignals:
         if served() is not None:
             served().handler = self._handle  # until the process ends: a signal then waits for the last save
             return self
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in SIGNALS:
             self._previous[sig] = signal.signal(sig, lambda signum, frame: self._handle(signum))
         return self
 

@@ -81,11 +81,11 @@ class _Pending:
 
 
 def _start(tokenizer_path: str, loss_on: str) -> None:
-    # Ctrl-C and a scheduler's SIGTERM (sent to every process of the job) are the trainer's:
-    # it stops after its step, saves, and ends its workers. A worker whose trainer was
-    # killed outright ends itself.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # Ctrl-C and a scheduler's SIGTERM or time-limit SIGUSR1 (sent to every process of the
+    # job) are the trainer's: it stops after its step, saves, and ends its workers. A worker
+    # whose trainer was killed outright ends itself.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
     threading.Thread(target=_end_with, args=(os.getppid(),), daemon=True).start()
     _worker.update(tokenizer=load_tokenizer_directory(tokenizer_path), loss_on=loss_on)
 

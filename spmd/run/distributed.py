@@ -30,9 +30,9 @@ JAX_JOIN_GRACE_S = 30  # JAX's own deadline comes this much after ours
 
 @dataclasses.dataclass(frozen=True)
 class Processes:
-    count: int = 1  # 0: JAX detects it (--coordinator auto)
+    count: int = 1  # 0: unknown until JAX detects it (--coordinator auto)
     index: int = 0
-    coordinator: str | None = None
+    coordinator: str | None = None  # None: JAX finds it (SLURM, --coordinator auto)
     found_in: str = "single process"
 
     @property
@@ -57,8 +57,17 @@ def processes(cfg, environ: Mapping[str, str] = os.environ) -> Processes:
             raise UserError(f"the environment sets some of {', '.join(ENV)} but not {', '.join(missing)}")
         return _checked(environ[ENV[0]], _int(environ, ENV[1]), _int(environ, ENV[2]), "environment")
     if _int(environ, "SLURM_NTASKS", 1) > 1 and "SLURM_JOB_ID" in environ:
-        return Processes(count=0, found_in="SLURM")  # JAX reads the job's nodes and task ids
+        # A job step of several tasks (srun): JAX finds the coordinator and the ids from the
+        # same variables; the count and index are read here only to share emulated devices.
+        return Processes(_int(environ, "SLURM_NTASKS"), _int(environ, "SLURM_PROCID", 0), found_in="SLURM")
     return Processes()
+
+
+def one_task_per_node(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether this SLURM job step runs one task on each of its nodes: then each process
+    drives all of its node's GPUs, as `--dcn` supposes (a process per host)."""
+    return "SLURM_STEP_NUM_NODES" in environ and \
+        _int(environ, "SLURM_NTASKS", 1) == _int(environ, "SLURM_STEP_NUM_NODES")
 
 
 def _int(environ: Mapping[str, str], name: str, default: int | None = None) -> int:
@@ -84,10 +93,14 @@ def initialize(procs: Processes, heartbeat_timeout: int, join_timeout: int = 300
     if not procs.multi:
         return
 
-    kwargs = {} if procs.count == 0 else dict(coordinator_address=procs.coordinator, num_processes=procs.count,
-                                               process_id=procs.index)
-    who = (f"process {procs.index} of {procs.count} waits for the others at {procs.coordinator}"
-           if procs.count else "waiting for the cluster's processes (found by JAX)")
+    kwargs = {} if procs.coordinator is None else dict(
+        coordinator_address=procs.coordinator, num_processes=procs.count, process_id=procs.index)
+    if procs.coordinator:
+        who = f"process {procs.index} of {procs.count} waits for the others at {procs.coordinator}"
+    elif procs.count:
+        who = f"process {procs.index} of {procs.count} ({procs.found_in}) waits for the others"
+    else:
+        who = "waiting for the cluster's processes (found by JAX)"
     print(f"{who} (up to {join_timeout} s, --join-timeout)", file=sys.stderr, flush=True)
     # When the others never come, JAX's client aborts the process with a C++ stack trace
     # (a fatal error in its own thread, which Python cannot catch): give up first, in one line.
@@ -101,6 +114,11 @@ def initialize(procs: Processes, heartbeat_timeout: int, join_timeout: int = 300
         raise UserError(f"could not join the other processes ({procs.found_in}): {first_line(exc)}") from None
     finally:
         timer.cancel()
+    if procs.found_in == "SLURM" and one_task_per_node():
+        # JAX's SLURM detection gives each process one GPU (the one of its local task id),
+        # for one task per GPU; with one task per node that would leave all but one idle.
+        for option in ("jax_cuda_visible_devices", "jax_rocm_visible_devices"):
+            jax.config.update(option, "all")
 
 
 def _give_up(procs: Processes, join_timeout: int) -> None:

@@ -139,7 +139,7 @@ def write(out: Path, flag_value: str, produce) -> None:
             with contextlib.suppress(OSError):
                 directory.rmdir()
 
-    if served():  # SIGINT/SIGTERM end the command from their own thread: the temporary goes with it
+    if served():  # SIGINT/SIGTERM/SIGUSR1 end the command from their own thread: the temporary goes with it
         served().cleanups.append(remove)
     with held_stderr() as stderr:
         try:

@@ -182,7 +182,8 @@ class Run:
                         profile.stop(done)
                         self._finish_saves()
                         where = f"saved {self.checkpoints.directory / str(done)}" if self.checkpoints else "not saved (no --out)"
-                        self.log(f"stopped by {stopping} after step {done}; {where}")
+                        # Every process says where it stopped: all the same step (StopVote).
+                        self.say(f"stopped by {stopping} after step {done}; {where}")
                         return Result(records, self.state, ok)
                 else:
                     self.save(cfg.steps)
