@@ -127,6 +127,7 @@ def test_stopped_three_times_and_requeued_the_job_ends_with_the_losses_of_one_ne
         else:  # the script requeues the job
             _wait("the requeue", lambda: True if slurm.restarts(job) == len(stops) else None, slurm, log)
         assert finalized_steps(tmp_path / "ckpt")[-1] == stops[-1]  # saved, whole, before the job ended
+    print(f"stopped after steps {stops} (seed {seed})")
     assert _job_over(slurm, job, log, timeout=600) == "COMPLETED"
     text = log.read_text()
     for step in stops:
