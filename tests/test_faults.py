@@ -90,15 +90,17 @@ def test_two_processes_stop_after_the_same_step_when_one_is_told_to(tmp_path):
             if re.match(r"\[\s*3/", line):
                 break
         procs[1].send_signal(signal.SIGTERM)  # only one of them
-        (out0, err0), (_, err1) = (p.communicate(timeout=120) for p in procs)
+        (out0, err0), (out1, err1) = (p.communicate(timeout=120) for p in procs)
     finally:
         for p in procs:
             p.kill()
     assert [p.returncode for p in procs] == [0, 0], (err0, err1)
     assert "SIGTERM: finishing this step" in err1 and "SIGTERM" not in err0
-    stopped = re.search(r"^stopped by SIGTERM after step (\d+); saved (\S+)$", out0, re.M)
-    assert stopped, out0
-    assert finalized_steps(tmp_path / "run") == [int(stopped[1])]  # both wrote their shards of that one step
+    # Each process says where it stopped: the same step, told or not.
+    reports = [re.findall(rf"^\[process {i}/2\] stopped by SIGTERM after step (\d+); saved \S+$", out, re.M)
+               for i, out in enumerate((out0, out1))]
+    assert len(reports[0]) == 1 and reports[0] == reports[1], (out0, out1)
+    assert finalized_steps(tmp_path / "run") == [int(reports[0][0])]  # both wrote their shards of that one step
 
 
 def test_a_second_run_on_the_same_out_is_refused_and_a_killed_runs_lock_is_not(tmp_path):

@@ -35,7 +35,7 @@ def _rows_read(stdout: str) -> dict[str, int]:
             re.findall(r"^(\[process \d/\d\] )?data: read ([\d,]+) training rows", stdout, re.M)}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per worker, whatever runs between its tests
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("multihost")
     corpus = tmp / "corpus"

@@ -19,7 +19,7 @@ import pytest
 
 from spmd.formats.checkpoint import finalized_steps
 
-pytestmark = pytest.mark.xdist_group("network")
+pytestmark = pytest.mark.xdist_group("multihost")  # one worker for the runs of several processes
 
 SUBNET = "10.77.0"
 PORT = 7010
@@ -81,7 +81,7 @@ def _ip(*args: str) -> str:
     return subprocess.run(["ip", *args], capture_output=True, text=True, check=True).stdout
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per worker, whatever runs between its tests
 def hosts():
     if os.geteuid() != 0 or not shutil.which("ip"):
         reason = "two network namespaces need root and iproute2's ip"
@@ -101,12 +101,12 @@ def _kill(*procs: subprocess.Popen) -> None:
             p.wait()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per worker, whatever runs between its tests
 def run(hosts, tmp_path_factory):
     """One run over both hosts, its wire read at steps FIRST and LAST, then host 1's process
     killed; beside it one process on the whole mesh and the plan of the layout."""
     tmp = tmp_path_factory.mktemp("network")
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # as a user runs it: XLA optimizing
+    env = dict(os.environ)
     train = [*FLAGS, "--steps", str(STEPS)]
     one = subprocess.Popen([sys.executable, "-m", "spmd.train", *train, "--metrics-file", str(tmp / "one.jsonl")], env=env,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -39,7 +39,7 @@ def test_the_presets_cover_the_documented_set_ups():
     assert not missing
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per worker, whatever runs between its tests
 def plans() -> dict:
     cases = [{"module": "spmd.plan", "argv": ["--config", str(p), "--json"], "cwd": str(ROOT)} for p in PRESETS]
     done = subprocess.run([sys.executable, str(DRIVER)], input=json.dumps(cases), capture_output=True, text=True,

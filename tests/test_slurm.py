@@ -19,7 +19,7 @@ from slurm_cluster import Slurm, install
 
 from spmd.formats.checkpoint import finalized_steps
 
-pytestmark = pytest.mark.xdist_group("slurm")  # one worker: one cluster, its jobs in turn
+pytestmark = pytest.mark.xdist_group("multihost")  # one worker for the runs of several processes
 
 SCRIPT = Path(__file__).parents[1] / "examples" / "slurm" / "train.sbatch"
 STEPS = 100
@@ -28,7 +28,7 @@ FLAGS = ["--mesh", "dp=2,fsdp=2,tp=2", "--steps", str(STEPS), "--batch", "16", "
 STOPPED = re.compile(r"^\[process (\d)/2\] stopped by (SIG\w+) after step (\d+); saved", re.M)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per worker, whatever runs between its tests
 def slurm(tmp_path_factory):
     reason = install()
     if reason:
@@ -72,7 +72,7 @@ def _losses(path: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in map(json.loads, path.read_text().splitlines())}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per worker, whatever runs between its tests
 def uninterrupted(slurm, tmp_path_factory):
     """The script's 2-task job and one process with the whole mesh, at once."""
     tmp = tmp_path_factory.mktemp("uninterrupted")
