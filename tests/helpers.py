@@ -1,6 +1,8 @@
 """What the command-line and fault tests share: the one-line check, a directory's
-snapshot, and a private user and mount namespace to make faults in."""
+snapshot, the losses a metrics file records, and a private user and mount namespace to make
+faults in."""
 
+import json
 import subprocess
 from pathlib import Path
 
@@ -25,3 +27,8 @@ def in_namespace(script: str, cwd: Path, timeout: float = 300, **kwargs) -> subp
     where it may mount a tiny tmpfs or a read-only bind mount that no one else sees."""
     return subprocess.run(["unshare", "-rm", "sh", "-ec", script], cwd=cwd, capture_output=True, text=True,
                           timeout=timeout, **kwargs)
+
+
+def losses_by_step(metrics_file: Path) -> dict[int, float]:
+    """The loss of each step a --metrics-file records."""
+    return {r["step"]: r["loss"] for r in map(json.loads, metrics_file.read_text().splitlines())}

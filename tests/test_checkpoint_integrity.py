@@ -27,7 +27,7 @@ import jax
 import numpy as np
 import pytest
 import tensorstore as ts
-from helpers import one_error_line, snapshot
+from helpers import losses_by_step, one_error_line, snapshot
 
 from spmd.base.errors import UserError
 from spmd.config import TrainConfig, validate
@@ -48,9 +48,6 @@ def _train(*args) -> subprocess.CompletedProcess:
                           timeout=300)
 
 
-def _losses(metrics_file: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in map(json.loads, metrics_file.read_text().splitlines())}
-
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
@@ -58,7 +55,7 @@ def saved(tmp_path_factory):
     base = tmp_path_factory.mktemp("integrity")
     done = _train("--save-every", "2", "--out", str(base / "run"), "--metrics-file", str(base / "losses.jsonl"))
     assert done.returncode == 0, done.stderr
-    return base / "run", _losses(base / "losses.jsonl")
+    return base / "run", losses_by_step(base / "losses.jsonl")
 
 
 @pytest.fixture
@@ -150,7 +147,7 @@ def test_every_array_has_its_checksum_and_another_mesh_verifies_them(saved):
     done = _train("--mesh", "fsdp=4", "--resume", str(run / "2"), "--metrics-file", str(run.parent / "fsdp4.jsonl"))
     assert done.returncode == 0, done.stderr
     assert f"resumed from {run / '2'}" in done.stdout
-    resumed = _losses(run.parent / "fsdp4.jsonl")
+    resumed = losses_by_step(run.parent / "fsdp4.jsonl")
     assert sorted(resumed) == [2, 3]
     np.testing.assert_allclose([resumed[s] for s in (2, 3)], [losses[s] for s in (2, 3)], rtol=1e-5, atol=0)
 
@@ -167,7 +164,7 @@ def test_a_changed_value_is_refused_naming_the_previous_checkpoint(saved, copy, 
     # writing on into the same directory: the damaged step 4 is replaced by a sound one.
     done = _train("--resume", str(copy / "2"), "--out", str(copy), "--metrics-file", str(tmp_path / "resumed.jsonl"))
     assert done.returncode == 0, done.stderr
-    assert _losses(tmp_path / "resumed.jsonl") == {2: losses[2], 3: losses[3]}
+    assert losses_by_step(tmp_path / "resumed.jsonl") == {2: losses[2], 3: losses[3]}
     assert f"the later checkpoints of {copy} (4) are replaced" in done.stdout
     assert _restore(copy, 4)["params"]  # verifies against its checksums
 
@@ -215,7 +212,7 @@ def test_a_changed_run_is_refused_unless_asked_for(saved, tmp_path):
     done = _train("--resume", str(run / "2"), "--steps", "6", "--resume-with-changes",
                   "--metrics-file", str(tmp_path / "longer.jsonl"))
     assert done.returncode == 0, done.stderr
-    assert sorted(_losses(tmp_path / "longer.jsonl")) == [2, 3, 4, 5]
+    assert sorted(losses_by_step(tmp_path / "longer.jsonl")) == [2, 3, 4, 5]
 
 
 def test_check_resumable_names_each_changed_option_and_lets_the_layout_change(saved):

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import losses_by_step
 
 from spmd.formats.checkpoint import finalized_steps
 
@@ -122,7 +123,8 @@ def run(hosts, tmp_path_factory):
             lines.append(line)
             if (m := re.match(r"\[\s*(\d+)/", line)) and int(m.group(1)) in (FIRST, LAST):
                 sent[int(m.group(1))] = (hosts.sent(0), hosts.sent(1))
-            if len(sent) == 2 and (m and int(m.group(1)) >= LAST + 12) or time.monotonic() > deadline:
+            past_last = len(sent) == 2 and m and int(m.group(1)) >= LAST + 12
+            if past_last or time.monotonic() > deadline:
                 break
         procs[1].kill()  # host 1's process dies mid-run (its host went down)
         killed = time.monotonic()
@@ -138,12 +140,9 @@ def run(hosts, tmp_path_factory):
                 ended_after=ended_after, plan=json.loads(plan_out), env=env)
 
 
-def _losses(path: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in map(json.loads, path.read_text().splitlines())}
-
 
 def test_two_hosts_train_to_the_losses_of_one_process(run):
-    two, one = _losses(run["tmp"] / "two.jsonl"), _losses(run["tmp"] / "one.jsonl")
+    two, one = losses_by_step(run["tmp"] / "two.jsonl"), losses_by_step(run["tmp"] / "one.jsonl")
     steps = sorted(set(two) & set(one))
     assert steps[0] == 0 and steps[-1] >= LAST  # the steps before the kill
     # Sums over the devices grouped otherwise (across the hosts, then within): float32's last bits.

@@ -4,7 +4,6 @@ the losses of one process; stopped by SIGTERM (as a preemption stops it) or by t
 time-limit warning, every process saves the same step, and the requeued job resumes from
 it to the losses of a run never stopped."""
 
-import json
 import os
 import random
 import re
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import losses_by_step
 from slurm_cluster import Slurm, install
 
 from spmd.formats.checkpoint import finalized_steps
@@ -68,9 +68,6 @@ def _job_over(slurm: Slurm, job: str, log: Path, timeout: float = 300) -> str:
     return _wait(f"end of job {job}", lambda: s if (s := slurm.job_state(job)) in over else None, slurm, log, timeout)
 
 
-def _losses(path: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in map(json.loads, path.read_text().splitlines())}
-
 
 @pytest.fixture(scope="session")  # once per worker, whatever runs between its tests
 def uninterrupted(slurm, tmp_path_factory):
@@ -82,7 +79,7 @@ def uninterrupted(slurm, tmp_path_factory):
     _, err = one.communicate(timeout=600)
     assert one.returncode == 0, err
     assert _job_over(slurm, job, log) == "COMPLETED", log.read_text()
-    return {"one": _losses(tmp / "one.jsonl"), "two": _losses(tmp / "two.jsonl"), "log": log.read_text()}
+    return {"one": losses_by_step(tmp / "one.jsonl"), "two": losses_by_step(tmp / "two.jsonl"), "log": log.read_text()}
 
 
 def test_the_job_script_runs_two_tasks_as_one_run_with_the_losses_of_one_process(uninterrupted):
@@ -132,7 +129,7 @@ def test_stopped_three_times_and_requeued_the_job_ends_with_the_losses_of_one_ne
     text = log.read_text()
     for step in stops:
         assert f"resumed from {tmp_path / 'ckpt' / str(step)}" in text
-    losses = _losses(tmp_path / "ckpt" / "metrics.jsonl")
+    losses = losses_by_step(tmp_path / "ckpt" / "metrics.jsonl")
     assert list(losses) == list(range(STEPS))  # each step once, across the four starts of the job
     # Resumed on the same mesh and processes, a stopped run computes what an unstopped one does.
     assert losses == uninterrupted["two"], f"stopped after steps {stops} (seed {seed})"

@@ -25,6 +25,7 @@ from spmd.base.errors import UserError, first_line
 AUTO = "auto"
 ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
 EXIT_TIMEOUT = 3
+SLURM = "SLURM"  # Processes.found_in of a SLURM job step
 JAX_JOIN_GRACE_S = 30  # JAX's own deadline comes this much after ours
 
 
@@ -59,7 +60,7 @@ def processes(cfg, environ: Mapping[str, str] = os.environ) -> Processes:
     if _int(environ, "SLURM_NTASKS", 1) > 1 and "SLURM_JOB_ID" in environ:
         # A job step of several tasks (srun): JAX finds the coordinator and the ids from the
         # same variables; the count and index are read here only to share emulated devices.
-        return Processes(_int(environ, "SLURM_NTASKS"), _int(environ, "SLURM_PROCID", 0), found_in="SLURM")
+        return Processes(_int(environ, "SLURM_NTASKS"), _int(environ, "SLURM_PROCID", 0), found_in=SLURM)
     return Processes()
 
 
@@ -114,7 +115,7 @@ def initialize(procs: Processes, heartbeat_timeout: int, join_timeout: int = 300
         raise UserError(f"could not join the other processes ({procs.found_in}): {first_line(exc)}") from None
     finally:
         timer.cancel()
-    if procs.found_in == "SLURM" and one_task_per_node():
+    if procs.found_in == SLURM and one_task_per_node():
         # JAX's SLURM detection gives each process one GPU (the one of its local task id),
         # for one task per GPU; with one task per node that would leave all but one idle.
         for option in ("jax_cuda_visible_devices", "jax_rocm_visible_devices"):
