@@ -191,3 +191,15 @@ def pytest_collection_modifyitems(items):
     """The README's commands first: the longest test (minutes of one-command processes)
     starts at once beside the rest, instead of running alone at the end."""
     items.sort(key=lambda item: item.module.__name__ != "test_readme")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session):
+    """A group's tests share fixtures and must not run at once on two workers (two SLURM
+    clusters, two copies of a driver): refuse a pytest and pytest-xdist that drop the
+    groups (xdist marks a grouped test's id with @GROUP)."""
+    if session.config.getvalue("loadgroup"):
+        lost = [i.nodeid for i in session.items if i.get_closest_marker("xdist_group") and "@" not in i.nodeid]
+        if lost:
+            raise pytest.UsageError(f"--dist loadgroup ignores the xdist_group of {lost[0]} and others with this "
+                                    "pytest and pytest-xdist; install the versions pyproject.toml's test extra names")
