@@ -198,7 +198,8 @@ def pytest_collection_finish(session):
     """A group's tests share fixtures and must not run at once on two workers (two SLURM
     clusters, two copies of a driver): refuse a pytest and pytest-xdist that drop the
     groups (xdist marks a grouped test's id with @GROUP)."""
-    if session.config.getvalue("loadgroup"):
+    # xdist's workers set option.loadgroup (-n 0 runs have no workers and no such option).
+    if getattr(session.config.option, "loadgroup", False):
         lost = [i.nodeid for i in session.items if i.get_closest_marker("xdist_group") and "@" not in i.nodeid]
         if lost:
             raise pytest.UsageError(f"--dist loadgroup ignores the xdist_group of {lost[0]} and others with this "
