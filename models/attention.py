@@ -113,16 +113,48 @@ def _banded_attention(q, k, v, segments, window: int) -> jax.Array:
     return out.reshape(b, n * window, *q.shape[2:])[:, :s]
 
 
-def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_slots: jax.Array, valid: jax.Array,
-                     window: int | None = None) -> jax.Array:
-    """Queries at cache slots `q_slots` (s,) against a whole key/value cache (batch, kv_heads,
-    t, head_dim): a query sees the slots up to its own that `valid` (batch, t) marks, and
-    inside the window (a row's tokens take consecutive slots, so slots count positions)."""
-    scores = jnp.einsum("bskgd,bktd->bkgst", q, k).astype(jnp.float32) / math.sqrt(q.shape[-1])
-    shown = visible(q_slots, jnp.arange(k.shape[2]), window)[None] & valid[:, None, :]  # (b, s, t)
-    scores = jnp.where(shown[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return jnp.einsum("bkgst,bktd->bskgd", probs, v)
+DECODE_CHUNK = 128  # cache slots a decoding query reads at a time
+
+
+def cached_attention(q: jax.Array, read, length: int, q_slots: jax.Array, valid: jax.Array,
+                     window=None) -> jax.Array:
+    """Queries at consecutive cache slots `q_slots` (s,) against a key/value cache of
+    `length` slots, which `read(start, size)` returns a piece of ((batch, kv_heads, size,
+    head_dim) keys and values): a query sees the slots up to its own that `valid` (batch,
+    length) marks, and inside the window (a row's tokens take consecutive slots, so slots
+    count positions; `window` may be traced, None for none).
+
+    Only the chunks of DECODE_CHUNK slots from the window's start to the last query's
+    slot are read, merged by an online softmax, so a new token costs what its context
+    holds, not what the cache could hold."""
+    b, s, kv, g, d = q.shape
+    chunk = min(DECODE_CHUNK, length)
+    first = 0 if window is None else jnp.maximum(q_slots[0] - window + 1, 0)
+
+    def visit(n, state):
+        out, top, total = state
+        # The last chunk ends at the cache's end; it may overlap the one before, whose
+        # slots it skips (`fresh`).
+        start = jnp.minimum(n * chunk, length - chunk)
+        k, v = read(start, chunk)
+        slots = start + jnp.arange(chunk)
+        fresh = slots >= n * chunk
+        shown = (visible(q_slots, slots, window) & fresh)[None] & jax.lax.dynamic_slice_in_dim(valid, start, chunk, 1)[:, None]
+        shown = shown[:, None, None]  # (b, 1, 1, s, chunk)
+        scores = jnp.einsum("bskgd,bktd->bkgst", q, k, preferred_element_type=jnp.float32) / math.sqrt(d)
+        new_top = jnp.maximum(top, jnp.max(jnp.where(shown, scores, flash.HIDDEN), axis=-1))
+        weights = jnp.where(shown, jnp.exp(scores - new_top[..., None]), 0.0)
+        rescale = jnp.exp(top - new_top)
+        values = jnp.einsum("bkgst,bktd->bskgd", weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        out = out * jnp.moveaxis(rescale, -1, 1)[..., None] + values
+        return out, new_top, total * rescale + jnp.sum(weights, axis=-1)
+
+    start = (jnp.zeros(q.shape, jnp.float32), jnp.full((b, kv, g, s), flash.HIDDEN, jnp.float32),
+             jnp.zeros((b, kv, g, s), jnp.float32))
+    out, _, total = jax.lax.fori_loop(first // chunk, q_slots[-1] // chunk + 1, visit, start)
+    # A query that sees no slot (a row's left padding in the prompt) gets zeros, not NaN.
+    total = jnp.where(total > 0, total, 1.0)
+    return (out / jnp.moveaxis(total, -1, 1)[..., None]).astype(q.dtype)
 
 
 def cudnn_attention(q, k, v, q_positions, k_positions, q_segments=None, k_segments=None, window=None):

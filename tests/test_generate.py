@@ -27,7 +27,7 @@ import pytest
 from flax import nnx
 from helpers import one_error_line, snapshot
 
-from models import PRESETS, Llama
+from models import PRESETS, Llama, attention
 from spmd.config import TrainConfig, validate
 from spmd.formats.hf import Directory, load_params
 from spmd.inference.decode import Decoder, Sampling, bucket, filtered, left_padded, sample
@@ -120,6 +120,20 @@ def test_greedy_equals_transformers_generate(name, mesh):
         want = np.load(folder / f"greedy-{length}.npy")
         got = _decode(layout, params, list(tokens[:, :length]), want.shape[1])
         np.testing.assert_array_equal(got, want, err_msg=f"{name} on {mesh}, prompts of {length}")
+
+
+@pytest.mark.parametrize("name,mesh", [("mistral", "dp=1"), ("gemma3", "fsdp=2,tp=2")])
+def test_greedy_reading_the_cache_in_small_chunks(monkeypatch, tiny, name, mesh):
+    """Decoding reads the cache a chunk at a time, up to the newest token (the online
+    softmax of models.attention.cached_attention). Chunks of 8 slots make the goldens'
+    caches (32 prompt slots + new tokens) several chunks, the last overlapping the one
+    before; the windows of Mistral and of Gemma 3's local layers skip the chunks before
+    them. The tokens stay transformers' and recomputation's."""
+    monkeypatch.setattr(attention, "DECODE_CHUNK", 8)
+    test_greedy_equals_transformers_generate(name, mesh)
+    params, prompts = tiny
+    np.testing.assert_array_equal(_decode(_layout("dp=2,tp=2"), params, prompts, NEW),
+                                  _recomputed(params, prompts, NEW))
 
 
 def test_sampling_gives_the_same_tokens_on_any_mesh(tiny):

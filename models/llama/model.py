@@ -149,12 +149,18 @@ class Attention(nnx.Module):
             start = (*block, 0, 0, at.slot, 0)
             new = new.swapaxes(1, 2)[None, None].astype(cache[name].dtype)  # (1, 1, batch, kv_heads, seq, head_dim)
             cache[name] = jax.lax.dynamic_update_slice(cache[name], new, start)
-        names = ("batch", "kv_heads", None, "head_dim")
-        k_all, v_all = (constrain(cache[name][block], *names).astype(q.dtype) for name in ("k", "v"))
+        length = cache["k"].shape[-2]
+
+        def read(start, size):
+            """Slots start..start + size of this block's keys and values (only those are read)."""
+            shape = (1, 1, *cache["k"].shape[2:-2], size, cache["k"].shape[-1])
+            return tuple(constrain(jax.lax.dynamic_slice(cache[name], (*block, 0, 0, start, 0), shape)[0, 0],
+                                   "batch", "kv_heads", None, "head_dim").astype(q.dtype) for name in ("k", "v"))
+
         window = self.cfg.window
         if local is not None:  # a window past the cache's end shows all of it
-            window = jnp.where(local, window, k_all.shape[2] + 1)
-        return self._output(cached_attention(q, k_all, v_all, at.slots(x.shape[1]), at.valid, window)), cache
+            window = jnp.where(local, window, length + 1)
+        return self._output(cached_attention(q, read, length, at.slots(x.shape[1]), at.valid, window)), cache
 
     def _project(self, x: jax.Array, positions: jax.Array, local: jax.Array | None = None
                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
