@@ -54,6 +54,30 @@ def attention_lse(q, k, v, q_positions, k_positions, q_segments=None, k_segments
     return out[:, :s], lse[..., :s]
 
 
+def attention_gradients(q, k, v, q_positions, k_positions, q_segments, k_segments, out, lse, d_out,
+                        window: int | None = None, block: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """float32 (dq, dk, dv) of the share of attention that the keys `k`, `v` hold, given the
+    whole attention's float32 output `out` and log-sum-exp `lse` (over these keys and
+    others) and the output's cotangent `d_out`: what ring attention's backward pass adds
+    up one visiting K/V block at a time."""
+    s, t, block = q.shape[1], k.shape[1], block or BLOCK
+    bq, bk = min(block, s), min(block, t)
+    q_positions, k_positions = jnp.asarray(q_positions, jnp.int32), jnp.asarray(k_positions, jnp.int32)
+    q, padded_positions = _pad(q, q_positions, bq, 0)
+    # Padded queries have no output gradient, so they add nothing.
+    out, _ = _pad(out, q_positions, bq, 0)
+    d_out, _ = _pad(d_out.astype(jnp.float32), q_positions, bq, 0)
+    lse = jnp.pad(lse, [(0, 0)] * (lse.ndim - 1) + [(0, q.shape[1] - s)])
+    k, k_positions = _pad(k, k_positions, bk, _NOWHERE)
+    v, _ = _pad(v, k_positions, bk, _NOWHERE)
+    segments = None
+    if q_segments is not None:
+        segments = (_pad_segments(q_segments, bq), _pad_segments(k_segments, bk))
+    residuals = (q, k, v, padded_positions, k_positions, segments, out, lse)
+    d_q, d_k, d_v = _gradients(bq, bk, window, residuals, (d_out, jnp.zeros_like(lse)))
+    return d_q[:, :s], d_k[:, :t], d_v[:, :t]
+
+
 def merge(a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
     """Attention over the union of two disjoint key sets, from each one's (out, lse)."""
     (out_a, lse_a), (out_b, lse_b) = a, b
@@ -174,8 +198,15 @@ def _flash_forward(q, k, v, q_pos, k_pos, segments, bq, bk, window):
 
 
 def _flash_backward(bq, bk, window, residuals, cotangents):
-    """Scores recomputed block pair by block pair: for each key block, a pass over the
-    query blocks accumulates its dK and dV and each query block's share of dQ."""
+    q, k, v = residuals[:3]
+    d_q, d_k, d_v = _gradients(bq, bk, window, residuals, cotangents)
+    return d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype), None, None, None
+
+
+def _gradients(bq, bk, window, residuals, cotangents):
+    """float32 (dq, dk, dv), the scores recomputed block pair by block pair: for each key
+    block, a pass over the query blocks accumulates its dK and dV and each query block's
+    share of dQ."""
     q, k, v, q_pos, k_pos, segments, out, lse = residuals
     d_out, d_lse = cotangents
     q_pos, k_pos, segments = _varying(q_pos, k_pos, segments, d_out)
@@ -216,7 +247,7 @@ def _flash_backward(bq, bk, window, residuals, cotangents):
 
     d_q, (d_k, d_v) = jax.lax.scan(one_key_block, jnp.zeros(q.shape, jnp.float32),
                                    (_blocks(k, bk), _blocks(v, bk), k_pos.reshape(-1, bk), ks_blocks))
-    return (d_q.astype(q.dtype), _unblock(d_k).astype(k.dtype), _unblock(d_v).astype(v.dtype), None, None, None)
+    return d_q, _unblock(d_k), _unblock(d_v)
 
 
 _flash.defvjp(_flash_forward, _flash_backward)

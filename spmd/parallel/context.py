@@ -122,43 +122,118 @@ def _halves(x, chunk: int):
 
 
 def _ring(q, k, v, segments, *, n: int, window):
-    rank = jax.lax.axis_index(AXIS)
-    chunk = q.shape[1] // 2
-    q_chunks = list(zip(_halves(q, chunk), (rank, 2 * n - 1 - rank), _halves(segments, chunk)))
-    ring = [(j, (j + 1) % n) for j in range(n)]
+    return _ring_attention(q, k, v, segments, n, window)
 
-    def attend_chunk(qc, kc, vc, qi, ki, qs, ks):
-        return flash.attention_lse(qc, kc, vc, _positions(qi, chunk), _positions(ki, chunk), qs, ks, window)
 
-    def seen(qi, ki):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _ring_attention(q, k, v, segments, n: int, window):
+    out, _ = _ring_forward_pass(q, k, v, segments, n, window)
+    return out.astype(q.dtype)
+
+
+class _Ring:
+    """One rank's view of the ring: its two query chunks, which K/V chunk pairs the mask
+    hides, and the blocks' travel (rank j sends to j + 1, so after `step` hops a rank
+    holds the block of rank - step)."""
+
+    def __init__(self, q, segments, n: int, window):
+        self.n, self.window, self.chunk = n, window, q.shape[1] // 2
+        self.rank = jax.lax.axis_index(AXIS)
+        self.q_index = (self.rank, 2 * n - 1 - self.rank)
+        self.q_segments = _halves(segments, self.chunk)
+        self.pairs = [(j, (j + 1) % n) for j in range(n)]
+
+    def send(self, *blocks):
+        return tuple(None if b is None else jax.lax.ppermute(b, AXIS, self.pairs) for b in blocks)
+
+    def chunk_pairs(self, source):
+        """(query half, key half, query chunk index, key chunk index) of the local queries
+        against the block that `source` holds."""
+        k_index = (source, 2 * self.n - 1 - source)
+        return [(i, j, self.q_index[i], k_index[j]) for j in range(2) for i in range(2)]
+
+    def seen(self, qi, ki):
         """Whether any key of chunk ki is visible to a query of chunk qi: not after it, and
         (under a window) its last key less than a window before the chunk's first query."""
         causal = qi >= ki
-        return causal if window is None else causal & (qi * chunk - (ki * chunk + chunk - 1) < window)
+        c = self.chunk
+        return causal if self.window is None else causal & (qi * c - (ki * c + c - 1) < self.window)
+
+    def positions(self, index):
+        return _positions(index, self.chunk)
+
+
+def _ring_forward_pass(q, k, v, segments, n: int, window):
+    """(output in float32, log-sum-exp) of the local queries over the whole sequence: the
+    K/V blocks travel n - 1 hops, each chunk pair merged by its log-sum-exp; a chunk pair
+    that the mask hides entirely is skipped (`lax.cond`)."""
+    ring = _Ring(q, segments, n, window)
+    q_halves = _halves(q, ring.chunk)
 
     def visit(states, k, v, k_segments, source):
-        """Merge the attention of the local queries on the K/V block that `source` holds."""
-        k_chunks = zip(_halves(k, chunk), _halves(v, chunk), (source, 2 * n - 1 - source),
-                       _halves(k_segments, chunk))
+        k_halves, v_halves, ks_halves = _halves(k, ring.chunk), _halves(v, ring.chunk), _halves(k_segments, ring.chunk)
         states = list(states)
-        for kc, vc, ki, ks in k_chunks:
-            for i, (qc, qi, qs) in enumerate(q_chunks):
-                # A key chunk after the query chunk (or out of its window) is hidden: skip it.
-                part = jax.lax.cond(seen(qi, ki), attend_chunk, lambda qc, *_: flash.nothing(qc),
-                                    qc, kc, vc, qi, ki, qs, ks)
-                states[i] = flash.merge(states[i], part)
+        for i, j, qi, ki in ring.chunk_pairs(source):
+            attend = functools.partial(flash.attention_lse, window=window)  # the window stays static
+            part = jax.lax.cond(ring.seen(qi, ki), attend, lambda qc, *_: flash.nothing(qc),
+                                q_halves[i], k_halves[j], v_halves[j], ring.positions(qi), ring.positions(ki),
+                                ring.q_segments[i], ks_halves[j])
+            states[i] = flash.merge(states[i], part)
         return tuple(states)
 
     def hop(carry, step):
         k, v, k_segments, states = carry
-        # Named as activations: remat policies that keep those keep the received blocks,
-        # so the backward pass does not pass them around the ring again.
-        k = checkpoint_name(jax.lax.ppermute(k, AXIS, ring), ACTIVATION)
-        v = checkpoint_name(jax.lax.ppermute(v, AXIS, ring), ACTIVATION)
-        if k_segments is not None:
-            k_segments = jax.lax.ppermute(k_segments, AXIS, ring)
-        return (k, v, k_segments, visit(states, k, v, k_segments, (rank - step) % n)), None
+        k, v, k_segments = ring.send(k, v, k_segments)
+        return (k, v, k_segments, visit(states, k, v, k_segments, (ring.rank - step) % n)), None
 
-    states = visit(tuple(flash.nothing(qc) for qc, _, _ in q_chunks), k, v, segments, rank)
+    states = visit(tuple(flash.nothing(qc) for qc in q_halves), k, v, segments, ring.rank)
     (_, _, _, states), _ = jax.lax.scan(hop, (k, v, segments, states), jnp.arange(1, n))
-    return jnp.concatenate([out for out, _ in states], axis=1).astype(q.dtype)
+    return jnp.concatenate([out for out, _ in states], axis=1), jnp.concatenate([lse for _, lse in states], axis=-1)
+
+
+def _ring_forward(q, k, v, segments, n: int, window):
+    out, lse = _ring_forward_pass(q, k, v, segments, n, window)
+    # What the backward pass needs is the local blocks, the output and its log-sum-exp:
+    # no hop's blocks or partial results are kept, so memory is 1/sp of one device's.
+    # Named as activations, like the chunked kernel's: a policy that keeps those keeps these.
+    out, lse = checkpoint_name(out, ACTIVATION), checkpoint_name(lse, ACTIVATION)
+    return out.astype(q.dtype), (q, k, v, segments, out, lse)
+
+
+def _ring_backward(n: int, window, residuals, d_out):
+    """The K/V blocks go around the ring again, each with its float32 dK and dV, to which
+    every rank adds its queries' share; one last hop brings the gradients home."""
+    q, k, v, segments, out, lse = residuals
+    ring = _Ring(q, segments, n, window)
+    c = ring.chunk
+    q_halves, out_halves, d_out_halves = _halves(q, c), _halves(out, c), _halves(d_out, c)
+    lse_halves = (lse[..., :c], lse[..., c:])
+
+    def visit(d_q, d_k, d_v, k, v, k_segments, source):
+        k_halves, v_halves, ks_halves = _halves(k, c), _halves(v, c), _halves(k_segments, c)
+        d_q, d_k, d_v = list(d_q), list(_halves(d_k, c)), list(_halves(d_v, c))
+        for i, j, qi, ki in ring.chunk_pairs(source):
+            def nothing(*_):
+                return (jnp.zeros(q_halves[i].shape, jnp.float32), jnp.zeros(k_halves[j].shape, jnp.float32),
+                        jnp.zeros(v_halves[j].shape, jnp.float32))
+            gradients = functools.partial(flash.attention_gradients, window=window)
+            g_q, g_k, g_v = jax.lax.cond(
+                ring.seen(qi, ki), gradients, nothing, q_halves[i], k_halves[j], v_halves[j], ring.positions(qi),
+                ring.positions(ki), ring.q_segments[i], ks_halves[j], out_halves[i], lse_halves[i], d_out_halves[i])
+            d_q[i], d_k[j], d_v[j] = d_q[i] + g_q, d_k[j] + g_k, d_v[j] + g_v
+        return tuple(d_q), jnp.concatenate(d_k, axis=1), jnp.concatenate(d_v, axis=1)
+
+    def hop(carry, step):
+        k, v, k_segments, d_k, d_v, d_q = carry
+        k, v, k_segments, d_k, d_v = ring.send(k, v, k_segments, d_k, d_v)
+        d_q, d_k, d_v = visit(d_q, d_k, d_v, k, v, k_segments, (ring.rank - step) % n)
+        return (k, v, k_segments, d_k, d_v, d_q), None
+
+    zeros = jnp.zeros(k.shape, jnp.float32)
+    d_q, d_k, d_v = visit((jnp.zeros(q_halves[0].shape, jnp.float32),) * 2, zeros, zeros, k, v, segments, ring.rank)
+    (_, _, _, d_k, d_v, d_q), _ = jax.lax.scan(hop, (k, v, segments, d_k, d_v, d_q), jnp.arange(1, n))
+    d_k, d_v = ring.send(d_k, d_v)  # after n - 1 hops a rank holds rank + 1's block: one more hop home
+    return jnp.concatenate(d_q, axis=1).astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype), None
+
+
+_ring_attention.defvjp(_ring_forward, _ring_backward)
