@@ -6,8 +6,7 @@ import jax
 
 from spmd.base.console import human_bytes
 from spmd.parallel import kernels
-from spmd.planner.roofline import OVERLAPPED_AXES, crosses_nodes
-from spmd.planner.traffic import mesh_axes
+from spmd.planner.roofline import crosses_nodes
 
 
 def describe_run(cfg, layout, plan, data: str, compile_s: float) -> list[str]:
@@ -103,7 +102,9 @@ def roofline_lines(plan) -> list[str]:
     parts = []
     for axes, seconds in sorted(p.comm_s.items(), key=lambda kv: -kv[1]):
         link = "inter-node" if crosses_nodes(axes, plan.layout.shape, hw.devices_per_node) else "intra-node"
-        hidden = "overlapped" if set(mesh_axes(axes)) <= OVERLAPPED_AXES else "exposed"
+        exposed = p.exposed_by_axes.get(axes, 0.0)
+        hidden = ("overlapped" if not exposed else "exposed" if exposed >= seconds
+                  else f"{_seconds(exposed)} of it exposed")
         parts.append(f"{axes} {_seconds(seconds)} ({link}, {hidden})")
     return [f"roofline on {hw.description} ({hw.peak_flops(plan.cfg.dtype) / 1e12:g} TFLOP/s {plan.cfg.dtype}): "
             f"compute {_seconds(p.compute_s)}" + (f"; communication {', '.join(parts)}" if parts else ""),

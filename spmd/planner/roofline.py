@@ -31,6 +31,7 @@ OVERLAPPED_AXES = {"dp", "fsdp", "ep"}
 class Prediction:
     compute_s: float
     comm_s: dict[str, float]  # axes label -> seconds on its links
+    exposed_by_axes: dict[str, float]  # axes label -> those of its seconds compute cannot hide
     exposed_s: float  # communication that compute cannot hide
     overlapped_s: float
     step_s: float
@@ -68,15 +69,19 @@ def predict(cfg, shape: Mapping[str, int], model_cfg, traffic: Iterable[tuple[st
         executed *= Schedule.of(cfg, shape["pp"]).compute_overhead
     compute_s = executed / devices / hardware.peak_flops(cfg.dtype)
     comm: dict[str, float] = {}
-    exposed = overlapped = 0.0
+    exposed: dict[str, float] = {}
     for op, axes, nbytes in traffic:
         link = hardware.inter_gbs if crosses_nodes(axes, shape, hardware.devices_per_node) else hardware.intra_gbs
         seconds = nbytes / (link * 1e9)
         comm[axes] = comm.get(axes, 0.0) + seconds
-        if op != "all-to-all" and set(mesh_axes(axes)) <= OVERLAPPED_AXES:
-            overlapped += seconds
-        else:
-            exposed += seconds
-    step_s = max(compute_s, overlapped) + exposed
+        exposed[axes] = exposed.get(axes, 0.0) + (0.0 if overlaps(op, axes) else seconds)
+    overlapped = sum(comm.values()) - sum(exposed.values())
+    step_s = max(compute_s, overlapped) + sum(exposed.values())
     mfu = model_flops / (devices * hardware.bf16_tflops * 1e12 * step_s) if step_s else 0.0
-    return Prediction(compute_s, comm, exposed, overlapped, step_s, mfu)
+    return Prediction(compute_s, comm, exposed, sum(exposed.values()), overlapped, step_s, mfu)
+
+
+def overlaps(op: str, axes: str) -> bool:
+    """Whether compute hides the collective: weight and gradient traffic over the batch
+    axes does; activations' (and every token all-to-all, even over ep) do not."""
+    return op not in ("all-to-all", "ragged-all-to-all") and set(mesh_axes(axes)) <= OVERLAPPED_AXES
