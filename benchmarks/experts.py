@@ -5,10 +5,10 @@ of dropless against capacity dispatch.
    the bytes each device sends by all-to-all over ep per step, set next to
    - theory (spmd/planner/theory.py): the buffers spmd.parallel.experts exchanges (capacity slots, or
      dropless blocks padded per destination, plus their expert indices);
-   - routed: DESIGN.md section 8's 2 all-to-all forward + 2 backward of the routed
-     tokens x top-k (+2 forward again under remat), what an unpadded (ragged) exchange
-     would send.
-   Goal: measured / theory = 1.000; measured / routed shows the padding.
+   - GPU/TPU: the theory of what those backends send, where dropless uses
+     `jax.lax.ragged_all_to_all`: the routed tokens x top-k with their indices, (ep-1)/ep
+     leaving, 2 exchanges forward + 2 backward (+2 forward again under remat).
+   Goal: measured / theory = 1.000; CPU / GPU shows the padding XLA:CPU pays.
 2. A small MoE model trains on 8 emulated devices (ep=4, dp=2) in both modes, timed in
    alternating rounds (this machine drifts by tens of percent between minutes); printed:
    the median of dropless / capacity step time.
@@ -33,7 +33,7 @@ from spmd.config import TrainConfig, model_config, validate  # noqa: E402
 from spmd.parallel.layout import make_layout  # noqa: E402
 from spmd.planner.plan import make_plan  # noqa: E402
 from spmd.base.console import human_bytes  # noqa: E402
-from spmd.planner.counting import tokens_per_device  # noqa: E402
+from spmd.planner.activations import expert_exchange  # noqa: E402
 
 # For the timing: big enough that the experts' matmuls, not overheads, set the step time.
 PRESETS["bench-moe"] = dataclasses.replace(
@@ -49,19 +49,10 @@ LAYOUTS = [  # (model, mesh, devices, dtype, overrides)
 ]
 
 
-def routed_bytes(cfg, layout) -> float:
-    """Each local token's k choices, (ep-1)/ep leaving, in 4 exchanges (2 forward, 2 backward;
-    6 when remat recomputes the forward)."""
-    model, ep = model_config(cfg), layout.shape["ep"]
-    itemsize = 2 if cfg.dtype == "bfloat16" else 4
-    exchanges = 4 if cfg.remat == "none" else 6
-    per_layer = exchanges * tokens_per_device(cfg, layout.shape) * model.moe.top_k * model.embed * itemsize * (ep - 1) / ep
-    return model.moe_layers * per_layer
-
-
 def bytes_table() -> None:
     print("all-to-all bytes per device per step (compiled HLO, one run)\n")
-    print(f"{'model':24}{'mesh':18}{'dispatch':10}{'measured':>11}{'theory':>11}{'ratio':>7}{'routed':>11}{'/ routed':>9}")
+    print(f"{'model':24}{'mesh':18}{'dispatch':10}{'measured':>11}{'theory':>11}{'ratio':>7}"
+          f"{'GPU/TPU':>11}{'CPU / GPU':>10}")
     for model, mesh, devices, dtype, extra in LAYOUTS:
         for dispatch in ("capacity", "dropless"):
             cfg = validate(TrainConfig(**{"model": model, "mesh": mesh, "dtype": dtype, "moe_dispatch": dispatch,
@@ -69,9 +60,11 @@ def bytes_table() -> None:
             layout = make_layout(cfg, jax.devices()[:devices])
             rows = [r for r in make_plan(cfg, layout).rows if r.op == "all-to-all"]
             measured, theory = sum(r.measured for r in rows), sum(r.theory for r in rows)
-            routed = routed_bytes(cfg, layout)
+            # What a GPU or TPU sends: dropless by ragged all-to-all, the rows there are.
+            accelerator = sum(e.bytes_per_device for e in expert_exchange(
+                cfg, layout, 2 if dtype == "bfloat16" else 4, ragged=dispatch == "dropless"))
             print(f"{model:24}{mesh:18}{dispatch:10}{human_bytes(measured):>11}{human_bytes(theory):>11}"
-                  f"{measured / theory:7.3f}{human_bytes(routed):>11}{measured / routed:9.2f}")
+                  f"{measured / theory:7.3f}{human_bytes(accelerator):>11}{measured / accelerator:10.2f}")
 
 
 def step_seconds(cfg, steps: int) -> float:

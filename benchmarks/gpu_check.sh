@@ -13,6 +13,9 @@
 #    spmd.run.xla_flags' flags and without. Batch 16 fits: `python -m spmd.plan --model
 #    llama3.2-1b --seq 2048 --batch 16 --dtype bfloat16 --mesh dp=1 --hardware h200` plans a
 #    peak of 108.9 GiB of the H200's 131 GiB even with the scores materialized (xla kernel).
+# 3. Dropless experts by jax.lax.ragged_all_to_all (ep = the GPUs there are; one GPU: ep=1)
+#    against the padded all-to-all: the op compiles, outputs and gradients agree
+#    (benchmarks/ragged_check.py; on a CPU it runs the op's model).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -50,7 +53,9 @@ step 2-mfu 200 "$PY" benchmarks/mfu.py --model "$MODEL" --seq "$SEQ" --batch "$B
 step 2-mfu-no-xla-flags 150 "$PY" benchmarks/mfu.py --model "$MODEL" --seq "$SEQ" --batch "$BATCH" \
   --dtype bfloat16 --steps 10 --rounds 2 --no-xla-flags
 
+step 3-ragged 120 "$PY" benchmarks/ragged_check.py
+
 echo "=== summary"
 printf '%s\n' "${SUMMARY[@]}" | tee "$LOGS/summary.log"
-grep -h -E "^(xla|cudnn|chunked) vs|^(xla|cudnn|chunked):|MFU|error|FAILED|fell back|cannot take|passed|failed" \
+grep -h -E "^(xla|cudnn|chunked) vs|^(xla|cudnn|chunked):|MFU|ragged|error|FAILED|fell back|cannot take|passed|failed" \
   "$LOGS"/[0-9].log | tee -a "$LOGS/summary.log"

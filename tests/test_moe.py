@@ -5,11 +5,13 @@ import json
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 from conftest import assert_params_match, train_run
 from test_parity import LOSS_RTOL
 
+from spmd.parallel import experts
 from spmd.planner.plan import make_plan
 
 pytestmark = pytest.mark.xdist_group("moe")  # the all-to-all test reads the parity test's runs
@@ -100,3 +102,34 @@ def test_small_capacity_drops_tokens_reports_it_and_still_trains(tmp_path):
     assert all(np.isfinite(r["loss"]) and r["imbalance"] >= 1.0 for r in records)
     assert records[-1]["loss"] < records[0]["loss"] - 0.1  # still learning without the dropped tokens
     assert "dropped" in [line for line in proc.stdout.splitlines() if line.startswith("[")][-1]  # so does the log
+
+
+def test_ragged_all_to_all_model_follows_the_documented_example():
+    """jax.lax.ragged_all_to_all's documentation, two devices: the model of it that stands in
+    for the op on XLA:CPU gives the documented results."""
+    mesh = jax.make_mesh((2,), (experts.AXIS,), devices=jax.devices()[:2])
+    args = [np.array(a) for a in ([[1, 2, 2], [3, 4, 0]], [[0] * 4] * 2, [[0, 1], [0, 1]], [[1, 2], [1, 1]],
+                                  [[0, 0], [1, 2]], [[1, 1], [2, 1]])]
+    one = lambda *a: experts.ragged_all_to_all_model(*(x[0] for x in a), axis_name=experts.AXIS)[None]  # noqa: E731
+    run = jax.jit(jax.shard_map(one, mesh=mesh, in_specs=jax.P(experts.AXIS), out_specs=jax.P(experts.AXIS)))
+    got = run(*jax.device_put(args, jax.NamedSharding(mesh, jax.P(experts.AXIS))))
+    np.testing.assert_array_equal(got, [[1, 3, 0, 0], [2, 2, 4, 0]])
+
+
+def test_ragged_exchange_trains_like_the_padded_one(monkeypatch, moe_reference):
+    """GPUs and TPUs send dropless tokens with jax.lax.ragged_all_to_all, which XLA:CPU lacks
+    (spmd.parallel.experts.ragged_exchange picks it by backend). Here the same offsets and
+    sizes drive the model of its documented semantics: on ep=4 (uneven loads: a random
+    router), forward and backward, the run matches one device as the padded path does."""
+    calls = []
+
+    def exchange(*args, **kwargs):
+        calls.append(kwargs["axis_name"])
+        return experts.ragged_all_to_all_model(*args, **kwargs)
+
+    monkeypatch.setattr(experts, "ragged_exchange", lambda mesh: exchange)
+    run = train_run("ep=4", 4, cached=False, model="moe-tiny")
+    assert calls, "the ragged path did not run"
+    np.testing.assert_allclose(run.losses, moe_reference.losses, rtol=LOSS_RTOL, atol=0)
+    assert_params_match(run.params, moe_reference.params)
+    np.testing.assert_allclose(run.metrics["aux_loss"], moe_reference.metrics["aux_loss"], rtol=LOSS_RTOL)

@@ -20,6 +20,11 @@ global sort of every token would otherwise gather the batch).
   received rows (sorted by expert, `jax.lax.ragged_dot`), all-to-all back. XLA:CPU has no
   ragged all-to-all, so the padding travels too: that is the price of never dropping a
   token on this backend.
+- dropless on GPUs and TPUs: `jax.lax.ragged_all_to_all` sends only the rows there are.
+  A device sorts its choices by destination; the per-destination counts are all-gathered
+  over ep (ep x ep int32), from which every device computes where its rows start in each
+  receiver's buffer, and where each source's rows land in its own. Receiving buffers keep
+  the worst case's size (a static shape); the wire carries the tokens.
 """
 
 from __future__ import annotations
@@ -39,11 +44,23 @@ from spmd.parallel.rules import EXPERT_AXIS, SEQUENCE_AXIS
 AXIS = EXPERT_AXIS  # the rules table splits the experts over it
 
 
-def make_experts(mesh: jax.sharding.Mesh, batch_axes: tuple[str, ...] = BATCH_AXES):
+RAGGED_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")  # backends whose XLA has a ragged all-to-all
+
+
+def ragged_exchange(mesh: jax.sharding.Mesh):
+    """The dropless exchange `mesh`'s devices run: `jax.lax.ragged_all_to_all` where the
+    backend has one, else None (padded blocks)."""
+    return jax.lax.ragged_all_to_all if mesh.devices.flat[0].platform in RAGGED_PLATFORMS else None
+
+
+def make_experts(mesh: jax.sharding.Mesh, batch_axes: tuple[str, ...] = BATCH_AXES, ragged="auto"):
     """experts_ffn(x, choice, gate_up, down, capacity) for tokens split over `batch_axes`
     (those a surrounding vmap over batch shards has taken are left out: vmap adds them)
-    and along the sequence over sp."""
+    and along the sequence over sp. `ragged`: the dropless exchange, a function with
+    `jax.lax.ragged_all_to_all`'s signature, None for padded blocks, or "auto" (the backend's:
+    `ragged_exchange`)."""
     ep = mesh.shape[AXIS]
+    ragged = ragged_exchange(mesh) if ragged == "auto" else ragged
     # The experts are replicated over the other token axes. They enter the map as one copy
     # per shard (a broadcast, split over those axes), so their gradients are summed outside
     # it by XLA like any other weight's: a replicated input's gradient summed inside a
@@ -53,7 +70,12 @@ def make_experts(mesh: jax.sharding.Mesh, batch_axes: tuple[str, ...] = BATCH_AX
     tokens, experts = jax.P(batch_axes or None, SEQUENCE_AXIS), jax.P(replicas, AXIS)
 
     def implementation(x, choice: Choice, gate_up, down, capacity: int | None):
-        body = functools.partial(_capacity if capacity is not None else _dropless, ep=ep, capacity=capacity)
+        if capacity is not None:
+            body = functools.partial(_capacity, ep=ep, capacity=capacity)
+        elif ragged is not None and ep > 1:
+            body = functools.partial(_dropless_ragged, ep=ep, ragged=ragged)
+        else:
+            body = functools.partial(_dropless, ep=ep, capacity=capacity)
         per_copy = lambda w: jnp.broadcast_to(w, (copies, *w.shape))  # noqa: E731
         return jax.shard_map(lambda x, e, s, g, gu, d: body(x, e, s, g, gu[0], d[0]), mesh=inside_map(mesh),
                              in_specs=(tokens, tokens, tokens, tokens, experts, experts), out_specs=tokens,
@@ -118,3 +140,59 @@ def _dropless(x, expert, slot, gate, gate_up, down, *, ep: int, capacity: None):
     back = _exchange(out.reshape(ep, per_rank, -1), 0)
     mine = back[rank, place].reshape(b, s, k, -1)
     return jnp.einsum("bske,bsk->bse", mine, gate.astype(mine.dtype))
+
+
+def _dropless_ragged(x, expert, slot, gate, gate_up, down, *, ep: int, ragged):
+    """`_dropless` with exchanges of the rows there are (`ragged`: jax.lax.ragged_all_to_all's form)."""
+    del slot
+    local = gate_up.shape[0]
+    b, s, k = expert.shape
+    rows = jnp.repeat(x.reshape(b * s, -1), k, axis=0)  # one row per choice
+    ids = expert.reshape(-1)
+    rank, local_id = ids // local, ids % local
+    order = jnp.argsort(rank, stable=True)  # the choices grouped by destination, in order
+    plan = _RaggedPlan.of(jnp.bincount(rank, length=ep).astype(jnp.int32))
+    size = ep * b * s * min(k, local)  # the most a device can receive: every source's worst case
+    received = ragged(rows[order], jnp.zeros((size, rows.shape[-1]), rows.dtype), *plan.there, axis_name=AXIS)
+    received_ids = ragged(local_id[order], jnp.full((size,), local, jnp.int32), *plan.there, axis_name=AXIS)
+    received = checkpoint_name(received, ACTIVATION)  # kept like the padded path's blocks
+    out = grouped_experts(received, received_ids, gate_up, down)  # `local` (padding): zero rows
+    back = ragged(out, jnp.zeros(rows.shape, out.dtype), *plan.back, axis_name=AXIS)
+    mine = jnp.zeros_like(back).at[order].set(back).reshape(b, s, k, -1)
+    return jnp.einsum("bske,bsk->bse", mine, gate.astype(mine.dtype))
+
+
+class _RaggedPlan:
+    """Offsets and sizes of both exchanges of `_dropless_ragged`, from every device's count of
+    rows per destination (`counts[i, j]`: rows rank i sends rank j). A sender's rows sit in
+    destination order; a receiver's arrive in source order."""
+
+    def __init__(self, counts: jax.Array, me: jax.Array):
+        sent = counts[me]  # this device's rows per destination
+        from_earlier_sources = jnp.cumsum(counts, axis=0) - counts  # [i, j]: rows j gets before i's
+        to_earlier_destinations = jnp.cumsum(counts, axis=1) - counts  # [i, j]: rows i sends before j's
+        # ragged_all_to_all's (input_offsets, send_sizes, output_offsets, recv_sizes):
+        # there, this device's rows to each destination, landing after the earlier sources';
+        self.there = (to_earlier_destinations[me], sent, from_earlier_sources[me], counts[:, me])
+        # back, each source's results, from where they arrived to where they left.
+        self.back = (from_earlier_sources[:, me], counts[:, me], to_earlier_destinations[:, me], sent)
+
+    @classmethod
+    def of(cls, sent: jax.Array) -> "_RaggedPlan":
+        return cls(jax.lax.all_gather(sent, AXIS), jax.lax.axis_index(AXIS))
+
+
+def ragged_all_to_all_model(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
+                            axis_name: str):
+    """`jax.lax.ragged_all_to_all` as its documentation defines it (one slice per device),
+    from an all-to-all of padded blocks: for backends without the op (XLA:CPU), so that
+    the bookkeeping of offsets and sizes is tested where the op cannot run."""
+    width = operand.shape[0]
+    slot = jnp.arange(width)
+    sends = slot[None] < send_sizes[:, None]  # (ep, width)
+    blocks = operand[jnp.clip(input_offsets[:, None] + slot[None], 0, width - 1)]  # (ep, width, ...)
+    blocks = jnp.where(sends.reshape(*sends.shape, *[1] * (operand.ndim - 1)), blocks, 0)
+    arrived = jax.lax.all_to_all(blocks, axis_name, 0, 0, tiled=True)  # block i: source i's
+    at = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)  # where source i wrote here
+    target = jnp.where(slot[None] < recv_sizes[:, None], at[:, None] + slot[None], output.shape[0])
+    return output.at[target.reshape(-1)].set(arrived.reshape(-1, *operand.shape[1:]), mode="drop")

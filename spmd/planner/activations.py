@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from models.lora import MLP_TARGETS
 from spmd.parallel import zero_bubble
+from spmd.parallel.experts import ragged_exchange
 from spmd.parallel.layout import Layout
 from spmd.parallel.mesh import BATCH_AXES
 from spmd.parallel.rules import axes_of
@@ -162,15 +163,27 @@ def expert_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
         expert_grads = model.moe_layers * model.moe.experts * 3 * model.embed * model.moe.expert_mlp * 4
         out.append(Expected("all-reduce", "ep", 2 * (ep - 1) / ep * expert_grads,
                             "expert copies: gradients summed per expert"))
-    rows, leaves = expert_rows(cfg, layout), (ep - 1) / ep
+    return out + expert_exchange(cfg, layout, compute_bytes, ragged=cfg.moe_dispatch == "dropless"
+                                 and ragged_exchange(layout.mesh) is not None)
+
+
+def expert_exchange(cfg, layout: Layout, compute_bytes: int, ragged: bool) -> list[Expected]:
+    """The all-to-alls of routed tokens over ep: capacity buffers, dropless blocks padded to
+    the worst case (XLA:CPU), or, `ragged`, the rows there are (GPUs, TPUs: an expected
+    k rows per token, (ep - 1) / ep of them leaving, as under balanced routing; the real
+    figure follows the router)."""
+    ep, model = layout.shape["ep"], layout.skeleton.model_cfg
+    leaves = (ep - 1) / ep
+    rows = tokens_per_device(cfg, layout.shape) * model.moe.top_k if ragged else expert_rows(cfg, layout)
     dropless = cfg.moe_dispatch == "dropless"
     exchange = rows * model.embed * compute_bytes * leaves
     indices = rows * 4 * leaves if dropless else 0  # each row's expert, forward only
     recomputed = cfg.remat != "none"  # the others run the forward exchanges again
     per_layer = (3 if recomputed else 2) * 2 * exchange + (2 if recomputed else 1) * indices
+    kind = "ragged dropless rows" if ragged else "padded dropless blocks" if dropless else "capacity buffers"
     # In pipeline stages every tick runs the stage's layers, bubbles included.
-    return out + [Expected("all-to-all", "ep", model.moe_layers * stage_overhead(layout) * per_layer,
-                           f"experts: routed tokens, {'padded dropless blocks' if dropless else 'capacity buffers'}")]
+    return [Expected("ragged-all-to-all" if ragged else "all-to-all", "ep",
+                     model.moe_layers * stage_overhead(layout) * per_layer, f"experts: routed tokens, {kind}")]
 
 
 def pipeline_stages(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:

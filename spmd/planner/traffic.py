@@ -331,6 +331,11 @@ def step_traffic(module: hlo.HloModule, mesh_shape: Mapping[str, int]) -> list[T
         instr = module.instructions[c.computation][c.name]
         sizes = [size * _source_width(module, c.computation, operand)
                  for size, operand in zip(c.operand_bytes, instr.operands)]
+        if c.op == "ragged-all-to-all":
+            # Operands: the rows, the receiving buffer, then offsets and sizes. What leaves
+            # is known at run time only; at most the smaller buffer (the dropless exchange's
+            # rows, spmd.parallel.experts), (n - 1) / n of it under balanced routing.
+            sizes = [min(sizes[0], c.result_bytes)]
         # (op, axes, group size, operand bytes, converted from all-reduce + slice)
         parts = [(c.op, axes, n, sum(sizes), False)]
         if c.op == "all-reduce" and axes != "?":
