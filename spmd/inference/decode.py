@@ -73,10 +73,11 @@ class Decoder:
     new_tokens: int
     sampling: Sampling
     cache_dtype: str = "float32"  # the run's compute dtype: keys and values are computed in it
+    slots: int = 0  # the cache's length, if more than prompt_len + new_tokens (a server's preallocated cache)
 
     def __post_init__(self):
         layout, model_cfg = self.layout, self.layout.skeleton.model_cfg
-        self.length = self.prompt_len + self.new_tokens
+        self.length = max(self.prompt_len + self.new_tokens, self.slots)
         shape, names = model_class(model_cfg).cache_shape(model_cfg, self.batch, self.length)
         table = placed(layout.rules.activations) | {"batch": BATCH_AXES}
         self.cache_sharding = layout.named(spec_for(names, table))
