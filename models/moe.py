@@ -44,8 +44,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
-from models.annotate import constrain, weight
+from models.annotate import ACTIVATION, constrain, weight
 from models.ragged import MATMUL, ragged_dot
 from models.swap import Swappable
 
@@ -277,6 +278,10 @@ def single_device_experts(x, choice: Choice, gate_up, down, capacity: int | None
     b, s, k = choice.expert.shape
     rows = jnp.repeat(x.reshape(b * s, -1), k, axis=0)  # one row per choice
     out = grouped_experts(rows, choice.expert.reshape(-1), gate_up, down).reshape(b, s, k, -1)
+    # Kept for the gates' gradient, like the rows an exchange returns (spmd.parallel.experts):
+    # remat policies that keep matmul outputs do not see a ragged one, and recomputing
+    # it would sum it over tp again.
+    out = checkpoint_name(out, ACTIVATION)
     return jnp.einsum("bske,bsk->bse", out, choice.gate.astype(out.dtype))
 
 

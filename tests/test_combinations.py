@@ -10,6 +10,7 @@ from spmd.base.errors import UserError
 from spmd.config import TrainConfig, validate
 from spmd.parallel.checks import FEATURES, REFUSED, check_layout
 from spmd.parallel.mesh import AXES, resolve_mesh
+from spmd.planner.matrix import example
 
 README = pathlib.Path(__file__).parents[1] / "README.md"
 
@@ -32,22 +33,8 @@ def test_readme_states_the_table_of_what_combines():
 
 def _config(names) -> tuple:
     """A small run that uses exactly the features `names` (on 2 devices per axis)."""
-    mesh = {axis: 2 for axis in AXES if axis in names}
-    options = {"model": "moe-tiny", "layers": 4} if {"MoE", "capacity", "expert balancing"} & set(names) else {}
-    if "expert balancing" in names:
-        options["router_bias_rate"] = 0.001
-    if "capacity" in names:
-        options["moe_dispatch"] = "capacity"
-    if "grad-accum" in names:
-        options["grad_accum"] = 2
-    if "Megatron-SP" in names:
-        options["megatron_sp"] = True
-    if "ZeRO" in names:
-        options["zero"] = 1
-    if "LoRA" in names:
-        options["lora_rank"] = 4
-    cfg = validate(TrainConfig(mesh=",".join(f"{a}={n}" for a, n in mesh.items()), batch=64, seq=32, **options))
-    return cfg, resolve_mesh(mesh, 2 ** len(mesh))
+    fields, devices = example(names)
+    return validate(TrainConfig(**fields)), resolve_mesh({axis: 2 for axis in AXES if axis in names}, devices)
 
 
 @pytest.mark.parametrize("pair", list(itertools.combinations(FEATURES, 2)), ids="+".join)

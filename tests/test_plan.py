@@ -11,7 +11,8 @@ from conftest import train_run
 
 from spmd.config import TrainConfig, validate
 from spmd.parallel.layout import make_layout
-from spmd.planner import footprint, theory
+from spmd.parallel.checks import FEATURES, REFUSED
+from spmd.planner import footprint, matrix, theory
 from spmd.planner.counting import by_op_and_axes
 from spmd.planner.plan import make_plan
 
@@ -89,6 +90,32 @@ def test_compiled_collectives_and_state_match_theory(mesh, devices, overrides):
     # The state XLA takes as arguments (less the batch) is what theory says each device
     # holds, plus the int32 step counters (the train step's and the optimizer's).
     assert 0 <= plan.measured_state - plan.theory_state <= 16
+
+
+# benchmarks/plan_ratios.py compiles every pair of spmd.parallel.checks.FEATURES; CI a fixed
+# sample of them: the pairs whose theory had to learn what XLA does (pipeline rounds of
+# accumulation each reduce their gradients; a ragged matmul's output kept, not recomputed
+# and summed over tp again), and two more kinds of map (experts with sequence chunks, LoRA).
+PAIRS = dict((name, (fields, devices)) for name, fields, devices in matrix.pairs())
+SAMPLE = ["pp+grad-accum", "tp+MoE", "ep+sp", "fsdp+LoRA"]
+
+
+def test_the_matrix_has_every_pair_of_features_that_combines():
+    assert len(PAIRS) == len(FEATURES) * (len(FEATURES) - 1) // 2 - len(REFUSED)
+    assert set(SAMPLE) <= set(PAIRS)
+
+
+@pytest.mark.parametrize("name", SAMPLE)
+def test_every_row_of_a_pair_of_features_matches_theory(name):
+    """Each collective kind per mesh-axis group and the state, measured / theory in
+    0.95-1.05 (the goal of benchmarks/plan_ratios.py); an unexpected collective fails."""
+    import jax
+
+    fields, devices = PAIRS[name]
+    cfg = validate(TrainConfig(**fields))
+    ratios = matrix.ratios(make_plan(cfg, make_layout(cfg, jax.devices()[:devices])))
+    assert len(ratios) > 1
+    assert {row: ratio for row, ratio in ratios.items() if not 0.95 <= ratio <= 1.05} == {}
 
 
 def test_a_model_of_two_kinds_of_layer_with_a_tied_table_matches_theory():

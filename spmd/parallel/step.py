@@ -86,10 +86,12 @@ def model_context(layout: Layout, attention: str = "ring", local_axes: tuple[str
     else:
         stack.enter_context(attention_implementation(make_kernel(layout.mesh, kernel, batch_axes)))
     # Experts: each device routes its own tokens (its rows, its chunk of the sequence;
-    # all-to-all over ep when ep > 1). Inside a vmap over all the batch shards, without sp,
-    # a shard's experts are all at hand.
-    if layout.skeleton.model_cfg.moe is not None and math.prod(layout.shape[a] for a in (*batch_axes, "sp")) > 1:
-        stack.enter_context(expert_implementation(make_experts(layout.mesh, batch_axes)))
+    # all-to-all over ep when ep > 1). Inside a vmap over all the batch shards, or a map
+    # manual over them, without sp, a shard's experts are all at hand: the one-device
+    # computation (chosen explicitly: an enclosing context's, for the whole batch, would not fit here).
+    if layout.skeleton.model_cfg.moe is not None:
+        split = math.prod(layout.shape[a] for a in (*batch_axes, "sp")) > 1
+        stack.enter_context(expert_implementation(make_experts(layout.mesh, batch_axes) if split else None))
     return stack
 
 

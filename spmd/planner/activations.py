@@ -100,9 +100,14 @@ def tensor_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
         table = model.vocab * model.embed * 4
         out.append(Expected("all-gather", "tp", (t - 1) / t * table, "vocab split: the table, for the lookup"))
         fused = table_scatter_axes(cfg, layout)
-        n = t * ways(fused, layout.shape)
-        out.append(Expected("reduce-scatter", "+".join(live((*fused, "tp"), layout.shape)), (n - 1) / n * table,
-                            "vocab split: the table's gradient"))
+        if "dp" in fused:  # over dp and the stored axes, then the shard summed over tp
+            n = ways(fused, layout.shape)
+            out.append(Expected("reduce-scatter", "+".join(fused), (n - 1) / n * table, "vocab split: the table's gradient"))
+            out.append(Expected("all-reduce", "tp", 2 * (t - 1) / t * table / n, "vocab split: the table's gradient"))
+        else:
+            n = t * ways(fused, layout.shape)
+            out.append(Expected("reduce-scatter", "+".join(live((*fused, "tp"), layout.shape)), (n - 1) / n * table,
+                                "vocab split: the table's gradient"))
         reduced(head_input, 1, "vocab split: the output head's input")
     elif vocab_split:
         reduced(lookup, 1, "vocab split: embedding lookup (float32 rows)")

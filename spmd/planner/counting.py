@@ -117,13 +117,15 @@ def compute_table(layout: Layout) -> Mapping:
 def table_scatter_axes(cfg, layout: Layout) -> tuple[str, ...]:
     """Under Megatron-SP with the vocabulary split over tp, XLA reduce-scatters the lookup
     table's gradient over tp and over the token axes it is stored split over (fsdp, sp) in
-    one collective: those axes."""
+    one collective: those axes. With dp as well, it reduce-scatters over dp and those
+    instead, and sums the shard over tp after (measured on dp=2,sp=2,tp=2): dp and those."""
     shape, rules = layout.shape, layout.rules
     if not (cfg.megatron_sp and shape["tp"] > 1 and "tp" in axes_of(rules.activations["vocab"])):
         return ()
     table = next(p for p in params(layout) if p.path == model_class(layout.skeleton.model_cfg).LOOKUP_TABLE)
     stored = spec_axes(table.names, rules.grads)
-    return live([a for a in stored if a != "tp" and a in (*layout.data_axes, "sp")], shape)
+    fused = [a for a in stored if a != "tp" and a in (*layout.data_axes, "sp")]
+    return live((["dp"] if "dp" not in fused else []) + fused, shape)
 
 
 def expert_rows(cfg, layout: Layout) -> int:

@@ -61,10 +61,16 @@ from spmd.planner.counting import (Expected, Param, compute_table, head_in_stage
 
 def _backward_gathers(cfg, layout: Layout, stage_runs: float) -> float:
     """How often the backward pass gathers the stacked weights again (once per forward).
-    In GPipe stages XLA hoists that gather out of the backward tick loop (the weights are
+    With one layer-scan step and accumulation: once (below). In GPipe stages XLA hoists that gather out of the backward tick loop (the weights are
     the same every tick), under every remat policy: once. A circular schedule under remat
     "full" runs each tick's forward once more in the backward pass (spmd.parallel.pipeline.
     _run_chunk): twice per forward."""
+    model_cfg = layout.skeleton.model_cfg
+    scan_steps = model_cfg.layers // (model_cfg.moe.every if model_cfg.moe else 1)
+    if layout.schedule is None and cfg.grad_accum > 1 and scan_steps == 1:
+        # One scan step: the layer loop is gone, the weights are the same in every
+        # microbatch, and XLA hoists the backward's gather out of the accumulation loop.
+        return 1
     if layout.schedule is None or layout.schedule.writes_backward:
         return stage_runs
     if picks_again(layout):
@@ -145,11 +151,24 @@ def _gradients(cfg, layout: Layout, p: Param, token_axes: tuple[str, ...], slice
     is stored split over, all-reduced over the rest. It is summed in the widest dtype of
     its uses, or in float32 (the accumulators' dtype) when summed over microbatches (or
     pipeline ticks) before the one reduction."""
-    if layout.schedule and p.stacked and cfg.grad_accum == 1:
+    # With pipeline stages, accumulation runs whole pipeline passes (rounds), each
+    # reducing its gradients as it ends (spmd.parallel.step's _pipeline_rounds).
+    rounds = cfg.grad_accum if layout.schedule else 1
+    if layout.schedule and p.stacked:
         # In the stages: over the automatic axes (fsdp) each tick, as computed; over the
-        # manual ones (dp) once, after the ticks are summed.
+        # manual ones (dp) once per round, after its ticks are summed.
         manual = tuple(a for a in token_axes if a == pipeline.BATCH_AXIS)
-        phases = [(tuple(a for a in token_axes if a not in manual), stage_runs, max(widths)), (manual, 1, p.itemsize)]
+        phases = [(tuple(a for a in token_axes if a not in manual), stage_runs, max(widths)),
+                  (manual, rounds, p.itemsize)]
+    elif head_in_stages(layout) and _in_head(layout, p):
+        # 1f1b's head runs in the stages, in a branch of every tick: its gradient is summed
+        # over the automatic token axes (ep, fsdp) there, each tick, as computed; over the
+        # manual ones (pp, dp) once per round, after the ticks are summed.
+        schedule = layout.schedule
+        ticks = cfg.grad_accum * schedule.repeats * schedule.microbatches * stage_overhead(layout)
+        manual = tuple(a for a in token_axes if a in pipeline.MANUAL_AXES)
+        phases = [(tuple(a for a in token_axes if a not in manual), ticks, max(widths)),
+                  (manual, rounds, p.itemsize)]
     elif _accumulated(cfg, layout):
         # Accumulated (spmd.parallel.step): over the axes inside the per-shard vmap (sp, and ep with
         # split experts) in every microbatch, as computed; over the accumulation axes once,
@@ -159,8 +178,8 @@ def _gradients(cfg, layout: Layout, p: Param, token_axes: tuple[str, ...], slice
     else:
         # 1f1b sums the head's gradients over microbatches before reducing them (and
         # pipeline rounds theirs over rounds).
-        summed_first = cfg.grad_accum > 1 or (head_in_stages(layout) and not p.stacked)
-        phases = [(token_axes, 1, p.itemsize if summed_first else max(widths))]
+        summed_first = _accumulated(cfg, layout) or (head_in_stages(layout) and not p.stacked)
+        phases = [(token_axes, rounds, p.itemsize if summed_first else max(widths))]
     stored_split = live(spec_axes(p.names, layout.rules.grads), layout.shape)
     out, numel = [], slice_numel
     for axes, times, width in phases:
@@ -175,6 +194,14 @@ def _gradients(cfg, layout: Layout, p: Param, token_axes: tuple[str, ...], slice
                                 "gradients"))
         numel /= k
     return out
+
+
+def _in_head(layout: Layout, p: Param) -> bool:
+    """Whether `p` is read only by the output head (not a tied table, which the lookup reads too)."""
+    model_cfg = layout.skeleton.model_cfg
+    family = model_class(model_cfg)
+    top = p.path.split(".")[0]
+    return top in family.head_params(model_cfg) and top != family.LOOKUP_TABLE
 
 
 def _accumulated(cfg, layout: Layout) -> bool:
