@@ -2,19 +2,24 @@
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from conftest import train_run
 
-from spmd.config import TrainConfig, validate
-from spmd.parallel.layout import make_layout
+from spmd.base import hardware
+from spmd.config import TrainConfig, model_config, validate
 from spmd.parallel.checks import FEATURES, REFUSED
+from spmd.parallel.layout import make_layout
 from spmd.planner import footprint, matrix, theory
 from spmd.planner.counting import by_op_and_axes
 from spmd.planner.plan import make_plan
+from spmd.planner.report import roofline_lines
+from spmd.planner.roofline import predict
 
 pytestmark = pytest.mark.xdist_group("layouts")  # they share compiled runs (conftest)
 
@@ -137,8 +142,6 @@ def test_a_model_of_two_kinds_of_layer_with_a_tied_table_matches_theory():
 def test_json_has_the_documented_keys():
     run = train_run("dp=2,fsdp=2,tp=2", 8)
     cfg = validate(dataclasses.replace(run.cfg, hardware="h100"))
-    from spmd.base import hardware
-
     data = make_plan(cfg, run.layout, compiled=run.compiled, hardware=hardware.get("h100")).as_json()
     per_device = data["per_device"]
     assert per_device["state_bytes"] > 0 and per_device["xla"]["argument_bytes"] > per_device["state_bytes"]
@@ -203,3 +206,19 @@ def test_llama3_70b_plans_on_tp_16_beyond_its_8_kv_heads():
         assert not row.get("unexpected"), row
         if row["theory_bytes_per_device"]:
             assert row["bytes_per_device"] == pytest.approx(row["theory_bytes_per_device"], rel=0.05), row
+
+
+def test_the_roofline_labels_an_axis_as_it_counted_its_seconds():
+    """Gradients over ep overlap with compute, tokens' all-to-all over ep does not: the
+    prediction counts them apart, and the report says how much of ep is exposed."""
+    cfg = validate(TrainConfig(mesh="ep=2,dp=4", model="moe-tiny", batch=32, seq=32))
+    shape = {"pp": 1, "dp": 4, "fsdp": 1, "ep": 2, "sp": 1, "tp": 1}
+    h100 = hardware.get("h100")
+    traffic = [("all-reduce", "ep", 3e9), ("all-to-all", "ep", 1e9), ("all-reduce", "dp", 2e9)]
+    p = predict(cfg, shape, model_config(cfg), traffic, h100)
+    assert p.exposed_by_axes["ep"] == pytest.approx(p.comm_s["ep"] / 4)
+    assert p.exposed_by_axes["dp"] == 0 and p.exposed_s == pytest.approx(p.exposed_by_axes["ep"])
+    plan = SimpleNamespace(prediction=p, hardware=h100, layout=SimpleNamespace(shape=shape), cfg=cfg)
+    line = roofline_lines(plan)[0]
+    assert re.search(r"ep [\d.]+ ms \(intra-node, [\d.]+ ms of it exposed\)", line), line
+    assert re.search(r"dp [\d.]+ ms \(intra-node, overlapped\)", line), line
