@@ -17,7 +17,9 @@ window hides more chunk pairs, which are skipped too.
   their log-sum-exp (the online softmax of flash attention). A chunk pair that the
   causal mask hides entirely is skipped (`lax.cond`): after the first hop each rank
   computes 2 of its 4 chunk pairs. XLA may overlap a hop with the previous hop's
-  compute; autodiff sends the K/V gradients back around the ring.
+  compute. The backward pass is the ring's own (`custom_vjp`): the K/V blocks go around
+  again with their float32 gradients, so no hop's blocks or partial results are kept and
+  a device's memory is 1/sp of one device's.
 - all-gather: K and V are all-gathered over sp, queries stay local and attend with the
   run's kernel; the backward pass reduce-scatters their gradients.
 """
