@@ -130,7 +130,7 @@ def cached_attention(q: jax.Array, read, length: int, q_slots: jax.Array, valid:
     b, s, kv, g, d = q.shape
     chunk = min(DECODE_CHUNK, length)
     first = 0 if window is None else jnp.maximum(q_slots[0] - window + 1, 0)
-    few = s * g <= 8  # a token's queries (not a prompt's): products as multiply-and-sum, see _product
+    few = s * g <= 8  # a token's queries (not a prompt's): products as multiply-and-sum, see _scores
 
     def visit(n, state):
         out, top, total = state
@@ -142,11 +142,11 @@ def cached_attention(q: jax.Array, read, length: int, q_slots: jax.Array, valid:
         fresh = slots >= n * chunk
         filled = jax.lax.dynamic_slice_in_dim(valid, start, chunk, 1)  # (b, chunk)
         shown = ((visible(q_slots, slots, window) & fresh)[None] & filled[:, None])[:, None, None]  # (b, 1, 1, s, chunk)
-        scores = _product("bskgd,bktd->bkgst", q, k, few) / math.sqrt(d)
+        scores = _scores(q, k, few) / math.sqrt(d)
         new_top = jnp.maximum(top, jnp.max(jnp.where(shown, scores, flash.HIDDEN), axis=-1))
         weights = jnp.where(shown, jnp.exp(scores - new_top[..., None]), 0.0)
         rescale = jnp.exp(top - new_top)
-        values = _product("bkgst,bktd->bskgd", weights.astype(v.dtype), v, few)
+        values = _values(weights.astype(v.dtype), v, few)
         out = out * jnp.moveaxis(rescale, -1, 1)[..., None] + values
         return out, new_top, total * rescale + jnp.sum(weights, axis=-1)
 
@@ -158,25 +158,24 @@ def cached_attention(q: jax.Array, read, length: int, q_slots: jax.Array, valid:
     return (out / jnp.moveaxis(total, -1, 1)[..., None]).astype(q.dtype)
 
 
-def _product(spec: str, a: jax.Array, b: jax.Array, few: bool) -> jax.Array:
-    """einsum(spec, a, b) in float32. With `few` queries it is a matrix-vector product,
-    which XLA:CPU's dot runs at a small fraction of its speed (the values' product over a
-    chunk of 128 slots took 100 us, a third of a decoding step's attention): as a multiply
-    and a sum instead (the time per token at 512 tokens of context fell by a third)."""
+def _scores(q, k, few: bool) -> jax.Array:
+    """float32 q k^T: (b, s, kv, g, d) x (b, kv, t, d) -> (b, kv, g, s, t). With `few`
+    queries this is a matrix-vector product, which XLA:CPU's dot runs at a small fraction
+    of its speed (the values' product over a chunk of 128 slots took 100 us, a third of a
+    decoding step's attention): as a multiply and a sum instead (the time per token at 512
+    tokens of context fell by a third). So is `_values`."""
     if not few:
-        return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
-    (left, right), out = spec.split("->")[0].split(","), spec.split("->")[1]
-    every = "".join(dict.fromkeys(left + right))
+        return jnp.einsum("bskgd,bktd->bkgst", q, k, preferred_element_type=jnp.float32)
+    q = q.astype(jnp.float32).transpose(0, 2, 3, 1, 4)[:, :, :, :, None]  # (b, kv, g, s, 1, d)
+    return jnp.sum(q * k.astype(jnp.float32)[:, :, None, None], axis=-1)
 
-    def aligned(x, names):
-        """x with its axes in `every`'s order, and of size 1 where it has none of that name."""
-        ordered = sorted(names, key=every.index)
-        x = x.astype(jnp.float32).transpose([names.index(c) for c in ordered])
-        return x.reshape([x.shape[ordered.index(c)] if c in ordered else 1 for c in every])
 
-    summed = jnp.sum(aligned(a, left) * aligned(b, right), axis=tuple(i for i, c in enumerate(every) if c not in out))
-    kept = [c for c in every if c in out]
-    return summed.transpose([kept.index(c) for c in out])
+def _values(weights, v, few: bool) -> jax.Array:
+    """float32 weights v: (b, kv, g, s, t) x (b, kv, t, d) -> (b, s, kv, g, d)."""
+    if not few:
+        return jnp.einsum("bkgst,bktd->bskgd", weights, v, preferred_element_type=jnp.float32)
+    out = jnp.sum(weights.astype(jnp.float32)[..., None] * v.astype(jnp.float32)[:, :, None, None], axis=-2)
+    return out.transpose(0, 3, 1, 2, 4)
 
 
 def cudnn_attention(q, k, v, q_positions, k_positions, q_segments=None, k_segments=None, window=None):

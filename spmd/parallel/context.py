@@ -172,11 +172,12 @@ def _ring_forward_pass(q, k, v, segments, n: int, window):
     ring = _Ring(q, segments, n, window)
     q_halves = _halves(q, ring.chunk)
 
+    attend = functools.partial(flash.attention_lse, window=window)  # the window stays static
+
     def visit(states, k, v, k_segments, source):
         k_halves, v_halves, ks_halves = _halves(k, ring.chunk), _halves(v, ring.chunk), _halves(k_segments, ring.chunk)
         states = list(states)
         for i, j, qi, ki in ring.chunk_pairs(source):
-            attend = functools.partial(flash.attention_lse, window=window)  # the window stays static
             part = jax.lax.cond(ring.seen(qi, ki), attend, lambda qc, *_: flash.nothing(qc),
                                 q_halves[i], k_halves[j], v_halves[j], ring.positions(qi), ring.positions(ki),
                                 ring.q_segments[i], ks_halves[j])
@@ -211,14 +212,15 @@ def _ring_backward(n: int, window, residuals, d_out):
     q_halves, out_halves, d_out_halves = _halves(q, c), _halves(out, c), _halves(d_out, c)
     lse_halves = (lse[..., :c], lse[..., c:])
 
+    gradients = functools.partial(flash.attention_gradients, window=window)  # the window stays static
+
+    def nothing(q, k, v, *_):
+        return tuple(jnp.zeros(x.shape, jnp.float32) for x in (q, k, v))
+
     def visit(d_q, d_k, d_v, k, v, k_segments, source):
         k_halves, v_halves, ks_halves = _halves(k, c), _halves(v, c), _halves(k_segments, c)
         d_q, d_k, d_v = list(d_q), list(_halves(d_k, c)), list(_halves(d_v, c))
         for i, j, qi, ki in ring.chunk_pairs(source):
-            def nothing(*_):
-                return (jnp.zeros(q_halves[i].shape, jnp.float32), jnp.zeros(k_halves[j].shape, jnp.float32),
-                        jnp.zeros(v_halves[j].shape, jnp.float32))
-            gradients = functools.partial(flash.attention_gradients, window=window)
             g_q, g_k, g_v = jax.lax.cond(
                 ring.seen(qi, ki), gradients, nothing, q_halves[i], k_halves[j], v_halves[j], ring.positions(qi),
                 ring.positions(ki), ring.q_segments[i], ks_halves[j], out_halves[i], lse_halves[i], d_out_halves[i])

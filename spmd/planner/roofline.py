@@ -32,10 +32,17 @@ class Prediction:
     compute_s: float
     comm_s: dict[str, float]  # axes label -> seconds on its links
     exposed_by_axes: dict[str, float]  # axes label -> those of its seconds compute cannot hide
-    exposed_s: float  # communication that compute cannot hide
-    overlapped_s: float
     step_s: float
     mfu: float
+
+    @property
+    def exposed_s(self) -> float:
+        """Communication that compute cannot hide."""
+        return sum(self.exposed_by_axes.values())
+
+    @property
+    def overlapped_s(self) -> float:
+        return sum(self.comm_s.values()) - self.exposed_s
 
     def as_json(self) -> dict:
         return {"compute_s": self.compute_s, "communication_s": self.comm_s, "exposed_communication_s": self.exposed_s,
@@ -75,10 +82,10 @@ def predict(cfg, shape: Mapping[str, int], model_cfg, traffic: Iterable[tuple[st
         seconds = nbytes / (link * 1e9)
         comm[axes] = comm.get(axes, 0.0) + seconds
         exposed[axes] = exposed.get(axes, 0.0) + (0.0 if overlaps(op, axes) else seconds)
-    overlapped = sum(comm.values()) - sum(exposed.values())
-    step_s = max(compute_s, overlapped) + sum(exposed.values())
+    hidden = sum(comm.values()) - sum(exposed.values())
+    step_s = max(compute_s, hidden) + sum(exposed.values())
     mfu = model_flops / (devices * hardware.bf16_tflops * 1e12 * step_s) if step_s else 0.0
-    return Prediction(compute_s, comm, exposed, sum(exposed.values()), overlapped, step_s, mfu)
+    return Prediction(compute_s, comm, exposed, step_s, mfu)
 
 
 def overlaps(op: str, axes: str) -> bool:
