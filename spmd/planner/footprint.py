@@ -86,7 +86,8 @@ def activation_bytes(cfg, layout: Layout, compute_bytes: int) -> float:
     # sequence is in order (one sp rank: sp's zig-zag is not).
     row = 2 * m.window if m.window and m.window < cfg.seq and sp == 1 else cfg.seq
     attention = 4 * e + (2 * qkv + 2 * heads + (m.heads * row if kept_scores else 0)) / t
-    block = min(flash.BLOCK, cfg.seq // (2 * sp) if sp > 1 and cfg.attention == "ring" else cfg.seq)
+    length = cfg.seq // (2 * sp) if sp > 1 and cfg.attention == "ring" else cfg.seq
+    block = min(flash.default_block(length), length)
     block_scores = 0 if kept_scores else 3 * 4 * m.heads / t * block * block * tokens / cfg.seq
     everything = attention + 3 * m.mlp / t
     per_layer = {"none": everything, "dots": 3 * e + (qkv + 2 * m.mlp) / t, "full": e}[cfg.remat]
