@@ -239,7 +239,9 @@ class SwiGLU(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         dt = self.dtype
         gate_up = jnp.einsum("bse,eim->bsim", x, weight(self.gate_up, dt))
-        gate, up = _adapted(self, gate_up[:, :, 0], x, "gate_proj"), _adapted(self, gate_up[:, :, 1], x, "up_proj")
+        # Split, not indexed: the backward pass joins the two gradients instead of adding zero-padded copies.
+        gate, up = (part.squeeze(2) for part in jnp.split(gate_up, 2, axis=2))
+        gate, up = _adapted(self, gate, x, "gate_proj"), _adapted(self, up, x, "up_proj")
         hidden = constrain(ACTIVATIONS[self.activation](gate) * up, "batch", "seq", "mlp")
         return _adapted(self, jnp.einsum("bsm,me->bse", hidden, weight(self.down, dt)), hidden, "down_proj")
 
