@@ -6,7 +6,11 @@
    what the empty slots cost (attention reads the filled part only; goal 1.0);
 3. decode time per token with 512 tokens of context / with 64, with the cache (a new token
    costs its own matmuls plus reading its context's keys and values) and recomputing (the
-   whole context's matmuls again, and attention quadratic in it).
+   whole context's matmuls again, and attention quadratic in it). Next to it, the same ratio
+   of the bytes a step must read at least: every weight once and its context's keys and
+   values. A memory-bound step can do no better than that ratio; at batch 8 the small
+   model's K/V of 512 tokens outweigh its weights, so it is above 1.3 however attention
+   is written (at batch 1 it is about 1.1).
 
     python benchmarks/decode.py [--model small --mesh dp=1 --batch 8 --new 64]
 
@@ -84,6 +88,15 @@ def main():
             return time.perf_counter() - start
         return run
 
+    config = PRESETS[args.model]
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+
+    def least_bytes(context: int) -> float:
+        """Bytes a decode step reads at least: the weights, and the keys and values of its
+        rows' context (on average context + new / 2 tokens over the new tokens)."""
+        per_token = config.layers * 2 * config.kv_heads * config.head_dim * jnp.dtype(Decoder.cache_dtype).itemsize
+        return weight_bytes + per_token * args.batch * (context + args.new / 2)
+
     runs = {"cache, 64": cached(64), "recompute, 64": recomputed(64), "cache, 512": cached(512),
             "recompute, 512": recomputed(512), "big cache, 64": cached(64, slots=512 + args.new)}
     times = {name: [] for name in runs}
@@ -101,6 +114,9 @@ def main():
           f"{median['big cache, 64'] / median['cache, 64']:.2f}")
     print(f"time per new token, 512 / 64 tokens of context: {median['cache, 512'] / median['cache, 64']:.2f} with "
           f"the cache, {median['recompute, 512'] / median['recompute, 64']:.2f} recomputing")
+    print(f"bytes a step reads at least, 512 / 64 tokens of context: {least_bytes(512) / least_bytes(64):.2f} "
+          f"({weight_bytes / 2**20:.1f} MiB of weights; keys and values {least_bytes(512) / 2**20 - weight_bytes / 2**20:.1f} "
+          f"and {least_bytes(64) / 2**20 - weight_bytes / 2**20:.1f} MiB)")
 
 
 if __name__ == "__main__":
