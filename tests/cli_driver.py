@@ -1,7 +1,7 @@
 """Runs many command-line cases fast: imported once, then one fork per case.
 
 Reads a JSON list of cases ({"module": "spmd.train", "argv": [...], "cwd": DIR}) on stdin
-and writes one JSON result per case ({"code", "stdout", "stderr"}). Each case runs its
+and writes one JSON result per case ({"code", "stdout", "stderr", "seconds"}). Each case runs its
 module's `main(argv)` in a child forked before JAX starts a backend (importing JAX starts
 no thread), in its own working directory, with its own stdout and stderr files: what a
 user running the command there would see, at a few milliseconds a case.
@@ -12,6 +12,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 
 MODULES = ("spmd.train", "spmd.plan", "spmd.export", "spmd.launch", "spmd.corpus", "spmd.generate", "spmd.eval")
 # What the commands import on their way (the models, Orbax, the layout): loaded once here.
@@ -22,6 +23,7 @@ PRELOAD = ("models", "spmd.parallel.layout", "spmd.formats.checkpoint", "spmd.ru
 
 
 def run(module, argv: list[str], cwd: str) -> dict:
+    started = time.monotonic()
     out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
     pid = os.fork()
     if pid == 0:  # the child: the command, as its own process
@@ -47,7 +49,7 @@ def run(module, argv: list[str], cwd: str) -> dict:
         f.seek(0)
         texts.append(f.read().decode(errors="replace"))
         f.close()
-    return {"code": code, "stdout": texts[0], "stderr": texts[1]}
+    return {"code": code, "stdout": texts[0], "stderr": texts[1], "seconds": time.monotonic() - started}
 
 
 def main() -> None:
