@@ -91,11 +91,11 @@ def main():
     config = PRESETS[args.model]
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
 
-    def least_bytes(context: int) -> float:
-        """Bytes a decode step reads at least: the weights, and the keys and values of its
-        rows' context (on average context + new / 2 tokens over the new tokens)."""
+    def context_bytes(context: int) -> float:
+        """Bytes of keys and values a decode step reads: its rows' context (on average
+        context + new / 2 tokens over the new tokens)."""
         per_token = config.layers * 2 * config.kv_heads * config.head_dim * jnp.dtype(Decoder.cache_dtype).itemsize
-        return weight_bytes + per_token * args.batch * (context + args.new / 2)
+        return per_token * args.batch * (context + args.new / 2)
 
     runs = {"cache, 64": cached(64), "recompute, 64": recomputed(64), "cache, 512": cached(512),
             "recompute, 512": recomputed(512), "big cache, 64": cached(64, slots=512 + args.new)}
@@ -114,10 +114,11 @@ def main():
           f"{median['big cache, 64'] / median['cache, 64']:.2f}")
     print(f"time per new token, 512 / 64 tokens of context: {median['cache, 512'] / median['cache, 64']:.2f} with "
           f"the cache, {median['recompute, 512'] / median['recompute, 64']:.2f} recomputing")
-    print(f"bytes a step reads at least, 512 / 64 tokens of context: {least_bytes(512) / least_bytes(64):.2f} "
-          f"({weight_bytes / 2**20:.1f} MiB of weights; keys and values {least_bytes(512) / 2**20 - weight_bytes / 2**20:.1f} "
-          f"and {least_bytes(64) / 2**20 - weight_bytes / 2**20:.1f} MiB)")
-
+    # What a step reads at least: every weight once, and its context's keys and values.
+    least = {context: weight_bytes + context_bytes(context) for context in (64, 512)}
+    print(f"bytes a step reads at least, 512 / 64 tokens of context: {least[512] / least[64]:.2f} "
+          f"({weight_bytes / 2**20:.1f} MiB of weights; keys and values {context_bytes(512) / 2**20:.1f} "
+          f"and {context_bytes(64) / 2**20:.1f} MiB)")
 
 if __name__ == "__main__":
     main()

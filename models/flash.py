@@ -44,6 +44,12 @@ def default_block(length: int) -> int:
     return min(high, max(low, length // 4))
 
 
+def _block_sizes(s: int, t: int, block: int | None) -> tuple[int, int]:
+    """Tokens per query block and per key block, for s queries and t keys."""
+    block = block or default_block(max(s, t))
+    return min(block, s), min(block, t)
+
+
 def attention(q, k, v, q_positions, k_positions, q_segments=None, k_segments=None, window: int | None = None,
               block: int | None = None) -> jax.Array:
     """Causal attention (softmax(q k^T / sqrt(d)) v, by positions, within segments and the
@@ -57,8 +63,7 @@ def attention_lse(q, k, v, q_positions, k_positions, q_segments=None, k_segments
     """(attention output in float32, log-sum-exp of each query's visible scores);
     `block`: tokens per block (default: `default_block`)."""
     s, t = q.shape[1], k.shape[1]
-    block = block or default_block(max(s, t))
-    bq, bk = min(block, s), min(block, t)
+    bq, bk = _block_sizes(s, t, block)
     q_positions, k_positions = jnp.asarray(q_positions, jnp.int32), jnp.asarray(k_positions, jnp.int32)
     q, q_positions = _pad(q, q_positions, bq, 0)
     k, k_positions = _pad(k, k_positions, bk, _NOWHERE)
@@ -77,8 +82,7 @@ def attention_gradients(q, k, v, q_positions, k_positions, q_segments, k_segment
     others) and the output's cotangent `d_out`: what ring attention's backward pass adds
     up one visiting K/V block at a time."""
     s, t = q.shape[1], k.shape[1]
-    block = block or default_block(max(s, t))
-    bq, bk = min(block, s), min(block, t)
+    bq, bk = _block_sizes(s, t, block)
     q_positions, k_positions = jnp.asarray(q_positions, jnp.int32), jnp.asarray(k_positions, jnp.int32)
     q, padded_positions = _pad(q, q_positions, bq, 0)
     # Padded queries have no output gradient, so they add nothing.
