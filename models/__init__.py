@@ -2,7 +2,8 @@
 
 from types import ModuleType
 
-from models import gemma3, llama, mistral, qwen2, qwen3
+from models import deepseek3, gemma3, llama, mistral, qwen2, qwen3
+from models.deepseek3 import DeepSeekV3Config
 from models.gemma3 import Gemma3Config
 from models.llama import Llama, LlamaConfig, RopeScaling
 # What every family shares with Llama's (the trainer reads these, never a family's module):
@@ -17,16 +18,18 @@ from models.qwen3 import Qwen3Config
 
 # Each family: its config class -> its module class. A model class tells the trainer what
 # it needs beyond the call (see Llama: STACKED, LOOKUP_TABLE, decays, head_params), and
-# decodes with a key/value cache (cache_shape, decode).
+# decodes with a cache (cache_layout, decode).
 FAMILIES: dict[type, type] = {LlamaConfig: Llama, Qwen3Config: qwen3.Qwen3, Qwen2Config: qwen2.Qwen2,
-                              MistralConfig: mistral.Mistral, Gemma3Config: gemma3.Gemma3}
+                              MistralConfig: mistral.Mistral, Gemma3Config: gemma3.Gemma3,
+                              DeepSeekV3Config: deepseek3.DeepSeekV3}
 # Each family's Hugging Face layout (see models.llama.hf): ARCHITECTURES it reads,
 # config_values (config.json checked against its field tables), config_from_hf,
 # config_to_hf, supported (why a config has no such layout), tensors, tensor_count (how
 # many published tensors a config implies, before any per-layer loop) and copies
 # (published tensors that may repeat another, as a tied head).
 HF_LAYOUTS: dict[type, ModuleType] = {LlamaConfig: llama.hf, Qwen3Config: qwen3.hf, Qwen2Config: qwen2.hf,
-                                      MistralConfig: mistral.hf, Gemma3Config: gemma3.hf}
+                                      MistralConfig: mistral.hf, Gemma3Config: gemma3.hf,
+                                      DeepSeekV3Config: deepseek3.hf}
 
 
 def model_class(cfg) -> type:
@@ -53,8 +56,8 @@ def hf_layout(cfg=None, architectures: list | None = None) -> ModuleType:
 
 # Every family's presets, by name.
 PRESETS: dict[str, LlamaConfig] = {**llama.PRESETS, **qwen3.PRESETS, **qwen2.PRESETS, **mistral.PRESETS,
-                                   **gemma3.PRESETS}
+                                   **gemma3.PRESETS, **deepseek3.PRESETS}
 
-__all__ = ["FAMILIES", "MAX_CONFIG_BYTES", "PRESETS", "REMAT_POLICIES", "Decoding", "Gemma3Config", "Llama", "LlamaConfig",
+__all__ = ["FAMILIES", "DeepSeekV3Config", "MAX_CONFIG_BYTES", "PRESETS", "REMAT_POLICIES", "Decoding", "Gemma3Config", "Llama", "LlamaConfig",
            "MistralConfig", "MoEConfig", "Qwen2Config", "Qwen3Config", "RopeScaling", "Routing", "Tensor",
            "adapter_tensors", "config_from_dict", "hf_layout", "model_class"]

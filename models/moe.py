@@ -63,6 +63,13 @@ class MoEConfig:
     every: int = 1  # every n-th layer is an MoE layer; the others are dense
     scoring: str = "softmax"
     normalize_top_k: bool = True  # gates: the k chosen scores over their sum (else the scores themselves)
+    # DeepSeek-V3's routing: experts in `groups` groups, of which a token chooses among the
+    # `top_groups` whose two best scores sum highest; gates times `scale`; a selection bias
+    # (e_score_correction_bias) that is part of the checkpoint.
+    groups: int = 1
+    top_groups: int = 1
+    scale: float = 1.0
+    selection_bias: bool = False
     # How the model is trained to balance its experts, as its authors define it (training
     # reads these; the forward pass does not): the load-balancing loss per sequence
     # ("sequence") or pooled over the batch and every MoE layer ("pooled", transformers'
@@ -72,12 +79,14 @@ class MoEConfig:
     z_loss_weight: float = 0.001
 
     def params_per_layer(self, embed: int) -> int:
-        """Router, experts and shared expert of one MoE layer."""
-        return embed * self.experts + 3 * embed * self.expert_mlp * (self.experts + self.shared_experts)
+        """Router (with its selection bias), experts and shared expert of one MoE layer."""
+        router = (embed + self.selection_bias) * self.experts
+        return router + 3 * embed * self.expert_mlp * (self.experts + self.shared_experts)
 
     def active_per_layer(self, embed: int) -> int:
         """Of those, the ones one token multiplies with."""
-        return embed * self.experts + 3 * embed * self.expert_mlp * (self.top_k + self.shared_experts)
+        router = (embed + self.selection_bias) * self.experts
+        return router + 3 * embed * self.expert_mlp * (self.top_k + self.shared_experts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,7 +155,7 @@ class MoE(nnx.Module):
             state = functools.partial(RouterState, out_sharding=(None,), eager_sharding=False)
             self.bias, self.load = state(jnp.zeros(n)), state(jnp.full(n, 1.0 / n))
             self.placement = state(jnp.asarray(placement))
-        elif routing.bias_weight:
+        elif routing.bias_weight or moe.selection_bias:
             self.bias = nnx.Param(jnp.zeros(n), out_sharding=(None,), eager_sharding=False)
         if moe.shared_experts:
             width = moe.shared_experts * m
@@ -164,9 +173,11 @@ class MoE(nnx.Module):
             scores = jax.nn.sigmoid(logits)
         balanced = self.routing.balanced
         # The bias only chooses: the gates are the chosen experts' own scores.
-        expert = _top_k(scores + self.bias[...] if hasattr(self, "bias") else scores, moe.top_k)
+        choosing = scores + self.bias[...] if hasattr(self, "bias") else scores
+        expert = _top_k(_in_top_groups(choosing, moe) if moe.groups > 1 else choosing, moe.top_k)
         top = jnp.take_along_axis(scores, expert, axis=-1)
         gate = top / jnp.sum(top, axis=-1, keepdims=True) if moe.normalize_top_k else top
+        gate = gate * moe.scale if moe.scale != 1.0 else gate
         capacity = self.routing.capacity(x.shape[1], moe)
         slot = capacity_slots(expert, positions, moe.experts) if capacity is not None else jnp.zeros_like(expert)
         kept = slot < capacity if capacity is not None else jnp.ones(slot.shape, bool)
@@ -188,6 +199,15 @@ def _top_k(scores: jax.Array, k: int) -> jax.Array:
     A stable sort rather than `lax.top_k`, which XLA's partitioner runs on the whole
     batch (it gathered the batch over ep)."""
     return jnp.argsort(-scores, axis=-1, stable=True)[..., :k].astype(jnp.int32)
+
+
+def _in_top_groups(scores: jax.Array, moe: MoEConfig) -> jax.Array:
+    """`scores` (..., experts) with those outside each token's `top_groups` groups at -inf:
+    a group ranks by the sum of its two best scores (DeepSeek-V3's group-limited routing)."""
+    grouped = scores.reshape(*scores.shape[:-1], moe.groups, -1)
+    group_score = jnp.sum(jnp.sort(grouped, axis=-1)[..., -2:], axis=-1)
+    kept = jnp.sum(jax.nn.one_hot(_top_k(group_score, moe.top_groups), moe.groups, dtype=jnp.int32), axis=-2) > 0
+    return jnp.where(kept[..., None], grouped, -jnp.inf).reshape(scores.shape)
 
 
 def _shares(index: jax.Array, n: int, k: int) -> jax.Array:

@@ -251,11 +251,13 @@ class Block(nnx.Module):
     """Attention then a feed-forward layer: SwiGLU, or a mixture of experts (`routing`).
     With `sandwich_norms` (Gemma 3) each one's output is normed too before it is added."""
 
+    ATTENTION = Attention  # a family with attention of its own subclasses the block (models.deepseek3)
+
     def __init__(self, cfg: LlamaConfig, dtype, rngs: nnx.Rngs, routing: Routing | None = None,
                  lora: LoRA | None = None):
         norm = functools.partial(RMSNorm, cfg.embed, cfg.norm_eps, offset=cfg.norm_offset)
         self.attn_norm = norm()
-        self.attn = Attention(cfg, dtype, rngs, lora)
+        self.attn = self.ATTENTION(cfg, dtype, rngs, lora)
         self.mlp_norm = norm()
         self.mlp = SwiGLU(cfg, dtype, rngs, lora) if routing is None else MoE(cfg.embed, cfg.moe, routing, dtype, rngs)
         if cfg.sandwich_norms:
@@ -322,7 +324,7 @@ class Llama(nnx.Module):
     def decays(path: tuple[str, ...]) -> bool:
         """Whether weight decay applies to the parameter at `path`: matrices yes; norm scales
         and biases no (as transformers' Trainer leaves them)."""
-        return path[-1] not in ("scale", "bq", "bkv")
+        return path[-1] not in ("scale", "bq", "bkv", "bias")
 
     # Where each LoRA target is among the weights: the weight beside its adapter, and its
     # part of a fused weight (keys and values [:, :, 0|1], gate and up [:, 0|1]).
@@ -373,13 +375,17 @@ class Llama(nnx.Module):
         (`models.moe`; empty for a dense model)."""
         if positions is None:
             positions = np.arange(tokens.shape[1])  # a constant: kernels can see the order
-        x, stats = self.run_layers(self.blocks, self.embed(tokens), positions, packing, self.layer_kinds(self.cfg))
+        x = self.embed(tokens, positions, packing)
+        x, stats = self.run_layers(self.blocks, x, positions, packing, self.layer_kinds(self.cfg))
         return self.logits(x), stats
 
     # The three parts of `forward`, for a trainer that runs the layers elsewhere (e.g. in
     # pipeline stages): the embedding, any slice of the stacked layers, the output head.
 
-    def embed(self, tokens: jax.Array) -> jax.Array:
+    def embed(self, tokens: jax.Array, positions: jax.Array | None = None, packing: Packing | None = None
+              ) -> jax.Array:
+        """What the stacked layers receive (`positions` and `packing` as `forward`'s: a
+        family that runs layers before the stacked ones reads them)."""
         # A lookup has no FLOPs to save: rows are read (and their gradient summed) in float32.
         x = jnp.take(weight(self.embedding, jnp.float32), tokens, axis=0)
         if self.cfg.embed_scale:
@@ -388,17 +394,17 @@ class Llama(nnx.Module):
 
     def run_layers(self, blocks: Block | MoEGroup, x: jax.Array, positions: jax.Array,
                    packing: Packing | None = None, local: jax.Array | None = None,
-                   layers: jax.Array | None = None) -> tuple[jax.Array, dict]:
+                   layers: jax.Array | None = None, axis: str = "layers") -> tuple[jax.Array, dict]:
         """Run stacked `blocks` (this model's, or a slice of them along the layer axis) in
         order; `local`: which of them are sliding layers (`layer_kinds`), where layers differ;
-        `layers`: their indices in the model (default: from 0), which adapters' dropout reads."""
+        `layers`: their indices in the model (default: from 0), which adapters' dropout reads;
+        `axis`: the logical name of the stack's leading axis."""
         def run_block(block: Block | MoEGroup, x: jax.Array, local) -> tuple[jax.Array, dict]:
             return block(x, positions, packing) if local is None else block(x, positions, packing, local)
 
         run_block = nnx.remat(run_block, policy=REMAT_POLICIES[self.remat])
 
-        @nnx.scan(in_axes=(nnx.Carry, 0, 0, 0), out_axes=(nnx.Carry, 0),
-                  transform_metadata={nnx.PARTITION_NAME: "layers"})
+        @nnx.scan(in_axes=(nnx.Carry, 0, 0, 0), out_axes=(nnx.Carry, 0), transform_metadata={nnx.PARTITION_NAME: axis})
         def over_layers(x: jax.Array, block: Block | MoEGroup, local, index) -> tuple[jax.Array, dict]:
             with lora_layer(0 if index is None else index):
                 return run_block(block, x, local)
@@ -418,18 +424,19 @@ class Llama(nnx.Module):
     # at a time, each attending to the cache instead of recomputing the past.
 
     @staticmethod
-    def cache_shape(cfg: LlamaConfig, batch: int, length: int) -> tuple[tuple[int, ...], tuple[str | None, ...]]:
-        """Shape and logical names of the key (or value) cache: one per block, stacked as
-        the blocks are (scan steps, blocks per step), then (batch, kv_heads, length, head_dim):
-        the layout attention reads, so that no token copies it. Grouped-query attention
-        keeps it at kv_heads."""
+    def cache_layout(cfg: LlamaConfig, batch: int, length: int) -> dict[str, tuple[tuple[int, ...], tuple]]:
+        """The cache's arrays, each as (shape, logical names): keys and values, one per block,
+        stacked as the blocks are (scan steps, blocks per step), then (batch, kv_heads,
+        length, head_dim): the layout attention reads, so that no token copies it.
+        Grouped-query attention keeps it at kv_heads."""
         per_step = cfg.moe.every if cfg.moe else 1
         shape = (cfg.layers // per_step, per_step, batch, cfg.kv_heads, length, cfg.head_dim)
-        return shape, ("layers", None, "batch", "kv_heads", None, "head_dim")
+        names = ("layers", None, "batch", "kv_heads", None, "head_dim")
+        return {"k": (shape, names), "v": (shape, names)}
 
     def decode(self, tokens: jax.Array, positions: jax.Array, cache: dict, at: Decoding) -> tuple[jax.Array, dict]:
         """Logits of `tokens` (batch, seq) at `positions` (batch, seq), which the cache
-        ({"k", "v"}, see `cache_shape`) takes at slots `at`; -> (logits, the new cache)."""
+        (`cache_layout`) takes at slots `at`; -> (logits, the new cache)."""
 
         # The cache is carried through the layers whole and written in place (a slice of it
         # per layer would be copied out and back at every token).

@@ -57,12 +57,4 @@ PRESETS: dict[str, LlamaConfig] = {
         vocab=102400, embed=2048, layers=28, heads=16, kv_heads=16, head_dim=128, mlp=10944,
         moe=MoEConfig(experts=64, top_k=6, expert_mlp=1408, shared_experts=2, scoring="sigmoid"),
     ),
-    # DeepSeek-V3's layout at 1/30 of its width for planning on emulated devices: 64 fine-
-    # grained experts (V3: 256), top-8, one shared expert, sigmoid scoring; grouped-query
-    # attention instead of MLA, and MoE in every second layer starting with a dense one
-    # (V3 keeps its first 3 dense), so that every scan step has the same structure.
-    "deepseek-v3-like": LlamaConfig(
-        vocab=32768, embed=1024, layers=16, heads=16, kv_heads=16, head_dim=64, mlp=2816,
-        moe=MoEConfig(experts=64, top_k=8, expert_mlp=256, shared_experts=1, every=2, scoring="sigmoid"),
-    ),
 }

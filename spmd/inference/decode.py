@@ -78,13 +78,13 @@ class Decoder:
     def __post_init__(self):
         layout, model_cfg = self.layout, self.layout.skeleton.model_cfg
         self.length = max(self.prompt_len + self.new_tokens, self.slots)
-        shape, names = model_class(model_cfg).cache_shape(model_cfg, self.batch, self.length)
         table = placed(layout.rules.activations) | {"batch": BATCH_AXES}
-        self.cache_sharding = layout.named(spec_for(names, table))
-        self.cache_shape = shape
+        # The model's cache arrays (keys and values, or a latent): name -> (shape, sharding).
+        self.cache_arrays = {name: (shape, layout.named(spec_for(names, table))) for name, (shape, names)
+                             in model_class(model_cfg).cache_layout(model_cfg, self.batch, self.length).items()}
         rows = layout.named(jax.P(BATCH_AXES))
         param_sh = layout.shardings(layout.rules.params)
-        cache_sh = {"k": self.cache_sharding, "v": self.cache_sharding}
+        cache_sh = {name: sharding for name, (_, sharding) in self.cache_arrays.items()}
         self.prefill = jax.jit(self._prefill, in_shardings=(param_sh, layout.named(jax.P(BATCH_AXES, None)), rows,
                                                             rows, layout.replicated),
                                out_shardings=(cache_sh, rows))
@@ -92,8 +92,9 @@ class Decoder:
                                 out_shardings=layout.named(jax.P(BATCH_AXES, None)))
 
     def cache_bytes_per_device(self) -> int:
-        """Keys and values of one device's share of the cache."""
-        return 2 * math.prod(self.cache_sharding.shard_shape(self.cache_shape)) * jnp.dtype(self.cache_dtype).itemsize
+        """One device's share of the cache."""
+        return sum(math.prod(sharding.shard_shape(shape)) for shape, sharding in self.cache_arrays.values()
+                   ) * jnp.dtype(self.cache_dtype).itemsize
 
     def _model(self, params):
         return nnx.merge(self.layout.skeleton.graphdef, params)
@@ -108,8 +109,8 @@ class Decoder:
     def _prefill(self, params, tokens: jax.Array, pads: jax.Array, rows: jax.Array, key: jax.Array):
         """The prompts (batch, prompt_len), left-padded by `pads` -> (cache, first new token)."""
         with model_context(self.layout, data_axes=BATCH_AXES):
-            cache = {name: jax.lax.with_sharding_constraint(jnp.zeros(self.cache_shape, self.cache_dtype), self.cache_sharding)
-                     for name in ("k", "v")}
+            cache = {name: jax.lax.with_sharding_constraint(jnp.zeros(shape, self.cache_dtype), sharding)
+                     for name, (shape, sharding) in self.cache_arrays.items()}
             positions = jnp.arange(self.prompt_len)[None, :] - pads[:, None]
             logits, cache = self._model(params).decode(tokens, positions, cache, Decoding(jnp.int32(0), self._valid(pads)))
             return cache, sample(self._logits_for_sampling(logits[:, -1]), self.sampling, key, 0, rows)
@@ -137,8 +138,8 @@ class Decoder:
         ids = jax.ShapeDtypeStruct((self.batch,), jnp.int32)
         key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
         tokens = jax.ShapeDtypeStruct((self.batch, self.prompt_len), jnp.int32)
-        cache = {name: jax.ShapeDtypeStruct(self.cache_shape, self.cache_dtype, sharding=self.cache_sharding)
-                 for name in ("k", "v")}
+        cache = {name: jax.ShapeDtypeStruct(shape, self.cache_dtype, sharding=sharding)
+                 for name, (shape, sharding) in self.cache_arrays.items()}
         with jax.set_mesh(self.layout.mesh):
             self.prefill = self.prefill.lower(params, tokens, ids, ids, key).compile()
             self.generate = self.generate.lower(params, cache, ids, ids, ids, key).compile()

@@ -34,7 +34,7 @@ class StageParts(NamedTuple):
     fixed: dict | None = None  # the stacked weights the stages read but do not differentiate
 
     def embedded(self) -> jax.Array:
-        return self.model_of(self.outer).embed(self.columns.inputs)
+        return self.model_of(self.outer).embed(self.columns.inputs, self.columns.positions, self.columns.packing)
 
     def side(self, shards: int, schedule) -> Packing | None:
         """What the stages read of each microbatch besides its activations: its examples'
@@ -116,7 +116,7 @@ def pipelined_loss(graphdef, params, rows, layout: Layout, in_stage, order, aux:
     stacked = model_class(layout.skeleton.model_cfg).STACKED
     parts = stage_parts(graphdef, params, rows, in_stage, stacked, order, router, layout.repeats)
     model, columns = parts.model_of(parts.outer), parts.columns
-    x = to_microbatches(model.embed(columns.inputs), shards, schedule)
+    x = to_microbatches(parts.embedded(), shards, schedule)
     out, stats = pipeline(layout.mesh, schedule, parts.stage, parts.blocks, x, _row_spec(layout),
                           REMAT_POLICIES[model.remat], parts.side(shards, schedule))
     logits = model.logits(from_microbatches(out, shards, schedule))
@@ -143,7 +143,7 @@ def one_f_one_b_grads(graphdef, params, rows, layout: Layout, in_stage, order, a
         with in_stage():
             return _objective(model_of({**outer, **head_params}).logits(y), targets, {}, AuxLosses(), weights, part)[0]
 
-    x, embed_vjp = jax.vjp(lambda t: to_microbatches(model_of({**outer, **t}).embed(columns.inputs), shards, schedule),
+    x, embed_vjp = jax.vjp(lambda t: to_microbatches(parts._replace(outer={**outer, **t}).embedded(), shards, schedule),
                            trained)
     run = zb_v if schedule.name == "zb-v" else one_f_one_b
     labels = jax.tree.map(lambda a: to_microbatches(a, shards, schedule), (columns.targets, columns.weights))

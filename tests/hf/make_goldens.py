@@ -9,7 +9,9 @@ small enough to commit (tens of kB) and has every feature the loader reads: GQA,
 sharded checkpoint with its index, tied embeddings with Llama 3.1 rope scaling (set so
 that all three frequency bands occur within the sequence), a Mixtral MoE, a Qwen3 (query
 and key norms, its own head size, tied), a Qwen2 (q/k/v biases), a Mistral (a sliding
-window), a Qwen3-MoE (dense and MoE layers) and a Gemma 3 (sliding and global layers).
+window), a Qwen3-MoE (dense and MoE layers), a Gemma 3 (sliding and global layers) and two
+DeepSeek-V3s (latent attention with and without a query rank, a dense prefix, grouped
+routing with a selection bias, YaRN).
 
     python tests/hf/make_goldens.py --check DIR GOLDEN
 
@@ -24,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import (AutoModelForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM,
+from transformers import (AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM,
                           MistralConfig, MistralForCausalLM,
                           MixtralConfig, MixtralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
                           Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
@@ -32,6 +34,11 @@ from transformers import (AutoModelForCausalLM, Gemma3ForCausalLM, Gemma3TextCon
 HERE = Path(__file__).parent
 SHAPE = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              head_dim=8, intermediate_size=64, max_position_embeddings=256)
+DEEPSEEK = dict(vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_attention_heads=4,
+                num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2,
+                routed_scaling_factor=2.5, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8)
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.8}
 GOLDENS = {
     # Saved in shards (max 20 kB each) with model.safetensors.index.json, and a BPE tokenizer.
     "llama-gqa": (LlamaForCausalLM, LlamaConfig(**SHAPE, rope_theta=10000.0, tie_word_embeddings=False), "20kB"),
@@ -64,6 +71,20 @@ GOLDENS = {
         **(SHAPE | dict(num_hidden_layers=4)), sliding_window=6, sliding_window_pattern=3, query_pre_attn_scalar=12,
         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}), None),
+    # Latent attention with a low-rank query; 2 dense layers, then 2 MoE layers of 8
+    # experts in 4 groups (2 kept) with a shared expert; YaRN whose attention factor is not
+    # 1 (mscale differs from mscale_all_dim), so both the rotation's and the softmax's
+    # scales are exercised. max_position_embeddings = factor x original, so transformers'
+    # versions that derive the factor agree with those that read it.
+    "deepseek-v3": (DeepseekV3ForCausalLM, DeepseekV3Config(**DEEPSEEK, q_lora_rank=24, num_hidden_layers=4,
+                                                            first_k_dense_replace=2, n_group=4, topk_group=2,
+                                                            max_position_embeddings=256, rope_parameters=YARN), None),
+    # A plain query projection (q_lora_rank null), one dense layer, 2 groups of which 1 is
+    # kept, gates not renormalized, no rope scaling.
+    "deepseek-v3-q": (DeepseekV3ForCausalLM, DeepseekV3Config(
+        **(DEEPSEEK | dict(routed_scaling_factor=1.0)), q_lora_rank=None, num_hidden_layers=3, first_k_dense_replace=1, n_group=2, topk_group=1,
+        norm_topk_prob=False, max_position_embeddings=256,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}), None),
 }
 BATCH, SEQ = 2, 64
 PROMPTS, GENERATED = (1, 7, 20), 24
@@ -81,6 +102,9 @@ def make(name: str) -> None:
                 p.normal_(0.0, p.shape[-1] ** -0.5)
             else:
                 p.uniform_(0.5, 1.5)
+        for name_, buffer in model.named_buffers():  # DeepSeek's selection bias: large enough to change choices
+            if name_.endswith("e_score_correction_bias"):
+                buffer.uniform_(-0.3, 0.3)
     out = HERE / name
     shutil.rmtree(out, ignore_errors=True)
     model.save_pretrained(out, safe_serialization=True, **({"max_shard_size": shard} if shard else {}))
