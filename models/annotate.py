@@ -17,6 +17,9 @@ from flax.core import spmd as flax_spmd
 from jax.ad_checkpoint import checkpoint_name
 
 ACTIVATION = "activation"  # checkpoint name of `constrain`'s result, for remat policies
+# The logical names of stacked layers' leading axis: the layers pipeline stages split, and
+# a prefix of layers run before them (models.deepseek3's dense ones), each run by a scan.
+LAYERS, PREFIX_LAYERS = "layers", "prefix_layers"
 _STORAGE: contextvars.ContextVar = contextvars.ContextVar("storage", default=None)
 _COPIES: contextvars.ContextVar = contextvars.ContextVar("copies", default={})
 

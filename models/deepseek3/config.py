@@ -116,6 +116,18 @@ class DeepSeekV3Config(LlamaConfig):
     def moe_layers(self) -> int:
         return self.layers - self.dense_layers
 
+    @property
+    def stacked_layers(self) -> int:
+        return self.moe_layers  # the dense prefix is a stack of its own
+
+    def attention_width(self) -> int:
+        return self.head_dim + self.v_dim
+
+    def attention_input_gradient(self) -> int:
+        """The query's rank (or the block's input) and the latent and the rotary key, which
+        every head's up-projection reads."""
+        return (self.q_rank or self.embed) + self.kv_rank + self.rope_dim
+
     def projection_shapes(self) -> dict:
         return {}  # LoRA's targets are Llama's projections, which latent attention does not have
 

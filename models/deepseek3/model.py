@@ -27,14 +27,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.annotate import constrain, weight
+from models.annotate import PREFIX_LAYERS, constrain, weight
 from models.attention import Packing, attend, cached_attention
 from models.deepseek3.config import DeepSeekV3Config
 from models.llama.model import REMAT_POLICIES, Block, Decoding, Llama, RMSNorm, _param, rotary
 from models.lora import LoRA
 from models.moe import Routing
 
-PREFIX_AXIS = "prefix_layers"  # the dense prefix's stacked axis: not split over pp (rules table)
+PREFIX_AXIS = PREFIX_LAYERS  # the dense prefix's stacked axis: not split over pp (rules table)
 
 
 class LatentAttention(nnx.Module):

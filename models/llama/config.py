@@ -124,6 +124,20 @@ class LlamaConfig:
         return self.layers * sum(size(t) for t in targets) - self.moe_layers * mlp
 
     @property
+    def stacked_layers(self) -> int:
+        """The layers the stacked blocks hold (pipeline stages split them): all of them."""
+        return self.layers
+
+    def attention_width(self) -> int:
+        """Per head, the width of q k^T plus that of the weights times v."""
+        return 2 * self.head_dim
+
+    def attention_input_gradient(self) -> int:
+        """Per token and layer, the elements of the gradient that tp sums in attention's
+        backward pass: of the input of its head-split projections, the block's input."""
+        return self.embed
+
+    @property
     def moe_layers(self) -> int:
         return self.layers // self.moe.every if self.moe else 0
 

@@ -67,12 +67,13 @@ def peak_tflops(device_kind: str) -> float | None:
 
 def train_flops_per_token(model_cfg, seq: int) -> float:
     """6 x (parameters a token multiplies with: its top-k experts, in an MoE model)
-    + attention 12 x layers x heads x head_dim x the keys a query sees (seq / 2 causal; fewer
-    under a sliding window): q k^T and the weights times v, forward and twice backward."""
+    + attention 6 x layers x heads x (q k^T's width + the weights times v's: 2 head_dim in
+    grouped-query attention) x the keys a query sees (seq / 2 causal; fewer under a sliding
+    window), forward and twice backward."""
     c = model_cfg
     lookup_only = 0 if c.tie_embeddings else c.vocab * c.embed  # the input table is gathered, not multiplied
     matmul_params = c.num_params(active=True) - lookup_only
-    attention = 12 * c.layers * c.heads * c.head_dim * c.attended_keys(seq)
+    attention = 6 * c.layers * c.heads * c.attention_width() * c.attended_keys(seq)
     return 6.0 * matmul_params + attention
 
 

@@ -28,7 +28,7 @@ from collections.abc import Mapping
 
 import jax
 
-from models.annotate import Storage
+from models.annotate import PREFIX_LAYERS, Storage
 from spmd.parallel.mesh import BATCH_AXES
 
 Axes = str | tuple[str, ...] | None
@@ -46,7 +46,7 @@ TABLE: dict[str, tuple[Axes, Axes]] = {
     "vocab": ("tp", "tp"),
     "experts": ("ep", "ep"),
     "layers": ("pp", None),  # pipeline stages own contiguous layers (spmd.parallel.pipeline)
-    "prefix_layers": (None, None),  # a dense prefix runs with the embedding, outside the stages (models.deepseek3)
+    PREFIX_LAYERS: (None, None),  # a dense prefix runs with the embedding, outside the stages (models.deepseek3)
 }
 
 # The axes the hand-written maps are manual over, as the table places them: pipeline stages

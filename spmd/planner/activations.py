@@ -74,13 +74,19 @@ def tensor_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
             out.append(Expected("all-reduce", "tp", times * 2 * (t - 1) / t * nbytes, why))
 
     # Per layer: the attention and MLP outputs forward, their input gradients backward. An
-    # MoE layer's experts reduce their rows instead (and its shared expert the tokens).
-    moe_layers = model.moe_layers
-    dense = model.layers - moe_layers + (moe_layers if model.moe and model.moe.shared_experts else 0)
-    reduced(activation, per_layer * (2 * model.layers + 2 * dense),
-            "Megatron: block outputs forward, block input gradients backward")
+    # MoE layer's experts reduce their rows instead (and its shared expert the tokens). A
+    # prefix of layers before the stacked ones (models.deepseek3's dense layers) runs
+    # outside pipeline stages, once.
+    moe_layers, prefix = model.moe_layers, model.layers - model.stacked_layers
+    shared = moe_layers if model.moe and model.moe.shared_experts else 0
+    layer_runs = per_layer * model.stacked_layers + prefix
+    mlp_runs = per_layer * (model.stacked_layers - moe_layers + shared) + prefix
+    reduced(activation, layer_runs + 2 * mlp_runs, "Megatron: block outputs forward, the MLPs' input gradients backward")
+    # (Under Megatron-SP, the gathered input's, reduce-scattered back into the residual stream.)
+    width = model.embed if cfg.megatron_sp else model.attention_input_gradient()
+    reduced(tokens * width * compute_bytes, layer_runs, "Megatron: attention's input gradient backward")
     if picks_again(layout) and cfg.remat == "full":
-        reduced(activation, per_layer * 2 * model.layers, "circular stages: each tick's forward again")
+        reduced(activation, per_layer * 2 * model.stacked_layers, "circular stages: each tick's forward again")
     out += adapters_over_tp(cfg, layout, tokens * compute_bytes, per_layer)
     if moe_layers:
         rows = expert_rows(cfg, layout) * model.embed * compute_bytes
@@ -88,7 +94,7 @@ def tensor_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
                             "experts: their outputs forward, their input gradients backward"))
     if cfg.remat == "full":
         # The forward is recomputed up to the MLP (its output is not needed for gradients).
-        layers = per_layer * model.layers
+        layers = layer_runs
         if cfg.megatron_sp:  # attention input and output, and the MLP's input, again
             out.append(Expected("all-gather", "tp", 2 * layers * (t - 1) / t * activation, "remat"))
             out.append(Expected("reduce-scatter", "tp", layers * (t - 1) / t * activation, "remat"))
@@ -128,7 +134,8 @@ def sequence_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]
     block = cfg.batch / ways(BATCH_AXES, shape) * cfg.seq / n * kv_heads * model.head_dim * compute_bytes
     recomputed = cfg.remat != "none"  # "none" keeps the received blocks; the others fetch them again
     # In pipeline stages a device runs 1/pp of the layers, in every tick (bubbles included).
-    layers = model.layers * stage_overhead(layout) / shape["pp"]
+    # A prefix of layers outside the stages runs on a device's rows, which pp splits too.
+    layers = (model.stacked_layers * stage_overhead(layout) + model.layers - model.stacked_layers) / shape["pp"]
     if cfg.attention == "ring":
         # K and V: n - 1 hops forward [and again, recomputed], n - 1 again backward, beside
         # their float32 gradients' n hops (spmd.parallel.context's ring-level backward pass).
@@ -147,10 +154,15 @@ def expert_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
     if model.moe is None:
         return []
     out = []
+    sequences = tokens_per_device(cfg, layout.shape) * sp / cfg.seq
+    if sp > 1 and model.moe.balance_loss == "sequence":
+        # The sequence-wise balance loss: each sequence's share of choices and mean score
+        # per expert, and its choices per token, summed over its chunks (float32).
+        out.append(Expected("all-reduce", "sp", model.moe_layers * stage_overhead(layout) * 3 * sequences
+                            * model.moe.experts * 4 * 2 * (sp - 1) / sp, "MoE statistics per sequence"))
     if sp > 1 and cfg.moe_dispatch == "capacity":
         # Each rank's two chunks' choices counted per expert (int32), gathered from the
         # others (spmd.parallel.context.make_capacity_slots); XLA runs the gather twice per layer.
-        sequences = tokens_per_device(cfg, layout.shape) * sp / cfg.seq
         counts = sequences * 2 * model.moe.experts * 4
         out.append(Expected("all-gather", "sp", model.moe_layers * stage_overhead(layout) * 2 * (sp - 1) * counts,
                             "capacity: each chunk's choices per expert, to rank them in the sequence"))

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import traverse_util
 
 from models import model_class
+from models.annotate import LAYERS, PREFIX_LAYERS
 from models.lora import is_adapter
 from spmd.parallel.layout import Layout
 from spmd.parallel.mesh import AXES, BATCH_AXES
@@ -35,9 +36,10 @@ class Param:
     numel: int
     itemsize: int
     names: tuple
-    stacked: bool  # one slice per layer, used inside the layer scan
+    stacked: bool  # one slice per layer, used inside the layer scan (split into pipeline stages)
     trained: bool = True  # False: a LoRA run's frozen base (no gradient, no optimizer state)
     adapter: bool = False  # a LoRA adapter's matrix (models.lora)
+    prefix: int = 0  # one slice per layer of a prefix run by a scan of its own before the stacked layers: how many
 
 
 def uses(p: Param, model_cfg, compute_bytes: int) -> tuple[int, ...]:
@@ -51,7 +53,7 @@ def uses(p: Param, model_cfg, compute_bytes: int) -> tuple[int, ...]:
 
 
 def is_vector(p: Param) -> bool:
-    return len([n for n in p.names if n != "layers"]) == 1
+    return len([n for n in p.names if n not in (LAYERS, PREFIX_LAYERS)]) == 1
 
 
 def params(layout: Layout, cfg=None) -> list[Param]:
@@ -63,9 +65,10 @@ def params(layout: Layout, cfg=None) -> list[Param]:
     found = []
     for path in shapes:
         trained = not lora or is_adapter(path)
+        prefix = shapes[path].shape[0] if names[path][:1] == (PREFIX_LAYERS,) else 0
         found.append(Param(".".join(map(str, path)), math.prod(shapes[path].shape),
                            jnp.dtype(shapes[path].dtype).itemsize if trained else base_bytes, names[path],
-                           "layers" in names[path], trained, lora and trained))
+                           LAYERS in names[path], trained, lora and trained, prefix))
     return found
 
 

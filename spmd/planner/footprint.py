@@ -38,8 +38,9 @@ def memory(cfg, layout: Layout) -> dict[str, float]:
         if live(set(spec_axes(p.names, rules.params)) - set(compute), shape):
             used = held(p, compute, sum(uses(p, model, compute_bytes)))
             # Stacked weights are gathered a layer at a time (two alive: this one and the
-            # next, of the device's layers).
-            gathered += used * (2 * shape["pp"] / model.layers if p.stacked else 1)
+            # next, of the device's layers); a prefix's too.
+            gathered += used * (2 * shape["pp"] / model.stacked_layers if p.stacked
+                                else min(1, 2 / p.prefix) if p.prefix else 1)
         # With accumulation each device sums its own microbatches' gradients (laid out as
         # computed, float32) and reduces once; so does each dp shard of pipeline stages
         # over the ticks (reduced over fsdp each tick); otherwise the reduced gradient is

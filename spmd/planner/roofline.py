@@ -53,8 +53,8 @@ def executed_flops_per_step(cfg, model_cfg) -> tuple[float, float]:
     """(model FLOPs, executed FLOPs) of one step: remat recomputes (part of) the forward."""
     per_token = train_flops_per_token(model_cfg, cfg.seq)
     model = per_token * cfg.batch * cfg.seq
-    attention = (12.0 * model_cfg.layers * model_cfg.heads * model_cfg.head_dim * model_cfg.attended_keys(cfg.seq)
-                 * cfg.batch * cfg.seq)
+    attention = (6.0 * model_cfg.layers * model_cfg.heads * model_cfg.attention_width()
+                 * model_cfg.attended_keys(cfg.seq) * cfg.batch * cfg.seq)
     recomputed = {"none": 0.0, "dots": attention / 3, "full": model / 3}[cfg.remat]  # forward = 1/3 of training
     return model, model + recomputed
 

@@ -117,8 +117,10 @@ def collectives(cfg, layout: Layout) -> list[Expected]:
         if gathered:
             n = ways(gathered, shape)
             # Stacked weights are gathered in the layer scans of every microbatch (every
-            # tick of a pipeline), and again in backward; the others once.
-            times = (stage_runs + _backward_gathers(cfg, layout, stage_runs)) if p.stacked else 1
+            # tick of a pipeline), and again in backward; a prefix's in its scan, outside
+            # the stages, and again in backward; the others once.
+            times = ((stage_runs + _backward_gathers(cfg, layout, stage_runs)) if p.stacked
+                     else 2 * cfg.grad_accum if p.prefix else 1)
             out.append(Expected("all-gather", "+".join(gathered), times * (n - 1) / n * slice_numel * sum(widths),
                                 "weights gathered where used" + (", again in backward" if p.stacked else "")))
         fused = table_scatter_axes(cfg, layout) if p.path == model_class(model_cfg).LOOKUP_TABLE else ()

@@ -1,0 +1,45 @@
+"""DeepSeek-V3 (models.deepseek3) trains to the numbers of one device on the layouts that
+split what is its own: pipeline stages with the dense prefix outside them, latent attention
+over sp and tp, and group-limited routing with its selection bias over ep; the presets
+have the published sizes. (Its logits, generation and round trip against transformers are
+in test_hf.py and test_generate.py, with the other families' goldens.)"""
+
+import numpy as np
+import pytest
+from conftest import assert_params_match, train_run
+
+from models import PRESETS
+
+pytestmark = pytest.mark.xdist_group("deepseek")
+
+MODEL = dict(model="deepseek-v3-tiny")
+LOSS_RTOL = 1e-5  # as test_parity's: float32 sums in another order
+BIASED = MODEL | dict(router_bias_rate=0.01)  # the selection bias moves against the measured load every step
+
+
+@pytest.mark.parametrize("mesh,devices,overrides", [
+    ("pp=2,ep=2", 4, MODEL | dict(microbatches=4)),  # 4 MoE layers in 2 stages; the 2 dense ones with the embedding
+    ("pp=2,ep=2", 4, MODEL | dict(microbatches=4, pp_schedule="1f1b")),  # the prefix's gradient through the embedding's
+    ("sp=2,tp=2", 4, MODEL),  # ring attention on the decompressed keys and values
+    ("ep=4", 4, BIASED),  # 16 experts in 4 groups, 2 kept, over 4 devices
+], ids=["pp=2,ep=2-gpipe", "pp=2,ep=2-1f1b", "sp=2,tp=2", "ep=4-biased"])
+def test_layout_matches_one_device(mesh, devices, overrides):
+    reference = train_run("", 1, **overrides | dict(microbatches=None, pp_schedule="gpipe"))
+    run = train_run(mesh, devices, **overrides)
+    np.testing.assert_allclose(run.losses, reference.losses, rtol=LOSS_RTOL, atol=0)
+    assert reference.losses[-1] < reference.losses[0] - 0.05  # it trains, so matching it says something
+    assert_params_match(run.params, reference.params)
+    if overrides is BIASED:  # the bias moved, the same on both
+        np.testing.assert_allclose(run.router["blocks"]["mlp"]["bias"], reference.router["blocks"]["mlp"]["bias"],
+                                   rtol=0, atol=1e-6)
+        assert np.abs(reference.router["blocks"]["mlp"]["bias"]).max() > 0
+
+
+def test_presets_have_the_published_sizes():
+    """DeepSeek-V3: 671B, of which 37B active per token (36.6B without the input embedding,
+    the paper's count); DeepSeek-V2-Lite: 15.7B, 2.4B active."""
+    v3, lite = PRESETS["deepseek-v3"], PRESETS["deepseek-v2-lite"]
+    assert v3.num_params() == 671_026_419_200
+    assert v3.num_params(active=True) - v3.vocab * v3.embed == 36_625_618_432
+    assert lite.num_params() == 15_706_484_224
+    assert lite.num_params(active=True) - lite.vocab * lite.embed == 2_451_435_008
