@@ -10,7 +10,11 @@
    of the bytes a step must read at least: every weight once and its context's keys and
    values. A memory-bound step can do no better than that ratio; at batch 8 the small
    model's K/V of 512 tokens outweigh its weights, so it is above 1.3 however attention
-   is written (at batch 1 it is about 1.1).
+   is written (at batch 1 it is about 1.1);
+4. with a latent-attention model (--model deepseek-v3-tiny): the cache's bytes per token, as
+   the decoder allocates them, / what the same heads would cache as keys and values (a
+   grouped-query cache with a key/value head per query head), and the same ratio for
+   DeepSeek-V3's own shapes.
 
     python benchmarks/decode.py [--model small --mesh dp=1 --batch 8 --new 64]
 
@@ -38,19 +42,22 @@ def main():
     import numpy as np
     from flax import nnx
 
-    from models import PRESETS, Llama
+    from models import PRESETS, model_class
     from spmd.config import TrainConfig, validate
     from spmd.inference.decode import Decoder, Sampling, left_padded
     from spmd.parallel.layout import make_layout
 
     layout = make_layout(validate(TrainConfig(model=args.model, mesh=args.mesh)), for_training=False)
-    params = nnx.to_pure_dict(nnx.state(Llama(PRESETS[args.model], rngs=nnx.Rngs(0)), nnx.Param))
+    params = nnx.to_pure_dict(nnx.state(model_class(PRESETS[args.model])(PRESETS[args.model], rngs=nnx.Rngs(0)),
+                                        nnx.Param))
     params = jax.device_put(params, layout.shardings(layout.rules.params))
     vocab = PRESETS[args.model].vocab
     rng = np.random.default_rng(0)
 
+    decoders = {}
+
     def cached(context: int, slots: int = 0):
-        decoder = Decoder(layout, args.batch, context, args.new, Sampling(), slots=slots)
+        decoder = decoders[context, slots] = Decoder(layout, args.batch, context, args.new, Sampling(), slots=slots)
         decoder.compile()
         tokens, pads = left_padded([rng.integers(0, vocab, context) for _ in range(args.batch)], args.batch, context)
         rows, key = np.arange(args.batch, dtype=np.int32), jax.random.key(0)
@@ -91,10 +98,14 @@ def main():
     config = PRESETS[args.model]
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
 
+    def cache_per_token(cfg) -> int:
+        """Elements the model's cache holds per token, over its layers."""
+        return sum(np.prod(shape) for shape, _ in model_class(cfg).cache_layout(cfg, 1, 1).values())
+
     def context_bytes(context: int) -> float:
-        """Bytes of keys and values a decode step reads: its rows' context (on average
-        context + new / 2 tokens over the new tokens)."""
-        per_token = config.layers * 2 * config.kv_heads * config.head_dim * jnp.dtype(Decoder.cache_dtype).itemsize
+        """Bytes of the cache a decode step reads: its rows' context (on average context +
+        new / 2 tokens over the new tokens)."""
+        per_token = cache_per_token(config) * jnp.dtype(Decoder.cache_dtype).itemsize
         return per_token * args.batch * (context + args.new / 2)
 
     runs = {"cache, 64": cached(64), "recompute, 64": recomputed(64), "cache, 512": cached(512),
@@ -119,6 +130,18 @@ def main():
     print(f"bytes a step reads at least, 512 / 64 tokens of context: {least[512] / least[64]:.2f} "
           f"({weight_bytes / 2**20:.1f} MiB of weights; keys and values {context_bytes(512) / 2**20:.1f} "
           f"and {context_bytes(64) / 2**20:.1f} MiB)")
+
+    if hasattr(config, "latent_dim"):  # latent attention: its cache against full keys and values per head
+        decoder = decoders[64, 0]
+        allocated = decoder.cache_bytes_per_device() / (args.batch * decoder.length * config.layers)
+        for name, cfg, per_layer in ((args.model, config, allocated / jnp.dtype(Decoder.cache_dtype).itemsize),
+                                     ("deepseek-v3", PRESETS["deepseek-v3"], None)):
+            latent = per_layer or cache_per_token(cfg) / cfg.layers
+            heads = cfg.heads * (cfg.head_dim + cfg.v_dim)  # keys of head_dim and values of v_dim, per head
+            print(f"cache per token and layer, {name}: {latent:,.0f} numbers (latent {cfg.kv_rank} + rotary key "
+                  f"{cfg.rope_dim}{', as allocated' if per_layer else ''}); keys and values per head would be "
+                  f"{heads:,}: {heads / latent:.1f}x as many")
+
 
 if __name__ == "__main__":
     main()

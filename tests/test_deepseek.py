@@ -4,13 +4,20 @@ over sp and tp, and group-limited routing with its selection bias over ep; the p
 have the published sizes. (Its logits, generation and round trip against transformers are
 in test_hf.py and test_generate.py, with the other families' goldens.)"""
 
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 from conftest import assert_params_match, train_run
 
 from models import PRESETS
+from spmd.formats.safetensors import SafeTensors
 
 pytestmark = pytest.mark.xdist_group("deepseek")
+
+GOLDENS = Path(__file__).with_name("hf")
 
 MODEL = dict(model="deepseek-v3-tiny")
 LOSS_RTOL = 1e-5  # as test_parity's: float32 sums in another order
@@ -43,3 +50,20 @@ def test_presets_have_the_published_sizes():
     assert v3.num_params(active=True) - v3.vocab * v3.embed == 36_625_618_432
     assert lite.num_params() == 15_706_484_224
     assert lite.num_params(active=True) - lite.vocab * lite.embed == 2_451_435_008
+
+
+def test_the_checkpoints_selection_bias_moves_with_the_run_and_is_exported(tmp_path):
+    """A run that moves the selection bias (--router-bias-rate) keeps it as router state:
+    it starts from the checkpoint's e_score_correction_bias, not from zero, and export
+    writes it back. After 0 steps on pp=2,ep=2 every tensor is the golden's, bit for bit."""
+    golden, run, out = GOLDENS / "deepseek-v3", tmp_path / "run", tmp_path / "hf"
+    for argv in (["spmd.train", "--init-from", str(golden), "--mesh", "pp=2,ep=2", "--microbatches", "2",
+                  "--router-bias-rate", "0.001", "--steps", "0", "--batch", "8", "--seq", "16", "--out", str(run)],
+                 ["spmd.export", "--checkpoint", str(run), "--format", "hf", "--out", str(out)]):
+        done = subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+    want, got = ({name: f.read(name) for f in [SafeTensors(d / "model.safetensors")] for name in f.names()}
+                 for d in (golden, out))
+    assert sorted(got) == sorted(want)
+    assert all(np.array_equal(got[k].view(np.uint32), want[k].view(np.uint32)) for k in want)
+    assert np.abs(want["model.layers.2.mlp.gate.e_score_correction_bias"]).max() > 0.1

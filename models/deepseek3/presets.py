@@ -28,6 +28,15 @@ PRESETS: dict[str, DeepSeekV3Config] = {
                   mscale_all_dim=0.707),
         moe=MoEConfig(experts=64, top_k=6, expert_mlp=1408, shared_experts=2, scoring="softmax",
                       normalize_top_k=False, aux_loss_weight=0.001, z_loss_weight=0.0)),
+    # V3's architecture at 1/7 of its width, for planning its parallel layout on emulated
+    # devices: 3 dense layers, then 16 MoE layers of 64 experts in 8 groups (4 kept), top-8.
+    "deepseek-v3-small": DeepSeekV3Config(
+        vocab=32768, embed=1024, layers=19, heads=16, kv_heads=16, head_dim=96, mlp=2816,
+        kv_rank=128, rope_dim=32, v_dim=64, q_rank=384, dense_layers=3,
+        yarn=Yarn(factor=40.0, original_max_position=4096, beta_fast=32.0, beta_slow=1.0, mscale=1.0,
+                  mscale_all_dim=1.0),
+        moe=MoEConfig(experts=64, top_k=8, expert_mlp=256, shared_experts=1, groups=8, top_groups=4, scale=2.5,
+                      **V3_ROUTING)),
     # V3's architecture at test size: 2 dense layers, then 4 MoE layers of 16 experts in 4
     # groups (2 kept), top-4, a shared expert, YaRN; every dimension divides 2, 4 and 8.
     "deepseek-v3-tiny": DeepSeekV3Config(

@@ -266,15 +266,22 @@ def _companion(path: Path, what: str, fields, limit: int) -> None:
 
 # ------------------------------------------------------------------ loading
 
-def load_params(directory: TensorFiles, layout) -> dict:
+def load_params(directory: TensorFiles, layout, router: dict | None = None) -> dict:
     """The directory's parameters (a model's, or an adapter's: `TensorFiles`) placed in
-    `layout`'s parameter shardings (pure dict)."""
+    `layout`'s parameter shardings (pure dict). A tensor the layout keeps in its router
+    state instead (a selection bias that the run moves: spmd.parallel.balance) goes into
+    `router` (flat, by path), host arrays shaped as that state."""
     if isinstance(directory, Directory):  # an adapter is small beside its model
         _check_fits(directory, layout)
     shardings = traverse_util.flatten_dict(layout.shardings(layout.rules.params))
     shapes = traverse_util.flatten_dict(layout.skeleton.shapes)
+    router_shapes = traverse_util.flatten_dict(layout.skeleton.router_shapes)
     placed = {}
     for t in directory.tensors:
+        if t.ours not in shapes and t.ours in router_shapes and router is not None:
+            layers = [directory.layer(t, i) for i in range(t.stacked or 1)]
+            router[t.ours] = np.stack(layers).reshape(router_shapes[t.ours].shape)
+            continue
         sharding, shape = shardings[t.ours], shapes[t.ours].shape
         if not t.stacked:
             placed[t.ours] = _place(directory.layer(t, 0), sharding)

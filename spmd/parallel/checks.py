@@ -119,10 +119,11 @@ def check_pipeline(cfg, shape: Mapping[str, int], model_cfg: LlamaConfig, for_tr
             raise UserError("--pp-schedule, --pp-repeats and --microbatches need a pp axis (e.g. --mesh pp=2,dp=4)")
         return None
     schedule = Schedule.of(cfg, p)
-    if schedule.name == "zb-v" and model_cfg.layers % (2 * p):
+    layers = model_cfg.stacked_layers  # what the stages split (a prefix of layers runs before them)
+    if schedule.name == "zb-v" and layers % (2 * p):
         raise UserError(f"--pp-schedule zb-v: model {cfg.model_name}'s {model_cfg.layers} layers do not divide into "
                         f"2 x pp = {2 * p} chunks (each stage runs one going down and one coming back)")
-    if model_cfg.layers % (p * schedule.repeats):
+    if layers % (p * schedule.repeats):
         raise UserError(f"model {cfg.model_name}: {model_cfg.layers} layers do not divide into pp x repeats = "
                         f"{p} x {schedule.repeats} pipeline chunks")
     m = schedule.microbatches

@@ -12,7 +12,7 @@ from spmd.parallel.layout import Layout
 from spmd.parallel.mesh import BATCH_AXES
 from spmd.parallel.rules import axes_of
 from spmd.parallel.skeleton import routing
-from spmd.planner.counting import (Expected, expert_rows, head_in_stages, live, params, picks_again, spec_axes,
+from spmd.planner.counting import (SMALL_BYTES, Expected, expert_rows, head_in_stages, live, params, picks_again, spec_axes,
                                    stage_overhead, table_scatter_axes, tokens_per_device, ways)
 
 
@@ -155,11 +155,12 @@ def expert_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
         return []
     out = []
     sequences = tokens_per_device(cfg, layout.shape) * sp / cfg.seq
-    if sp > 1 and model.moe.balance_loss == "sequence":
+    per_sequence = sequences * model.moe.experts * 4
+    if sp > 1 and model.moe.balance_loss == "sequence" and per_sequence >= SMALL_BYTES:  # (less: listed as scalars)
         # The sequence-wise balance loss: each sequence's share of choices and mean score
         # per expert, and its choices per token, summed over its chunks (float32).
-        out.append(Expected("all-reduce", "sp", model.moe_layers * stage_overhead(layout) * 3 * sequences
-                            * model.moe.experts * 4 * 2 * (sp - 1) / sp, "MoE statistics per sequence"))
+        out.append(Expected("all-reduce", "sp", model.moe_layers * stage_overhead(layout) * 3 * per_sequence
+                            * 2 * (sp - 1) / sp, "MoE statistics per sequence"))
     if sp > 1 and cfg.moe_dispatch == "capacity":
         # Each rank's two chunks' choices counted per expert (int32), gathered from the
         # others (spmd.parallel.context.make_capacity_slots); XLA runs the gather twice per layer.

@@ -22,6 +22,9 @@ from spmd.parallel.rules import axes_of, spec_for
 from spmd.parallel.skeleton import DTYPES, is_names, routing
 
 
+SMALL_BYTES = 1024  # collectives moving less each time are scalars (loss, norms, MoE statistics): listed, not flagged
+
+
 @dataclasses.dataclass(frozen=True)
 class Expected:
     op: str

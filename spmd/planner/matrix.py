@@ -9,7 +9,7 @@ import itertools
 
 from spmd.parallel.checks import FEATURES, REFUSED
 from spmd.parallel.mesh import AXES
-from spmd.planner.plan import SMALL_BYTES
+from spmd.planner.counting import SMALL_BYTES
 
 MOE_FEATURES = {"MoE", "capacity", "expert balancing"}
 

@@ -22,10 +22,9 @@ from spmd.parallel.mesh import accelerator_plugin_installed
 from spmd.parallel.skeleton import REMAT
 from spmd.parallel.step import build_program
 from spmd.planner import footprint, hlo, theory, traffic
-from spmd.planner.counting import by_op_and_axes
+from spmd.planner.counting import SMALL_BYTES, by_op_and_axes
 from spmd.planner.roofline import predict
 
-SMALL_BYTES = 1024  # collectives moving less each time are scalars (loss, norms, MoE statistics): listed, not flagged
 AUTO_SHOWN = 5
 AUTO_MAX_COMPILES = 12
 

@@ -62,9 +62,9 @@ def hf_parts(cfg, meta: dict):
     directory's tokenizer_config.json and special_tokens_map.json with it), else those
     of the directory the run started from."""
     model_cfg = model_config(cfg)
-    if cfg.router_bias_weight:
-        raise UserError(f"--format hf: model {cfg.model_name} was trained with --router-bias-rate, and the Hugging "
-                        "Face Mixtral layout has no selection bias; the default format keeps it")
+    if cfg.router_bias_weight and not model_cfg.moe.selection_bias:  # DeepSeek-V3's layout has one
+        raise UserError(f"--format hf: model {cfg.model_name} was trained with --router-bias-rate, and its Hugging "
+                        "Face layout has no selection bias; the default format keeps it")
     why_not = hf_layout(model_cfg).supported(model_cfg)
     if why_not:
         raise UserError(f"--format hf: model {cfg.model_name} has no Hugging Face layout ({why_not})")

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import jax
+from flax import traverse_util
 
 from models.lora import joined
 from spmd.base.console import human_bytes
@@ -109,12 +110,18 @@ def _fresh_state(cfg, program) -> dict:
     with jax.set_mesh(layout.mesh):
         if not cfg.init_from:
             return program.init(jax.random.key(cfg.seed))
-        params = load_params(Directory(cfg.init_from), layout)
+        router = {}  # a selection bias the checkpoint has, which the run's router state takes
+        params = load_params(Directory(cfg.init_from), layout, router)
         if layout.skeleton.lora:
             adapters = (load_params(AdapterFiles(cfg.adapter, layout.skeleton.model_cfg, layout.skeleton.lora), layout)
                         if cfg.adapter else program.new_adapters(jax.random.key(cfg.seed)))
             params = joined(params, adapters)
-        return program.start(params)
+        state = program.start(params)
+        if router:
+            kept = traverse_util.flatten_dict(state["routing"])
+            state["routing"] = traverse_util.unflatten_dict(kept | {
+                path: jax.device_put(value.astype(kept[path].dtype), kept[path].sharding) for path, value in router.items()})
+        return state
 
 
 def _restore(source, step: int, meta: dict, program) -> dict:
