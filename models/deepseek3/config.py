@@ -86,7 +86,12 @@ class DeepSeekV3Config(LlamaConfig):
         if self.v_dim > self.head_dim:  # values are padded to the key size for the kernels (models.deepseek3.model)
             raise ValueError(f"v_dim ({self.v_dim}) must be at most head_dim ({self.head_dim})")
         if self.moe is None or self.moe.every != 1 or not 0 <= self.dense_layers < self.layers:
-            raise ValueError("DeepSeek-V3 has MoE in every layer after its dense prefix, and at least one")
+            raise ValueError(f"DeepSeek-V3 has MoE in every layer after its {self.dense_layers} dense ones, and at "
+                             f"least one: {self.layers} layers")
+        m = self.moe
+        if m.experts % m.groups or m.top_k > m.experts // m.groups * m.top_groups:
+            raise ValueError(f"{m.experts} experts do not split into {m.groups} groups of which {m.top_groups} "
+                             f"hold top-{m.top_k}")
 
     @classmethod
     def from_dict(cls, d: dict) -> DeepSeekV3Config:

@@ -120,11 +120,13 @@ def check_pipeline(cfg, shape: Mapping[str, int], model_cfg: LlamaConfig, for_tr
         return None
     schedule = Schedule.of(cfg, p)
     layers = model_cfg.stacked_layers  # what the stages split (a prefix of layers runs before them)
+    what = (f"{layers} layers" if layers == model_cfg.layers else
+            f"{layers} MoE layers (its {model_cfg.layers - layers} dense ones run before the stages)")
     if schedule.name == "zb-v" and layers % (2 * p):
-        raise UserError(f"--pp-schedule zb-v: model {cfg.model_name}'s {model_cfg.layers} layers do not divide into "
+        raise UserError(f"--pp-schedule zb-v: model {cfg.model_name}'s {what} do not divide into "
                         f"2 x pp = {2 * p} chunks (each stage runs one going down and one coming back)")
     if layers % (p * schedule.repeats):
-        raise UserError(f"model {cfg.model_name}: {model_cfg.layers} layers do not divide into pp x repeats = "
+        raise UserError(f"model {cfg.model_name}: {what} do not divide into pp x repeats = "
                         f"{p} x {schedule.repeats} pipeline chunks")
     m = schedule.microbatches
     if m % p:

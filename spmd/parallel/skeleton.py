@@ -15,6 +15,7 @@ from models import FAMILIES, PRESETS, REMAT_POLICIES, LlamaConfig, Routing, mode
 from models.lora import LoRA
 from models.lora import split as lora_split
 from models.moe import RouterState
+from spmd.base.errors import UserError
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 REMAT = tuple(REMAT_POLICIES)  # --remat's choices: none, full, dots
@@ -26,13 +27,16 @@ def model_config(cfg):
     if cfg.architecture is not None:
         return cfg.architecture
     model_cfg = PRESETS[cfg.model or "tiny"]
-    if cfg.layers is not None:
-        model_cfg = dataclasses.replace(model_cfg, layers=cfg.layers)
-    if model_cfg.moe is None:
-        return model_cfg
-    moe = dataclasses.replace(model_cfg.moe, **{k: v for k, v in (("experts", cfg.experts), ("top_k", cfg.top_k))
-                                                  if v is not None})
-    return dataclasses.replace(model_cfg, moe=moe)
+    try:  # a family's config refuses shapes it cannot build (models.deepseek3: a depth within its dense prefix)
+        if cfg.layers is not None:
+            model_cfg = dataclasses.replace(model_cfg, layers=cfg.layers)
+        if model_cfg.moe is None:
+            return model_cfg
+        moe = dataclasses.replace(model_cfg.moe, **{k: v for k, v in (("experts", cfg.experts), ("top_k", cfg.top_k))
+                                                      if v is not None})
+        return dataclasses.replace(model_cfg, moe=moe)
+    except ValueError as exc:
+        raise UserError(f"model {cfg.model}: {exc}") from None
 
 
 def is_names(x) -> bool:

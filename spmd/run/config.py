@@ -328,6 +328,9 @@ def _validate_lora(cfg: TrainConfig, model_cfg) -> None:
         if given:
             raise UserError(f"{flag_of(given[0])} applies to LoRA runs; give --lora-rank R")
         return
+    if not model_cfg.projection_shapes():
+        raise UserError(f"--lora-rank: LoRA adapts Llama's projections (q_proj, ...), which {cfg.model_name}'s latent "
+                        "attention does not have")
     targets = [t.strip() for t in cfg.lora_targets.split(",")]
     unknown = [t for t in targets if t not in TARGETS]
     if unknown or not all(targets):
