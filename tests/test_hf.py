@@ -233,6 +233,9 @@ def _damaged(root: Path) -> dict[str, str]:
     copy("gemma3_yarn", "gemma3", lambda c: c["rope_parameters"]["full_attention"].update(rope_type="yarn"))
     copy("gemma3_layer_type", "gemma3", lambda c: c["layer_types"].__setitem__(0, "chunked_attention"))
     copy("quantized", "llama-tied-rope", lambda c: c.update(quantization_config={"quant_method": "gptq"}))
+    copy("deepseek_fp8", "deepseek-v3", lambda c: c.update(quantization_config={"quant_method": "fp8"}))
+    copy("deepseek_kv_heads", "deepseek-v3", lambda c: c.update(num_key_value_heads=2))
+    copy("deepseek_softmax", "deepseek-v3", lambda c: c.update(scoring_func="softmax"))
     (copy("missing_shard", "llama-gqa") / "model-00003-of-00007.safetensors").unlink()
     truncated = copy("truncated", "llama-tied-rope") / "model.safetensors"
     truncated.write_bytes(truncated.read_bytes()[:-100])
@@ -276,6 +279,10 @@ CASES = {
     "gemma3 rope type": (["--init-from", "{gemma3_yarn}"],
                          "config.json rope_parameters.full_attention.rope_type: 'yarn' is not supported"),
     "gemma3 layer type": (["--init-from", "{gemma3_layer_type}"], "config.json layer_types: must hold"),
+    "deepseek fp8": (["--init-from", "{deepseek_fp8}"], "config.json quantization_config: only None is supported"),
+    "deepseek kv heads": (["--init-from", "{deepseek_kv_heads}"],
+                          "config.json num_key_value_heads: must equal num_attention_heads 4"),
+    "deepseek softmax": (["--init-from", "{deepseek_softmax}"], "config.json scoring_func: only 'sigmoid' is supported"),
     "missing shard": (["--init-from", "{missing_shard}"], "shard model-00003-of-00007.safetensors is missing"),
     "truncated": (["--init-from", "{truncated}"], "is truncated"),
     "wrong shape": (["--init-from", "{wrong_shape}"],
