@@ -133,7 +133,7 @@ def _run(*argv, cwd=None) -> subprocess.CompletedProcess:
     return done
 
 
-@pytest.mark.parametrize("name", MESHES)
+@pytest.mark.parametrize("name", [name for name in MESHES if not name.startswith("deepseek")])  # (test_deepseek.py)
 def test_import_then_export_gives_the_same_tensors(name, tmp_path):
     """HF -> spmd checkpoint (--steps 0 saves the start) -> export --format hf: every tensor
     bit for bit, in shards with their index; the export reads back to the same logits."""

@@ -308,7 +308,7 @@ def test_tensor_count_is_the_number_of_tensors_named():
     configs = [Directory(GOLDENS / name).cfg for name in (TIED, SHARDED, MIXTRAL, "qwen3")]
     for cfg in configs + [c for c in PRESETS.values() if hf_layout(c).supported(c) is None]:
         layout = hf_layout(cfg)
-        named = sum(len(t.names(i)) for t in layout.tensors(cfg) for i in range(cfg.layers if t.stacked else 1))
+        named = sum(len(t.names(i)) for t in layout.tensors(cfg) for i in range(t.stacked or 1))
         assert layout.tensor_count(cfg)[0] == named, cfg
 
 
