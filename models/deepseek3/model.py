@@ -38,6 +38,9 @@ PREFIX_AXIS = PREFIX_LAYERS  # the dense prefix's stacked axis: not split over p
 
 
 class LatentAttention(nnx.Module):
+    """Llama's Attention's interface (the block calls it alike); `lora` and `local` are
+    never given here (the model refuses adapters; every layer is global)."""
+
     def __init__(self, cfg: DeepSeekV3Config, dtype, rngs: nnx.Rngs, lora: LoRA | None = None):
         e, h, d, r = cfg.embed, cfg.heads, cfg.head_dim, cfg.kv_rank
         # The ranks are split as the hidden size is (fsdp, ZeRO): each is an up-projection's input.
