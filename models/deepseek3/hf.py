@@ -21,7 +21,7 @@ from models.deepseek3.config import DeepSeekV3Config, Yarn
 from models.llama import hf as llama
 from models.llama.hf import Block, ExpertNames, Tensor, _listed, _one
 from models.moe import MoEConfig
-from spmd.base.schema import ANY, BOOLEAN, INTEGER, MAPPING, NUMBER, STRING, Bounds, Field, Invalid, Rule, check, enforce
+from spmd.base.schema import ANY, BOOLEAN, INTEGER, MAPPING, NUMBER, STRING, Bounds, Field, Rule
 
 ARCHITECTURES = ("DeepseekV3ForCausalLM",)
 POSITIVE = llama.POSITIVE
@@ -109,14 +109,7 @@ def config_from_hf(hf: dict) -> DeepSeekV3Config:
 def _rope(v: dict) -> tuple[float, Yarn | None]:
     """rope_theta and YaRN, from rope_scaling (published configs) or rope_parameters (transformers 5).
     The factor is read as given (transformers 5; 4.5x derived it from max_position_embeddings)."""
-    if v["rope_parameters"] is not None and v["rope_scaling"] is not None:
-        raise Invalid("rope_scaling", "and rope_parameters are both given; give one")
-    where = "rope_parameters" if v["rope_parameters"] is not None else "rope_scaling"
-    given = v[where] or {}
-    kinds = check(given, ROPE_KIND, f"{where}.", others=None)
-    kind = kinds["rope_type"] or kinds["type"] or "default"
-    r = check(given, ROPE[kind], f"{where}.", others=f"is not a field of rope_type {kind}")
-    theta = float(v["rope_theta"] if r["rope_theta"] is None else r["rope_theta"])
+    _, kind, r, theta = llama.rope_fields(v, ROPE_KIND, ROPE)
     if kind == "default":
         return theta, None
     return theta, Yarn(factor=float(r["factor"]), original_max_position=r["original_max_position_embeddings"],

@@ -131,20 +131,27 @@ def config_of(v: dict, cls: type[LlamaConfig] = LlamaConfig) -> LlamaConfig:
 
 def _rope(v: dict) -> tuple[float, RopeScaling | None]:
     """rope_theta and rope_scaling (published configs), or transformers 5's rope_parameters."""
-    where = "rope_parameters" if v["rope_parameters"] is not None else "rope_scaling"
-    if v["rope_parameters"] is not None and v["rope_scaling"] is not None:
-        raise Invalid("rope_scaling", "and rope_parameters are both given; give one")
-    given = v[where] or {}
-    kinds = check(given, ROPE_KIND, f"{where}.", others=None)
-    kind = kinds["rope_type"] or kinds["type"] or "default"
-    r = check(given, ROPE[kind], f"{where}.", others=f"is not a field of rope_type {kind}")
-    theta = float(v["rope_theta"] if r["rope_theta"] is None else r["rope_theta"])
+    where, kind, r, theta = rope_fields(v, ROPE_KIND, ROPE)
     if kind == "default":
         return theta, None
     enforce(r, LLAMA3_RULES, f"{where}.")
     return theta, RopeScaling(factor=float(r["factor"]), low_freq_factor=float(r["low_freq_factor"]),
                               high_freq_factor=float(r["high_freq_factor"]),
                               original_max_position=r["original_max_position_embeddings"])
+
+
+def rope_fields(v: dict, kinds: tuple[Field, ...], fields: dict[str, tuple[Field, ...]]):
+    """The rotary embedding's fields, from rope_parameters or rope_scaling (with the top-level
+    rope_theta), checked against those of its kind (`kinds` name it, `fields` by kind).
+    -> (where they were, the kind, {field: value}, rope_theta)"""
+    if v["rope_parameters"] is not None and v["rope_scaling"] is not None:
+        raise Invalid("rope_scaling", "and rope_parameters are both given; give one")
+    where = "rope_parameters" if v["rope_parameters"] is not None else "rope_scaling"
+    given = v[where] or {}
+    named = check(given, kinds, f"{where}.", others=None)
+    kind = named["rope_type"] or named["type"] or "default"
+    r = check(given, fields[kind], f"{where}.", others=f"is not a field of rope_type {kind}")
+    return where, kind, r, float(v["rope_theta"] if r["rope_theta"] is None else r["rope_theta"])
 
 
 def config_to_hf(cfg: LlamaConfig) -> dict:
