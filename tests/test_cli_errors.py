@@ -31,7 +31,8 @@ CASES = {
     "zb-v under a remat policy": (["--mesh", "pp=2", "--pp-schedule", "zb-v", "--remat", "full"],
                                   "zb-v needs --remat none"),
     "zb-v with layers not in 2 x pp chunks": (["--mesh", "pp=2", "--pp-schedule", "zb-v", "--layers", "6"],
-                                              "6 layers do not divide into 2 x pp = 4 chunks"),
+                                              "6 layers do not divide into 2 x pp = 4 chunks (each stage runs one "
+                                              "going down and one coming back): give --empty-layers 2"),
     "unknown hardware": (["--hardware", "tpu-v9"], "unknown hardware 'tpu-v9'"),
     "sequence not in 2 x sp chunks": (["--mesh", "sp=4", "--seq", "12"], "does not divide into 2 x sp = 8 chunks"),
     "megatron-sp sequence": (["--mesh", "tp=4", "--megatron-sp", "--seq", "6"], "does not divide by sp x tp = 4"),

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 from conftest import assert_params_match, train_run
@@ -49,6 +50,20 @@ def test_layout_matches_one_device(mesh, devices, overrides):
         assert np.abs(reference.router["blocks"]["mlp"]["bias"]).max() > 0
 
 
+def test_empty_layers_even_out_the_stages_without_changing_the_numbers():
+    """3 MoE layers as zb-v's 2 x pp = 4 chunks: one empty layer after them, which passes
+    its input on, adds nothing to the balance loss or the metrics, and stays zeros; the
+    layers train as one device's without it, from the same initial values."""
+    reference = train_run("", 1, **MODEL, layers=5)
+    run = train_run("pp=2,ep=2", 4, **MODEL, layers=5, empty_layers=1, microbatches=4, pp_schedule="zb-v")
+    np.testing.assert_allclose(run.losses, reference.losses, rtol=LOSS_RTOL, atol=0)
+    for name in ("aux_loss", "imbalance"):  # means over the 3 MoE layers, not 4
+        np.testing.assert_allclose(run.metrics[name], reference.metrics[name], rtol=LOSS_RTOL)
+    blocks = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), run.params.pop("blocks"))  # zb-v's (2, 2, ...)
+    assert all(not np.any(leaf[3]) for leaf in jax.tree.leaves(blocks))
+    assert_params_match(run.params | {"blocks": jax.tree.map(lambda a: a[:3], blocks)}, reference.params)
+
+
 def test_presets_have_the_published_sizes():
     """DeepSeek-V3: 671B, of which 37B active per token (36.6B without the input embedding,
     the paper's count); DeepSeek-V2-Lite: 15.7B, 2.4B active."""
@@ -63,10 +78,13 @@ def test_the_checkpoints_selection_bias_moves_with_the_run_and_is_exported(tmp_p
     """The Hugging Face round trip through a run: a run that moves the selection bias
     (--router-bias-rate) keeps it as router state, starting from the checkpoint's
     e_score_correction_bias, not from zero, and export writes it back. After 0 steps on
-    ep=2 every tensor is the golden's, bit for bit, and the export gives transformers' logits."""
+    zb-v's stages (its 2 MoE layers and 2 empty ones as 2 x pp = 4 chunks; the dense prefix
+    outside them), every tensor is the golden's, bit for bit, the empty layers are not
+    among them, and the export gives transformers' logits."""
     golden, run, out = GOLDENS / "deepseek-v3", tmp_path / "run", tmp_path / "hf"
-    for argv in (["spmd.train", "--init-from", str(golden), "--mesh", "ep=2",
-                  "--router-bias-rate", "0.001", "--steps", "0", "--batch", "8", "--seq", "16", "--out", str(run)],
+    for argv in (["spmd.train", "--init-from", str(golden), "--mesh", "pp=2,ep=2", "--pp-schedule", "zb-v",
+                  "--empty-layers", "2", "--router-bias-rate", "0.001", "--steps", "0", "--batch", "8", "--seq", "16",
+                  "--out", str(run)],
                  ["spmd.export", "--checkpoint", str(run), "--format", "hf", "--out", str(out)]):
         done = subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr

@@ -14,12 +14,18 @@ import sys
 import pytest
 import yaml
 
+from spmd.parallel.checks import check_layout
+from spmd.run.resolve import parse_args
+
 pytestmark = pytest.mark.xdist_group("presets")  # the tests read one driver's results
 
 ROOT = pathlib.Path(__file__).parents[1]
 DRIVER = pathlib.Path(__file__).with_name("cli_driver.py")
+# A preset kept to plan a layout that spmd cannot fit yet, and to show why (docs/deepseek.md):
+# over its hardware's memory, and 2,048 devices, too many to compile in the suite's time.
+PLAN_ONLY = {ROOT / "mesh_configs" / "deepseek-v3-2048xh800.yaml"}
 PRESETS = sorted(p for p in ROOT.joinpath("mesh_configs").glob("*.yaml")
-                 if "hardware" in yaml.safe_load(p.read_text()))
+                 if "hardware" in yaml.safe_load(p.read_text()) and p not in PLAN_ONLY)
 
 
 def test_the_presets_cover_the_documented_set_ups():
@@ -63,3 +69,15 @@ def test_preset_plans_cleanly_and_fits(plans, preset):
         assert c["bytes_per_device"] == pytest.approx(c["theory_bytes_per_device"], rel=0.05), c
     assert not [c for c in plan["collectives"] if c.get("unexpected")]
     assert 0 < plan["predicted_step_time_s"] and 0 < plan["predicted_mfu"] < 1
+
+
+@pytest.mark.parametrize("preset", sorted(PLAN_ONLY), ids=lambda p: p.stem)
+def test_plan_only_preset_passes_every_check_before_compiling(preset):
+    """Its layout divides (DeepSeek-V3's 58 MoE layers and 6 empty ones into zb-v's 32
+    chunks, the batch into 128 microbatches x 128 batch shards, 256 experts and 64 copies
+    over ep=64), as `spmd.plan` checks it before compiling."""
+    cfg = parse_args(["--config", str(preset)])
+    shape = cfg.mesh_spec.resolve(cfg.mesh_spec.devices)
+    _, skeleton, schedule = check_layout(cfg, shape, for_training=True)
+    assert (schedule.name, schedule.stages, schedule.repeats) == ("zb-v", 16, 2)
+    assert skeleton.model_cfg.stacked_layers == 2 * 16 * 2

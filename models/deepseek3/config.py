@@ -123,7 +123,7 @@ class DeepSeekV3Config(LlamaConfig):
 
     @property
     def stacked_layers(self) -> int:
-        return self.moe_layers  # the dense prefix is a stack of its own
+        return self.moe_layers + self.empty_layers  # the dense prefix is a stack of its own
 
     def attention_width(self) -> int:
         return self.head_dim + self.v_dim

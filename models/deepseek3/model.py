@@ -30,7 +30,7 @@ from flax import nnx
 from models.annotate import PREFIX_LAYERS, constrain, weight
 from models.attention import Packing, attend, cached_attention
 from models.deepseek3.config import DeepSeekV3Config
-from models.llama.model import REMAT_POLICIES, Block, Decoding, Llama, RMSNorm, _param, rotary
+from models.llama.model import REMAT_POLICIES, Block, Decoding, Llama, RMSNorm, _param, rotary, with_empty_steps
 from models.lora import LoRA
 from models.moe import Routing
 
@@ -176,7 +176,7 @@ class DeepSeekV3(Llama):
 
         if cfg.dense_layers:
             self.prefix = stack(cfg.dense_layers, PREFIX_AXIS, None)
-        self.blocks = stack(cfg.moe_layers, "layers", routing)
+        self.blocks = with_empty_steps(stack(cfg.moe_layers, "layers", routing), cfg)
         self.final_norm = RMSNorm(cfg.embed, cfg.norm_eps)
         self.head = _param(rngs, (cfg.embed, cfg.vocab), ("embed", "vocab"), cfg.embed**-0.5)
 
@@ -207,7 +207,7 @@ class DeepSeekV3(Llama):
         x = super().embed(tokens)
         if self.cfg.dense_layers:
             x, cache = over(self.prefix, x, cache, 0, PREFIX_AXIS)
-        x, cache = over(self.blocks, x, cache, self.cfg.dense_layers, "layers")
+        x, cache = over(self.filled_blocks(), x, cache, self.cfg.dense_layers, "layers")
         return self.logits(x), cache
 
     @staticmethod

@@ -54,6 +54,10 @@ class LlamaConfig:
     activation: str = "silu"  # of the gated MLP: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
     embed_scale: bool = False  # embeddings times sqrt(embed)
     family: str = "llama"  # which family's config this is, kept when it is saved as data (models.config_from_dict)
+    # Identity layers after the stacked ones, so that pipeline stages of equal depth hold a
+    # depth that does not divide into them (spmd.run.config's --empty-layers): they have
+    # weights, which nothing trains or exports, and stages run them without effect.
+    empty_layers: int = 0
 
     @classmethod
     def from_dict(cls, d: dict) -> LlamaConfig:
@@ -125,8 +129,33 @@ class LlamaConfig:
 
     @property
     def stacked_layers(self) -> int:
-        """The layers the stacked blocks hold (pipeline stages split them): all of them."""
-        return self.layers
+        """The layers the stacked blocks hold (pipeline stages split them): all of them,
+        and the empty ones."""
+        return self.layers + self.empty_layers
+
+    @property
+    def prefix_layers(self) -> int:
+        """The layers before the stacked ones, which run outside pipeline stages (a
+        family's dense prefix: models.deepseek3)."""
+        return self.layers + self.empty_layers - self.stacked_layers
+
+    @property
+    def moe_layers_run(self) -> int:
+        """The MoE layers a pipelined step runs: the model's, and those of its empty steps."""
+        return self.moe_layers + (self.empty_layers // self.layers_per_step if self.moe else 0)
+
+    @property
+    def layers_per_step(self) -> int:
+        """Layers per step of the stacked blocks: an MoE group's (moe.every), else one."""
+        return self.moe.every if self.moe else 1
+
+    def filled_steps(self) -> np.ndarray | None:
+        """Per step of the stacked blocks, whether it holds layers rather than empty ones
+        (None: no empty ones)."""
+        if not self.empty_layers:
+            return None
+        per_step = self.layers_per_step
+        return np.arange(self.stacked_layers // per_step) < (self.stacked_layers - self.empty_layers) // per_step
 
     def attention_width(self) -> int:
         """Per head, the width of q k^T plus that of the weights times v."""

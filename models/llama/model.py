@@ -313,6 +313,18 @@ class MoEGroup(nnx.Module):
         return [*self.dense, self.moe]
 
 
+def with_empty_steps(stack: nnx.Module, cfg: LlamaConfig) -> nnx.Module:
+    """`stack` (the stacked blocks) followed by `cfg.empty_layers` empty ones, all zeros: the
+    layers start as they would without them (the same draws), and the empty ones, which
+    pipeline stages run without effect (`Llama.run_layers`), stay zeros."""
+    empty = cfg.empty_layers // cfg.layers_per_step
+    if not empty:
+        return stack
+    graph, state = nnx.split(stack)
+    return nnx.merge(graph, jax.tree.map(lambda a: jnp.concatenate([a, jnp.zeros((empty, *a.shape[1:]), a.dtype)]),
+                                         state))
+
+
 class Llama(nnx.Module):
     """Decoder-only transformer: tokens (batch, seq) -> float32 logits (batch, seq, vocab)."""
 
@@ -352,12 +364,12 @@ class Llama(nnx.Module):
                                 cfg.embed**-0.5 if cfg.tie_embeddings else 1.0)
 
         # Stacked along a leading "layers" axis: blocks, or groups of blocks in an MoE model.
-        @nnx.split_rngs(splits=cfg.moe_layers or cfg.layers)
+        @nnx.split_rngs(splits=cfg.layers // cfg.layers_per_step)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
         def make_blocks(rngs: nnx.Rngs) -> Block | MoEGroup:
             return MoEGroup(cfg, dtype, rngs, routing, lora) if cfg.moe else Block(cfg, dtype, rngs, lora=lora)
 
-        self.blocks = make_blocks(rngs)
+        self.blocks = with_empty_steps(make_blocks(rngs), cfg)
         self.final_norm = RMSNorm(cfg.embed, cfg.norm_eps, offset=cfg.norm_offset)
         if not cfg.tie_embeddings:
             self.head = _param(rngs, (cfg.embed, cfg.vocab), ("embed", "vocab"), cfg.embed**-0.5)
@@ -376,8 +388,17 @@ class Llama(nnx.Module):
         if positions is None:
             positions = np.arange(tokens.shape[1])  # a constant: kernels can see the order
         x = self.embed(tokens, positions, packing)
-        x, stats = self.run_layers(self.blocks, x, positions, packing, self.layer_kinds(self.cfg))
+        x, stats = self.run_layers(self.filled_blocks(), x, positions, packing, self.layer_kinds(self.cfg))
         return self.logits(x), stats
+
+    def filled_blocks(self) -> Block | MoEGroup:
+        """The stacked blocks less their empty steps (`LlamaConfig.empty_layers`), which
+        only pipeline stages of equal depth need."""
+        filled = self.cfg.filled_steps()
+        if filled is None:
+            return self.blocks
+        graph, state = nnx.split(self.blocks)
+        return nnx.merge(graph, jax.tree.map(lambda a: a[:int(filled.sum())], state))
 
     # The three parts of `forward`, for a trainer that runs the layers elsewhere (e.g. in
     # pipeline stages): the embedding, any slice of the stacked layers, the output head.
@@ -394,24 +415,31 @@ class Llama(nnx.Module):
 
     def run_layers(self, blocks: Block | MoEGroup, x: jax.Array, positions: jax.Array,
                    packing: Packing | None = None, local: jax.Array | None = None,
-                   layers: jax.Array | None = None, axis: str = "layers") -> tuple[jax.Array, dict]:
+                   layers: jax.Array | None = None, axis: str = "layers", filled: jax.Array | None = None
+                   ) -> tuple[jax.Array, dict]:
         """Run stacked `blocks` (this model's, or a slice of them along the layer axis) in
         order; `local`: which of them are sliding layers (`layer_kinds`), where layers differ;
         `layers`: their indices in the model (default: from 0), which adapters' dropout reads;
-        `axis`: the logical name of the stack's leading axis."""
-        def run_block(block: Block | MoEGroup, x: jax.Array, local) -> tuple[jax.Array, dict]:
-            return block(x, positions, packing) if local is None else block(x, positions, packing, local)
+        `axis`: the logical name of the stack's leading axis; `filled`: which of them are
+        not empty (`LlamaConfig.filled_steps`), where a pipeline stage holds empty ones:
+        those pass their input on and their statistics are zeros."""
+        def run_block(block: Block | MoEGroup, x: jax.Array, local, filled) -> tuple[jax.Array, dict]:
+            y, stats = block(x, positions, packing) if local is None else block(x, positions, packing, local)
+            if filled is None:
+                return y, stats
+            return jnp.where(filled, y, x), jax.tree.map(lambda s: jnp.where(filled, s, jnp.zeros_like(s)), stats)
 
         run_block = nnx.remat(run_block, policy=REMAT_POLICIES[self.remat])
 
-        @nnx.scan(in_axes=(nnx.Carry, 0, 0, 0), out_axes=(nnx.Carry, 0), transform_metadata={nnx.PARTITION_NAME: axis})
-        def over_layers(x: jax.Array, block: Block | MoEGroup, local, index) -> tuple[jax.Array, dict]:
+        @nnx.scan(in_axes=(nnx.Carry, 0, 0, 0, 0), out_axes=(nnx.Carry, 0),
+                  transform_metadata={nnx.PARTITION_NAME: axis})
+        def over_layers(x: jax.Array, block: Block | MoEGroup, local, index, filled) -> tuple[jax.Array, dict]:
             with lora_layer(0 if index is None else index):
-                return run_block(block, x, local)
+                return run_block(block, x, local, filled)
 
         if layers is None and dropping():  # (only then: a run without dropout scans nothing more)
             layers = jnp.arange(jax.tree.leaves(nnx.state(blocks))[0].shape[0])
-        return over_layers(x, blocks, local, layers)
+        return over_layers(x, blocks, local, layers, filled)
 
     @staticmethod
     def layer_kinds(cfg: LlamaConfig) -> np.ndarray | None:
@@ -450,7 +478,7 @@ class Llama(nnx.Module):
             return x, cache
 
         steps = cache["k"].shape[0]
-        x, cache = over_layers((self.embed(tokens), cache), self.blocks, jnp.arange(steps))
+        x, cache = over_layers((self.embed(tokens), cache), self.filled_blocks(), jnp.arange(steps))
         return self.logits(x), cache
 
     def logits(self, x: jax.Array) -> jax.Array:

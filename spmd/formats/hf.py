@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import shutil
 from pathlib import Path, PurePosixPath
 
@@ -26,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
-from models import MAX_CONFIG_BYTES, Tensor, hf_layout
+from models import MAX_CONFIG_BYTES, Tensor, hf_layout, model_class
 from spmd.base.console import human_bytes
 from spmd.base.errors import UserError, file_kind
 from spmd.base.hardware import device_memory
@@ -279,14 +280,17 @@ def load_params(directory: TensorFiles, layout, router: dict | None = None) -> d
     placed = {}
     for t in directory.tensors:
         if t.ours not in shapes and t.ours in router_shapes and router is not None:
-            layers = [directory.layer(t, i) for i in range(t.stacked or 1)]
-            router[t.ours] = np.stack(layers).reshape(router_shapes[t.ours].shape)
+            layers = np.stack([directory.layer(t, i) for i in range(t.stacked or 1)])
+            shape = router_shapes[t.ours].shape  # (and empty layers after them: LlamaConfig.empty_layers)
+            empty = np.zeros((math.prod(shape) // layers[0].size - len(layers), *layers.shape[1:]), layers.dtype)
+            router[t.ours] = np.concatenate([layers, empty]).reshape(shape)
             continue
         sharding, shape = shardings[t.ours], shapes[t.ours].shape
         if not t.stacked:
             placed[t.ours] = _place(directory.layer(t, 0), sharding)
             continue
-        lead = 2 if layout.repeats > 1 else 1  # (layers, ...), or a circular pipeline's (repeats, layers / repeats, ...)
+        # (layers, ...), or a circular pipeline's stages' (repeats, layers / repeats, ...)
+        lead = 2 if layout.repeats > 1 and t.ours[0] == model_class(layout.skeleton.model_cfg).STACKED else 1
         per_layer = jax.sharding.NamedSharding(sharding.mesh, jax.P(*_padded(sharding.spec, len(shape))[lead:]))
         stacked = _zeros(shape, sharding)
         for i in range(t.stacked):

@@ -120,14 +120,20 @@ def check_pipeline(cfg, shape: Mapping[str, int], model_cfg: LlamaConfig, for_tr
         return None
     schedule = Schedule.of(cfg, p)
     layers = model_cfg.stacked_layers  # what the stages split (a prefix of layers runs before them)
-    what = (f"{layers} layers" if layers == model_cfg.layers else
-            f"{layers} MoE layers (its {model_cfg.layers - layers} dense ones run before the stages)")
-    if schedule.name == "zb-v" and layers % (2 * p):
-        raise UserError(f"--pp-schedule zb-v: model {cfg.model_name}'s {what} do not divide into "
-                        f"2 x pp = {2 * p} chunks (each stage runs one going down and one coming back)")
-    if layers % (p * schedule.repeats):
-        raise UserError(f"model {cfg.model_name}: {what} do not divide into pp x repeats = "
-                        f"{p} x {schedule.repeats} pipeline chunks")
+    real = layers - model_cfg.empty_layers
+    what = (f"{real} layers" if real == model_cfg.layers else
+            f"{real} MoE layers (its {model_cfg.layers - real} dense ones run before the stages)")
+    if model_cfg.empty_layers:
+        what += f" and {model_cfg.empty_layers} empty ones"
+    chunks, why = ((2 * p, f"--pp-schedule zb-v: model {cfg.model_name}'s {what} do not divide into 2 x pp = {2 * p} "
+                    "chunks (each stage runs one going down and one coming back)") if schedule.name == "zb-v" else
+                   (p * schedule.repeats, f"model {cfg.model_name}: {what} do not divide into pp x repeats = "
+                    f"{p} x {schedule.repeats} pipeline chunks"))
+    if layers % chunks:
+        per_step = model_cfg.layers_per_step
+        even = -(-layers // (chunks * per_step)) * chunks * per_step  # the next depth that divides
+        raise UserError(f"{why}: give --empty-layers {model_cfg.empty_layers + even - layers} (identity layers that "
+                        "even out the stages)")
     m = schedule.microbatches
     if m % p:
         raise UserError(f"--microbatches {m} must be a multiple of pp={p} "

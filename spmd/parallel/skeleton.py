@@ -24,9 +24,10 @@ REMAT = tuple(REMAT_POLICIES)  # --remat's choices: none, full, dots
 def model_config(cfg):
     """The model: --init-from's, or the preset with the run's overrides (depth, number of
     experts, top-k)."""
+    empty = {"empty_layers": cfg.empty_layers} if cfg.empty_layers else {}
     if cfg.architecture is not None:
-        return cfg.architecture
-    model_cfg = PRESETS[cfg.model or "tiny"]
+        return dataclasses.replace(cfg.architecture, **empty)
+    model_cfg = dataclasses.replace(PRESETS[cfg.model or "tiny"], **empty)
     try:  # a family's config refuses shapes it cannot build (models.deepseek3: a depth within its dense prefix)
         if cfg.layers is not None:
             model_cfg = dataclasses.replace(model_cfg, layers=cfg.layers)

@@ -45,6 +45,7 @@ class StageParts(NamedTuple):
 
 LAYER_KINDS = "layer_kinds"  # the key of the layers' kinds among the blocks a pipeline takes
 LAYER_INDICES = "layer_indices"  # and of their indices, which adapters' dropout reads
+LAYER_FILLED = "layer_filled"  # and of whether each is a layer or an empty one (LlamaConfig.empty_layers)
 
 
 def stage_parts(graphdef, params, rows, in_stage, stacked: str, order: np.ndarray | None,
@@ -79,21 +80,25 @@ def stage_parts(graphdef, params, rows, in_stage, stacked: str, order: np.ndarra
     model_of = lambda outer: nnx.merge(graphdef, joined(outer, {stacked: no_blocks}))  # noqa: E731
     model = model_of(outer)
     blocks_graph = nnx.split(getattr(model, stacked))[0]
-    kinds = model.layer_kinds(model.cfg)
+    kinds, filled = model.layer_kinds(model.cfg), model.cfg.filled_steps()
     stored = (repeats, -1) if repeats > 1 else (-1,)  # as the stacked layers are stored
     if kinds is not None:  # each chunk's layer kinds ride with its weights, as float32 (exact for 0 and 1)
+        kinds = kinds if filled is None else np.concatenate([kinds, np.zeros(len(filled) - len(kinds), bool)])
         blocks = {**blocks, LAYER_KINDS: jnp.asarray(kinds, jnp.float32).reshape(stored)}
+    if filled is not None:  # and whether they are empty, the same way
+        blocks = {**blocks, LAYER_FILLED: jnp.asarray(filled, jnp.float32).reshape(stored)}
     if dropping():  # and their indices (exact in float32)
         steps = jax.tree.leaves(no_blocks)[0].shape[:len(stored)]
         blocks = {**blocks, LAYER_INDICES: jnp.arange(math.prod(steps), dtype=jnp.float32).reshape(stored)}
 
     def stage(chunk, x, packing=None, fixed=None):
         chunk = joined(fixed or {}, chunk)
-        local, indices = chunk.pop(LAYER_KINDS, None), chunk.pop(LAYER_INDICES, None)
+        local, indices, filled = (chunk.pop(key, None) for key in (LAYER_KINDS, LAYER_INDICES, LAYER_FILLED))
         with in_stage():
             return model_of(outer).run_layers(nnx.merge(blocks_graph, chunk), x, positions, packing,
                                               None if local is None else local > 0.5,
-                                              None if indices is None else indices.astype(jnp.int32))
+                                              None if indices is None else indices.astype(jnp.int32),
+                                              filled=None if filled is None else filled > 0.5)
 
     return StageParts(model_of, outer, columns, blocks, stage, fixed)
 
@@ -120,7 +125,7 @@ def pipelined_loss(graphdef, params, rows, layout: Layout, in_stage, order, aux:
     out, stats = pipeline(layout.mesh, schedule, parts.stage, parts.blocks, x, _row_spec(layout),
                           REMAT_POLICIES[model.remat], parts.side(shards, schedule))
     logits = model.logits(from_microbatches(out, shards, schedule))
-    return _objective(logits, columns.targets, stats, aux, columns.weights, denominator)
+    return _objective(logits, columns.targets, _of_layers(stats, model.cfg), aux, columns.weights, denominator)
 
 
 def one_f_one_b_grads(graphdef, params, rows, layout: Layout, in_stage, order, aux: AuxLosses, router=None,
@@ -154,4 +159,12 @@ def one_f_one_b_grads(graphdef, params, rows, layout: Layout, in_stage, order, a
     (grads,) = embed_vjp(dx)
     grads = grads | {name: jax.tree.map(jnp.add, grads[name], d_head[name]) for name in head_names}
     d_blocks = _weights_of(d_blocks, params[family.STACKED])
-    return {"loss": loss} | (_moe_metrics(stats, aux.balance) if stats else {}), grads | {family.STACKED: d_blocks}
+    metrics = _moe_metrics(_of_layers(stats, layout.skeleton.model_cfg), aux.balance) if stats else {}
+    return {"loss": loss} | metrics, grads | {family.STACKED: d_blocks}
+
+
+def _of_layers(stats: dict, model_cfg) -> dict:
+    """The stages' statistics (stacked layers', in stored order) less those of the empty
+    layers, which are stored last: what the model's `forward` returns."""
+    filled = model_cfg.filled_steps()
+    return stats if filled is None else jax.tree.map(lambda s: s[:int(filled.sum())], stats)

@@ -52,6 +52,16 @@ def _split_locally(rows: jax.Array, shards: int, k: int) -> jax.Array:
     return rows.reshape(shards, k, b // (shards * k), width).swapaxes(0, 1)
 
 
+def _with_empty_layers(expert_load: jax.Array, model_cfg) -> jax.Array:
+    """The MoE layers' loads (layers, experts), and an even load for each empty layer
+    after them (LlamaConfig.empty_layers), which leaves its router state as it is."""
+    filled = model_cfg.filled_steps()
+    if filled is None:
+        return expert_load
+    even = jnp.full((len(filled) - int(filled.sum()), expert_load.shape[-1]), 1.0 / expert_load.shape[-1])
+    return jnp.concatenate([expert_load, even.astype(expert_load.dtype)])
+
+
 def _step_metrics(metrics: dict, ep: int) -> dict:
     """Expert loads (layers, experts), each a share of all choices, become the load
     imbalance: max over mean tokens per expert, averaged over MoE layers; and with ep > 1,
@@ -239,8 +249,8 @@ class Program:
         if frozen is not None:
             new_state["frozen"] = frozen
         if router is not None:
-            new_state["routing"] = keep_if_finite(
-                balance.updated(router, metrics["expert_load"], cfg.router_bias_rate), router)
+            load = _with_empty_layers(metrics["expert_load"], self.layout.skeleton.model_cfg)
+            new_state["routing"] = keep_if_finite(balance.updated(router, load, cfg.router_bias_rate), router)
         metrics = _step_metrics(metrics, self.layout.shape["ep"]) | {
             "grad_norm": grad_norm, "lr": self.lr_at(applied_updates(state["opt_state"])), "skipped": ~finite}
         return new_state, metrics

@@ -93,7 +93,7 @@ def activation_bytes(cfg, layout: Layout, compute_bytes: int) -> float:
     everything = attention + 3 * m.mlp / t
     per_layer = {"none": everything, "dots": 3 * e + (qkv + 2 * m.mlp) / t, "full": e}[cfg.remat]
     working = 0 if cfg.remat == "none" else everything
-    dense_layers = m.layers - m.moe_layers
+    dense_layers = m.stacked_layers + m.prefix_layers - m.moe_layers_run  # (empty ones too: stages run them)
     kept = dense_layers * per_layer
     if m.moe_layers:
         # An MoE layer keeps, per row its experts run (spmd.parallel.experts), the row as received
@@ -102,7 +102,7 @@ def activation_bytes(cfg, layout: Layout, compute_bytes: int) -> float:
         rows = expert_rows(cfg, layout) / tokens
         moe = (attention + m.moe.experts + rows * (3 * e + 2 * m.moe.expert_mlp / t)
                + 3 * m.moe.shared_experts * m.moe.expert_mlp / t)
-        kept += m.moe_layers * {"none": moe, "dots": 3 * e + qkv / t + rows * 2 * m.moe.expert_mlp / t, "full": e}[cfg.remat]
+        kept += m.moe_layers_run * {"none": moe, "dots": 3 * e + qkv / t + rows * 2 * m.moe.expert_mlp / t, "full": e}[cfg.remat]
         working = max(working, 0 if cfg.remat == "none" else moe)
     vocab_split = ways(axes_of(layout.rules.activations["vocab"]), layout.shape)
     logits = 3 * tokens * m.vocab / vocab_split * 4

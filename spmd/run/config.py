@@ -68,6 +68,7 @@ class TrainConfig:
     attention_kernel: str = _field("auto", "attention's kernel: auto (cudnn on NVIDIA GPUs, splash on TPU, chunked elsewhere), xla (scores materialized), cudnn (fused flash attention), splash (Pallas, TPU), chunked (flash-style in plain JAX: memory linear in the sequence)", choices=ATTENTION_KERNELS)
     megatron_sp: bool = _field(False, "Megatron sequence parallelism: norms and residuals split along the sequence over tp too")
     layers: int | None = _field(None, "number of layers (default: the preset's)", at_least=1)
+    empty_layers: int = _field(0, "identity layers after the stacked ones, so that pipeline stages of equal depth hold a depth that does not divide (DeepSeek-V3's 58 MoE layers as 16 x 2 chunks of 2: 6); stages run them (their compute and memory), a step without stages skips them; never trained or exported", at_least=0)
     pp_schedule: str = _field("gpipe", "pipeline schedule over the pp axis (gpipe, circular with --pp-repeats chunks per stage, 1f1b, interleaved-1f1b: 1f1b on circular's chunks, zb-v: zero bubble, 2 chunks per stage in a V)", choices=PP_SCHEDULES)
     pp_repeats: int = _field(1, "circular and interleaved-1f1b schedules: chunks of layers per pipeline stage (v)", at_least=1)
     microbatches: int | None = _field(None, "pipeline microbatches per step (default: pp; a multiple of pp)", at_least=1)
@@ -311,6 +312,9 @@ def _validate_moe(cfg: TrainConfig, model_cfg) -> None:
         raise UserError(f"--pp-schedule {cfg.pp_schedule} takes the per-sequence balance loss only; the pooled one "
                         "(transformers', the default of imported MoE models) couples every layer: give --balance-loss "
                         "sequence, or --pp-schedule gpipe or circular")
+    if cfg.empty_layers % model_cfg.moe.every:
+        raise UserError(f"--empty-layers {cfg.empty_layers}: {cfg.model_name} stacks its layers in groups of "
+                        f"{model_cfg.moe.every} (MoE in every {model_cfg.moe.every}th); give a multiple of it")
     if cfg.layers is not None and cfg.layers % model_cfg.moe.every:
         raise UserError(f"--layers {cfg.layers}: {cfg.model_name} has MoE in every {model_cfg.moe.every}th layer; "
                         f"give a multiple of {model_cfg.moe.every}")
