@@ -123,6 +123,99 @@ def test_every_row_of_a_pair_of_features_matches_theory(name):
     assert {row: ratio for row, ratio in ratios.items() if not 0.95 <= ratio <= 1.05} == {}
 
 
+def test_expert_copies_cost_their_copies_rows_over_ep():
+    """balance.tie gathers the R copy slots' gradients and their homes' (2R expert rows per
+    MoE layer) and all-reduces them over ep: bytes in R, not in the number of experts."""
+    import jax
+
+    def tie_bytes(**overrides):
+        cfg = validate(TrainConfig(mesh="ep=4,dp=2", model="moe-tiny", layers=8, batch=32, seq=32, **overrides))
+        layout = make_layout(cfg, jax.devices()[:8])
+        return sum(e.bytes_per_device for e in theory.collectives(cfg, layout) if e.why.startswith("expert copies"))
+
+    row = 3 * 64 * 64 * F32  # an expert's gate, up and down projections
+    moe_layers = 4
+    assert tie_bytes(redundant_experts=4) == 2 * 3 / 4 * moe_layers * 2 * 4 * row
+    assert tie_bytes(redundant_experts=4, experts=16) == tie_bytes(redundant_experts=4)
+    assert tie_bytes(redundant_experts=8) == 2 * tie_bytes(redundant_experts=4)
+
+
+def test_zero_bubble_counts_the_latent_up_projections_and_the_norms_with_b():
+    """zb-v's B computes, besides the norm scales', the gradients of the matrices whose
+    input the backward pass recomputes from what B reads: DeepSeek-V3's wq_b and wkv_b
+    (their latents come through unnamed norms). The planner lists them (theory.B_MATRICES):
+    the split of a latent attention (traced, nothing compiled) must agree. Their gradients,
+    and the norms' (stored as a (2, layers/2) stack), are reduced with the bubble: each
+    of B's runs, not W's m (deepseek-v3-tiny, pp=2,ep=4,dp=2, zb-v, m=4: all-reduce ep was
+    1.05 of theory, wq_b, wkv_b and the norms counted 8 times per stage where XLA reduces
+    them 10 times; 1.00 with them in B)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from models import PRESETS
+    from models.deepseek3.model import LatentAttention
+    from models.llama.model import REMAT_POLICIES
+    from spmd.parallel.zero_bubble import split_backward
+    from spmd.planner.counting import is_vector, params, stage_overhead
+
+    model_cfg = PRESETS["deepseek-v3-tiny"]
+    graph, weights = nnx.split(nnx.eval_shape(lambda: LatentAttention(model_cfg, jnp.float32, nnx.Rngs(0))))
+    weights = nnx.to_pure_dict(weights)
+    remat = REMAT_POLICIES["none"]  # zb-v's
+
+    def stage(chunk, x, side=None, fixed=None):
+        return jax.checkpoint(lambda c, x: nnx.merge(graph, c)(x, np.arange(8)), policy=remat)(chunk, x)
+
+    x = jax.ShapeDtypeStruct((1, 8, model_cfg.embed), jnp.float32)
+    forward, backward_input, _, _ = split_backward(stage, weights, x)
+    out, b_residuals, _ = jax.eval_shape(forward, weights, x)
+    grads = jax.eval_shape(lambda w, r, ct: backward_input(w, r, ct)[0], weights, b_residuals, out)
+    paths = [".".join(str(k.key) for k in path) for path, _ in jax.tree_util.tree_flatten_with_path(weights)[0]]
+    in_b = {"attn." + path for path, g in zip(paths, grads) if g is not None and "norm" not in path}
+    assert in_b == set(theory.B_MATRICES)
+
+    cfg = validate(TrainConfig(mesh="pp=2,ep=4", model="deepseek-v3-tiny", layers=6, pp_schedule="zb-v",
+                               microbatches=4, batch=32, seq=32))
+    layout = make_layout(cfg, jax.devices()[:8])
+    stage_runs = 4 * stage_overhead(layout)
+    runs = {p.path: theory._stage_gradient_runs(cfg, layout, p, stage_runs) for p in params(layout, cfg) if p.stacked}
+    assert stage_runs == 5
+    assert is_vector(next(p for p in params(layout, cfg) if p.path == "blocks.attn_norm.scale"))
+    assert {path for path, n in runs.items() if n == stage_runs} == {
+        "blocks.attn_norm.scale", "blocks.mlp_norm.scale", "blocks.attn.q_norm.scale", "blocks.attn.kv_norm.scale",
+        "blocks.mlp.bias", "blocks.attn.wq_b", "blocks.attn.wkv_b"}
+    assert {n for n in runs.values() if n != stage_runs} == {4}
+
+
+@pytest.mark.parametrize("schedule", ["zb-v", "1f1b"])
+def test_a_prefix_before_stages_that_hold_the_head_reduces_its_gradients_as_computed(schedule):
+    """Schedules that run the head in the stages (1f1b, zb-v) sum its gradients over the
+    ticks in float32 before reducing them; a prefix of layers before the stages (DeepSeek-V3's
+    dense ones) runs once per round, outside them, and reduces its matrices' gradients in
+    the compute dtype (deepseek-v3-tiny, pp=2,ep=4,dp=2, zb-v, ZeRO-1, bf16: all-reduce pp+ep
+    was 0.56 of theory and reduce-scatter dp 0.78, the prefix counted in float32; 1.00 with
+    bf16). Here: the prefix's and the table's gradients are all that is reduced over pp+ep."""
+    import jax
+
+    from spmd.planner.counting import live, params, spec_axes, uses
+
+    cfg = validate(TrainConfig(mesh="pp=2,ep=2,dp=2", model="deepseek-v3-tiny", layers=6, pp_schedule=schedule,
+                               microbatches=4, batch=32, seq=32, dtype="bfloat16", zero=1))
+    layout = make_layout(cfg, jax.devices()[:8])
+    model_cfg = layout.skeleton.model_cfg
+    scattered = [p for p in params(layout, cfg) if (p.prefix or p.path == "embedding")
+                 and "dp" in live(spec_axes(p.names, layout.rules.grads), layout.shape)]
+    assert {p.path for p in scattered} >= {"embedding", "prefix.mlp.gate_up", "prefix.attn.wq_a"}
+    # float32 for the table (read in float32) and the norm scales, bfloat16 for the matrices
+    half = sum(p.numel / 2 * max(uses(p, model_cfg, 2)) for p in scattered)
+    assert sum(p.numel * max(uses(p, model_cfg, 2)) for p in scattered if p.path.endswith(("gate_up", "wq_a"))) == \
+        2 * sum(p.numel for p in scattered if p.path.endswith(("gate_up", "wq_a")))
+    comm = by_op_and_axes(theory.collectives(cfg, layout))
+    assert comm[("all-reduce", "pp+ep")] == pytest.approx(2 * 3 / 4 * half)
+
+
 def test_a_model_of_two_kinds_of_layer_with_a_tied_table_matches_theory():
     """Gemma 3's sliding and global layers each run ring attention over sp, in the two
     branches of a conditional; one branch runs per layer, so the K/V hops count once

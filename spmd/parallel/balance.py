@@ -8,7 +8,8 @@ The router state lives in the MoE layers (`models.moe.RouterState`: `bias`, `loa
   than its share of the step's choices, - rate if more.
 - Redundant experts: the experts' weights live in `slots` = experts + R slots, split over
   ep; an expert may have several copies, which split its tokens. Copies are kept equal:
-  each copy's gradient is the sum over all of its expert's copies, and the gradient norm
+  each copy's gradient is the sum over all of its expert's copies (`tie`: only the R
+  copies' gradients and their homes' move, 2R rows per layer), and the gradient norm
   counts every expert once, so the optimizer sees the model without copies. Every
   `rebalance_every` steps a placement is computed from the measured load (a moving
   average): the heaviest experts get the spare slots, then the copies are packed onto
@@ -40,9 +41,12 @@ def expert_dims(names) -> dict:
 def _per_layer(fn, leaf, dim: int, placement):
     """fn(layer's slots-first array, layer's placement) over the layers of a stacked leaf
     whose experts' dimension is `dim`; the dimensions before it are the layers' (one, or
-    a pipeline's chunks and their layers), as are all but the last of `placement`'s."""
-    flat = jax.vmap(fn)(leaf.reshape(-1, *leaf.shape[dim:]), placement.reshape(-1, placement.shape[-1]))
-    return flat.reshape(*leaf.shape[:dim], *flat.shape[1:])
+    a pipeline's chunks and their layers), as are all but the last of `placement`'s.
+    One vmap per leading dimension, not a reshape to one: a pipeline's stack is split over
+    pp on its second dimension, which a merge of the two would gather."""
+    for _ in range(dim):
+        fn = jax.vmap(fn)
+    return fn(leaf, placement)
 
 
 def _copies(placement: jax.Array, experts: int) -> jax.Array:
@@ -51,11 +55,36 @@ def _copies(placement: jax.Array, experts: int) -> jax.Array:
                       placement)
 
 
+def homes_and_copies(placement: jax.Array, experts: int) -> tuple[jax.Array, jax.Array]:
+    """One layer's copy slots and their homes: each expert's home is its first slot; the
+    other slots, R = slots - experts of them (every expert has a slot), are copies, in
+    slot order. -> (copies, their homes), each (R,)."""
+    slots = placement.shape[-1]
+    first = jnp.argmax(placement[None, :] == jnp.arange(experts)[:, None], axis=1)  # (experts,)
+    home = first[placement]  # each slot's expert's home slot
+    copies = jnp.nonzero(home != jnp.arange(slots), size=slots - experts, fill_value=0)[0]
+    return copies, home[copies]
+
+
 def tie(grads, dims, placement: jax.Array, experts: int):
-    """Each slot's gradient becomes the sum over the slots that hold the same expert."""
+    """Each slot's gradient becomes the sum over the slots that hold the same expert.
+
+    Only the copies' rows move: the R copy slots' gradients and their homes' are gathered
+    (2R rows; with slots split over ep, XLA gathers them locally and all-reduces the 2R
+    rows over ep), each home's total is summed from them, and written back to the home and
+    its copies (scatters into the device's own slots). Home and copies get the same total,
+    bit for bit."""
     def summed(g, where):
-        total = jax.ops.segment_sum(g, where, num_segments=experts)
-        return total[where]
+        copies, homes = homes_and_copies(where, experts)
+        r = copies.shape[0]
+        if r == 0:
+            return g
+        rows = g[jnp.concatenate([copies, homes])]
+        from_copies, from_homes = rows[:r], rows[r:]
+        # Copies of one expert are summed into the first of them (lead), then added to the home.
+        lead = jnp.argmax(homes[None, :] == homes[:, None], axis=1)
+        total = from_homes + jax.ops.segment_sum(from_copies, lead, num_segments=r)[lead]
+        return g.at[homes].set(total).at[copies].set(total)
     return jax.tree.map(lambda g, d: g if d < 0 else _per_layer(summed, g, d, placement), grads, dims)
 
 

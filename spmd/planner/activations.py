@@ -77,7 +77,7 @@ def tensor_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
     # MoE layer's experts reduce their rows instead (and its shared expert the tokens). A
     # prefix of layers before the stacked ones (models.deepseek3's dense layers) runs
     # outside pipeline stages, once.
-    moe_layers, prefix = model.moe_layers, model.layers - model.stacked_layers
+    moe_layers, prefix = model.moe_layers_run, model.prefix_layers
     shared = moe_layers if model.moe and model.moe.shared_experts else 0
     layer_runs = per_layer * model.stacked_layers + prefix
     mlp_runs = per_layer * (model.stacked_layers - moe_layers + shared) + prefix
@@ -135,7 +135,7 @@ def sequence_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]
     recomputed = cfg.remat != "none"  # "none" keeps the received blocks; the others fetch them again
     # In pipeline stages a device runs 1/pp of the layers, in every tick (bubbles included).
     # A prefix of layers outside the stages runs on a device's rows, which pp splits too.
-    layers = (model.stacked_layers * stage_overhead(layout) + model.layers - model.stacked_layers) / shape["pp"]
+    layers = (model.stacked_layers * stage_overhead(layout) + model.prefix_layers) / shape["pp"]
     if cfg.attention == "ring":
         # K and V: n - 1 hops forward [and again, recomputed], n - 1 again backward, beside
         # their float32 gradients' n hops (spmd.parallel.context's ring-level backward pass).
@@ -159,13 +159,13 @@ def expert_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
     if sp > 1 and model.moe.balance_loss == "sequence" and per_sequence >= SMALL_BYTES:  # (less: listed as scalars)
         # The sequence-wise balance loss: each sequence's share of choices and mean score
         # per expert, and its choices per token, summed over its chunks (float32).
-        out.append(Expected("all-reduce", "sp", model.moe_layers * stage_overhead(layout) * 3 * per_sequence
+        out.append(Expected("all-reduce", "sp", model.moe_layers_run * stage_overhead(layout) * 3 * per_sequence
                             * 2 * (sp - 1) / sp, "MoE statistics per sequence"))
     if sp > 1 and cfg.moe_dispatch == "capacity":
         # Each rank's two chunks' choices counted per expert (int32), gathered from the
         # others (spmd.parallel.context.make_capacity_slots); XLA runs the gather twice per layer.
         counts = sequences * 2 * model.moe.experts * 4
-        out.append(Expected("all-gather", "sp", model.moe_layers * stage_overhead(layout) * 2 * (sp - 1) * counts,
+        out.append(Expected("all-gather", "sp", model.moe_layers_run * stage_overhead(layout) * 2 * (sp - 1) * counts,
                             "capacity: each chunk's choices per expert, to rank them in the sequence"))
     tokens = live((*layout.data_axes, "sp"), layout.shape)
     if model.moe.balance_loss == "pooled" and tokens and not layout.schedule:
@@ -177,12 +177,30 @@ def expert_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
                             * 2 * (n - 1) / n, "MoE statistics: choices, router probability and load per expert"))
     if ep == 1:
         return out
-    if routing(cfg).slots:  # expert copies: each copy's gradient summed with its twins' (spmd.parallel.balance.tie)
-        expert_grads = model.moe_layers * model.moe.experts * 3 * model.embed * model.moe.expert_mlp * 4
-        out.append(Expected("all-reduce", "ep", 2 * (ep - 1) / ep * expert_grads,
-                            "expert copies: gradients summed per expert"))
+    out += expert_copies(cfg, layout)
     return out + expert_exchange(cfg, layout, compute_bytes, ragged=cfg.moe_dispatch == "dropless"
                                  and ragged_exchange(layout.mesh) is not None)
+
+
+def expert_copies(cfg, layout: Layout) -> list[Expected]:
+    """Expert copies (spmd.parallel.balance.tie): in each MoE layer a device holds, the
+    gradients of the R copy slots and of their homes (2R expert rows, of every expert
+    weight, as the gradients are stored) are gathered from the slots split over ep: each
+    device gathers the rows it holds and the 2R rows are all-reduced over ep."""
+    ep, slots = layout.shape["ep"], routing(cfg).slots
+    if ep == 1 or not slots:
+        return []
+    copies = slots - layout.skeleton.model_cfg.moe.experts
+    rows = 0.0
+    for p in params(layout, cfg):
+        if "experts" not in p.names or not p.trained:
+            continue
+        split = set(live(spec_axes(p.names, layout.rules.grads), layout.shape)) - {"ep"}
+        if layout.schedule and p.stacked:  # each stage holds its own layers
+            split.add("pp")
+        rows += p.numel / slots * p.itemsize / ways(split, layout.shape)
+    return [Expected("all-reduce", "ep", 2 * (ep - 1) / ep * 2 * copies * rows,
+                     "expert copies: the copies' and their homes' gradients")]
 
 
 def expert_exchange(cfg, layout: Layout, compute_bytes: int, ragged: bool) -> list[Expected]:
@@ -201,7 +219,7 @@ def expert_exchange(cfg, layout: Layout, compute_bytes: int, ragged: bool) -> li
     kind = "ragged dropless rows" if ragged else "padded dropless blocks" if dropless else "capacity buffers"
     # In pipeline stages every tick runs the stage's layers, bubbles included.
     return [Expected("ragged-all-to-all" if ragged else "all-to-all", "ep",
-                     model.moe_layers * stage_overhead(layout) * per_layer, f"experts: routed tokens, {kind}")]
+                     model.moe_layers_run * stage_overhead(layout) * per_layer, f"experts: routed tokens, {kind}")]
 
 
 def pipeline_stages(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:

@@ -56,7 +56,11 @@ def uses(p: Param, model_cfg, compute_bytes: int) -> tuple[int, ...]:
 
 
 def is_vector(p: Param) -> bool:
-    return len([n for n in p.names if n not in (LAYERS, PREFIX_LAYERS)]) == 1
+    """One dimension besides the stack's: the layers' (and, stored as circular's and zb-v's
+    (repeats, layers / repeats) stack, spmd.parallel.skeleton.restacked, the repeats' unnamed
+    one before them) or a prefix's."""
+    names = p.names[1:] if p.names[:2] == (None, LAYERS) else p.names
+    return len([n for n in names if n not in (LAYERS, PREFIX_LAYERS)]) == 1
 
 
 def params(layout: Layout, cfg=None) -> list[Param]:

@@ -43,7 +43,16 @@ leaving, the device's rows are all-gathered and reduce-scattered over pp (and th
 gradients reduce-scattered and all-gathered). 1f1b has GPipe's counts, interleaved-1f1b
 circular's.
 
-Expert copies (spmd.parallel.balance) add one all-reduce over ep of the experts' gradients.
+zb-v splits each chunk's backward pass into B (input gradients, and the vectors' weight
+gradients) and W (the matrices' weight gradients): B runs with the forwards, bubble
+included; W exactly once per chunk and microbatch, so the matrices' gradients are
+reduced over the automatic axes m times per round, not (m + p - 1) times. (A matrix
+whose input the backward pass recomputes from what B reads, DeepSeek-V3's latent
+up-projections, has its gradient in B: `B_MATRICES`.)
+
+Expert copies (spmd.parallel.balance.tie) add one all-reduce over ep, per MoE layer a
+device holds, of 2R expert rows of gradients (the R copy slots' and their homes'): in
+the number of copies R, not of experts.
 """
 
 from __future__ import annotations
@@ -160,7 +169,8 @@ def _gradients(cfg, layout: Layout, p: Param, token_axes: tuple[str, ...], slice
         # In the stages: over the automatic axes (fsdp) each tick, as computed; over the
         # manual ones (dp) once per round, after its ticks are summed.
         manual = tuple(a for a in token_axes if a == pipeline.BATCH_AXIS)
-        phases = [(tuple(a for a in token_axes if a not in manual), stage_runs, max(widths)),
+        phases = [(tuple(a for a in token_axes if a not in manual), _stage_gradient_runs(cfg, layout, p, stage_runs),
+                   max(widths)),
                   (manual, rounds, p.itemsize)]
     elif head_in_stages(layout) and _in_head(layout, p):
         # 1f1b's head runs in the stages, in a branch of every tick: its gradient is summed
@@ -178,9 +188,11 @@ def _gradients(cfg, layout: Layout, p: Param, token_axes: tuple[str, ...], slice
         once = tuple(a for a in token_axes if a in layout.accumulation_axes)
         phases = [(tuple(a for a in token_axes if a not in once), cfg.grad_accum, max(widths)), (once, 1, p.itemsize)]
     else:
-        # 1f1b sums the head's gradients over microbatches before reducing them (and
-        # pipeline rounds theirs over rounds).
-        summed_first = _accumulated(cfg, layout) or (head_in_stages(layout) and not p.stacked)
+        # 1f1b sums the head's gradients (a tied table's head use too) over microbatches
+        # before reducing them (and pipeline rounds theirs over rounds). A prefix of layers
+        # (models.deepseek3's dense ones) runs outside the stages, once per round on all of
+        # a device's rows: its gradients are reduced as computed, in the compute dtype.
+        summed_first = _accumulated(cfg, layout) or (head_in_stages(layout) and not p.stacked and not p.prefix)
         phases = [(token_axes, rounds, p.itemsize if summed_first else max(widths))]
     stored_split = live(spec_axes(p.names, layout.rules.grads), layout.shape)
     out, numel = [], slice_numel
@@ -196,6 +208,35 @@ def _gradients(cfg, layout: Layout, p: Param, token_axes: tuple[str, ...], slice
                                 "gradients"))
         numel /= k
     return out
+
+
+def _stage_gradient_runs(cfg, layout: Layout, p: Param, stage_runs: float) -> float:
+    """How often a stacked weight's gradient is computed (and reduced over the automatic
+    axes) in the stages, in whole passes over the stage's layers: with each forward's
+    backward (stage_runs), but zb-v's weight-gradient pass W (the matrices') runs exactly
+    once per chunk and microbatch, without the bubble (spmd.parallel.zero_bubble): m
+    passes; its input-gradient pass B, which also computes the vectors' (norm scales')
+    and those of the matrices in B_MATRICES, runs with the forwards."""
+    if layout.schedule.name == "zb-v" and not is_vector(p) and not computed_in_b(p):
+        return cfg.grad_accum * layout.schedule.microbatches
+    return stage_runs
+
+
+# Stacked matrices (paths below the stack) whose weight gradient zb-v's B computes, not W.
+# Under remat "none" (which zb-v runs) the backward pass keeps the matmuls' outputs and the
+# named activations (models.annotate.constrain) and recomputes the rest; W gets the kept
+# values only W reads. DeepSeek-V3's latent up-projections read their latent through its
+# norm (q_norm, kv_norm), unnamed: recomputed from the down-projection's output, which B
+# reads anyway to differentiate the norm, so B has all their gradient needs (and the
+# split leaves it there). Their gradients are then reduced with the bubble, as the
+# vectors'. The other projections read a named activation (the normed residual stream,
+# the attention's output, the MLP's hidden), kept for W alone.
+B_MATRICES = ("attn.wq_b", "attn.wkv_b")
+
+
+def computed_in_b(p: Param) -> bool:
+    """Whether zb-v's input-gradient pass B computes the stacked matrix `p`'s gradient."""
+    return p.stacked and p.path.split(".", 1)[-1] in B_MATRICES
 
 
 def _in_head(layout: Layout, p: Param) -> bool:
