@@ -78,12 +78,13 @@ def test_the_checkpoints_selection_bias_moves_with_the_run_and_is_exported(tmp_p
     """The Hugging Face round trip through a run: a run that moves the selection bias
     (--router-bias-rate) keeps it as router state, starting from the checkpoint's
     e_score_correction_bias, not from zero, and export writes it back. After 0 steps on
-    zb-v's stages (its 2 MoE layers and 2 empty ones as 2 x pp = 4 chunks; the dense prefix
-    outside them), every tensor is the golden's, bit for bit, the empty layers are not
-    among them, and the export gives transformers' logits."""
+    circular stages (its 2 MoE layers and 2 empty ones as pp x repeats = 4 chunks, stored
+    (repeats, layers / repeats); the dense prefix outside them, stored as it is), every
+    tensor is the golden's, bit for bit, the empty layers are not among them, and the
+    export gives transformers' logits."""
     golden, run, out = GOLDENS / "deepseek-v3", tmp_path / "run", tmp_path / "hf"
-    for argv in (["spmd.train", "--init-from", str(golden), "--mesh", "pp=2,ep=2", "--pp-schedule", "zb-v",
-                  "--empty-layers", "2", "--router-bias-rate", "0.001", "--steps", "0", "--batch", "8", "--seq", "16",
+    for argv in (["spmd.train", "--init-from", str(golden), "--mesh", "pp=2,ep=2", "--pp-schedule", "circular",
+                  "--pp-repeats", "2", "--empty-layers", "2", "--router-bias-rate", "0.001", "--steps", "0", "--batch", "8", "--seq", "16",
                   "--out", str(run)],
                  ["spmd.export", "--checkpoint", str(run), "--format", "hf", "--out", str(out)]):
         done = subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, timeout=300)
