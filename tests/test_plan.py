@@ -143,7 +143,7 @@ def test_expert_copies_cost_their_copies_rows_over_ep():
 def test_zero_bubble_counts_the_latent_up_projections_and_the_norms_with_b():
     """zb-v's B computes, besides the norm scales', the gradients of the matrices whose
     input the backward pass recomputes from what B reads: DeepSeek-V3's wq_b and wkv_b
-    (their latents come through unnamed norms). The planner lists them (theory.B_MATRICES):
+    (their latents come through unnamed norms). The model lists them (RECOMPUTED_INPUT_WEIGHTS):
     the split of a latent attention (traced, nothing compiled) must agree. Their gradients,
     and the norms' (stored as a (2, layers/2) stack), are reduced with the bubble: each
     of B's runs, not W's m (deepseek-v3-tiny, pp=2,ep=4,dp=2, zb-v, m=4: all-reduce ep was
@@ -155,7 +155,7 @@ def test_zero_bubble_counts_the_latent_up_projections_and_the_norms_with_b():
     from flax import nnx
 
     from models import PRESETS
-    from models.deepseek3.model import LatentAttention
+    from models.deepseek3.model import DeepSeekV3, LatentAttention
     from models.llama.model import REMAT_POLICIES
     from spmd.parallel.zero_bubble import split_backward
     from spmd.planner.counting import is_vector, params, stage_overhead
@@ -174,7 +174,7 @@ def test_zero_bubble_counts_the_latent_up_projections_and_the_norms_with_b():
     grads = jax.eval_shape(lambda w, r, ct: backward_input(w, r, ct)[0], weights, b_residuals, out)
     paths = [".".join(str(k.key) for k in path) for path, _ in jax.tree_util.tree_flatten_with_path(weights)[0]]
     in_b = {"attn." + path for path, g in zip(paths, grads) if g is not None and "norm" not in path}
-    assert in_b == set(theory.B_MATRICES)
+    assert in_b == set(DeepSeekV3.RECOMPUTED_INPUT_WEIGHTS)
 
     cfg = validate(TrainConfig(mesh="pp=2,ep=4", model="deepseek-v3-tiny", layers=6, pp_schedule="zb-v",
                                microbatches=4, batch=32, seq=32))

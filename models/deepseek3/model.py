@@ -158,6 +158,9 @@ class LatentBlock(Block):
 class DeepSeekV3(Llama):
     """Tokens (batch, seq) -> float32 logits (batch, seq, vocab); see the module's doc."""
 
+    # The latent up-projections read their latent through its norm, which is not named.
+    RECOMPUTED_INPUT_WEIGHTS = ("attn.wq_b", "attn.wkv_b")
+
     def __init__(self, cfg: DeepSeekV3Config, *, dtype=jnp.float32, remat: str = "none",
                  routing: Routing = Routing(), lora: LoRA | None = None, rngs: nnx.Rngs):
         if remat not in REMAT_POLICIES:

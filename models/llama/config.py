@@ -142,20 +142,28 @@ class LlamaConfig:
     @property
     def moe_layers_run(self) -> int:
         """The MoE layers a pipelined step runs: the model's, and those of its empty steps."""
-        return self.moe_layers + (self.empty_layers // self.layers_per_step if self.moe else 0)
+        return self.moe_layers + (self.empty_steps if self.moe else 0)
 
     @property
     def layers_per_step(self) -> int:
         """Layers per step of the stacked blocks: an MoE group's (moe.every), else one."""
         return self.moe.every if self.moe else 1
 
+    @property
+    def layer_steps(self) -> int:
+        """Steps of the stacked blocks that hold layers (the empty ones come after them)."""
+        return (self.stacked_layers - self.empty_layers) // self.layers_per_step
+
+    @property
+    def empty_steps(self) -> int:
+        return self.empty_layers // self.layers_per_step
+
     def filled_steps(self) -> np.ndarray | None:
         """Per step of the stacked blocks, whether it holds layers rather than empty ones
         (None: no empty ones)."""
         if not self.empty_layers:
             return None
-        per_step = self.layers_per_step
-        return np.arange(self.stacked_layers // per_step) < (self.stacked_layers - self.empty_layers) // per_step
+        return np.arange(self.layer_steps + self.empty_steps) < self.layer_steps
 
     def attention_width(self) -> int:
         """Per head, the width of q k^T plus that of the weights times v."""

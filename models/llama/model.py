@@ -313,16 +313,19 @@ class MoEGroup(nnx.Module):
         return [*self.dense, self.moe]
 
 
+def _each_stacked(stack: nnx.Module, fn) -> nnx.Module:
+    """`stack` (stacked blocks) with fn applied to each of its arrays (steps first)."""
+    graph, state = nnx.split(stack)
+    return nnx.merge(graph, jax.tree.map(fn, state))
+
+
 def with_empty_steps(stack: nnx.Module, cfg: LlamaConfig) -> nnx.Module:
     """`stack` (the stacked blocks) followed by `cfg.empty_layers` empty ones, all zeros: the
     layers start as they would without them (the same draws), and the empty ones, which
     pipeline stages run without effect (`Llama.run_layers`), stay zeros."""
-    empty = cfg.empty_layers // cfg.layers_per_step
-    if not empty:
+    if not cfg.empty_layers:
         return stack
-    graph, state = nnx.split(stack)
-    return nnx.merge(graph, jax.tree.map(lambda a: jnp.concatenate([a, jnp.zeros((empty, *a.shape[1:]), a.dtype)]),
-                                         state))
+    return _each_stacked(stack, lambda a: jnp.concatenate([a, jnp.zeros((cfg.empty_steps, *a.shape[1:]), a.dtype)]))
 
 
 class Llama(nnx.Module):
@@ -330,6 +333,10 @@ class Llama(nnx.Module):
 
     # What a trainer needs to know of the parameters, so that it never names them itself.
     STACKED = "blocks"  # stacked along a leading "layers" axis: scanned, split into pipeline stages
+    # Stacked matrices (paths below the stack) whose input is not a named activation
+    # (models.annotate.constrain), so that the backward pass under remat "none" recomputes
+    # it (spmd.planner.theory: zb-v's input-gradient pass computes their gradients).
+    RECOMPUTED_INPUT_WEIGHTS: tuple[str, ...] = ()
     LOOKUP_TABLE = "embedding"  # read by row lookups (in float32: a lookup has no FLOPs to save)
 
     @staticmethod
@@ -364,7 +371,7 @@ class Llama(nnx.Module):
                                 cfg.embed**-0.5 if cfg.tie_embeddings else 1.0)
 
         # Stacked along a leading "layers" axis: blocks, or groups of blocks in an MoE model.
-        @nnx.split_rngs(splits=cfg.layers // cfg.layers_per_step)
+        @nnx.split_rngs(splits=cfg.layer_steps)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
         def make_blocks(rngs: nnx.Rngs) -> Block | MoEGroup:
             return MoEGroup(cfg, dtype, rngs, routing, lora) if cfg.moe else Block(cfg, dtype, rngs, lora=lora)
@@ -394,11 +401,9 @@ class Llama(nnx.Module):
     def filled_blocks(self) -> Block | MoEGroup:
         """The stacked blocks less their empty steps (`LlamaConfig.empty_layers`), which
         only pipeline stages of equal depth need."""
-        filled = self.cfg.filled_steps()
-        if filled is None:
+        if not self.cfg.empty_layers:
             return self.blocks
-        graph, state = nnx.split(self.blocks)
-        return nnx.merge(graph, jax.tree.map(lambda a: a[:int(filled.sum())], state))
+        return _each_stacked(self.blocks, lambda a: a[:self.cfg.layer_steps])
 
     # The three parts of `forward`, for a trainer that runs the layers elsewhere (e.g. in
     # pipeline stages): the embedding, any slice of the stacked layers, the output head.

@@ -125,10 +125,12 @@ def check_pipeline(cfg, shape: Mapping[str, int], model_cfg: LlamaConfig, for_tr
             f"{real} MoE layers (its {model_cfg.layers - real} dense ones run before the stages)")
     if model_cfg.empty_layers:
         what += f" and {model_cfg.empty_layers} empty ones"
-    chunks, why = ((2 * p, f"--pp-schedule zb-v: model {cfg.model_name}'s {what} do not divide into 2 x pp = {2 * p} "
-                    "chunks (each stage runs one going down and one coming back)") if schedule.name == "zb-v" else
-                   (p * schedule.repeats, f"model {cfg.model_name}: {what} do not divide into pp x repeats = "
-                    f"{p} x {schedule.repeats} pipeline chunks"))
+    chunks = p * schedule.repeats  # (zb-v: 2 per stage)
+    if schedule.name == "zb-v":
+        why = (f"--pp-schedule zb-v: model {cfg.model_name}'s {what} do not divide into 2 x pp = {chunks} chunks "
+               "(each stage runs one going down and one coming back)")
+    else:
+        why = f"model {cfg.model_name}: {what} do not divide into pp x repeats = {p} x {schedule.repeats} pipeline chunks"
     if layers % chunks:
         per_step = model_cfg.layers_per_step
         even = -(-layers // (chunks * per_step)) * chunks * per_step  # the next depth that divides

@@ -166,5 +166,4 @@ def one_f_one_b_grads(graphdef, params, rows, layout: Layout, in_stage, order, a
 def _of_layers(stats: dict, model_cfg) -> dict:
     """The stages' statistics (stacked layers', in stored order) less those of the empty
     layers, which are stored last: what the model's `forward` returns."""
-    filled = model_cfg.filled_steps()
-    return stats if filled is None else jax.tree.map(lambda s: s[:int(filled.sum())], stats)
+    return jax.tree.map(lambda s: s[:model_cfg.layer_steps], stats) if model_cfg.empty_layers else stats

@@ -55,10 +55,9 @@ def _split_locally(rows: jax.Array, shards: int, k: int) -> jax.Array:
 def _with_empty_layers(expert_load: jax.Array, model_cfg) -> jax.Array:
     """The MoE layers' loads (layers, experts), and an even load for each empty layer
     after them (LlamaConfig.empty_layers), which leaves its router state as it is."""
-    filled = model_cfg.filled_steps()
-    if filled is None:
+    if not model_cfg.empty_layers:
         return expert_load
-    even = jnp.full((len(filled) - int(filled.sum()), expert_load.shape[-1]), 1.0 / expert_load.shape[-1])
+    even = jnp.full((model_cfg.empty_steps, expert_load.shape[-1]), 1.0 / expert_load.shape[-1])
     return jnp.concatenate([expert_load, even.astype(expert_load.dtype)])
 
 

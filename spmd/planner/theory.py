@@ -47,8 +47,8 @@ zb-v splits each chunk's backward pass into B (input gradients, and the vectors'
 gradients) and W (the matrices' weight gradients): B runs with the forwards, bubble
 included; W exactly once per chunk and microbatch, so the matrices' gradients are
 reduced over the automatic axes m times per round, not (m + p - 1) times. (A matrix
-whose input the backward pass recomputes from what B reads, DeepSeek-V3's latent
-up-projections, has its gradient in B: `B_MATRICES`.)
+whose input the backward pass recomputes from what B reads, a model's
+`RECOMPUTED_INPUT_WEIGHTS` (DeepSeek-V3's latent up-projections), has its gradient in B.)
 
 Expert copies (spmd.parallel.balance.tie) add one all-reduce over ep, per MoE layer a
 device holds, of 2R expert rows of gradients (the R copy slots' and their homes'): in
@@ -216,27 +216,21 @@ def _stage_gradient_runs(cfg, layout: Layout, p: Param, stage_runs: float) -> fl
     backward (stage_runs), but zb-v's weight-gradient pass W (the matrices') runs exactly
     once per chunk and microbatch, without the bubble (spmd.parallel.zero_bubble): m
     passes; its input-gradient pass B, which also computes the vectors' (norm scales')
-    and those of the matrices in B_MATRICES, runs with the forwards."""
-    if layout.schedule.name == "zb-v" and not is_vector(p) and not computed_in_b(p):
+    and those of the matrices whose input it recomputes, runs with the forwards."""
+    if layout.schedule.name == "zb-v" and not is_vector(p) and not computed_in_b(layout, p):
         return cfg.grad_accum * layout.schedule.microbatches
     return stage_runs
 
 
-# Stacked matrices (paths below the stack) whose weight gradient zb-v's B computes, not W.
-# Under remat "none" (which zb-v runs) the backward pass keeps the matmuls' outputs and the
-# named activations (models.annotate.constrain) and recomputes the rest; W gets the kept
-# values only W reads. DeepSeek-V3's latent up-projections read their latent through its
-# norm (q_norm, kv_norm), unnamed: recomputed from the down-projection's output, which B
-# reads anyway to differentiate the norm, so B has all their gradient needs (and the
-# split leaves it there). Their gradients are then reduced with the bubble, as the
-# vectors'. The other projections read a named activation (the normed residual stream,
-# the attention's output, the MLP's hidden), kept for W alone.
-B_MATRICES = ("attn.wq_b", "attn.wkv_b")
-
-
-def computed_in_b(p: Param) -> bool:
-    """Whether zb-v's input-gradient pass B computes the stacked matrix `p`'s gradient."""
-    return p.stacked and p.path.split(".", 1)[-1] in B_MATRICES
+def computed_in_b(layout: Layout, p: Param) -> bool:
+    """Whether zb-v's input-gradient pass B computes the stacked matrix `p`'s gradient:
+    under remat "none" (which zb-v runs) the backward pass keeps the matmuls' outputs and
+    the named activations (models.annotate.constrain) and recomputes the rest, and W gets
+    the kept values only W reads. A matrix whose input is recomputed from what B reads
+    anyway (the model's RECOMPUTED_INPUT_WEIGHTS) has all its gradient needs in B, which
+    the split leaves it to; it is then reduced with the bubble, as the vectors'."""
+    stacked_weights = model_class(layout.skeleton.model_cfg).RECOMPUTED_INPUT_WEIGHTS
+    return p.stacked and p.path.split(".", 1)[-1] in stacked_weights
 
 
 def _in_head(layout: Layout, p: Param) -> bool:
