@@ -28,8 +28,6 @@ CASES = {
     "microbatches not a multiple of pp": (["--mesh", "pp=2", "--microbatches", "3"], "--microbatches 3 must be a multiple of pp=2"),
     "interleaved 1f1b with one chunk": (["--mesh", "pp=2", "--pp-schedule", "interleaved-1f1b"],
                                         "interleaved-1f1b needs --pp-repeats 2 or more"),
-    "zb-v under a remat policy": (["--mesh", "pp=2", "--pp-schedule", "zb-v", "--remat", "full"],
-                                  "zb-v needs --remat none"),
     "zb-v with layers not in 2 x pp chunks": (["--mesh", "pp=2", "--pp-schedule", "zb-v", "--layers", "6"],
                                               "6 layers do not divide into 2 x pp = 4 chunks (each stage runs one "
                                               "going down and one coming back): give --empty-layers 2"),

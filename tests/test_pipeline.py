@@ -43,6 +43,8 @@ LAYOUTS = [
     ("pp=2,dp=2,tp=2", 8, {"pp_schedule": "zb-v", "microbatches": 4}),
     # ... with fsdp (the second chunk's weights exchanged split over it), ZeRO-1, two passes.
     ("pp=2,fsdp=2,tp=2", 8, {"pp_schedule": "zb-v", "microbatches": 2, "grad_accum": 2, "zero": 1}),
+    # ... under a remat policy: each chunk's whole backward in its B tick.
+    ("pp=2,tp=2", 4, {"pp_schedule": "zb-v", "microbatches": 4, "remat": "full"}),
     # pp=2 alone: each chunk's scan keeps two layers (test_zb_v_executes_its_formula).
     ("pp=2", 2, {"pp_schedule": "zb-v", "microbatches": 4}),
 ]
@@ -155,6 +157,12 @@ def test_zb_v_timetable(p, m):
     assert table["slots"] == (4 * p - 1, 5 * p - 2, 2 * p - 1)
     assert table["f_end"] == 2 * m + 2 * p - 2 and table["ticks"] - table["first_b"] == 2 * m + 2 * p - 2
     assert Schedule("zb-v", p, m, 2).compute_overhead == pytest.approx(executed_over_useful(p, m))
+    # Under a remat policy: no W's, B's ring only, 1F1B's overhead (p-1)/m.
+    whole = timetable(p, m, defers_weights=False)
+    assert whole["slots"] == (4 * p - 1, 0, 0) and whole["w_start"] == whole["ticks"] == table["ticks"]
+    remat = Schedule("zb-v", p, m, 2, "full")
+    assert remat.compute_overhead == pytest.approx(1 + (p - 1) / m)
+    assert remat.kept_microbatches == (4 * p - 1) / 2
 
 
 def test_zb_v_activations_do_not_grow_with_microbatches():
@@ -162,13 +170,16 @@ def test_zb_v_activations_do_not_grow_with_microbatches():
     matmuls' inputs for W, 2p - 1 cotangents from B to W), whatever m is: doubling m at
     the same microbatch size adds only the step's rows (embedded microbatches and their
     gradients). Measured: zb-v 45.0 -> 45.7 MiB (x1.02, as 1F1B's 22.4 -> 22.9), GPipe
-    30.1 -> 47.7 (x1.59), which keeps every microbatch's activations."""
-    def temps(schedule, m):
+    30.1 -> 47.7 (x1.59), which keeps every microbatch's activations. Under remat full
+    B's ring holds each layer's input only and there is no W ring: 10.8 MiB at m = 8."""
+    def temps(schedule, m, remat="none"):
         cfg = validate(TrainConfig(**{**PARITY, **DEEP, "mesh": "pp=2", "pp_schedule": schedule,
-                                      "microbatches": m, "batch": 8 * m}))
+                                      "microbatches": m, "batch": 8 * m, "remat": remat}))
         return build_program(cfg, make_layout(cfg, jax.devices()[:2])).compile_step().memory_analysis().temp_size_in_bytes
-    zb_growth, gpipe_growth = temps("zb-v", 8) / temps("zb-v", 4), temps("gpipe", 8) / temps("gpipe", 4)
+    zb_v = temps("zb-v", 8)
+    zb_growth, gpipe_growth = zb_v / temps("zb-v", 4), temps("gpipe", 8) / temps("gpipe", 4)
     assert zb_growth < 1.1 and gpipe_growth > 1.4, (zb_growth, gpipe_growth)
+    assert temps("zb-v", 8, "full") < 0.5 * zb_v
 
 
 def test_circular_checkpoint_restores_onto_a_layout_without_pipeline(tmp_path):
@@ -189,7 +200,7 @@ def test_circular_checkpoint_restores_onto_a_layout_without_pipeline(tmp_path):
         np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("i", [1, 2, 3, 8, 10], ids=[IDS[1], IDS[2], IDS[3], IDS[8], IDS[10]])
+@pytest.mark.parametrize("i", [1, 2, 3, 8, 10, 12], ids=[IDS[i] for i in (1, 2, 3, 8, 10, 12)])
 def test_plan_matches_the_compiled_pipeline(i):
     """spmd.plan's theory of pipeline stages (the pp permutes, the rows entering and
     leaving, the bubble ticks' tp traffic, dp reduced once) against the compiled step."""

@@ -77,13 +77,22 @@ class Schedule:
     stages: int  # p
     microbatches: int  # m
     repeats: int = 1  # v (circular, interleaved-1f1b)
+    remat: str = "none"  # the model's remat policy (zb-v defers its weight gradients only under "none")
 
     @classmethod
     def of(cls, cfg, stages: int) -> "Schedule":
         """The schedule a run's options ask for on `stages` pipeline stages."""
         # zb-v: two chunks per stage, stored as circular's (spmd.parallel.zero_bubble)
         repeats = 2 if cfg.pp_schedule == "zb-v" else cfg.pp_repeats
-        return cls(cfg.pp_schedule, stages, cfg.microbatches or stages, repeats)
+        return cls(cfg.pp_schedule, stages, cfg.microbatches or stages, repeats, cfg.remat)
+
+    @property
+    def defers_weights(self) -> bool:
+        """Whether the backward pass is split into B and a deferred W (zb-v under remat
+        "none"). Under a remat policy the matmuls' inputs are recomputed inside the
+        backward pass, so zb-v runs each chunk's whole backward in B's tick: its
+        activations are the policy's, its bubble 1F1B's (spmd.parallel.zero_bubble)."""
+        return self.name == "zb-v" and self.remat == "none"
 
     @property
     def ticks(self) -> int:
@@ -108,7 +117,7 @@ class Schedule:
         """Executed over useful stage compute: 1 / (1 - bubble); zb-v's weight gradients
         have no bubble, so with a chunk's forward, B and W alike (its matmuls, each once
         per pass) 1 + 2(p-1)/(3m) (spmd.parallel.zero_bubble.executed_over_useful)."""
-        if self.name == "zb-v":
+        if self.defers_weights:
             return 1 + 2 * (self.stages - 1) / (3 * self.microbatches)
         return 1 / (1 - self.bubble)
 
@@ -128,10 +137,11 @@ class Schedule:
         """A stage's activations kept at once, in microbatches through all its layers:
         m + p - 1 ticks' (gpipe), v*m + p - 1 ticks of 1/v of them (circular), or the
         residual ring's (2vp - 1) / v."""
-        if self.name == "zb-v":
+        if self.defers_weights:
             # The longest-kept part: the matmuls' inputs for W, 5p - 2 chunks (what B
             # reads: 4p - 1; the matmul outputs' cotangents from B to W: 2p - 1).
             return (5 * self.stages - 2) / 2
+        # (zb-v with W in B's tick: B's ring of 4p - 1 chunks, interleaved-1f1b's at v = 2)
         if self.writes_backward:
             return self.residual_slots / self.repeats
         return self.ticks / self.repeats

@@ -29,9 +29,15 @@ split by JAX's partial evaluation with the forward residuals that only the weigh
 gradients read (the matmuls' inputs) marked unknown: what depends on them (the dW
 matmuls, inside the layer scan too) is staged into W, and W receives from B the values
 of the chain it needs (each matmul output's cotangent). Nothing is computed twice: B's
-and W's dot FLOPs add up to the unsplit backward's. Under a remat policy that recomputes
-the matmuls' inputs in the backward pass (full, dots) B would need them itself and W
-would be empty: zb-v asks for --remat none (spmd.run.config).
+and W's dot FLOPs add up to the unsplit backward's.
+
+Under a remat policy (full, dots) the backward pass recomputes the matmuls' inputs from
+what the forward kept, so B would need them itself and W would be empty. There each
+chunk's whole backward runs in its B tick (`Schedule.defers_weights` false): the V
+placement and timetable stay, the rings hold only what the policy keeps (a layer's
+input, under full), and the bubble is 1F1B's (executed/useful 1 + (p-1)/m). For a
+model whose activations do not fit otherwise (DeepSeek-V3 on 16 stages: 735 GiB per
+device under "none"), that is the trade.
 """
 
 from __future__ import annotations
@@ -133,6 +139,22 @@ def split_backward(stage_fn, chunk, example, side_example=None, fixed=None):
             ([res_shapes[i] for i in b_res], [res_shapes[i] for i in w_res], bw_shapes))
 
 
+def _whole_backward(stage_fn, chunk, example, side_example=None, fixed=None):
+    """`split_backward`'s functions for a backward pass that is not split: B computes
+    every weight's gradient, W nothing (no W residuals)."""
+    forward, backward, res_shapes = _split_vjp(stage_fn, chunk, example, side_example, fixed)
+
+    def forward_split(chunk, x, side=None, fixed=None):
+        out, residuals = forward(chunk, x, side, fixed)
+        return out, residuals, []
+
+    def backward_input(chunk, residuals, cotangents, fixed=None):
+        d_chunk, dx = backward(chunk, residuals, cotangents, fixed)
+        return jax.tree.leaves(d_chunk), dx, []
+
+    return forward_split, backward_input, None, (list(res_shapes), [], [])
+
+
 # ------------------------------------------------------------------------- the schedule
 
 def _pairs(p: int, parity: int, down: bool) -> list[tuple[int, int]]:
@@ -163,12 +185,13 @@ def sends(p: int, m: int) -> int:
     return forward + backward
 
 
-def timetable(p: int, m: int):
+def timetable(p: int, m: int, defers_weights: bool = True):
     """The static plan of a step: where forwards, B's and W's run (forwards in [0, f_end),
     B's from first_b, W's from w_start, to `ticks`), each device's W's in order (a numpy
     table: chunk, microbatch, its forward's tick, its B's tick), and the rings' sizes
     (longest lifetimes + 1). Each tick's forward and B follow from the tick's parity
-    (`zb_v`). Checks that every W comes after its B and every B after its forward."""
+    (`zb_v`). Checks that every W comes after its B and every B after its forward.
+    Without `defers_weights` there are no W's (B's run the whole backward)."""
     first_b = 2 * p - 1
     ticks = 2 * m + 4 * p - 3
     f_at, b_at = {}, {}  # (device, chunk, k) -> tick
@@ -177,6 +200,10 @@ def timetable(p: int, m: int):
             f_at[d, 0, k], f_at[d, 1, k] = 2 * k + d, 2 * k + 2 * p - 1 - d
             b_at[d, 1, k], b_at[d, 0, k] = first_b + 2 * k + d, first_b + 2 * k + 2 * p - 1 - d
     f_end = max(f_at.values()) + 1
+    if not defers_weights:
+        b_life = max(b_at[key] - f_at[key] for key in f_at)
+        return dict(ticks=ticks, f_end=f_end, first_b=first_b, w_start=ticks, w_order=np.zeros((p, 0, 4), np.int32),
+                    slots=(b_life + 1, 0, 0))
     w_start = ticks - 2 * m
     # Each device's B's in tick order; its i-th W runs in tick w_start + i.
     w_order = np.zeros((p, 2 * m, 4), np.int32)  # chunk, microbatch, forward tick, B tick
@@ -202,7 +229,7 @@ def zb_v(mesh, schedule: Schedule, stage_fn, head_fn, blocks, head, x: jax.Array
     """Loss and gradients with the zb-v schedule; arguments and results as
     `spmd.parallel.pipeline.one_f_one_b`'s (blocks stored as circular's with 2 chunks)."""
     p, m = schedule.stages, schedule.microbatches
-    table = timetable(p, m)
+    table = timetable(p, m, schedule.defers_weights)
     b_slots, w_slots, bw_slots = table["slots"]
     mirror = [(s, p - 1 - s) for s in range(p)]  # chunk p+s is chunk 2p-1-(p-1-s)
 
@@ -214,7 +241,8 @@ def zb_v(mesh, schedule: Schedule, stage_fn, head_fn, blocks, head, x: jax.Array
         pick = lambda c, chunks=chunks: jax.tree.map(lambda w: w[c], chunks)  # noqa: E731
         dp = jax.lax.psum(1, BATCH_AXIS)
         seed = 1.0 / (m * dp)
-        forward, backward_input, backward_weight, (b_shapes, w_shapes, bw_shapes) = split_backward(
+        forward, backward_input, backward_weight, (b_shapes, w_shapes, bw_shapes) = (
+            split_backward if schedule.defers_weights else _whole_backward)(
             stage_fn, pick(0), x[0], micro(side, 0), pick(0, fixed_chunks))
         no_stats = _no_statistics(stage_fn, chunks, x[0], micro(side, 0), fixed_chunks)
         stats_weights = _weighted_statistics(no_stats, statistics_weights, seed)

@@ -187,9 +187,18 @@ def expert_copies(cfg, layout: Layout) -> list[Expected]:
     gradients of the R copy slots and of their homes (2R expert rows, of every expert
     weight, as the gradients are stored) are gathered from the slots split over ep: each
     device gathers the rows it holds and the 2R rows are all-reduced over ep."""
+    ep = layout.shape["ep"]
+    tied = tied_rows_bytes(cfg, layout)
+    return [Expected("all-reduce", "ep", 2 * (ep - 1) / ep * tied,
+                     "expert copies: the copies' and their homes' gradients")] if tied else []
+
+
+def tied_rows_bytes(cfg, layout: Layout) -> float:
+    """Bytes per device of the 2R expert rows of gradients that expert copies tie (every
+    MoE layer the device holds, at once), or 0 without copies over ep."""
     ep, slots = layout.shape["ep"], routing(cfg).slots
     if ep == 1 or not slots:
-        return []
+        return 0.0
     copies = slots - layout.skeleton.model_cfg.moe.experts
     rows = 0.0
     for p in params(layout, cfg):
@@ -199,8 +208,7 @@ def expert_copies(cfg, layout: Layout) -> list[Expected]:
         if layout.schedule and p.stacked:  # each stage holds its own layers
             split.add("pp")
         rows += p.numel / slots * p.itemsize / ways(split, layout.shape)
-    return [Expected("all-reduce", "ep", 2 * (ep - 1) / ep * 2 * copies * rows,
-                     "expert copies: the copies' and their homes' gradients")]
+    return 2 * copies * rows
 
 
 def expert_exchange(cfg, layout: Layout, compute_bytes: int, ragged: bool) -> list[Expected]:

@@ -14,6 +14,7 @@ from spmd.parallel import pipeline
 from spmd.parallel.layout import Layout
 from spmd.parallel.rules import axes_of
 from spmd.parallel.skeleton import DTYPES
+from spmd.planner.activations import tied_rows_bytes
 from spmd.planner.counting import (Param, compute_table, expert_rows, live, params, spec_axes, tokens_per_device, uses,
                                    ways)
 
@@ -53,6 +54,9 @@ def memory(cfg, layout: Layout) -> dict[str, float]:
             gradients += held(p, [a for a in spec_axes(p.names, rules.grads) if a != pipeline.BATCH_AXIS])
         else:
             gradients += held(p, spec_axes(p.names, rules.grads))
+    # Expert copies tie the 2R rows of every MoE layer's expert gradients at once: gathered
+    # and reduced, both alive (spmd.parallel.balance.tie).
+    gradients += 2 * tied_rows_bytes(cfg, layout)
     # The MoE layers' router state (spmd.parallel.balance), replicated: a few numbers per expert.
     router = sum(s.size * s.dtype.itemsize for s in jax.tree.leaves(layout.skeleton.router_shapes))
     return {
@@ -105,15 +109,19 @@ def activation_bytes(cfg, layout: Layout, compute_bytes: int) -> float:
         kept += m.moe_layers_run * {"none": moe, "dots": 3 * e + qkv / t + rows * 2 * m.moe.expert_mlp / t, "full": e}[cfg.remat]
         working = max(working, 0 if cfg.remat == "none" else moe)
     vocab_split = ways(axes_of(layout.rules.activations["vocab"]), layout.shape)
-    logits = 3 * tokens * m.vocab / vocab_split * 4
+    logits = 3 * m.vocab / vocab_split * 4  # per token
     schedule = layout.schedule
     if schedule is None:
-        return tokens * (kept + working) * compute_bytes + block_scores + logits
+        return tokens * (kept + working) * compute_bytes + block_scores + tokens * logits
     # A device keeps its 1/p of the layers for every tick (gpipe, circular), or for the
     # residual ring's (2vp - 1)/v microbatches (1f1b, interleaved-1f1b: Schedule.
     # kept_microbatches), on microbatches of p/m of its `tokens`; one tick's (a 1/v chunk
-    # of its layers) are built apart before they are filed. The queue holds all its rows.
+    # of its layers) are built apart before they are filed. The queue holds all its rows;
+    # schedules that write their backward pass hold their gradient beside them, and run
+    # the head a microbatch at a time.
     p, v = schedule.stages, schedule.repeats
     mb = tokens * p / schedule.microbatches
     kept_tokens = mb * schedule.kept_microbatches / p
-    return (kept_tokens * kept + mb * (working + kept / (p * v)) + tokens * p * e) * compute_bytes + logits
+    queues, head_tokens = (2, mb) if schedule.writes_backward else (1, tokens)
+    return ((kept_tokens * kept + mb * (working + kept / (p * v)) + queues * tokens * p * e) * compute_bytes
+            + head_tokens * logits)

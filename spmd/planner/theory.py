@@ -49,6 +49,7 @@ included; W exactly once per chunk and microbatch, so the matrices' gradients ar
 reduced over the automatic axes m times per round, not (m + p - 1) times. (A matrix
 whose input the backward pass recomputes from what B reads, a model's
 `RECOMPUTED_INPUT_WEIGHTS` (DeepSeek-V3's latent up-projections), has its gradient in B.)
+Under a remat policy zb-v does not split (B computes every gradient, with the bubble).
 
 Expert copies (spmd.parallel.balance.tie) add one all-reduce over ep, per MoE layer a
 device holds, of 2R expert rows of gradients (the R copy slots' and their homes'): in
@@ -216,15 +217,16 @@ def _stage_gradient_runs(cfg, layout: Layout, p: Param, stage_runs: float) -> fl
     backward (stage_runs), but zb-v's weight-gradient pass W (the matrices') runs exactly
     once per chunk and microbatch, without the bubble (spmd.parallel.zero_bubble): m
     passes; its input-gradient pass B, which also computes the vectors' (norm scales')
-    and those of the matrices whose input it recomputes, runs with the forwards."""
-    if layout.schedule.name == "zb-v" and not is_vector(p) and not computed_in_b(layout, p):
+    and those of the matrices whose input it recomputes, runs with the forwards (and
+    under a remat policy computes every gradient: Schedule.defers_weights)."""
+    if layout.schedule.defers_weights and not is_vector(p) and not computed_in_b(layout, p):
         return cfg.grad_accum * layout.schedule.microbatches
     return stage_runs
 
 
 def computed_in_b(layout: Layout, p: Param) -> bool:
     """Whether zb-v's input-gradient pass B computes the stacked matrix `p`'s gradient:
-    under remat "none" (which zb-v runs) the backward pass keeps the matmuls' outputs and
+    under remat "none" (where zb-v splits) the backward pass keeps the matmuls' outputs and
     the named activations (models.annotate.constrain) and recomputes the rest, and W gets
     the kept values only W reads. A matrix whose input is recomputed from what B reads
     anyway (the model's RECOMPUTED_INPUT_WEIGHTS) has all its gradient needs in B, which

@@ -361,10 +361,5 @@ def _validate_pipeline(cfg: TrainConfig) -> None:
         # (interleaved-1f1b with one chunk per stage is 1f1b: asked for by its name)
         raise UserError(f"--pp-schedule {cfg.pp_schedule} needs --pp-repeats 2 or more (chunks of layers per stage)"
                         + ("; with one chunk it is --pp-schedule 1f1b" if cfg.pp_schedule != "circular" else ""))
-    if cfg.pp_schedule == "zb-v" and cfg.remat != "none":
-        # Its weight gradients (W) read the matmuls' inputs kept from the forward pass; a
-        # remat policy recomputes them inside the input gradient (B), leaving W nothing.
-        raise UserError(f"--pp-schedule zb-v needs --remat none (got {cfg.remat}): its weight-gradient pass reads "
-                        "the matmuls' inputs kept from the forward pass")
     if cfg.pp_schedule not in REPEATED_SCHEDULES and cfg.pp_repeats != 1:
         raise UserError(f"--pp-repeats applies to --pp-schedule {' and '.join(REPEATED_SCHEDULES)}, not {cfg.pp_schedule}")
