@@ -36,7 +36,7 @@ what the forward kept, so B would need them itself and W would be empty. There e
 chunk's whole backward runs in its B tick (`Schedule.defers_weights` false): the V
 placement and timetable stay, the rings hold only what the policy keeps (a layer's
 input, under full), and the bubble is 1F1B's (executed/useful 1 + (p-1)/m). For a
-model whose activations do not fit otherwise (DeepSeek-V3 on 16 stages: 735 GiB per
+model whose activations do not fit otherwise (DeepSeek-V3 on 16 stages: 701 GiB per
 device under "none"), that is the trade.
 """
 
