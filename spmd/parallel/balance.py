@@ -26,6 +26,7 @@ import numpy as np
 import optax
 
 from models.moe import initial_placement
+from spmd.parallel.rules import STAGE_AXIS
 from spmd.parallel.skeleton import is_names
 
 EXPERTS = "experts"  # the logical name of the experts' dimension (models.moe)
@@ -66,14 +67,17 @@ def homes_and_copies(placement: jax.Array, experts: int) -> tuple[jax.Array, jax
     return copies, home[copies]
 
 
-def tie(grads, dims, placement: jax.Array, experts: int):
+def tie(grads, dims, placement: jax.Array, experts: int, stages=None):
     """Each slot's gradient becomes the sum over the slots that hold the same expert.
 
     Only the copies' rows move: the R copy slots' gradients and their homes' are gathered
     (2R rows; with slots split over ep, XLA gathers them locally and all-reduces the 2R
     rows over ep), each home's total is summed from them, and written back to the home and
     its copies (scatters into the device's own slots). Home and copies get the same total,
-    bit for bit."""
+    bit for bit. A layer at a time (a loop over the stack): one layer's 2R rows are alive
+    at once, not every layer's. `stages`: (mesh, the position of the layers' dimension)
+    where pipeline stages split the layers over pp; each device loops over its own
+    layers, in a map manual over pp."""
     def summed(g, where):
         copies, homes = homes_and_copies(where, experts)
         r = copies.shape[0]
@@ -85,7 +89,28 @@ def tie(grads, dims, placement: jax.Array, experts: int):
         lead = jnp.argmax(homes[None, :] == homes[:, None], axis=1)
         total = from_homes + jax.ops.segment_sum(from_copies, lead, num_segments=r)[lead]
         return g.at[homes].set(total).at[copies].set(total)
-    return jax.tree.map(lambda g, d: g if d < 0 else _per_layer(summed, g, d, placement), grads, dims)
+
+    def layer_by_layer(g, dim, where):
+        flat = (g.reshape(-1, *g.shape[dim:]), where.reshape(-1, where.shape[-1]))
+        return jax.lax.map(lambda layer: summed(*layer), flat).reshape(g.shape)
+
+    leaves, tree = jax.tree.flatten(grads)
+    dim_of = jax.tree.leaves(dims)  # (the experts' dimension of each leaf, -1 for none)
+    tied = [i for i, d in enumerate(dim_of) if d >= 0]
+
+    def tie_all(rows, where):
+        return [layer_by_layer(g, dim_of[i], where) for g, i in zip(rows, tied)]
+
+    if stages is None:
+        done = tie_all([leaves[i] for i in tied], placement)
+    else:
+        mesh, layer_dim = stages
+        split = jax.P(*([None] * layer_dim), STAGE_AXIS)
+        done = jax.shard_map(tie_all, mesh=mesh, in_specs=([split] * len(tied), split), out_specs=[split] * len(tied),
+                             axis_names=frozenset({STAGE_AXIS}), check_vma=False)([leaves[i] for i in tied], placement)
+    for i, g in zip(tied, done):
+        leaves[i] = g
+    return jax.tree.unflatten(tree, leaves)
 
 
 def logical_norm(grads, dims, placement: jax.Array, experts: int) -> jax.Array:

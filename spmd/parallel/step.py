@@ -139,6 +139,8 @@ class Program:
         # norm that counts each expert once.
         self.copies = routing(cfg).slots is not None
         self.expert_dims = balance.expert_dims(layout.skeleton.names)
+        # Pipeline stages split the stacked layers over pp: each device ties its own.
+        self.tie_stages = (layout.mesh, 1 if layout.repeats > 1 else 0) if layout.schedule else None
         self.tx = make_optimizer(cfg, layout.skeleton.model_cfg, clip=not self.copies)
         self.lr_at = schedule(cfg)
         skeleton = layout.skeleton
@@ -230,7 +232,7 @@ class Program:
         grads = jax.lax.with_sharding_constraint(grads, self.grad_sh)
         if self.copies:
             placement, experts = balance.states(router)[0]["placement"], self.layout.skeleton.model_cfg.moe.experts
-            grads = balance.tie(grads, self.expert_dims, placement, experts)
+            grads = balance.tie(grads, self.expert_dims, placement, experts, self.tie_stages)
             grad_norm = balance.logical_norm(grads, self.expert_dims, placement, experts)
             grads = balance.clip(grads, grad_norm, cfg.clip)
         else:

@@ -54,9 +54,9 @@ def memory(cfg, layout: Layout) -> dict[str, float]:
             gradients += held(p, [a for a in spec_axes(p.names, rules.grads) if a != pipeline.BATCH_AXIS])
         else:
             gradients += held(p, spec_axes(p.names, rules.grads))
-    # Expert copies tie the 2R rows of every MoE layer's expert gradients at once: gathered
-    # and reduced, both alive (spmd.parallel.balance.tie).
-    gradients += 2 * tied_rows_bytes(cfg, layout)
+    # Expert copies tie the 2R rows of a layer's expert gradients, a layer at a time:
+    # gathered and reduced, both alive (spmd.parallel.balance.tie).
+    gradients += 2 * tied_rows_bytes(cfg, layout) * shape["pp"] / model.stacked_layers
     # The MoE layers' router state (spmd.parallel.balance), replicated: a few numbers per expert.
     router = sum(s.size * s.dtype.itemsize for s in jax.tree.leaves(layout.skeleton.router_shapes))
     return {
