@@ -228,7 +228,6 @@ def test_plan_matches_the_compiled_pipeline(i):
     ({"mesh": "pp=2", "pp_schedule": "1f1b", "pp_repeats": 2}, 2, "--pp-repeats applies to --pp-schedule circular and"),
     ({"mesh": "pp=2", "pp_schedule": "zb-v", "layers": 6}, 2, "zb-v: model tiny's 6 layers do not divide into 2 x pp = 4"),
     ({"mesh": "pp=4", "pp_schedule": "zb-v", "layers": 8, "microbatches": 2}, 4, "--microbatches 2 must be a multiple of pp=4"),
-    ({"mesh": "pp=2", "pp_schedule": "zb-v", "remat": "full"}, 2, "zb-v needs --remat none"),
     ({"mesh": "pp=2", "pp_schedule": "zb-v", "pp_repeats": 2}, 2, "--pp-repeats applies to"),
 ])
 def test_bad_pipeline_layouts_are_refused_before_compiling(overrides, devices, message):

@@ -28,7 +28,9 @@ from spmd.run.config import TrainConfig
 from spmd.run.resolve import validate
 from spmd.run.weights import Checkpoint, check_source_flags, checkpoint_config, load_params
 
-REMOVE_TRIES = 100  # rmtree passes over a temporary a writer may still be filling (about a second)
+# rmtree passes over a temporary a writer may still be filling (10 ms apart: up to ten
+# seconds, for a loaded host); it is gone once two passes in a row find nothing.
+REMOVE_TRIES = 1000
 
 
 def restored(cfg, checkpoint: Checkpoint | None, mesh: str | None, cpu_devices: int | None):
@@ -128,11 +130,13 @@ def write(out: Path, flag_value: str, produce) -> None:
     tmp = temporary_name(out)
 
     def remove() -> None:
-        # From the signal thread, the writer may still add files while the tree goes
-        # (rmtree then leaves the directory): again until it is gone.
+        # From the signal thread, the writer (and Orbax's threads) may still add files
+        # while the tree goes, or make it again: again until it stays gone.
+        gone = 0
         for _ in range(REMOVE_TRIES):
             shutil.rmtree(tmp, ignore_errors=True)
-            if not tmp.exists():
+            gone = gone + 1 if not tmp.exists() else 0
+            if gone == 2:
                 break
             time.sleep(0.01)
         for directory in made:
