@@ -46,11 +46,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The library is imported once signals are served, before numpy starts its threads.
         from spmd.data.corpus import data_files, token_stream, write_npy
         from spmd.data.records import fine_tuning_format
-        from spmd.data.tokenizer import load_tokenizer
+        from spmd.data.tokenizer import load_tokenizer, tokenizer_inputs
 
         # Before reading anything: tokenizing a large corpus to fail at the end is no use.
         out = claim([Output("--out", args.out, parents=True)],
-                    {"--data": args.data, "--tokenizer": args.tokenizer})["--out"]
+                    {"--data": args.data, **tokenizer_inputs(args.tokenizer, "--tokenizer")})["--out"]
         if out.stream is None and not args.out.endswith(".npy"):  # a file to train from, named as one
             raise UserError("--out must name a .npy file")
         if data_files(args.data)[0] == "tokens":

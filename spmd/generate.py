@@ -53,14 +53,13 @@ def generate_parser() -> OneLineErrorParser:
     return parser
 
 
-def claim_output(args, checkpoint, tokenizer: str | None):
-    """--output, checked before any work: never over what is read (the prompts, the
-    checkpoint's run, the model's directory, the tokenizer), never replacing a special file."""
+def claim_output(args, source: dict):
+    """--output, checked before any work: never over what is read (the prompts, and what
+    the model comes from: `source`, spmd.run.weights.source_inputs), never replacing a
+    special file."""
     if not args.output:
         return None
-    inputs = {"--prompts": args.prompts, "--checkpoint": checkpoint.run_dir if checkpoint else None,
-              "--init-from": args.init_from, "the tokenizer": tokenizer}
-    return claim([Output("--output", args.output)], inputs)["--output"]
+    return claim([Output("--output", args.output)], {"--prompts": args.prompts, **source})["--output"]
 
 
 def main(argv=None) -> int:
@@ -77,10 +76,11 @@ def main(argv=None) -> int:
             from spmd.inference.generation import (Generation, model_source, new_tokens, on_mesh, read_prompts,
                                                    trained_context)
             from spmd.parallel.skeleton import model_config
+            from spmd.run.weights import source_inputs
 
             prompts = read_prompts(args)
             cfg, checkpoint, tokenizer_path = model_source(args)
-            output = claim_output(args, checkpoint, tokenizer_path)
+            output = claim_output(args, source_inputs(args, checkpoint))
             cfg = on_mesh(cfg, args, moe_dispatch="dropless", dtype=args.dtype or cfg.dtype)
 
             if args.chat:

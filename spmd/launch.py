@@ -5,15 +5,18 @@ environment (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID), which
 `spmd.train` reads; on a CPU-only machine each emulates its share of the mesh's devices.
 This is how to try a multi-host run on one machine, and what the tests use.
 
-When one process fails, the others get `--grace` seconds to stop by themselves (they
-notice within `--step-timeout` or the heartbeat timeout), then they are terminated.
-The exit code is the first failure's, else 0. SIGINT and SIGTERM are passed on.
+When one process fails, the others, whichever it is, get `--grace` seconds to stop by
+themselves (they notice within `--step-timeout` or the heartbeat timeout), then they are
+terminated, and killed if still there a moment later: the launch ends within `--grace`
+and two seconds. The exit code is the first failure's, else 0. SIGINT and SIGTERM are
+passed on.
 A process that cannot be started (no such command, no more processes allowed) stops the
 ones already started: one `error:` line, exit code 2.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -32,6 +35,10 @@ from spmd.base.errors import UserError, one_line_errors
 # with spmd.train's own flags, not through this launcher.
 MAX_PROCESSES = 1024
 STOP_WAIT_S = 5.0  # after SIGTERM, before SIGKILL, when the launch itself fails
+# After --grace, SIGTERM, then SIGKILL this much later: the launch ends within --grace + 2 s
+# (with POLL_S between checks). The processes had their grace to stop cleanly.
+KILL_AFTER_S = 1.0
+POLL_S = 0.2
 
 
 def free_port() -> int:
@@ -123,23 +130,32 @@ def _why_not_started(exc: OSError, command: list[str], index: int, count: int, s
 def stop(procs: list[subprocess.Popen], timeout: float = STOP_WAIT_S) -> None:
     """Terminate every process still running; kill those still there after `timeout`."""
     for p in procs:
-        if p.poll() is None:
-            p.terminate()
+        _signal_group(p, signal.SIGTERM)
     _reap(procs, timeout)
+
+
+def _signal_group(p: subprocess.Popen, signum: int) -> None:
+    """Signal the process and what it started (its own process group: a shell's children
+    too, which would otherwise outlive it), while it is unreaped (its id is still ours)."""
+    if p.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signum)
 
 
 def wait(procs: list[subprocess.Popen], grace: float) -> int:
     """Wait for every process; after the first failure, give the rest `grace` seconds."""
     failed: tuple[int, int] | None = None  # (process index, exit code)
     deadline = None
-    while any(p.poll() is None for p in procs):
+    # Every process is polled each time round (not up to the first one running): a failure
+    # behind a process that runs on must start the grace period.
+    while [p for p in procs if p.poll() is None]:
         for i, p in enumerate(procs):
             if failed is None and p.returncode not in (None, 0):
                 failed, deadline = (i, p.returncode), time.monotonic() + grace
         if deadline is not None and time.monotonic() > deadline:
-            stop(procs, timeout=10.0)
+            stop(procs, timeout=KILL_AFTER_S)
             break
-        time.sleep(0.2)
+        time.sleep(POLL_S)
     if failed is None:
         failed = next(((i, p.returncode) for i, p in enumerate(procs) if p.returncode), None)
     if failed is None:
@@ -164,7 +180,7 @@ def _reap(procs: list[subprocess.Popen], timeout: float = 10.0) -> None:
         try:
             p.wait(max(deadline - time.monotonic(), 0.0))
         except subprocess.TimeoutExpired:
-            p.kill()
+            _signal_group(p, signal.SIGKILL)
             p.wait()
 
 

@@ -75,7 +75,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def check_outputs(cfg, config_file: str | None = None) -> None:
     """Before anything runs: each output can be written, none is an input (a metrics
-    file equal to --data would overwrite the training data), and none is another's."""
+    file equal to --data would overwrite the training data; see run_inputs), and none is
+    another's."""
     from spmd.formats.checkpoint import locate  # (imported by main, after signals)
 
     resumed_run = str(locate(cfg.resume)[0]) if cfg.resume else None
@@ -90,8 +91,7 @@ def check_outputs(cfg, config_file: str | None = None) -> None:
          Output("--metrics-file", cfg.metrics_file, parents=metrics_in_out, reopened=True),
          Output("--tensorboard", cfg.tensorboard, directory=True),
          Output("--profile-dir", cfg.profile_dir if cfg.profile_steps else None, directory=True)],
-        {"--data": cfg.data, "--tokenizer": cfg.tokenizer, "--config": config_file, "--resume": resumed_run,
-         "--init-from": cfg.init_from},
+        run_inputs(cfg, config_file, resumed_run),
         # A run may write on into the directory it resumes (the metrics file with it); a
         # trace may go with the scalars (TensorBoard's layout: DIR/plugins/profile).
         allowed={("--profile-dir", "--tensorboard"), *([("--out", "--resume"), ("--metrics-file", "--resume")]
@@ -99,6 +99,29 @@ def check_outputs(cfg, config_file: str | None = None) -> None:
                  *([("--metrics-file", "--out")] if metrics_in_out else [])})
     if cfg.out:
         DirectoryLock(cfg.out).check()
+
+
+def run_inputs(cfg, config_file: str | None, resumed_run: str | None) -> dict:
+    """Every input of a run, by flag, for claim: the config file, the data, the directory
+    it starts from and the adapter, the checkpoint it resumes (`resumed_run`'s directory)
+    and the base a resumed LoRA run reads again, the tokenizer with its directory's files.
+    (A tokenizer taken from --init-from is named after it: that name comes first.)"""
+    from spmd.data.tokenizer import tokenizer_inputs  # (imported by main, after signals)
+
+    return {"--config": config_file, "--data": cfg.data, "--init-from": cfg.init_from, "--adapter": cfg.adapter,
+            "--resume": resumed_run, "the resumed run's --init-from": _resumed_base(cfg),
+            **tokenizer_inputs(cfg.tokenizer, "--tokenizer")}
+
+
+def _resumed_base(cfg) -> str | None:
+    """The directory whose weights a resumed LoRA run reads again as its frozen base when
+    --init-from names none: the one its checkpoint started from (spmd.run.trainer)."""
+    from spmd.formats.checkpoint import finalized_steps, saved_config  # (imported by main, after signals)
+
+    resumed = cfg.resume or (cfg.out if cfg.out and finalized_steps(Path(cfg.out)) else None)
+    if not cfg.lora_rank or cfg.init_from or not resumed:
+        return None
+    return saved_config(resumed).get("init_from")
 
 
 def _silent(line: str) -> None:

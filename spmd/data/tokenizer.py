@@ -124,6 +124,25 @@ def load_tokenizer(path: str | None):
     raise UserError(f"--tokenizer {path}: give a SentencePiece .model or a Hugging Face tokenizer.json")
 
 
+# The files of a tokenizer directory read beside its tokenizer.json (TokenizerDirectory):
+# its config, its legacy special tokens and its chat template.
+DIRECTORY_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+def tokenizer_inputs(path: str | Path | None, name: str) -> dict[str, str]:
+    """What the tokenizer `path` is read from, for spmd.base.paths.claim's inputs: the file
+    or directory itself and, for a tokenizer.json, the files of its directory that are
+    read with it (chat records and --chat read the directory: load_tokenizer_directory).
+    `name`: how a refusal names the tokenizer ("--tokenizer", "the run's tokenizer")."""
+    if not path:
+        return {}
+    inputs = {name: str(path)}
+    if Path(path).name == "tokenizer.json":
+        beside = (Path(path).parent / file for file in DIRECTORY_FILES)
+        inputs |= {f"the {file.name} beside {name}": str(file) for file in beside if file.exists()}
+    return inputs
+
+
 def check_vocab(tokenizer, vocab: int, what: str = "--tokenizer") -> None:
     """A tokenizer's every id must be one of the model's tokens (`what`: how the message names the tokenizer)."""
     if tokenizer.vocab_size > vocab:

@@ -149,15 +149,20 @@ def read_meta(run_dir: Path, step: int) -> dict:
     return meta
 
 
-def model_of_checkpoint(resume: str) -> tuple[str | None, dict | None]:
-    """The model (preset name, or saved architecture) of the checkpoint `--resume` names."""
-    run_dir, step = locate(resume)
+def saved_config(path: str | Path) -> dict:
+    """The run's config saved with the checkpoint `path` names (a run directory: its latest)."""
+    run_dir, step = locate(path)
     if step is None:
         steps = finalized_steps(run_dir)
         if not steps:
             raise UserError(f"no spmd checkpoint in {run_dir}")
         step = steps[-1]
-    config = read_meta(run_dir, step).get("config", {})
+    return read_meta(run_dir, step).get("config", {})
+
+
+def model_of_checkpoint(resume: str) -> tuple[str | None, dict | None]:
+    """The model (preset name, or saved architecture) of the checkpoint `--resume` names."""
+    config = saved_config(resume)
     return config.get("model"), config.get("architecture")
 
 

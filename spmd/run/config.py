@@ -20,8 +20,8 @@ import yaml
 from models import PRESETS
 from models.lora import ATTENTION_TARGETS, MLP_TARGETS, TARGETS
 from spmd.base import hardware
-from spmd.base.cli import (DTYPES, LOSS_ON, OVERLONG, SEED, TOKEN_DTYPES, OneLineErrorParser, finite, flag_of, integer,
-                           nonempty)
+from spmd.base.cli import (DTYPES, LOSS_ON, MAX_RECORD_BYTES, OVERLONG, SEED, SEQ, TOKEN_DTYPES, OneLineErrorParser,
+                           finite, flag_of, integer, nonempty)
 from spmd.base.errors import UserError, file_kind
 from spmd.base.schema import Bounds
 from spmd.parallel.mesh import MeshSpec
@@ -48,7 +48,7 @@ class TrainConfig:
     init_from: str | None = _field(None, "start from the weights of a Hugging Face model directory (config.json and safetensors: Llama, Mixtral); the model is the directory's, and its tokenizer.json tokenizes --data")
     steps: int = _field(300, "optimizer steps to run", at_least=0)
     batch: int = _field(32, "global batch size, in sequences", at_least=1)
-    seq: int = _field(64, "sequence length, in tokens", at_least=1)
+    seq: int = _field(64, "sequence length, in tokens", SEQ.at_least, at_most=SEQ.at_most)
     seed: int = _field(0, "seed of the initial parameters and of the data order", SEED.at_least, at_most=SEED.at_most)
     lr: float = _field(3e-3, "peak learning rate", above=0)
     warmup: int = _field(20, "linear warmup steps from 0 to the peak (kept as given: a warmup of --steps or more ends the run before the peak)", at_least=0)
@@ -100,7 +100,8 @@ class TrainConfig:
     token_dtype: str = _field("uint16", "dtype of raw .bin token files (.npy files say their own)", choices=TOKEN_DTYPES)
     loss_on: str = _field("completion", "fine-tuning records (prompt/completion, chat messages): the tokens the loss is on: the completion and the assistant's turns, or all", choices=LOSS_ON)
     overlong: str = _field("truncate", "a fine-tuning example longer than --seq + 1 tokens: keep its start (truncate) or cut it into pieces, each its own example (split)", choices=OVERLONG)
-    data_workers: int | None = _field(None, "fine-tuning records: processes that tokenize them ahead of the steps (0: the trainer's own; default: one per CPU the process may use, less one, at most 8, when there are more than 2,048 records)", at_least=0)
+    data_workers: int | None = _field(None, "fine-tuning records: processes that tokenize them ahead of the steps (0: the trainer's own; default: one per CPU the process may use, less one, at most 8, when there are more than 2,048 records; at most the CPUs it may use)", at_least=0)
+    max_record_bytes: int = _field(MAX_RECORD_BYTES, "fine-tuning records: the largest record read, in bytes of its JSONL line and characters of the text it tokenizes (a chat: its rendering); tokenizing one takes some 40 times that in memory", at_least=1)
     document_mask: bool = _field(False, "text and token data: documents do not see each other (attention stops at each end-of-text token, positions restart); default: windows of the stream, as in GPT-style pre-training")
     eval_every: int = _field(0, "every N steps, report the loss on held-out data (0: never)", at_least=0)
     eval_batches: int = _field(4, "batches of held-out data per evaluation", at_least=1)
@@ -178,6 +179,46 @@ def cli_fields() -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(TrainConfig) if f.metadata.get("cli", True)]
 
 
+class _DuplicateKey(yaml.YAMLError):
+    """A key given twice in one mapping (`line`: the second's)."""
+
+    def __init__(self, key, line: int):
+        super().__init__(key, line)
+        self.key, self.line = key, line
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load's loader, refusing a mapping that gives a key twice (PyYAML lets the last
+    win: `steps: 10` then `steps: 1000` would train 1000 steps without a word). A merge
+    (`<<: *defaults`) may still be overridden: its keys are not the mapping's own."""
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self._checked: set[int] = set()
+
+    def flatten_mapping(self, node):
+        # Each mapping is checked once, before its merges are spliced into it (an anchored
+        # mapping is flattened again wherever it is merged or aliased).
+        if id(node) not in self._checked:
+            self._checked.add(id(node))
+            self._check_unique(node)
+        super().flatten_mapping(node)
+
+    def _check_unique(self, node) -> None:
+        seen = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                twice = key in seen
+            except TypeError:  # unhashable: the base class refuses it in its own words
+                continue
+            if twice:
+                raise _DuplicateKey(key, key_node.start_mark.line + 1)
+            seen.add(key)
+
+
 def _read_yaml(path: str):
     file = Path(path)
     if not file.is_file():
@@ -185,9 +226,12 @@ def _read_yaml(path: str):
         raise UserError(f"config file not found: {path}" if kind == "missing" else f"config file {path} is {kind}, "
                         "not a regular file")
     try:
-        return yaml.safe_load(file.read_bytes().decode("utf-8"))
+        return yaml.load(file.read_bytes().decode("utf-8"), Loader=_UniqueKeyLoader)
     except UnicodeDecodeError:
         raise UserError(f"config file {path} is not UTF-8 text") from None
+    except _DuplicateKey as exc:
+        raise UserError(f"config file {path}: {exc.key} is given twice (again on line {exc.line}); give it once") \
+            from None
     except yaml.YAMLError as exc:
         where = getattr(exc, "problem_mark", None)
         at = f" (line {where.line + 1})" if where else ""
@@ -207,10 +251,14 @@ def _yaml_to_argv(path: str) -> list[str]:
         raise UserError(f"config file {path} must hold a mapping of option: value")
     names = {f.name: f for f in cli_fields()}
     argv: list[str] = []
+    spelled: dict[str, object] = {}  # option -> the key that gave it (grad_accum and grad-accum are one)
     for key, value in data.items():
         name = str(key).replace("-", "_")
         if name not in names:
             raise UserError(f"config file {path}: unknown option {key!r}")
+        if name in spelled:
+            raise UserError(f"config file {path}: {spelled[name]} and {key} are one option, given twice; give it once")
+        spelled[name] = key
         field, flag = names[name], flag_of(name)
         wrong = f"config file {path}: {key} must be"
         if field.type == "bool":
@@ -286,6 +334,9 @@ def check(cfg: TrainConfig) -> TrainConfig:
         hardware.get(cfg.hardware)
     if cfg.batch % cfg.grad_accum:
         raise UserError(f"--batch {cfg.batch} does not divide into --grad-accum {cfg.grad_accum} microbatches")
+    if cfg.data_workers is not None and cfg.data_workers > (cpus := hardware.usable_cpus()):
+        raise UserError(f"--data-workers {cfg.data_workers} is more than the {cpus} CPUs this process may use: each "
+                        f"worker keeps a CPU busy, so more would only compete for them; give at most {cpus}")
     return cfg
 
 

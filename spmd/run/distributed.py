@@ -26,6 +26,11 @@ AUTO = "auto"
 ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
 EXIT_TIMEOUT = 3
 SLURM = "SLURM"  # Processes.found_in of a SLURM job step
+# Where the count and index of the processes come from (Processes.found_in), as a message names
+# each: a value out of range is refused here, naming its source, before JAX sees it.
+PLACE_NAMES = {"flags": ("--num-processes {}", "--process-id {}"),
+               "environment": ("JAX_NUM_PROCESSES={}", "JAX_PROCESS_ID={}"),
+               SLURM: ("SLURM_NTASKS={}", "SLURM_PROCID={}")}
 JAX_JOIN_GRACE_S = 30  # JAX's own deadline comes this much after ours
 
 
@@ -60,7 +65,7 @@ def processes(cfg, environ: Mapping[str, str] = os.environ) -> Processes:
     if _int(environ, "SLURM_NTASKS", 1) > 1 and "SLURM_JOB_ID" in environ:
         # A job step of several tasks (srun): JAX finds the coordinator and the ids from the
         # same variables; the count and index are read here only to share emulated devices.
-        return Processes(_int(environ, "SLURM_NTASKS"), _int(environ, "SLURM_PROCID", 0), found_in=SLURM)
+        return _placed(Processes(_int(environ, "SLURM_NTASKS"), _int(environ, "SLURM_PROCID", 0), found_in=SLURM))
     return Processes()
 
 
@@ -84,9 +89,20 @@ def _checked(coordinator: str, count: int, index: int, found_in: str) -> Process
     host, _, port = coordinator.rpartition(":")
     if not host or not port.isascii() or not port.isdigit() or not 1 <= int(port) <= 65535:
         raise UserError(f"coordinator {coordinator!r} is not host:port (a port from 1 to 65535)")
-    if count < 1 or not 0 <= index < count:
-        raise UserError(f"process id {index} is not one of {count} processes (0 to {count - 1})")
-    return Processes(count, index, coordinator, found_in)
+    return _placed(Processes(count, index, coordinator, found_in))
+
+
+def _placed(procs: Processes) -> Processes:
+    """`procs`, once its count is at least 1 and its index one of 0 to count - 1; else one
+    line naming the flag or environment variable and its bound."""
+    count_name, index_name = (name.format(value) for name, value in
+                              zip(PLACE_NAMES[procs.found_in], (procs.count, procs.index)))
+    if procs.count < 1:
+        raise UserError(f"{count_name}: the number of processes must be at least 1")
+    if not 0 <= procs.index < procs.count:
+        raise UserError(f"{index_name} is not one of {procs.count} processes ({count_name}): it must be "
+                        f"0 to {procs.count - 1}")
+    return procs
 
 
 def initialize(procs: Processes, heartbeat_timeout: int, join_timeout: int = 300) -> None:

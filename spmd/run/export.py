@@ -26,7 +26,7 @@ from spmd.parallel.skeleton import model_config, skeleton_for
 from spmd.run.bootstrap import start_devices
 from spmd.run.config import TrainConfig
 from spmd.run.resolve import validate
-from spmd.run.weights import Checkpoint, check_source_flags, checkpoint_config, load_params
+from spmd.run.weights import Checkpoint, check_source_flags, checkpoint_config, load_params, source_inputs
 
 # rmtree passes over a temporary a writer may still be filling (10 ms apart: up to ten
 # seconds, for a loaded host); it is gone once two passes in a row find nothing.
@@ -97,20 +97,16 @@ def checked(args):
         if args.step is not None:
             raise UserError("--step applies to --checkpoint")
         cfg, checkpoint = validate(TrainConfig(init_from=args.init_from, adapter=args.adapter, mesh="dp=1")), None
-        config = {"init_from": args.init_from}
     else:
         if args.adapter:
             raise UserError("--adapter applies to --init-from; a LoRA run's checkpoint holds its adapters")
         cfg, checkpoint = checkpoint_config(args.checkpoint, args.step)
-        config = checkpoint.meta.get("config", {})  # --format hf copies the run's tokenizer files from these
     if args.format == "peft" and not cfg.lora_rank:
         raise UserError(f"--format peft: {args.checkpoint} was trained without adapters (no --lora-rank); "
                         "export its model with --format hf")
 
     out = Path(args.out).resolve()
-    claim([Output("--out", args.out, directory=True)], {
-        "--checkpoint": checkpoint and checkpoint.run_dir, "--init-from": args.init_from, "--adapter": args.adapter,
-        "the run's --init-from": config.get("init_from"), "the run's tokenizer": config.get("tokenizer")})
+    claim([Output("--out", args.out, directory=True)], source_inputs(args, checkpoint))
     if out.exists() and any(out.iterdir()):
         raise UserError(f"--out {args.out} is not empty; give a new or empty directory")
     if out.exists():  # the export is written beside it, then renamed over it

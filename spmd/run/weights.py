@@ -18,6 +18,7 @@ import jax
 from models import config_from_dict
 from models.lora import joined
 from spmd.base.errors import UserError
+from spmd.data.tokenizer import tokenizer_inputs
 from spmd.formats.checkpoint import (Checkpoints, check_compatible, finalized_steps, has_bias, keeps_router, locate,
                                      read_meta)
 from spmd.formats.hf import Directory
@@ -80,6 +81,18 @@ def checkpoint_config(path: str, step: int | None = None, flag: str = "--checkpo
                               redundant_experts=0, rebalance_every=None, router_bias_rate=0.0,
                               router_bias_weight=has_bias(meta.get("config", {})))
     return validate(cfg), Checkpoint(run_dir, step, meta)
+
+
+def source_inputs(args, checkpoint: Checkpoint | None) -> dict:
+    """What standing the model up reads, by flag, for spmd.base.paths.claim's inputs (the
+    commands that take spmd.base.cli.add_model_source's flags): --init-from's directory (its
+    tokenizer inside) and --adapter's; or the checkpoint's run, the directory it started
+    from (a LoRA run's base is read from it again) and its tokenizer."""
+    if checkpoint is None:
+        return {"--init-from": args.init_from, "--adapter": args.adapter}
+    config = checkpoint.meta.get("config", {})
+    return {"--checkpoint": checkpoint.run_dir, "the run's --init-from": config.get("init_from"),
+            **tokenizer_inputs(config.get("tokenizer"), "the run's tokenizer")}
 
 
 def run_config(meta: dict):
