@@ -48,6 +48,7 @@ from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+import tiers  # noqa: E402
 
 from spmd.config import TrainConfig, validate  # noqa: E402
 from spmd.data.synthetic import MarkovSource, global_batch  # noqa: E402
@@ -187,9 +188,20 @@ def pytest_unconfigure(config):
         shutil.rmtree(_OWN_CACHE, ignore_errors=True)
 
 
-def pytest_collection_modifyitems(items):
-    """The README's commands first: the longest test (minutes of one-command processes)
-    starts at once beside the rest, instead of running alone at the end."""
+def pytest_addoption(parser):
+    tiers.add_options(parser)
+
+
+def pytest_configure(config):
+    tiers.configure(config)
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` reads the markers it adds
+def pytest_collection_modifyitems(config, items):
+    """The tier asked for (tests/tiers.py), the README's commands first: the longest test
+    (minutes of one-command processes) starts at once beside the rest, instead of running
+    alone at the end."""
+    tiers.select(config, items)
     items.sort(key=lambda item: item.module.__name__ != "test_readme")
 
 

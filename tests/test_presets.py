@@ -45,13 +45,16 @@ def test_the_presets_cover_the_documented_set_ups():
     assert not missing
 
 
-@pytest.fixture(scope="session")  # once per worker, whatever runs between its tests
-def plans() -> dict:
-    cases = [{"module": "spmd.plan", "argv": ["--config", str(p), "--json"], "cwd": str(ROOT)} for p in PRESETS]
+@pytest.fixture(scope="module")
+def plans(request) -> dict:
+    """The plans of this session's presets (the tier's: tests/tiers.py), in one driver."""
+    chosen = [item.callspec.params["preset"] for item in request.session.items
+              if item.module is request.module and item.originalname == "test_preset_plans_cleanly_and_fits"]
+    cases = [{"module": "spmd.plan", "argv": ["--config", str(p), "--json"], "cwd": str(ROOT)} for p in chosen]
     done = subprocess.run([sys.executable, str(DRIVER)], input=json.dumps(cases), capture_output=True, text=True,
                           timeout=1200)
     assert done.returncode == 0, done.stderr[-2000:]
-    return dict(zip(PRESETS, json.loads(done.stdout)))
+    return dict(zip(chosen, json.loads(done.stdout)))
 
 
 @pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.stem)

@@ -105,28 +105,26 @@ def stand_ins(work: Path) -> None:
 
 # Commands that read what an earlier one made: kept in one driver, in the README's order.
 CHAINED = re.compile(r"runs/|tokens\.npy|packed\.npy|exported|Llama-3\.2-1B-ft")
+COMMANDS = readme_commands()
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    """Every command, run by two drivers at once (one fork per command): the chained
-    commands and half of the others in one, the rest in the other."""
+def results(request, tmp_path_factory):
+    """The commands of this session's tests (the tier's: tests/tiers.py), with every chained
+    command before a chosen one, run in order by one driver (one fork per command): the
+    other worker of the run keeps the machine's other core busy."""
     work = tmp_path_factory.mktemp("readme")
     stand_ins(work)
-    commands = readme_commands()
-    loose = [c for c in commands if not CHAINED.search(c)]
-    parts = [[c for c in commands if CHAINED.search(c)] + loose[::2], loose[1::2]]
-    logs = tmp_path_factory.mktemp("drivers")
-    drivers = []
-    for i, part in enumerate(parts):
-        (logs / f"{i}.in").write_text(json.dumps([_case(command, work) for command in part]))
-        with open(logs / f"{i}.in") as given, open(logs / f"{i}.out", "w") as out, open(logs / f"{i}.err", "w") as err:
-            drivers.append(subprocess.Popen([sys.executable, str(DRIVER)], stdin=given, stdout=out, stderr=err))
-    found = {}
-    for i, (driver, part) in enumerate(zip(drivers, parts)):
-        assert driver.wait(timeout=1200) == 0, (logs / f"{i}.err").read_text()[-3000:]
-        found |= dict(zip(part, json.loads((logs / f"{i}.out").read_text())))
-    return found
+    chosen = {item.callspec.params["command"] for item in request.session.items
+              if item.module is request.module and item.originalname == "test_readme_command_runs_as_written"}
+    last_chained = max((i for i, c in enumerate(COMMANDS) if c in chosen and CHAINED.search(c)), default=-1)
+    commands = [c for i, c in enumerate(COMMANDS) if c in chosen or (i < last_chained and CHAINED.search(c))]
+    cases = tmp_path_factory.mktemp("driver") / "cases.json"
+    cases.write_text(json.dumps([_case(command, work) for command in commands]))
+    with open(cases) as given:
+        done = subprocess.run([sys.executable, str(DRIVER)], stdin=given, capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return dict(zip(commands, json.loads(done.stdout)))
 
 
 def _case(command: str, work: Path) -> dict:
@@ -151,14 +149,12 @@ def test_the_readme_shows_every_command():
     assert len(commands) >= COMMANDS_BEFORE_THE_SPLIT, len(commands)
 
 
-def test_every_readme_command_runs_as_written(results):
-    failed = []
-    for command, result in results.items():
-        refusal = next((why for fragment, why in REFUSED_HERE.items() if fragment in command), None)
-        if refusal:
-            ok = result["code"] == 2 and result["stderr"].strip().startswith("error: ") and refusal in result["stderr"]
-        else:
-            ok = result["code"] == 0
-        if not ok:
-            failed.append(f"{command}\n  exit {result['code']}: {result['stderr'].strip()[-600:]}")
-    assert not failed, "\n".join(failed)
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: c.removeprefix("python -m "))
+def test_readme_command_runs_as_written(results, command):
+    result = results[command]
+    refusal = next((why for fragment, why in REFUSED_HERE.items() if fragment in command), None)
+    if refusal:
+        assert result["code"] == 2 and result["stderr"].strip().startswith("error: ") and refusal in result["stderr"], \
+            result["stderr"][-600:]
+    else:
+        assert result["code"] == 0, f"exit {result['code']}: {result['stderr'].strip()[-600:]}"
