@@ -9,12 +9,15 @@ import functools
 import sys
 from collections.abc import Sequence
 
-from spmd.base.cli import LOSS_ON, OVERLONG, OneLineErrorParser, check_bounds, integer, nonempty
+from spmd.base.cli import LOSS_ON, MAX_RECORD_BYTES, OVERLONG, SEQ, OneLineErrorParser, check_bounds, integer, nonempty
 from spmd.base.errors import EXIT_OUTPUT_FAILED, UserError, one_line_errors
 from spmd.base.paths import Output, claim
 from spmd.base.schema import Bounds
 from spmd.base.signals import STOPPED
 from spmd.base.signals import serve as serve_signals
+
+
+ROW_TOKENS = 1 << 20  # tokens of the packed rows made at a time (9 bytes each: 9 MiB)
 
 
 def corpus_parser() -> OneLineErrorParser:
@@ -33,6 +36,9 @@ def corpus_parser() -> OneLineErrorParser:
                         "or all)")
     parser.add_argument("--overlong", choices=OVERLONG, default="truncate",
                         help="fine-tuning records: an example longer than --seq + 1 tokens is truncated or split")
+    parser.add_argument("--max-record-bytes", type=integer, default=MAX_RECORD_BYTES,
+                        help="fine-tuning records: the largest record read, in bytes of its JSONL line and characters "
+                        f"of the text it tokenizes (a chat: its rendering) (default: {MAX_RECORD_BYTES})")
     return parser
 
 
@@ -42,7 +48,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = corpus_parser()
     with one_line_errors():
         args = parser.parse_args(argv)
-        check_bounds(args, {"seq": Bounds(at_least=1)})
+        check_bounds(args, {"seq": SEQ, "max_record_bytes": Bounds(at_least=1)})
         # The library is imported once signals are served, before numpy starts its threads.
         from spmd.data.corpus import data_files, token_stream, write_npy
         from spmd.data.records import fine_tuning_format
@@ -55,7 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise UserError("--out must name a .npy file")
         if data_files(args.data)[0] == "tokens":
             raise UserError(f"--data {args.data} holds token files already")
-        if fine_tuning_format(args.data):
+        if fine_tuning_format(args.data, args.max_record_bytes):
             array, wrote = _packed(args)
         elif args.seq is not None:
             raise UserError(f"--seq packs fine-tuning records; --data {args.data} holds text (it becomes one token "
@@ -84,8 +90,10 @@ def _packed(args):
     if args.seq is None:
         raise UserError(f"--data {args.data} holds fine-tuning records: give --seq to pack them into rows "
                         f"(and train with the same --seq)")
-    source = record_source(args.data, args.tokenizer, args.seq + 1, batch=1024, loss_on=args.loss_on,
-                           overlong=args.overlong)
+    # Rows are made a batch at a time, of at most ROW_TOKENS tokens (a row at least), whatever --seq.
+    batch = max(1, ROW_TOKENS // (args.seq + 1))
+    source = record_source(args.data, args.tokenizer, args.seq + 1, batch=batch, loss_on=args.loss_on,
+                           overlong=args.overlong, max_record_bytes=args.max_record_bytes)
     try:
         batches, targets = packed_rows(source)
     finally:

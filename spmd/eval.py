@@ -15,14 +15,15 @@ from __future__ import annotations
 import math
 import sys
 
-from spmd.base.cli import (LOSS_ON, OVERLONG, TOKEN_DTYPES, OneLineErrorParser, add_model_source, check_bounds, integer,
-                           nonempty)
+from spmd.base.cli import (LOSS_ON, MAX_RECORD_BYTES, OVERLONG, SEQ, TOKEN_DTYPES, OneLineErrorParser, add_model_source,
+                           check_bounds, integer, nonempty)
 from spmd.base.errors import one_line_errors, quiet_library_threads
 from spmd.base.schema import Bounds
 from spmd.base.signals import STOPPED
 from spmd.base.signals import serve as serve_signals
 
-BOUNDS = {"batch": Bounds(at_least=1), "seq": Bounds(at_least=1), "batches": Bounds(at_least=1)}
+BOUNDS = {"batch": Bounds(at_least=1), "seq": SEQ, "batches": Bounds(at_least=1),
+          "max_record_bytes": Bounds(at_least=1)}
 
 
 def eval_parser() -> OneLineErrorParser:
@@ -38,6 +39,9 @@ def eval_parser() -> OneLineErrorParser:
                         "or all)")
     parser.add_argument("--overlong", choices=OVERLONG, default="truncate",
                         help="fine-tuning records: an example longer than --seq + 1 tokens is truncated or split")
+    parser.add_argument("--max-record-bytes", type=integer, default=MAX_RECORD_BYTES,
+                        help="fine-tuning records: the largest record read, in bytes of its JSONL line and characters "
+                        f"of the text it tokenizes (a chat: its rendering) (default: {MAX_RECORD_BYTES})")
     parser.add_argument("--document-mask", action="store_true",
                         help="text and token data: documents do not see each other")
     parser.add_argument("--batch", type=integer, help="sequences per batch (default: the run's, or 8)")
@@ -57,15 +61,20 @@ def main(argv=None) -> int:
             # The library is imported once signals are served, before numpy starts its threads.
             from spmd.inference.evaluation import evaluate
             from spmd.inference.generation import model_source, on_mesh
+            from spmd.run.bootstrap import start_devices_and_mesh
 
             cfg, checkpoint, tokenizer = model_source(args)
             cfg = on_mesh(cfg, args, data=args.data, tokenizer=args.tokenizer or tokenizer, text_field=args.text_field,
                           token_dtype=args.token_dtype, loss_on=args.loss_on, overlong=args.overlong,
+                          max_record_bytes=args.max_record_bytes,
                           document_mask=args.document_mask, batch=args.batch or (cfg.batch if checkpoint else 8),
                           seq=args.seq or (cfg.seq if checkpoint else 512), eval_every=0, grad_accum=1)
+            cfg, layout_line = start_devices_and_mesh(cfg)
             loss, tokens, batches = evaluate(cfg, checkpoint, args.batches)
     finally:
         restore()
+    if layout_line:
+        print(layout_line)
     print(f"{cfg.data}: loss {loss:.4f} nats/token, perplexity {math.exp(loss):.4f} "
           f"({batches} batches of {cfg.batch} x {cfg.seq}: {tokens:,} target tokens; model {cfg.model_name})")
     return 0

@@ -6,14 +6,15 @@ fine-tuning elsewhere.
     python -m spmd.export --checkpoint runs/lora --format peft --out adapter/
     python -m spmd.export --init-from Llama-3.2-1B --adapter adapter/ --format hf --out merged/
 
-The parameters are read straight into the layout of `--mesh` (default: the mesh that
-wrote them). The default format is one Orbax PyTree, `OUT/params`, beside `OUT/model.json`
-(model name, step, parameter shapes); reading them back needs no optimizer state. `--format
-hf` writes a Hugging Face directory (spmd.formats.hf: config.json, safetensors files with their
-index, and the tokenizer files of the run), gathering one layer of one parameter at a time;
-of a LoRA run, the model with its adapters merged into the weights (PEFT's merge_and_unload),
-which `--init-from BASE --adapter DIR` also makes of a PEFT adapter. `--format peft` writes a
-LoRA run's adapters as a PEFT adapter directory (spmd.formats.peft).
+The parameters are read straight into the layout of `--mesh` (default: the devices found,
+laid out as spmd.generate lays them: spmd.parallel.defaults). The default format is one
+Orbax PyTree, `OUT/params`, beside `OUT/model.json` (model name, step, parameter shapes);
+reading them back needs no optimizer state. `--format hf` writes a Hugging Face directory
+(spmd.formats.hf: config.json, safetensors files with their index, and the tokenizer files
+of the run), gathering one layer of one parameter at a time; of a LoRA run, the model with
+its adapters merged into the weights (PEFT's merge_and_unload), which `--init-from BASE
+--adapter DIR` also makes of a PEFT adapter. `--format peft` writes a LoRA run's adapters as
+a PEFT adapter directory (spmd.formats.peft).
 
 `--out` is checked before anything is read: a new directory, or an empty one, that can
 be written and is not inside the checkpoint's run. The export is written beside it under
@@ -44,7 +45,7 @@ def export_parser() -> OneLineErrorParser:
     parser.add_argument("--step", type=integer, help="which step of a run directory (default: the latest)")
     parser.add_argument("--out", type=nonempty, required=True, help="new or empty directory to write")
     parser.add_argument("--mesh", type=nonempty,
-                        help="mesh to restore onto (default: the one that wrote the checkpoint)")
+                        help="mesh to restore onto (default: the devices found, laid out as spmd.generate lays them)")
     parser.add_argument("--cpu-devices", type=integer, help="emulated CPU devices (default: what the mesh needs)")
     parser.add_argument("--format", choices=FORMATS, default="orbax",
                         help="orbax: an Orbax PyTree of the parameters; hf: a Hugging Face directory (a LoRA run's "

@@ -18,16 +18,18 @@ from __future__ import annotations
 import json
 import sys
 
-from spmd.base.cli import DTYPES, SEED, OneLineErrorParser, add_model_source, check_bounds, finite, integer, nonempty
+from spmd.base.cli import (DTYPES, SEED, SEQ, OneLineErrorParser, add_model_source, check_bounds, finite, integer,
+                           nonempty)
 from spmd.base.errors import EXIT_OUTPUT_FAILED, UserError, one_line_errors, quiet_library_threads
 from spmd.base.paths import Output, claim
 from spmd.base.schema import Bounds
 from spmd.base.signals import STOPPED
 from spmd.base.signals import serve as serve_signals
 
-# The flags' ranges (a seed has training's).
-BOUNDS = {"max_new_tokens": Bounds(at_least=1), "temperature": Bounds(at_least=0), "top_k": Bounds(at_least=0),
-          "top_p": Bounds(above=0, at_most=1), "batch_size": Bounds(at_least=1), "seed": SEED}
+# The flags' ranges (a seed has training's; the new tokens, with the prompt, make a sequence: --seq's).
+BOUNDS = {"max_new_tokens": Bounds(at_least=1, at_most=SEQ.at_most), "temperature": Bounds(at_least=0),
+          "top_k": Bounds(at_least=0), "top_p": Bounds(above=0, at_most=1), "batch_size": Bounds(at_least=1),
+          "seed": SEED}
 
 
 def generate_parser() -> OneLineErrorParser:
@@ -76,6 +78,7 @@ def main(argv=None) -> int:
             from spmd.inference.generation import (Generation, model_source, new_tokens, on_mesh, read_prompts,
                                                    trained_context)
             from spmd.parallel.skeleton import model_config
+            from spmd.run.bootstrap import start_devices_and_mesh
             from spmd.run.weights import source_inputs
 
             prompts = read_prompts(args)
@@ -99,11 +102,14 @@ def main(argv=None) -> int:
             if empty:
                 raise UserError(f"prompt {empty[0]} is empty (no tokens)")
             args.max_new_tokens = new_tokens(encoded, trained_context(cfg, checkpoint), args.max_new_tokens)
+            cfg, layout_line = start_devices_and_mesh(cfg, for_training=False)
             run = Generation(cfg, checkpoint, args, encoded)
         results = run.complete(encoded, tokenizer, prompts)
     finally:
         restore()
     say = sys.stderr if output and output.to_stdout else sys.stdout  # --output /dev/stdout: stdout is the records'
+    if layout_line:
+        print(layout_line, file=say)
     for i, (prompt, r) in enumerate(zip(prompts, results)):
         print(f"--- {i + 1}: {len(r['prompt_tokens'])} + {len(r['completion_tokens'])} tokens\n"
               f"{prompt}{r['completion']}", file=say)

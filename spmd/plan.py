@@ -28,7 +28,8 @@ def plan_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--auto", action="store_true",
                         help="search dp/fsdp/tp meshes, ZeRO stage and remat for the fastest layouts that fit")
     parser.add_argument("--devices", type=integer, default=None,
-                        help="device count for --auto (default: the product of --mesh)")
+                        help="device count for --auto, or for the default layout without --mesh (default: the product "
+                        "of --mesh, or 8 without one: spmd.train's default run)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -42,12 +43,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                                         description="Show per-device memory, collectives and a step-time "
                                                     "estimate of a layout, before launch (trains nothing).")
         from spmd.parallel.layout import make_layout
-        from spmd.parallel.mesh import MAX_EMULATED_DEVICES, accelerator_plugin_installed, check_dcn
+        from spmd.parallel.mesh import (DEFAULT_CPU_DEVICES, MAX_EMULATED_DEVICES, accelerator_plugin_installed,
+                                        check_dcn)
         from spmd.planner import report
         from spmd.planner.plan import auto, default_hardware, make_plan, plan_devices
+        from spmd.run.bootstrap import with_mesh
+        from spmd.run.config import check_empty_layers
 
         spec = cfg.mesh_spec
-        count = spec.devices if extras.devices is None else extras.devices
+        count = extras.devices if extras.devices is not None else spec.devices if cfg.mesh else DEFAULT_CPU_DEVICES
         if count < 1:
             raise UserError(f"--devices must be positive, got {count}")
         if count > MAX_EMULATED_DEVICES and not accelerator_plugin_installed():
@@ -57,10 +61,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise UserError("a mesh axis of -1 needs --devices N to plan for")
         devices, planned_on = plan_devices(count)
         hardware = default_hardware(cfg, devices)
+        layout_line = None
+        if not extras.auto:  # (no --mesh: spmd.train's default layout of the devices planned for)
+            cfg, layout_line = with_mesh(cfg, devices=count)
         if cfg.dcn:  # the emulated devices are one process: plan the mesh; which devices span DCN changes no bytes
-            check_dcn(spec.resolve(count), spec.dcn)
+            if cfg.mesh is not None:  # (--auto searches the meshes)
+                check_dcn(cfg.mesh_spec.resolve(count), cfg.mesh_spec.dcn)
             cfg = dataclasses.replace(cfg, dcn=None)
         if extras.auto:
+            check_empty_layers(cfg, pp=1)  # (it searches meshes without stages)
             if hardware is None:
                 raise UserError("--auto needs --hardware (one of the entries in spmd/base/hardware.toml)")
             plans, searched = auto(cfg, devices, hardware, planned_on)
@@ -68,11 +77,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                   else "\n".join([*report.auto_table(plans), searched]))
             return 0
 
-        plan = make_plan(cfg, make_layout(cfg, devices), hardware=hardware, planned_on=planned_on)
+        layout = make_layout(cfg, devices)
+        check_empty_layers(cfg, layout.shape["pp"])
+        plan = make_plan(cfg, layout, hardware=hardware, planned_on=planned_on)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
-    print(json.dumps(plan.as_json(), indent=2) if extras.json else "\n".join(report.plan_table(plan)))
+    print(json.dumps(plan.as_json(), indent=2) if extras.json
+          else "\n".join(([layout_line] if layout_line else []) + report.plan_table(plan)))
     return 0
 
 

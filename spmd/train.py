@@ -42,7 +42,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         import jax
 
         from spmd.parallel.layout import make_layout
-        from spmd.run.bootstrap import start_devices
+        from spmd.run.bootstrap import start_devices, with_mesh
         from spmd.run.distributed import initialize, processes
 
         procs = processes(cfg)
@@ -50,8 +50,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     with one_line_errors(hold_stderr=False):  # a native abort while joining must still show its message
         initialize(procs, cfg.heartbeat_timeout, cfg.join_timeout)
     with one_line_errors():
+        cfg, layout_line = with_mesh(cfg)  # (no --mesh: the default layout of the devices found)
         layout = make_layout(cfg)
-        log = emit if jax.process_index() == 0 else _silent
+        log = _first_saying(layout_line, emit) if jax.process_index() == 0 else _silent
         for line in flag_lines:
             log(line)
         from spmd.run.trainer import prepare  # Orbax and the planner, once the layout holds
@@ -63,6 +64,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Exit at once: Orbax's threads may still hold the failed save, and waiting for them can hang.
         print(f"error: {exc}", file=sys.stderr, flush=True)
         os._exit(EXIT_OUTPUT_FAILED)
+    except UserError as exc:  # the data failed mid-run (a bad record, a data worker that died); the loop has saved
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        os._exit(2)  # as one_line_errors does: the data's worker processes end with this one
     except Exception as exc:
         if jax.process_count() == 1:
             raise
@@ -126,6 +130,18 @@ def _resumed_base(cfg) -> str | None:
 
 def _silent(line: str) -> None:
     """The log of processes other than 0: process 0 speaks for the run."""
+
+
+def _first_saying(first: str | None, log):
+    """`log`, saying `first` (if any) before its first line: the run's first line, yet none
+    on a run refused before it says anything."""
+    pending = [first] if first else []
+
+    def say(line: str) -> None:
+        while pending:
+            log(pending.pop())
+        log(line)
+    return say
 
 
 if __name__ == "__main__":

@@ -75,7 +75,7 @@ def config_from_hf(hf: dict) -> Gemma3Config:
         vocab=v["vocab_size"], embed=v["hidden_size"], layers=v["num_hidden_layers"],
         heads=v["num_attention_heads"], kv_heads=v["num_key_value_heads"], head_dim=v["head_dim"],
         mlp=v["intermediate_size"], rope_theta=theta, norm_eps=float(v["rms_norm_eps"]),
-        tie_embeddings=v["tie_word_embeddings"], window=v["sliding_window"], layer_types=types,
+        tie_embeddings=v["tie_word_embeddings"], window=llama.window_of(v["sliding_window"]), layer_types=types,
         local_rope_theta=local_theta, rope_linear_factor=factor, query_scale=float(v["query_pre_attn_scalar"]))
 
 

@@ -83,6 +83,16 @@ LLAMA3_RULES = (  # the blend between the two divides by their difference
 
 UnsupportedConfig = Invalid  # a config.json this model cannot reproduce; `field` names what
 
+# The widest sliding window kept: positions are int32, so a window this wide already hides
+# no key of any sequence, and a wider one (transformers takes any integer; configs that mean
+# "no window" write 1e15) would overflow them at the first step.
+WIDEST_WINDOW = 2**31 - 1
+
+
+def window_of(sliding_window: int | None) -> int | None:
+    """config.json's `sliding_window` as our window: clamped to WIDEST_WINDOW (None: none)."""
+    return None if sliding_window is None else min(sliding_window, WIDEST_WINDOW)
+
 
 def config_values(hf: dict) -> dict:
     """config.json checked against its schema: {field: value}, defaults filled in."""

@@ -27,7 +27,7 @@ def config_values(hf: dict) -> dict:
 def config_from_hf(hf: dict) -> MistralConfig:
     """Our config of a Mistral config.json; anything it cannot compute exactly is refused."""
     values = config_values(hf)
-    return dataclasses.replace(llama.config_of(values, MistralConfig), window=values["sliding_window"])
+    return dataclasses.replace(llama.config_of(values, MistralConfig), window=llama.window_of(values["sliding_window"]))
 
 
 def config_to_hf(cfg: MistralConfig) -> dict:

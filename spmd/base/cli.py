@@ -16,6 +16,13 @@ TOKEN_DTYPES = ("uint16", "uint32")  # of raw .bin token files
 LOSS_ON = ("completion", "all")  # the tokens of fine-tuning records that the loss is on
 OVERLONG = ("truncate", "split")  # what becomes of a fine-tuning example longer than a row
 SEED = Bounds(at_least=0, at_most=2**32 - 1)  # JAX keeps 32 bits of a seed (2**32 would draw as 0)
+# A row's tokens (--seq): 2**24, beyond every published model's context (10M tokens), and
+# a row's arrays (9 bytes a token, packed) fit any host. Checked before anything is allocated.
+SEQ = Bounds(at_least=1, at_most=2**24)
+# The largest fine-tuning record read (a JSONL line's bytes; a text's or a chat's rendered
+# characters): a record is tokenized whole, in 40 to 250 times its size of memory (250 B a
+# token), so 8 MiB take 0.3 to 2 GiB; 2 million tokens or more, beyond the contexts trained on.
+MAX_RECORD_BYTES = 1 << 23
 
 
 def flag_of(name: str) -> str:
@@ -66,6 +73,7 @@ def add_model_source(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step", type=integer, help="which step of a run directory (default: the latest)")
     parser.add_argument("--init-from", type=nonempty, help="a Hugging Face model directory instead of a checkpoint")
     parser.add_argument("--adapter", type=nonempty, help="with --init-from: a PEFT LoRA adapter directory to apply")
-    parser.add_argument("--mesh", type=nonempty, default="dp=1",
-                        help="mesh axis sizes: tp splits the heads, dp/fsdp/ep the batch (default: one device)")
+    parser.add_argument("--mesh", type=nonempty, default=None,
+                        help="mesh axis sizes: tp splits the heads, dp/fsdp/ep the batch (default: a layout of the "
+                             "devices found, said in the first line)")
     parser.add_argument("--cpu-devices", type=integer, help="emulated CPU devices (default: what the mesh needs)")

@@ -87,6 +87,12 @@ def host_memory_bytes() -> int:
     return min(total, int(limit)) if limit.isdigit() else total
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on: those a scheduler gave the job (SLURM's
+    --cpus-per-task, taskset), else all of the host's (macOS has no affinity)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def device_memory(devices) -> tuple[float, str] | None:
     """What each of `devices` (one process's, of one kind) can hold, and whose memory that
     is: emulated CPU devices share the host's; an accelerator has its allocator's limit,

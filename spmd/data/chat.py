@@ -1,6 +1,17 @@
 """Chat templates, compiled in the environment transformers' `apply_chat_template` uses
 (a sandbox, trim_blocks and lstrip_blocks, loop controls, its helpers), rendering the
-character spans of their `{% generation %}` blocks with the text."""
+character spans of their `{% generation %}` blocks with the text.
+
+A template comes from a model hub, so its work is bounded as well as sandboxed: jinja2's
+sandbox bounds one `range` (100,000 items), but not a loop inside a loop, nor a macro that
+calls itself twice. A rendering may take at most MAX_STEPS steps, counted as it goes: a
+loop's item is a step, an attribute or item read READ_STEPS, a call CALL_STEPS (about their
+times in the sandbox), and a value read or made a step per CHARS_PER_STEP characters (or
+items). Every loop's items are counted (the template's loops are wrapped as it is
+compiled), and no value, nor the text rendered, may exceed the rendering's characters
+(`max_chars`). The count is the same on every host: a record is refused everywhere or
+nowhere.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +23,10 @@ import re
 
 from spmd.base.errors import UserError, first_line, optional_module
 
+MAX_STEPS = 5_000_000  # a rendering's: 1.5 s of empty loops; real templates take a few hundred a message
+READ_STEPS, CALL_STEPS = 10, 30  # the steps of an attribute or item read, of a call (a loop's item: 0.3 µs)
+CHARS_PER_STEP = 1000  # characters (or items) of a value read or made that count as one step
+MAX_CHARS = 1 << 24  # characters a rendering may make when no record's bound is given (a --chat prompt's)
 _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _REASONING = ("reasoning_content", "thinking", "reasoning")  # one message field under the names templates read
 
@@ -24,28 +39,33 @@ class ChatTemplate:
     def __init__(self, source: str, where: str):
         jinja2 = optional_module("jinja2", "a chat template")
         self.where, self.has_generation = where, bool(_GENERATION.search(source))
+        env = _environment()
         try:
-            self._template = _environment().from_string(source)
+            self._template = env.from_string(_counting_loops(env.parse(source)))
         except jinja2.TemplateError as exc:
             raise UserError(f"{where}: the chat template does not compile ({first_line(exc)})") from None
 
-    def render(self, messages: list, variables: dict, where: str, tools=None,
-               add_generation_prompt: bool = False) -> tuple[str, list[tuple[int, int]]]:
-        """The rendered text and its generation blocks' spans (`where`: the record, for errors)."""
+    def render(self, messages: list, variables: dict, where: str, tools=None, add_generation_prompt: bool = False,
+               max_chars: int | None = None) -> tuple[str, list[tuple[int, int]]]:
+        """The rendered text and its generation blocks' spans (`where`: the record, for errors;
+        `max_chars`: the most characters it may make, --max-record-bytes; None: MAX_CHARS)."""
         messages = [_aliased({k: v for k, v in m.items() if v is not None}) for m in messages]
-        written, spans = [0], []
+        rendering = _Rendering(MAX_CHARS if max_chars is None else max_chars,
+                               "" if max_chars is None else " (--max-record-bytes)")
         pieces = []
-        token = _TRACKING.set((written, spans))
+        token = _RENDERING.set(rendering)
         try:
             for piece in self._template.generate(**variables, messages=messages, tools=tools, documents=None,
                                                  add_generation_prompt=add_generation_prompt):
                 pieces.append(piece)
-                written[0] += len(piece)
+                rendering.wrote(piece)
+        except _OverBound as exc:
+            raise UserError(f"{where}: the chat template ({self.where}) {exc}") from None
         except Exception as exc:  # the template's own raise_exception, an undefined call, a type error
             raise UserError(f"{where}: the chat template ({self.where}) fails: {first_line(exc)}") from None
         finally:
-            _TRACKING.reset(token)
-        return "".join(pieces), spans
+            _RENDERING.reset(token)
+        return "".join(pieces), rendering.spans
 
 
 def _aliased(message: dict) -> dict:
@@ -54,8 +74,87 @@ def _aliased(message: dict) -> dict:
     return message if reasoning is None else {"thinking": reasoning, **message, "reasoning_content": reasoning}
 
 
-# The generation blocks' spans of the rendering under way: (characters written so far, spans).
-_TRACKING: contextvars.ContextVar = contextvars.ContextVar("generation_spans", default=None)
+class _OverBound(Exception):
+    """A rendering that went past its bounds; the message says which, for `render`'s line."""
+
+
+class _Rendering:
+    """A rendering under way: the characters written so far, its generation blocks' spans,
+    and the steps and characters it may still take."""
+
+    def __init__(self, max_chars: int, flag: str):
+        self.written, self.spans = 0, []
+        self.steps_left, self.max_chars, self.flag = MAX_STEPS, max_chars, flag
+
+    def step(self, count: int = 1) -> None:
+        self.steps_left -= count
+        if self.steps_left < 0:
+            raise _OverBound(f"takes more than {MAX_STEPS:,} steps (loop items, reads, calls) in one rendering; "
+                             f"a template's work is bounded")
+
+    def holds(self, size: int) -> None:
+        """A value or text of `size` characters (or items) may be made."""
+        if size > self.max_chars:
+            raise _OverBound(f"reaches a value of {size:,} characters (or items), more than the "
+                             f"{self.max_chars:,} a rendering may hold{self.flag}")
+
+    def wrote(self, piece: str) -> None:
+        self.written += len(piece)
+        if self.written > self.max_chars:
+            raise _OverBound(f"renders more than {self.max_chars:,} characters{self.flag}")
+
+
+# The rendering under way (None at compile time, when nothing is counted).
+_RENDERING: contextvars.ContextVar[_Rendering | None] = contextvars.ContextVar("chat_rendering", default=None)
+
+
+def _step(count: int = 1) -> None:
+    if (rendering := _RENDERING.get()) is not None:
+        rendering.step(count)
+
+
+def _charged(value, steps: int = 0):
+    """`value`, read or made by the template in `steps`, counted with its size (a string, list or mapping's)."""
+    if (rendering := _RENDERING.get()) is not None:
+        if isinstance(value, (str, list, tuple, dict)) and len(value) >= CHARS_PER_STEP:
+            rendering.holds(len(value))
+            steps += len(value) // CHARS_PER_STEP
+        rendering.step(steps)
+    return value
+
+
+def _counted(items):
+    """A loop's items, each a step."""
+    for item in items:
+        _step()
+        yield item
+
+
+def _counting_loops(ast):
+    """The template's loops, each iterating over `environment.counted(items)`."""
+    # jinja2 is an optional dependency (spmd[data]), imported with the environment.
+    import jinja2.nodes
+
+    for loop in list(ast.find_all(jinja2.nodes.For)):
+        loop.iter = jinja2.nodes.Call(jinja2.nodes.EnvironmentAttribute("counted"), [loop.iter], [], None, None)
+    return ast
+
+
+MAX_POWER_BITS = 1 << 16  # of an integer power: templates count; they do not compute
+
+
+def _bounded_binop(operator: str, left, right) -> None:
+    """A repetition or a power whose result would exceed the rendering's bounds is refused
+    before it is made (`'x' * 10**9`, `2 ** 2 ** 40`: one operation, any time or memory).
+    (The sandbox folds no constant of these operators when it compiles: they are always
+    computed while rendering.)"""
+    if operator == "*":
+        for seq, times in ((left, right), (right, left)):
+            if isinstance(seq, (str, list, tuple)) and isinstance(times, int) and (rendering := _RENDERING.get()):
+                rendering.holds(len(seq) * times)
+    elif isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and \
+            right * abs(left).bit_length() > MAX_POWER_BITS:
+        raise _OverBound(f"computes a power of more than {MAX_POWER_BITS:,} bits ({left} ** {right})")
 
 
 @functools.cache
@@ -66,6 +165,7 @@ def _environment():
     import jinja2
     import jinja2.ext
     import jinja2.nodes
+    import jinja2.runtime
     import jinja2.sandbox
     import jinja2.utils
 
@@ -79,9 +179,9 @@ def _environment():
 
         def _span(self, caller):
             text = caller()
-            if (tracking := _TRACKING.get()) is not None:
-                start = tracking[0][0]  # the block is yielded after this call: its start is what was written
-                tracking[1].append((start, start + len(text)))
+            if (rendering := _RENDERING.get()) is not None:
+                start = rendering.written  # the block is yielded after this call: its start is what was written
+                rendering.spans.append((start, start + len(text)))
             return text
 
     class Namespace(jinja2.utils.Namespace):
@@ -113,8 +213,32 @@ def _environment():
     def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                       extensions=[Generation, jinja2.ext.loopcontrols])
+    class Bounded(jinja2.sandbox.ImmutableSandboxedEnvironment):
+        """The sandbox, counting a rendering's steps (spmd.data.chat's docstring)."""
+
+        intercepted_binops = frozenset({"*", "**"})
+
+        @staticmethod
+        def counted(items):
+            return _counted(items)
+
+        def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - the sandbox's names, free for kwargs
+            _step(CALL_STEPS)  # before the call: a macro that calls itself is counted on its way down
+            if isinstance(__obj, jinja2.runtime.LoopContext) and args:  # a recursive loop's next level
+                args = (_counted(args[0]), *args[1:])
+            return _charged(super().call(__context, __obj, *args, **kwargs))
+
+        def getattr(self, obj, attribute):
+            return _charged(super().getattr(obj, attribute), READ_STEPS)
+
+        def getitem(self, obj, argument):
+            return _charged(super().getitem(obj, argument), READ_STEPS)
+
+        def call_binop(self, context, operator, left, right):
+            _bounded_binop(operator, left, right)
+            return _charged(super().call_binop(context, operator, left, right))
+
+    env = Bounded(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols])
     env.filters["tojson"] = tojson
     env.globals.update(raise_exception=raise_exception, dict=Dict(), namespace=Namespace,
                        strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt))

@@ -17,8 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
+from spmd.base.cli import MAX_RECORD_BYTES
 from spmd.base.errors import UserError, first_line, optional_module
-from spmd.data.records import Example, examples_of, file_records, record_files, record_format
+from spmd.data.records import Example, check_record_size, examples_of, file_records, record_files, record_format
 
 CHUNK = 1 << 24  # bytes read at a time while looking for line ends
 _BLANK_START = np.frombuffer(b" \t\r", np.uint8)  # a line starting so may hold nothing but blanks
@@ -26,16 +27,17 @@ _BLANK_START = np.frombuffer(b" \t\r", np.uint8)  # a line starting so may hold 
 
 class RecordIndex:
     """The records under `path`, numbered from 0 across its files in order; `formats[f]`
-    is file f's format and where its first record is (one file holds one format)."""
+    is file f's format and where its first record is (one file holds one format). A JSONL
+    line longer than `max_record_bytes` is refused before it is read."""
 
-    def __init__(self, path: str):
-        self.path = path
+    def __init__(self, path: str, max_record_bytes: int = MAX_RECORD_BYTES):
+        self.path, self.max_record_bytes = path, max_record_bytes
         self.kind, self.files = record_files(path)
         if self.kind == "text":
             raise UserError(f"--data {path}: text files are documents, not fine-tuning records")
         self._parts = [self._index(file) for file in self.files]
         self.starts = np.cumsum([0] + [_count(p) for p in self._parts]).astype(np.int64)
-        self.formats = [_first_format(self.kind, file) for file in self.files]
+        self.formats = [_first_format(self.kind, file, max_record_bytes) for file in self.files]
         self._tables: dict[int, object] = {}
 
     def __len__(self) -> int:
@@ -69,13 +71,15 @@ class RecordIndex:
                     out.append((f"--data {file}, row {local}", self._row(f, local), self.formats[f]))
                     continue
                 starts, ends, lines = self._parts[f]
+                where = f"--data {file}, line {int(lines[local])}"
+                check_record_size(int(ends[local] - starts[local]), self.max_record_bytes, where)
                 try:
                     if f not in handles:
                         handles[f] = stack.enter_context(open(file, "rb")).fileno()
                     raw = os.pread(handles[f], int(ends[local] - starts[local]), int(starts[local]))
                 except OSError as exc:
                     raise UserError(f"--data {file} cannot be read: {exc.strerror or exc}") from None
-                out.append((f"--data {file}, line {int(lines[local])}", raw, self.formats[f]))
+                out.append((where, raw, self.formats[f]))
         return out
 
     def _row(self, f: int, row: int) -> dict:
@@ -92,10 +96,11 @@ class RecordIndex:
         return table[row]
 
 
-def read_examples(path: str, tokenizer, loss_on: str = "completion") -> list[Example]:
+def read_examples(path: str, tokenizer, loss_on: str = "completion",
+                  max_record_bytes: int = MAX_RECORD_BYTES) -> list[Example]:
     """Every record under `path` as an example, in order, in this process."""
-    index = RecordIndex(path)
-    return examples_of(index.read(range(len(index))), tokenizer, loss_on)
+    index = RecordIndex(path, max_record_bytes)
+    return examples_of(index.read(range(len(index))), tokenizer, loss_on, max_record_bytes)
 
 
 def _count(part) -> int:
@@ -132,8 +137,8 @@ def _first_bytes(file: Path, starts: np.ndarray, ends: np.ndarray, size: int) ->
     return np.where(ends > starts, mapped[np.minimum(starts, size - 1)], 10)
 
 
-def _first_format(kind: str, file: Path) -> tuple[str, str] | None:
-    for where, record in file_records(kind, file):
+def _first_format(kind: str, file: Path, max_record_bytes: int) -> tuple[str, str] | None:
+    for where, record in file_records(kind, file, max_record_bytes):
         return record_format(record, where), where
     return None  # no records: none is read
 

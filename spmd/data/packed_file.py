@@ -46,6 +46,47 @@ def read_packed(path: str) -> np.ndarray | None:
     return rows
 
 
+CHUNK_TOKENS = 1 << 22  # of the rows checked at a time: the file is memory-mapped, maybe larger than memory
+
+
+def check_rows(rows: np.ndarray, vocab: int | None, name: str) -> np.ndarray:
+    """Each row's count of target tokens, once every row is checked to be one that
+    spmd.data.packing makes; anything else would train on what no example holds, or
+    silently on nothing. Refused naming the first row that is not."""
+    counts, chunk_rows = np.zeros(len(rows), np.int64), max(1, CHUNK_TOKENS // rows.shape[1])
+    for start in range(0, len(rows), chunk_rows):
+        chunk = rows[start:start + chunk_rows]
+        for what, bad in _problems(chunk, vocab):
+            if bad.any():
+                raise UserError(f"--data {name}: row {start + int(np.flatnonzero(bad)[0]):,} {what}; pre-packed rows "
+                                f"are python -m spmd.corpus --seq's")
+        counts[start:start + len(chunk)] = chunk["loss_mask"].sum(axis=1)
+    return counts
+
+
+def _problems(chunk: np.ndarray, vocab: int | None) -> list[tuple[str, np.ndarray]]:
+    """(what is wrong, the rows where it is) of a chunk of rows: a row's token ids are in
+    [0, vocab); its segments are 1, 1, 2, 2, 2, 3, ... from its start, then padding (segment
+    0, token 0, no target); no segment's first token is a target (nothing before it in the
+    segment predicts it)."""
+    tokens, segments, loss = chunk["tokens"], chunk["segments"], chunk["loss_mask"]
+    before, after = segments[:, :-1], segments[:, 1:]
+    follows = (after == before) | ((before > 0) & ((after == before + 1) | (after == 0)))
+    first = np.zeros(segments.shape, bool)  # a segment's first token
+    first[:, 0], first[:, 1:] = True, after != before
+    problems = [("holds a negative token id", (tokens < 0).any(axis=1))]
+    if vocab is not None:
+        problems.append((f"holds a token id outside the model's vocabulary of {vocab:,} (packed with another "
+                         f"tokenizer?)", (tokens >= vocab).any(axis=1)))
+    return problems + [
+        ("does not start with segment 1", segments[:, 0] != 1),
+        ("numbers its segments out of order (1, 1, 2, 2, 2, 3, ..., then padding, 0)", ~follows.all(axis=1)),
+        ("holds a token or a target on padding (segment 0)", ((segments == 0) & ((tokens != 0) | loss)).any(axis=1)),
+        ("has a target on a segment's first token, which nothing in its segment predicts",
+         (loss & first & (segments > 0)).any(axis=1)),
+    ]
+
+
 class PackedFileSource:
     """The rows of a pre-packed file, served by (step, row)."""
 
@@ -60,11 +101,12 @@ class PackedFileSource:
         self.stored, self.length, self.batch, self.seed, self.name = rows, length, batch, seed, name
         self.train_samples, self.eval_samples = held_out_split(len(rows), eval_fraction,
                                                                f"--data {name}: {len(rows):,} row(s)")
-        if vocab is not None and len(rows):
-            top = max(int(rows[i:i + 4096]["tokens"].max()) for i in range(0, len(rows), 4096))
-            if top >= vocab:
-                raise UserError(f"--data {name}: token id {top:,} is outside the model's vocabulary of {vocab:,} "
-                                f"(packed with another tokenizer?)")
+        targets = check_rows(rows, vocab, name)
+        if not targets[:self.train_samples].any():
+            raise UserError(f"--data {name}: no target tokens (loss_mask) in its {self.train_samples:,} training "
+                            f"row(s)")
+        if self.eval_samples and not targets[self.train_samples:].any():
+            raise UserError(f"--data {name}: no target tokens in the held-out examples (--eval-fraction)")
         self.rows_read = 0
 
     def describe(self, seq: int) -> str:

@@ -21,7 +21,9 @@ A record's keys say what it is (the first that fits, TRL's formats):
 Tokenizer directories and chat templates: spmd.data.chat.
 
 Records are read and tokenized one at a time, each with where it came from (`--data FILE,
-line N` or `row N`), so that any mistake names its record.
+line N` or `row N`), so that any mistake names its record. A record is bounded before it
+is read or tokenized (`max_record_bytes`, --max-record-bytes): a JSONL line's bytes, the
+characters of the text it tokenizes (a chat's rendering: spmd.data.chat).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from spmd.base.cli import LOSS_ON
+from spmd.base.cli import LOSS_ON, MAX_RECORD_BYTES
 from spmd.base.errors import UserError, first_line, optional_module
 from spmd.base.paths import read_text
 from spmd.base.schema import Invalid, loads, read_json
@@ -77,16 +79,16 @@ def _is_datasets_folder(root: Path) -> bool:
     return root.is_dir() and (root / "state.json").is_file() and (root / "dataset_info.json").is_file()
 
 
-def file_records(kind: str, file: Path) -> Iterator[tuple[str, dict]]:
+def file_records(kind: str, file: Path, max_record_bytes: int = MAX_RECORD_BYTES) -> Iterator[tuple[str, dict]]:
     """(where, record) for each record of one file; `where` names it for messages."""
     if kind == "text":
         yield f"--data {file}", {"text": read_text(file)}
     elif kind == "jsonl":
-        for number, line in enumerate(_lines(file), 1):
+        for number, line in enumerate(_lines(file, max_record_bytes), 1):
             if not line.strip():
                 continue
             where = f"--data {file}, line {number}"
-            yield where, jsonl_record(line.encode(), where)
+            yield where, jsonl_record(line, where)
     elif kind == "parquet":
         optional_module("pyarrow", "Parquet files")
         # An optional dependency (spmd[data]): imported when a Parquet file is read.
@@ -126,15 +128,37 @@ def jsonl_record(line: bytes, where: str) -> dict:
     return record
 
 
-def _lines(file: Path) -> Iterator[str]:
-    """A UTF-8 text file's lines, read as they are needed (a first record without the rest)."""
+def _lines(file: Path, max_record_bytes: int) -> Iterator[bytes]:
+    """A file's lines, read as they are needed (a first record without the rest), none
+    read beyond `max_record_bytes` (a line of gigabytes is refused, not held in memory)."""
     try:
-        with open(file, encoding="utf-8") as f:
-            yield from (line.rstrip("\n") for line in f)
-    except UnicodeDecodeError:  # its position is in the piece being decoded, not the file
-        raise UserError(f"--data {file}: not UTF-8 text") from None
+        with open(file, "rb") as f:
+            for number, line in enumerate(iter(lambda: f.readline(max_record_bytes + 1), b""), 1):
+                line = line.removesuffix(b"\n")
+                if len(line) > max_record_bytes:
+                    check_record_size(len(line) + _rest_of_line(f), max_record_bytes, f"--data {file}, line {number}")
+                yield line
     except OSError as exc:
         raise UserError(f"--data {file} cannot be read: {exc.strerror or exc}") from None
+
+
+def _rest_of_line(f) -> int:
+    """The bytes left of the line a binary file is in, read and not kept."""
+    size = 0
+    while piece := f.readline(1 << 20):
+        if piece.endswith(b"\n"):
+            return size + len(piece) - 1
+        size += len(piece)
+    return size
+
+
+def check_record_size(size: int, max_record_bytes: int, where: str, unit: str = "bytes") -> None:
+    """A record (a line's bytes, a text's characters) within --max-record-bytes, before it
+    is read or tokenized."""
+    if size > max_record_bytes:
+        raise UserError(f"{where}: {size:,} {unit}, more than --max-record-bytes {max_record_bytes:,} (a record is "
+                        f"tokenized whole, in tens to hundreds of times its size of memory); give a larger bound to "
+                        f"read it")
 
 
 def record_format(record: dict, where: str) -> str:
@@ -151,49 +175,58 @@ def record_format(record: dict, where: str) -> str:
                     f"this one has {', '.join(sorted(given)) or 'none'})")
 
 
-def fine_tuning_format(path: str) -> str | None:
+def fine_tuning_format(path: str, max_record_bytes: int = MAX_RECORD_BYTES) -> str | None:
     """'messages' or 'prompt/completion' when `path` holds fine-tuning records (its first
     record says), else None: text (any field, --text-field) and token files are read as a
     token stream (spmd.data.corpus). Reads one record."""
     kind, files = data_files(path) if not _is_datasets_folder(Path(path)) else ("datasets", [Path(path)])
     if kind not in ("jsonl", "parquet", "datasets"):
         return None
-    for where, record in file_records(kind, files[0]):
+    for where, record in file_records(kind, files[0], max_record_bytes):
         given = {k for k, v in record.items() if v is not None}
         return "messages" if "messages" in given else "prompt/completion" if {"prompt", "completion"} <= given else None
     return None
 
 
-def examples_of(items: Iterable[tuple[str, object, tuple[str, str]]], tokenizer,
-                loss_on: str = "completion") -> list[Example]:
+def examples_of(items: Iterable[tuple[str, object, tuple[str, str]]], tokenizer, loss_on: str = "completion",
+                max_record_bytes: int = MAX_RECORD_BYTES) -> list[Example]:
     """The examples of records read by spmd.data.index.RecordIndex.read: (where, record or
     JSONL line, (format, where) of its file's first record)."""
     examples = []
     for where, record, (expected, first) in items:
-        record = jsonl_record(record, where) if isinstance(record, bytes) else record
-        found = record_format(record, where)
-        if found != expected:
-            raise UserError(f"{where}: a {found} record in a file of {expected} records ({first}); "
-                            f"one file holds one format")
-        examples.append(example(record, where, tokenizer, loss_on))
+        try:
+            record = jsonl_record(record, where) if isinstance(record, bytes) else record
+            found = record_format(record, where)
+            if found != expected:
+                raise UserError(f"{where}: a {found} record in a file of {expected} records ({first}); "
+                                f"one file holds one format")
+            examples.append(example(record, where, tokenizer, loss_on, max_record_bytes))
+        except MemoryError:  # the host's memory, or this process's limit: one line, not a traceback
+            raise UserError(f"{where}: out of memory while tokenizing it; a smaller --max-record-bytes refuses such "
+                            f"records before they are tokenized") from None
     return examples
 
 
-def example(record: dict, where: str, tokenizer, loss_on: str = "completion") -> Example:
+def example(record: dict, where: str, tokenizer, loss_on: str = "completion",
+            max_record_bytes: int = MAX_RECORD_BYTES) -> Example:
     """One record's tokens and loss mask (`tokenizer`: a TokenizerDirectory, or any of
-    spmd.data.corpus's tokenizers for text and prompt/completion strings)."""
+    spmd.data.corpus's tokenizers for text and prompt/completion strings); a text of more
+    than `max_record_bytes` characters is refused before it is tokenized."""
     if loss_on not in LOSS_ON:
         raise UserError(f"--loss-on {loss_on}: choose {' or '.join(LOSS_ON)}")
     found = record_format(record, where)
     if found == "text":
-        ids, loss = _text(checked_text(record["text"], where, "text"), tokenizer, where)
+        text = checked_text(record["text"], where, "text")
+        check_record_size(len(text), max_record_bytes, where, "characters of text")
+        ids, loss = _text(text, tokenizer, where)
     elif found == "prompt/completion" and not isinstance(record["prompt"], list):
         prompt = checked_text(record["prompt"], where, "prompt")
         completion = checked_text(record["completion"], where, "completion")
+        check_record_size(len(prompt) + len(completion), max_record_bytes, where, "characters of prompt and completion")
         ids, start = _prompt_completion(prompt, completion, tokenizer, where)
         loss = np.arange(ids.size) >= start
     else:
-        ids, loss = _chat(record, where, tokenizer, conversational_prompt=found == "prompt/completion")
+        ids, loss = _chat(record, where, tokenizer, found == "prompt/completion", max_record_bytes)
     return Example(ids.astype(np.int32), np.ones(ids.size, bool) if loss_on == "all" else loss)
 
 
@@ -275,7 +308,8 @@ def chat_prompt(text: str, tokenizer) -> np.ndarray:
     return tokenizer.tokens(rendered, special=False)[0]
 
 
-def _chat(record: dict, where: str, tokenizer, conversational_prompt: bool) -> tuple[np.ndarray, np.ndarray]:
+def _chat(record: dict, where: str, tokenizer, conversational_prompt: bool,
+          max_record_bytes: int) -> tuple[np.ndarray, np.ndarray]:
     template = _template_of(tokenizer, where)
     tools = record.get("tools")
     if isinstance(tools, str):  # TRL's datasets keep tools as a JSON string
@@ -285,7 +319,8 @@ def _chat(record: dict, where: str, tokenizer, conversational_prompt: bool) -> t
             raise UserError(f"{where}: tools: {exc}") from None
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
         raise UserError(f"{where}: tools is {json_kind(tools)}, not a list of objects")
-    render = functools.partial(template.render, variables=tokenizer.special_tokens, where=where, tools=tools)
+    render = functools.partial(template.render, variables=tokenizer.special_tokens, where=where, tools=tools,
+                               max_chars=max_record_bytes)
     if conversational_prompt:  # TRL: the loss starts after the prompt rendered with its generation prompt
         prompt = _messages(record["prompt"], "prompt", where)
         messages = prompt + _messages(record["completion"], "completion", where)

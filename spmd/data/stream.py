@@ -25,12 +25,13 @@ import threading
 
 import numpy as np
 
+from spmd.base.cli import MAX_RECORD_BYTES
 from spmd.base.errors import UserError
 from spmd.data.corpus import epoch_order, held_out_split
 from spmd.data.index import RecordIndex
 from spmd.data.packing import Packing, pack
 from spmd.data.tokenizer import check_vocab, load_tokenizer_directory
-from spmd.data.workers import Tokenizing, default_workers
+from spmd.data.workers import Failed, Tokenizing, default_workers
 
 WINDOW = 2048  # examples packed together: best fit within them fills rows as tightly as over all
 AHEAD = 2  # windows tokenized ahead of the one being read (by the worker processes)
@@ -137,7 +138,11 @@ class RecordSource:
     def _submit(self, numbers: np.ndarray, later: bool = False):
         if later and not self.tokenizing.workers:  # in this process: only when needed
             return None
-        return self.tokenizing.submit(self.index.read(numbers))
+        try:
+            items = self.index.read(numbers)
+        except UserError as exc:  # a record over its bound stops the run when training reaches it, as a bad one does
+            return Failed(exc)
+        return self.tokenizing.submit(items)
 
     def _pack_training(self, n: int, examples) -> Packing:
         packing = pack(examples, self.length, self.overlong, self.name, empty=True)
@@ -209,17 +214,18 @@ class RecordSource:
 
 def record_source(data: str, tokenizer: str, length: int, batch: int, seed: int = 0, eval_fraction: float = 0.0,
                   vocab: int | None = None, loss_on: str = "completion", overlong: str = "truncate",
-                  workers: int | None = None) -> RecordSource:
+                  workers: int | None = None, max_record_bytes: int = MAX_RECORD_BYTES) -> RecordSource:
     """The fine-tuning records of `data` in rows of `length`, tokenized by `tokenizer` (a
     tokenizer directory) in `workers` processes (default: spmd.data.workers.default_workers
-    when there is more than one window of records, else this process)."""
+    when there is more than one window of records, else this process); a record of more
+    than `max_record_bytes` is refused."""
     directory = load_tokenizer_directory(tokenizer)
     if vocab is not None:
         check_vocab(directory, vocab)
-    index = RecordIndex(data)
+    index = RecordIndex(data, max_record_bytes)
     workers = workers if workers is not None else default_workers() if len(index) > WINDOW else 0
-    return RecordSource(index, Tokenizing(directory, tokenizer, loss_on, workers), length, batch, seed, eval_fraction,
-                        name=data, tokenizer=directory.name, overlong=overlong)
+    return RecordSource(index, Tokenizing(directory, tokenizer, loss_on, workers, max_record_bytes), length, batch,
+                        seed, eval_fraction, name=data, tokenizer=directory.name, overlong=overlong)
 
 
 def packed_rows(source: RecordSource) -> tuple[list[dict[str, np.ndarray]], int]:

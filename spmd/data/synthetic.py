@@ -82,9 +82,10 @@ def make_source(cfg, vocab: int):
     held_out = cfg.eval_fraction if cfg.eval_every else 0.0
     if (rows := read_packed(cfg.data)) is not None:
         return PackedFileSource(rows, cfg.seq + 1, cfg.batch, cfg.seed, held_out, name=cfg.data, vocab=vocab)
-    if fine_tuning_format(cfg.data):
+    if fine_tuning_format(cfg.data, cfg.max_record_bytes):
         return record_source(cfg.data, cfg.tokenizer, cfg.seq + 1, cfg.batch, cfg.seed, held_out, vocab=vocab,
-                             loss_on=cfg.loss_on, overlong=cfg.overlong, workers=cfg.data_workers)
+                             loss_on=cfg.loss_on, overlong=cfg.overlong, workers=cfg.data_workers,
+                             max_record_bytes=cfg.max_record_bytes)
     tokenizer = load_tokenizer(cfg.tokenizer)
     stream = token_stream(cfg.data, tokenizer, cfg.text_field, cfg.token_dtype, vocab)
     return TokenSource(stream, cfg.seq + 1, cfg.batch, cfg.seed, held_out, name=cfg.data,

@@ -14,14 +14,15 @@ read through their tokenizer.json alone.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
 from spmd.base.errors import UserError, optional_module
-from spmd.base.paths import read_text, regular_file
-from spmd.base.schema import Invalid, read_json
+from spmd.base.paths import regular_file
+from spmd.base.schema import Invalid, read_bytes, read_json
 from spmd.data.chat import ChatTemplate
 
 CONFIG_LIMIT = 1 << 26  # bytes: a config may list a few hundred thousand added tokens
@@ -216,8 +217,8 @@ class TokenizerDirectory(HuggingFaceTokenizer):
 
     def _template(self, config: dict) -> ChatTemplate | None:
         file = self.path / "chat_template.jinja"
-        if file.is_file():
-            return ChatTemplate(read_text(file, "--tokenizer"), f"--tokenizer {file}")
+        if os.path.lexists(file):  # a directory, a FIFO or a broken link is refused, not skipped
+            return ChatTemplate(_template_text(file), f"--tokenizer {file}")
         source = config.get("chat_template")
         if isinstance(source, list):  # named templates: [{"name": ..., "template": ...}]
             source = next((t.get("template") for t in source if isinstance(t, dict) and t.get("name") == "default"),
@@ -237,6 +238,19 @@ class TokenizerDirectory(HuggingFaceTokenizer):
         transformers' `tokenizer(text)`), and each token's character span."""
         encoding = self._tok.encode(text, add_special_tokens=special)
         return np.asarray(encoding.ids, np.int32), encoding.offsets
+
+
+def _template_text(file: Path) -> str:
+    """A chat_template.jinja's text: a regular file of UTF-8, no larger than a config that
+    could hold it (read_bytes: a FIFO would block, a device never end)."""
+    try:
+        data = read_bytes(file, CONFIG_LIMIT)
+    except Invalid as exc:
+        raise UserError(f"--tokenizer {file} {exc}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"--tokenizer {file}: not UTF-8 text (byte {exc.start})") from None
 
 
 def _token(value):

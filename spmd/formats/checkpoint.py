@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from flax import traverse_util
 
+from models.lora import ATTENTION_TARGETS
 from spmd.base.cli import flag_of
 from spmd.base.errors import UserError
 from spmd.formats.checksum import checksums
@@ -245,28 +246,48 @@ def _as_saved(targets, repeats: int, saved: int):
 def check_compatible(meta: dict, cfg, params_shapes, where: Path) -> None:
     """The checkpoint must hold the parameters this run builds, with the same shapes
     (as the model has them: a pipeline may store its stacked layers otherwise)."""
+    saved = meta.get("config", {})
     want = _model_shapes(_shapes_of(params_shapes), stacked_repeats(dataclasses.asdict(cfg)))
-    have_shapes = _model_shapes(meta.get("param_shapes", {}), stacked_repeats(meta.get("config", {})))
-    saved_rank = meta.get("config", {}).get("lora_rank") or None
+    have_shapes = _model_shapes(meta.get("param_shapes", {}), stacked_repeats(saved))
+    saved_rank = saved.get("lora_rank") or None
     if saved_rank != cfg.lora_rank:
         trained = f"with --lora-rank {saved_rank}" if saved_rank else "as a full fine-tune"
         ours = f"--lora-rank {cfg.lora_rank}" if cfg.lora_rank else "no --lora-rank"
+        targets = saved.get("lora_targets") or SHAPING["lora_targets"][1]
         raise UserError(f"checkpoint {where} was trained {trained}; this run has {ours}: give "
-                        + (f"--lora-rank {saved_rank} (and its --lora-targets)" if saved_rank else "no --lora-rank"))
-    saved_copies = meta.get("config", {}).get("redundant_experts") or 0
-    if have_shapes != want and saved_copies != cfg.redundant_experts:  # experts + R slots hold the experts
-        raise UserError(f"checkpoint {where} was trained with --redundant-experts {saved_copies}; this run has "
-                        f"--redundant-experts {cfg.redundant_experts}, whose expert slots differ: give "
-                        f"--redundant-experts {saved_copies}")
+                        + (f"--lora-rank {saved_rank} --lora-targets {targets}" if saved_rank else "no --lora-rank"))
     if have_shapes != want:
+        _check_shaping_options(saved, dataclasses.asdict(cfg), where)
         have = meta.get("model", "?")
         differ = sorted(set(want) ^ set(meta.get("param_shapes", {}))) or [
             k for k in want if meta["param_shapes"].get(k) != want[k]]
         raise UserError(f"checkpoint {where} holds model {have!r} whose parameters differ from "
                         f"this run's {cfg.model_name!r} (first difference: {differ[0]})")
-    if has_bias(meta.get("config", {})) and not has_bias(dataclasses.asdict(cfg)):
+    if has_bias(saved) and not has_bias(dataclasses.asdict(cfg)):
         raise UserError(f"checkpoint {where} was trained with --router-bias-rate, whose selection bias this run "
                         "would drop; give it --router-bias-rate too")
+
+
+# The options besides the model that shape the parameters, each with what differs when its
+# value does, and its value in a run that did not give it (a record older than the option).
+SHAPING = {"redundant_experts": ("whose expert slots differ", 0),  # experts + R slots hold the experts
+           "lora_targets": ("whose adapters are on other projections", ",".join(ATTENTION_TARGETS)),
+           "empty_layers": ("whose stacked layers differ", 0)}
+
+
+def _check_shaping_options(saved: dict, ours: dict, where: Path) -> None:
+    """Name the option whose value makes this run's parameters differ from the checkpoint's,
+    with both values (`saved`, `ours`: the two runs' configs)."""
+    for name, (why, default) in SHAPING.items():
+        theirs, mine = saved.get(name) or default, ours[name] or default
+        if _shaping_value(name, theirs) != _shaping_value(name, mine):
+            raise UserError(f"checkpoint {where} was trained with {flag_of(name)} {theirs}; this run has "
+                            f"{flag_of(name)} {mine}, {why}: give {flag_of(name)} {theirs}")
+
+
+def _shaping_value(name: str, value):
+    """A value as the parameters see it: LoRA's targets in any order."""
+    return frozenset(t.strip() for t in value.split(",")) if name == "lora_targets" else value
 
 
 def keeps_router(config: dict) -> bool:

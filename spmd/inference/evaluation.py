@@ -12,15 +12,14 @@ from spmd.base.errors import UserError
 from spmd.data.synthetic import global_batch, make_source
 from spmd.parallel.layout import make_layout
 from spmd.parallel.step import build_program
-from spmd.run.bootstrap import start_devices
 from spmd.run.loop import MAX_STEPS_IN_FLIGHT, weighted_mean
 from spmd.run.weights import load_params
 
 
 def evaluate(cfg, checkpoint, batches: int | None, devices=None) -> tuple[float, int, int]:
     """Mean loss over the targets of `batches` batches (default: all) of `cfg.data`, on
-    `devices` (default: all). -> (loss, target tokens, batches)"""
-    start_devices(cfg)
+    `devices` (default: all; started by spmd.run.bootstrap.start_devices_and_mesh).
+    -> (loss, target tokens, batches)"""
     layout = make_layout(cfg, devices)
     source = make_source(cfg, layout.skeleton.model_cfg.vocab)
     try:

@@ -19,7 +19,6 @@ from spmd.data.corpus import jsonl_texts
 from spmd.formats.hf import max_positions, tokenizer_of
 from spmd.inference.decode import Decoder, Sampling, bucket, left_padded
 from spmd.parallel.layout import make_layout
-from spmd.run.bootstrap import start_devices
 from spmd.run.config import TrainConfig
 from spmd.run.resolve import validate
 from spmd.run.weights import check_source_flags, checkpoint_config, load_params
@@ -49,7 +48,8 @@ def model_source(args):
 
 
 def on_mesh(cfg, args, **overrides):
-    """The run's config on `--mesh`, with `overrides` (checked)."""
+    """The run's config on `--mesh` (none: the default layout of the devices found, chosen
+    once they are there), with `overrides` (checked)."""
     return validate(dataclasses.replace(cfg, mesh=args.mesh, cpu_devices=args.cpu_devices, **overrides))
 
 
@@ -100,7 +100,7 @@ class Generation:
     """The model on its mesh, and the decoders compiled for each shape."""
 
     def __init__(self, cfg, checkpoint, args, encoded: list[np.ndarray]):
-        start_devices(cfg)
+        """`cfg` on its mesh, its devices started (spmd.run.bootstrap.start_devices_and_mesh)."""
         self.layout = make_layout(cfg, for_training=False)
         if self.layout.shape["pp"] > 1 or self.layout.shape["sp"] > 1:
             raise UserError("generation runs on dp, fsdp, ep and tp; give a mesh without pp and sp")

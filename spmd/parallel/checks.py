@@ -90,7 +90,10 @@ def shared_kv_heads(cfg, shape: Mapping[str, int], model_cfg: LlamaConfig) -> bo
 
 def check_before_devices(cfg, processes: int = 1, for_training: bool = True) -> None:
     """With emulated CPU devices, the layout's checks before the devices are made: a
-    mesh that cannot hold the run (dp=1000000) is refused, not built."""
+    mesh that cannot hold the run (dp=1000000) is refused, not built. (Without --mesh the
+    layout is chosen among those that pass them, once the devices are there.)"""
+    if cfg.mesh is None:
+        return
     count = emulated_device_count(cfg.mesh_spec.sizes, cfg.cpu_devices, processes)
     if count is not None and processes >= 1:
         check_layout(cfg, cfg.mesh_spec.resolve(count * processes), for_training)
@@ -132,10 +135,10 @@ def check_pipeline(cfg, shape: Mapping[str, int], model_cfg: LlamaConfig, for_tr
     else:
         why = f"model {cfg.model_name}: {what} do not divide into pp x repeats = {p} x {schedule.repeats} pipeline chunks"
     if layers % chunks:
-        per_step = model_cfg.layers_per_step
-        even = -(-layers // (chunks * per_step)) * chunks * per_step  # the next depth that divides
-        raise UserError(f"{why}: give --empty-layers {model_cfg.empty_layers + even - layers} (identity layers that "
-                        "even out the stages)")
+        unit = chunks * model_cfg.layers_per_step  # (an MoE group's layers stay together)
+        least = -(-real // unit) * unit - real  # the fewest empty layers after the real ones that even them out
+        raise UserError(f"{why}: give --empty-layers {least} (identity layers that even out the stages)" if least
+                        else f"{why}: the {real} layers divide without --empty-layers; give none")
     m = schedule.microbatches
     if m % p:
         raise UserError(f"--microbatches {m} must be a multiple of pp={p} "

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import optax
 
 from spmd.parallel.checks import check_layout, kv_copies
+from spmd.parallel.defaults import default_layout
 from spmd.parallel.mesh import BATCH_AXES, build_mesh, format_mesh
 from spmd.parallel.pipeline import Schedule
 from spmd.parallel.rules import Rules, spec_for, without_axes
@@ -97,10 +98,14 @@ class Layout:
 
 
 def make_layout(cfg, devices=None, for_training: bool = True) -> Layout:
-    """Resolve the mesh for `devices` (default: all) and check every divisibility
-    (of the batch and sequence too, unless the layout is only for holding parameters)."""
+    """Resolve the mesh for `devices` (default: all; no mesh given: their default layout,
+    spmd.parallel.defaults) and check every divisibility (of the batch and sequence too,
+    unless the layout is only for holding parameters)."""
     devices = list(jax.devices() if devices is None else devices)
-    shape = cfg.mesh_spec.resolve(len(devices))
+    if cfg.mesh is None:
+        shape, _ = default_layout(cfg, len(devices), serving=not for_training, for_training=for_training)
+    else:
+        shape = cfg.mesh_spec.resolve(len(devices))
     rules, skeleton, schedule = check_layout(cfg, shape, for_training)
     return Layout(build_mesh(shape, devices, cfg.mesh_spec.dcn), shape, rules, skeleton, schedule)
 

@@ -22,7 +22,13 @@ from spmd.base.errors import UserError
 AXES = ("pp", "dp", "fsdp", "ep", "sp", "tp")
 BATCH_AXES = ("dp", "fsdp", "ep")  # the axes that split the batch
 REMAINING = -1
-DEFAULT_CPU_DEVICES_FOR_REMAINING = 8
+# The devices spmd.train emulates on a CPU-only host set up to emulate none, without --mesh
+# (its default layout, spmd.parallel.defaults), or for a mesh with a -1 axis.
+DEFAULT_CPU_DEVICES = 8
+DEFAULT_CPU_DEVICES_FOR_REMAINING = DEFAULT_CPU_DEVICES
+# How a host is set up to emulate CPU devices before JAX starts (JAX_NUM_CPU_DEVICES, read
+# into jax_num_cpu_devices, wins over it).
+FORCED_DEVICE_COUNT = re.compile(r"--xla_force_host_platform_device_count=([0-9]+)")
 # Emulated devices are cheap to create (2048 took 1 s and 0.4 GB here), but a typo like
 # dp=1000000 would build a million before anything else is checked. The presets plan
 # at most 128; this leaves room for planning large clusters.
@@ -146,15 +152,34 @@ def accelerator_plugin_installed() -> bool:
     return False
 
 
-def emulated_device_count(sizes: Mapping[str, int], cpu_devices: int | None, processes: int = 1) -> int | None:
+def preset_cpu_devices() -> int | None:
+    """The CPU devices this host is set up to emulate before JAX starts: jax_num_cpu_devices
+    (JAX_NUM_CPU_DEVICES, or set by the caller), else XLA_FLAGS' forced device count; None
+    when neither says."""
+    if jax.config.jax_num_cpu_devices > 0:
+        return jax.config.jax_num_cpu_devices
+    forced = FORCED_DEVICE_COUNT.findall(os.environ.get("XLA_FLAGS", ""))
+    return int(forced[-1]) if forced else None  # (XLA reads the last one given)
+
+
+def emulated_device_count(sizes: Mapping[str, int] | None, cpu_devices: int | None, processes: int = 1,
+                          trains: bool = True) -> int | None:
     """How many CPU devices this process will emulate for the mesh (its share when the
-    run has several processes); None on a machine with an accelerator plugin."""
+    run has several processes); None on a machine with an accelerator plugin, or where the
+    devices are what the host is set up with: no --mesh (`sizes` None) and no --cpu-devices,
+    on a host set up to emulate some, or for inference (`trains` False), which uses JAX's
+    own (one CPU device, unless the host says otherwise)."""
     if accelerator_plugin_installed():
         return None
     wanted = cpu_devices
+    if wanted is None and sizes is None and (not trains or preset_cpu_devices() is not None):
+        return None
     if wanted is None:
-        has_rest = REMAINING in sizes.values()
-        wanted = max(explicit_product(sizes), DEFAULT_CPU_DEVICES_FOR_REMAINING if has_rest else 1)
+        if sizes is None:  # spmd.train's default on a bare CPU host: its 3-D mesh's 8 devices
+            wanted = DEFAULT_CPU_DEVICES
+        else:
+            has_rest = REMAINING in sizes.values()
+            wanted = max(explicit_product(sizes), DEFAULT_CPU_DEVICES_FOR_REMAINING if has_rest else 1)
         if processes > 1:
             if wanted % processes:
                 raise UserError(f"the mesh's {wanted} devices do not divide among {processes} processes")
@@ -164,14 +189,16 @@ def emulated_device_count(sizes: Mapping[str, int], cpu_devices: int | None, pro
     return wanted
 
 
-def emulate_cpu_devices(sizes: Mapping[str, int], cpu_devices: int | None, processes: int = 1) -> None:
+def emulate_cpu_devices(sizes: Mapping[str, int] | None, cpu_devices: int | None, processes: int = 1,
+                        trains: bool = True) -> None:
     """On a CPU-only machine, create as many emulated devices as the mesh asks of this
-    process (its share when the run has several processes).
+    process (its share when the run has several processes); `sizes` None: no --mesh, see
+    `emulated_device_count`.
 
     Must run before anything starts a JAX backend. On a machine with an accelerator
     plugin this does nothing: the mesh is checked against the real devices later.
     """
-    wanted = emulated_device_count(sizes, cpu_devices, processes)
+    wanted = emulated_device_count(sizes, cpu_devices, processes, trains)
     if wanted is None:
         return
     if wanted > MAX_EMULATED_DEVICES:

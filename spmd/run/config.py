@@ -34,6 +34,20 @@ ATTENTION_KERNELS = ("auto", "xla", "cudnn", "splash", "chunked")
 MOE_DISPATCH = ("dropless", "capacity")
 BALANCE_LOSSES = ("sequence", "pooled")  # models.moe.MoEConfig.balance_loss
 
+# The upper bounds of the sizes a run's options set, checked before anything is allocated.
+# Warmup steps: optax's schedule computes with them in int32 (beyond, its first step overflows).
+WARMUP = 2**31 - 1
+# Tokens a step holds (--batch x --seq): 2**30, 16 times the largest published batch
+# (DeepSeek-V3's 63M tokens); the rows' arrays on the host (9 bytes a token, packed) stay
+# within 10 GiB. (--seq alone: spmd.base.cli.SEQ.)
+TOKENS_PER_STEP = 2**30
+# The model's sizes a flag sets (layers, experts, their copies): far beyond any published
+# model (DeepSeek-V3: 61 layers, 256 experts), so that a typo is refused, not built.
+MODEL_SIZE = 2**16
+# Seconds a process waits for the others: a week, within every clock's and runtime's range
+# (Python's waits end at threading.TIMEOUT_MAX; JAX's distributed runtime takes int seconds).
+WAIT_S = 7 * 24 * 3600
+
 
 def _field(default, help: str, at_least=None, above=None, at_most=None, below=None, **argparse_kwargs):
     bounds = Bounds(at_least, above, at_most, below)
@@ -42,16 +56,16 @@ def _field(default, help: str, at_least=None, above=None, at_most=None, below=No
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    mesh: str = _field("dp=2,fsdp=2,tp=2", "mesh axis sizes, e.g. dp=4,tp=8 (axes pp,dp,fsdp,ep,sp,tp; unnamed = 1; -1 = the remaining devices)")
+    mesh: str | None = _field(None, "mesh axis sizes, e.g. dp=4,tp=8 (axes pp,dp,fsdp,ep,sp,tp; unnamed = 1; -1 = the remaining devices); none: every device found, laid out by spmd.parallel.defaults: dp=2,fsdp=2,tp=2 on 8 (as many emulated on a CPU-only host set up with none), fsdp over any other number")
     cpu_devices: int | None = _field(None, "number of emulated CPU devices (default: what the mesh needs)", at_least=1)
     model: str | None = _field(None, "model preset (see models.PRESETS; default: tiny, or the model of --init-from, or that of the checkpoint --resume names)")
     init_from: str | None = _field(None, "start from the weights of a Hugging Face model directory (config.json and safetensors: Llama, Mixtral); the model is the directory's, and its tokenizer.json tokenizes --data")
     steps: int = _field(300, "optimizer steps to run", at_least=0)
-    batch: int = _field(32, "global batch size, in sequences", at_least=1)
+    batch: int = _field(32, "global batch size, in sequences", at_least=1, at_most=TOKENS_PER_STEP)
     seq: int = _field(64, "sequence length, in tokens", SEQ.at_least, at_most=SEQ.at_most)
     seed: int = _field(0, "seed of the initial parameters and of the data order", SEED.at_least, at_most=SEED.at_most)
     lr: float = _field(3e-3, "peak learning rate", above=0)
-    warmup: int = _field(20, "linear warmup steps from 0 to the peak (kept as given: a warmup of --steps or more ends the run before the peak)", at_least=0)
+    warmup: int = _field(20, "linear warmup steps from 0 to the peak (kept as given: a warmup of --steps or more ends the run before the peak)", at_least=0, at_most=WARMUP)
     min_lr_ratio: float = _field(0.1, "final learning rate of the cosine decay, as a fraction of the peak", at_least=0, at_most=1)
     weight_decay: float = _field(0.01, "AdamW weight decay (matrices only)", at_least=0)
     b1: float = _field(0.9, "Adam beta1", at_least=0, below=1)
@@ -67,17 +81,17 @@ class TrainConfig:
     attention: str = _field("ring", "attention across the sp axis: K/V blocks passed around a ring, or all-gathered", choices=ATTENTION)
     attention_kernel: str = _field("auto", "attention's kernel: auto (cudnn on NVIDIA GPUs, splash on TPU, chunked elsewhere), xla (scores materialized), cudnn (fused flash attention), splash (Pallas, TPU), chunked (flash-style in plain JAX: memory linear in the sequence)", choices=ATTENTION_KERNELS)
     megatron_sp: bool = _field(False, "Megatron sequence parallelism: norms and residuals split along the sequence over tp too")
-    layers: int | None = _field(None, "number of layers (default: the preset's)", at_least=1)
-    empty_layers: int = _field(0, "identity layers after the stacked ones, so that pipeline stages of equal depth hold a depth that does not divide (DeepSeek-V3's 58 MoE layers as 16 x 2 chunks of 2: 6); stages run them (their compute and memory), a step without stages skips them; never trained or exported", at_least=0)
+    layers: int | None = _field(None, "number of layers (default: the preset's)", at_least=1, at_most=MODEL_SIZE)
+    empty_layers: int = _field(0, "identity layers after the stacked ones, so that pipeline stages of equal depth hold a depth that does not divide (DeepSeek-V3's 58 MoE layers as 16 x 2 chunks of 2: 6); stages run them (their compute and memory), a step without stages skips them; never trained or exported", at_least=0, at_most=MODEL_SIZE)
     pp_schedule: str = _field("gpipe", "pipeline schedule over the pp axis (gpipe, circular with --pp-repeats chunks per stage, 1f1b, interleaved-1f1b: 1f1b on circular's chunks, zb-v: zero bubble, 2 chunks per stage in a V)", choices=PP_SCHEDULES)
-    pp_repeats: int = _field(1, "circular and interleaved-1f1b schedules: chunks of layers per pipeline stage (v)", at_least=1)
+    pp_repeats: int = _field(1, "circular and interleaved-1f1b schedules: chunks of layers per pipeline stage (v)", at_least=1, at_most=MODEL_SIZE)
     microbatches: int | None = _field(None, "pipeline microbatches per step (default: pp; a multiple of pp)", at_least=1)
-    experts: int | None = _field(None, "MoE models: number of experts (default: the preset's)", at_least=1)
+    experts: int | None = _field(None, "MoE models: number of experts (default: the preset's)", at_least=1, at_most=MODEL_SIZE)
     top_k: int | None = _field(None, "MoE models: experts per token (default: the preset's)", at_least=1)
     moe_dispatch: str = _field("dropless", "MoE models: every token reaches its experts, or each expert takes at most a capacity of each sequence's tokens (the rest dropped)", choices=MOE_DISPATCH)
     capacity_factor: float = _field(1.25, "capacity mode: slots per expert per sequence = factor x seq x top-k / experts", above=0)
     router_bias_rate: float = _field(0.0, "MoE models: auxiliary-loss-free balancing (DeepSeek-V3): after each step, each expert's selection bias moves by this much towards the mean load (0: off)", at_least=0)
-    redundant_experts: int = _field(0, "MoE models: extra expert slots over ep holding copies of the busiest experts (EPLB); experts + this must divide by ep", at_least=0)
+    redundant_experts: int = _field(0, "MoE models: extra expert slots over ep holding copies of the busiest experts (EPLB); experts + this must divide by ep", at_least=0, at_most=MODEL_SIZE)
     rebalance_every: int | None = _field(None, "with --redundant-experts: recompute the placement of experts on slots from the measured load every N steps (default: 50)", at_least=1)
     balance_loss: str | None = _field(None, "MoE models: the load-balancing loss per sequence (spmd's presets), or pooled over the batch and all MoE layers (transformers' Mixtral and Qwen-MoE); default: the model's (pooled for an imported model)", choices=BALANCE_LOSSES)
     aux_loss_weight: float | None = _field(None, "MoE models: weight of the load-balancing loss (default: the model's: 0.01 for presets, config.json's router_aux_loss_coef for an imported model)", at_least=0)
@@ -101,7 +115,7 @@ class TrainConfig:
     loss_on: str = _field("completion", "fine-tuning records (prompt/completion, chat messages): the tokens the loss is on: the completion and the assistant's turns, or all", choices=LOSS_ON)
     overlong: str = _field("truncate", "a fine-tuning example longer than --seq + 1 tokens: keep its start (truncate) or cut it into pieces, each its own example (split)", choices=OVERLONG)
     data_workers: int | None = _field(None, "fine-tuning records: processes that tokenize them ahead of the steps (0: the trainer's own; default: one per CPU the process may use, less one, at most 8, when there are more than 2,048 records; at most the CPUs it may use)", at_least=0)
-    max_record_bytes: int = _field(MAX_RECORD_BYTES, "fine-tuning records: the largest record read, in bytes of its JSONL line and characters of the text it tokenizes (a chat: its rendering); tokenizing one takes some 40 times that in memory", at_least=1)
+    max_record_bytes: int = _field(MAX_RECORD_BYTES, "fine-tuning records: the largest record read, in bytes of its JSONL line and characters of the text it tokenizes (a chat: its rendering); a record is tokenized whole, in tens to hundreds of times its size of memory", at_least=1)
     document_mask: bool = _field(False, "text and token data: documents do not see each other (attention stops at each end-of-text token, positions restart); default: windows of the stream, as in GPT-style pre-training")
     eval_every: int = _field(0, "every N steps, report the loss on held-out data (0: never)", at_least=0)
     eval_batches: int = _field(4, "batches of held-out data per evaluation", at_least=1)
@@ -110,8 +124,8 @@ class TrainConfig:
     num_processes: int | None = _field(None, "several processes: how many", at_least=1)
     process_id: int | None = _field(None, "several processes: this one's index, 0 to N-1", at_least=0)
     dcn: str | None = _field(None, "the part of the mesh that spans processes or slices over the data-center network, e.g. dp=2 (each named axis's factor; the rest of the mesh stays within a host or slice)")
-    step_timeout: float = _field(300.0, "seconds the host waits for a step before deciding a process died or hangs, and exiting with an error", above=0)
-    join_timeout: int = _field(300, "several processes: seconds to wait for all of them to join the run before giving up", at_least=1)
+    step_timeout: float = _field(300.0, "seconds the host waits for a step before deciding a process died or hangs, and exiting with an error", above=0, at_most=WAIT_S)
+    join_timeout: int = _field(300, "several processes: seconds to wait for all of them to join the run before giving up", at_least=1, at_most=WAIT_S)
     ignore_fit: bool = _field(False, "train even when the plan says the step does not fit the devices' memory")
     lora_rank: int | None = _field(None, "train low-rank adapters (LoRA, as PEFT defines them) of this rank on --lora-targets, the base weights frozen (default: a full fine-tune)", at_least=1)
     lora_alpha: float = _field(8.0, "LoRA: the adapters' output is scaled by alpha / rank (PEFT's lora_alpha)", above=0)
@@ -119,7 +133,7 @@ class TrainConfig:
     lora_dropout: float = _field(0.0, "LoRA: the probability of dropping each element of an adapter's input, in training (PEFT's lora_dropout)", at_least=0, below=1)
     base_dtype: str = _field("float32", "LoRA: the dtype the frozen base weights are stored in", choices=DTYPES)
     adapter: str | None = _field(None, "LoRA: start from a PEFT adapter directory (adapter_config.json, adapter_model.safetensors) on --init-from's model")
-    heartbeat_timeout: int = _field(100, "several processes: seconds without a heartbeat before the others give up on a process", at_least=1)
+    heartbeat_timeout: int = _field(100, "several processes: seconds without a heartbeat before the others give up on a process", at_least=1, at_most=WAIT_S)
     # Not a flag: the model config when it is no preset (--init-from's config.json, or a
     # resumed checkpoint's); saved with the run, so the run can be resumed and exported.
     architecture: object = dataclasses.field(default=None, metadata={"cli": False, "bounds": Bounds()})
@@ -321,6 +335,9 @@ def check(cfg: TrainConfig) -> TrainConfig:
         value, bounds = getattr(cfg, f.name), f.metadata["bounds"]
         if isinstance(value, (int, float)) and not isinstance(value, bool) and not bounds.holds(value):
             raise UserError(f"{flag_of(f.name)} must be {bounds}, got {value}")
+    if cfg.batch * cfg.seq > TOKENS_PER_STEP:
+        raise UserError(f"--batch {cfg.batch} x --seq {cfg.seq} is {cfg.batch * cfg.seq:,} tokens a step; at most "
+                        f"{TOKENS_PER_STEP:,} (2**30) can be held: give a smaller --batch or --seq")
     if cfg.tokenizer and not cfg.data:
         raise UserError("--tokenizer applies to --data; the built-in data has its own tokens")
     cfg.mesh_spec  # noqa: B018  (parsed here: a bad --mesh or --dcn is refused before anything else)
@@ -405,6 +422,15 @@ def _validate_lora(cfg: TrainConfig, model_cfg) -> None:
     if cfg.redundant_experts:
         raise UserError("--redundant-experts and --lora-rank: expert copies move trained experts between devices; "
                         "a LoRA run's experts are frozen")
+
+
+def check_empty_layers(cfg: TrainConfig, pp: int) -> None:
+    """Empty layers only even out pipeline stages: a new run on a mesh without them would
+    carry them for nothing. (A resumed run keeps those its checkpoint holds, on any mesh;
+    a model served from one skips them.)"""
+    if cfg.empty_layers and pp == 1:
+        raise UserError(f"--empty-layers {cfg.empty_layers} evens out pipeline stages, and the mesh has none (pp=1): "
+                        "give a mesh with pp (e.g. --mesh pp=2), or no --empty-layers")
 
 
 def _validate_pipeline(cfg: TrainConfig) -> None:

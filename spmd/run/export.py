@@ -23,7 +23,7 @@ from spmd.formats.hf import GENERATION_CONFIG, TOKENIZER_FILES, companions
 from spmd.formats.peft import write_peft
 from spmd.parallel.layout import make_layout
 from spmd.parallel.skeleton import model_config, skeleton_for
-from spmd.run.bootstrap import start_devices
+from spmd.run.bootstrap import start_devices_and_mesh
 from spmd.run.config import TrainConfig
 from spmd.run.resolve import validate
 from spmd.run.weights import Checkpoint, check_source_flags, checkpoint_config, load_params, source_inputs
@@ -35,10 +35,11 @@ REMOVE_TRIES = 1000
 
 def restored(cfg, checkpoint: Checkpoint | None, mesh: str | None, cpu_devices: int | None):
     """The checkpoint's parameters (None: --init-from's with --adapter's) on `mesh` (None:
-    the mesh that wrote them, or one device), with the run's config for that mesh.
+    the default layout of the devices found, spmd.parallel.defaults: what is written does
+    not depend on it, so it goes unsaid), with the run's config for that mesh.
     -> (params, config)"""
-    cfg = validate(dataclasses.replace(cfg, mesh=mesh or cfg.mesh))
-    start_devices(cfg, cpu_devices=cpu_devices)  # before Orbax starts JAX
+    cfg = validate(dataclasses.replace(cfg, mesh=mesh))
+    cfg, _ = start_devices_and_mesh(cfg, for_training=False, cpu_devices=cpu_devices)  # before Orbax starts JAX
     return load_params(cfg, make_layout(cfg, for_training=False), checkpoint), cfg
 
 
@@ -96,7 +97,7 @@ def checked(args):
                             "--format hf")
         if args.step is not None:
             raise UserError("--step applies to --checkpoint")
-        cfg, checkpoint = validate(TrainConfig(init_from=args.init_from, adapter=args.adapter, mesh="dp=1")), None
+        cfg, checkpoint = validate(TrainConfig(init_from=args.init_from, adapter=args.adapter)), None
     else:
         if args.adapter:
             raise UserError("--adapter applies to --init-from; a LoRA run's checkpoint holds its adapters")

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from spmd.base.console import emit, human_bytes
-from spmd.base.errors import OutputFailed, why_io_failed
+from spmd.base.errors import OutputFailed, UserError, why_io_failed
 from spmd.base.hardware import peak_tflops, train_flops_per_token
 from spmd.base.signals import StopSignals
 from spmd.data.synthetic import Prefetcher, global_batch
@@ -187,6 +187,8 @@ class Run:
                         return Result(records, self.state, ok)
                 else:
                     self.save(cfg.steps)
+        except UserError as exc:  # the data failed (a bad record, a data worker that died): where a rerun resumes
+            raise UserError(f"{exc}; {self._last_checkpoint()}") from None
         finally:
             batches.close()
             try:
@@ -256,6 +258,12 @@ class Run:
         where = f"last good checkpoint: {self.checkpoints.directory / str(max(good))}" if good else "no checkpoint was written"
         print(f"error: non-finite loss at step {step} (its update was not applied); {where}; "
               f"--on-nan skip would drop such updates and go on", file=sys.stderr, flush=True)
+
+    def _last_checkpoint(self) -> str:
+        """The run's last checkpoint, where a rerun resumes (its save is finished as the loop ends)."""
+        if self.checkpoints is None or self.last_saved is None:
+            return "no checkpoint was written"
+        return f"last checkpoint: {self.checkpoints.directory / str(self.last_saved)} (a rerun resumes there)"
 
     def _finish_saves(self) -> None:
         if self.checkpoints is not None and self.last_saved is not None:

@@ -28,9 +28,10 @@ from spmd.formats.checkpoint import (Checkpoints, check_compatible, check_resuma
 from spmd.formats.hf import Directory, load_params
 from spmd.formats.peft import AdapterFiles
 from spmd.parallel.balance import initial
+from spmd.parallel.defaults import mesh_flag
 from spmd.parallel.step import build_program
 from spmd.planner.plan import default_hardware, make_plan
-from spmd.run.config import TrainConfig
+from spmd.run.config import TrainConfig, check_empty_layers
 from spmd.run.loop import Run
 
 
@@ -52,6 +53,8 @@ def prepare(cfg: TrainConfig, layout, log=print):
     is written.
     """
     started = time.perf_counter()
+    if cfg.mesh is None:  # (the Python API's default layout: its checkpoints record the mesh it chose)
+        cfg = dataclasses.replace(cfg, mesh=mesh_flag(layout.shape))
     data = make_source(cfg, layout.skeleton.model_cfg.vocab)
     program = build_program(cfg, layout, getattr(data, "packed", False))
     # One run per directory: taken before --out is read, so that a second run is refused
@@ -60,6 +63,8 @@ def prepare(cfg: TrainConfig, layout, log=print):
     if lock:
         lock.take()
     source_dir, step, meta = _resume_source(cfg, program)
+    if source_dir is None:
+        check_empty_layers(cfg, layout.shape["pp"])
     if getattr(data, "finite", False) and cfg.eval_every and not data.has_rows(0, "eval"):
         raise UserError(f"--data {cfg.data}: no target tokens in the held-out examples (--eval-fraction)")
     if source_dir is not None and hasattr(data, "resume") and not data.resume(meta.get("data")) and step:

@@ -97,13 +97,15 @@ def source_inputs(args, checkpoint: Checkpoint | None) -> dict:
 
 def run_config(meta: dict):
     """The config of the run that wrote a checkpoint, without its inputs (data, the
-    directory and adapter it started from, the checkpoint it resumed)."""
+    directory and adapter it started from, the checkpoint it resumed) and its host's
+    share of data workers (bounded by the CPUs of the host it ran on, not this one's)."""
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     config = {k: v for k, v in meta.get("config", {}).items() if k in fields}
     if isinstance(config.get("architecture"), dict):  # a model that is no preset, saved as data
 
         config["architecture"] = config_from_dict(config["architecture"])
-    return TrainConfig(**config | {"init_from": None, "resume": None, "data": None, "tokenizer": None, "adapter": None})
+    return TrainConfig(**config | {"init_from": None, "resume": None, "data": None, "tokenizer": None, "adapter": None,
+                                   "data_workers": None})
 
 
 def abstract_params(layout) -> dict:
