@@ -91,6 +91,7 @@ SLOW = [
     "tests/test_pipeline.py::test_plan_matches_the_compiled_pipeline*",
     "tests/test_pipeline.py::test_zb_v_activations_do_not_grow_with_microbatches",
     "tests/test_pipeline.py::test_interleaved_one_f_one_b_keeps_about_one_f_one_bs_activations",
+    "tests/test_pipeline.py::test_zb_v_executes_its_formula",  # the gate holds the formula of GPipe, circular, 1F1B
     "tests/test_composition.py::*",
     "tests/test_moe.py::test_expert_parallel_layout_matches_one_device*",
     "tests/test_moe.py::test_tokens_move_by_all_to_all*",
@@ -105,7 +106,7 @@ SLOW = [
     "tests/test_lora.py::test_lora_run_checkpoints_adapters_resumes_on_another_mesh_and_exports",
     "tests/test_packing.py::test_packed_rows_train_as_one_example_per_row*",
     "tests/test_objective.py::test_the_pooled_balance_loss_is_the_same_on_any_layout",
-    "tests/test_model.py::test_moe_layer_capacity_without_drops_equals_dropless[sigmoid]",
+    "tests/test_model.py::test_moe_layer_capacity_without_drops_equals_dropless*",
     "tests/test_model.py::test_remat_changes_memory_not_gradients[dots]",
     "tests/test_finetune.py::test_eval_is_transformers_mean_loss_over_the_targets*",
     "tests/test_checkpoint.py::test_resume_on_another_mesh_continues_the_run*",
@@ -123,6 +124,8 @@ SLOW = [
     "tests/test_multihost.py::test_killing_one_process_makes_the_other_exit_with_an_error",
     "tests/test_faults.py::test_two_processes_stop_after_the_same_step_when_one_is_told_to",
     "tests/test_faults.py::test_a_non_finite_update_is_dropped_even_when_loss_and_gradient_are_finite",
+    "tests/test_faults.py::test_an_out_that_cannot_be_written_is_refused_before_anything_runs",  # test_outputs' too
+    "tests/test_observe.py::test_a_run_resumed_past_the_profiled_steps_says_so_and_traces_nothing",
     "tests/test_preemption.py::test_sigterm_finishes_the_step_saves_and_exits_0",
     "tests/test_notebooks.py::test_notebook_runs_top_to_bottom*",
     # The docs' commands that train or plan a layout the gate's tests hold (README's examples).
@@ -138,13 +141,12 @@ GATE = [
         "pp=4-microbatches8", "pp=4-pp_schedulecircular-pp_repeats2-microbatches4", "pp=4-pp_schedule1f1b-microbatches8",
         "pp=4-pp_scheduleinterleaved-1f1b-pp_repeats2-microbatches8", "pp=2,dp=2,tp=2-pp_schedule1f1b-microbatches4",
         "pp=4-pp_schedulezb-v-microbatches8")],
-    "tests/test_composition.py::test_pipeline_composes_and_matches_one_device[pp=2,ep=2,dp=2-*",
     *[f"tests/test_moe.py::test_expert_parallel_layout_matches_one_device[{layout}]" for layout in (
         "ep=2-dropless", "ep=4-dropless", "ep=2,fsdp=2,tp=2-capacity")],
     "tests/test_balance.py::test_expert_copies_match_one_device_across_a_rebalancing[ep4-capacity]",
     "tests/test_lora.py::test_adapter_gradients_equal_one_devices[fsdp=2,tp=2]",
     "tests/test_lora.py::test_adapter_gradients_equal_one_devices[pp=2,dp=2-1f1b]",
-    "tests/test_packing.py::test_packed_rows_train_as_one_example_per_row[sp=4-*",
+    "tests/test_packing.py::test_packed_rows_train_as_one_example_per_row[-1-overrides0]",
     "tests/test_finetune.py::test_eval_is_transformers_mean_loss_over_the_targets[chat-dp=2,tp=2]",
     "tests/test_checkpoint.py::test_resume_on_another_mesh_continues_the_run[fsdp=2,tp=2-4-0]",
     "tests/test_plan.py::test_every_row_of_a_pair_of_features_matches_theory[fsdp+LoRA]",
@@ -152,9 +154,7 @@ GATE = [
         "test_greedy_equals_transformers_generate[llama-gqa-dp=1]",
         "test_greedy_equals_transformers_generate[mixtral-dp=2,ep=2,tp=2]",
         "test_greedy_is_the_argmax_and_filters_keep_the_best", "test_sampling_follows_temperature_top_k_and_top_p*")],
-    "tests/test_hf.py::test_import_then_export_gives_the_same_tensors[llama-gqa]",
     "tests/test_presets.py::test_preset_plans_cleanly_and_fits[llama3-8b-8xh100]",
-    "tests/test_notebooks.py::test_notebook_runs_top_to_bottom[quickstart]",
     # The docs' commands that make and read files (checkpoints, exports, adapters, tokens), and
     # those refused here by the fit check.
     *[f"tests/test_readme.py::test_readme_command_runs_as_written[*{text}*]" for text in (
@@ -215,7 +215,8 @@ def select(config, items: list) -> None:
         if matches(item, FLOOR):
             item.add_marker("floor")
     if config.getoption("--list-tiers"):
-        listed = [{"id": item_id(item), "unit": unit(item), "slow": is_slow(item)} for item in items]
+        listed = [{"id": item_id(item), "unit": unit(item), "slow": is_slow(item),
+                   "floor": item.get_closest_marker("floor") is not None} for item in items]
         Path(config.getoption("--list-tiers")).write_text(json.dumps(listed))
     tier, cut = config.getoption("--tier"), config.getoption("--slow-slice")
     keep = {"gate": lambda i: not is_slow(i), "slow": is_slow, "all": lambda i: True}[tier]
@@ -271,9 +272,16 @@ def slices(tests: list[tuple[str, object]], n: int) -> list[list]:
     return out
 
 
-# Seconds each slow unit took on this machine (2 cores; --tier slow, 2026-12-04), to
-# balance the slices; a unit not listed is guessed at 20 s a test. Rough is enough.
+# Seconds of test time each unit of the slow tier took on this machine (2 cores, two workers
+# sharing them; the whole suite's durations, 2026-12-04), to balance the slices; a unit not
+# listed is guessed at 20 s a test. Rough is enough.
 UNIT_SECONDS = {
+    "group:generate": 470, "group:layouts": 470, "group:composition": 450, "group:multihost": 420,
+    "group:moe": 380, "group:pipeline": 360, "test_deepseek": 340, "group:readme": 330, "group:presets": 320,
+    "group:balance-stages": 280, "group:balance": 190, "test_notebooks": 160, "group:hf": 130,
+    "group:deepseek": 120, "test_packing": 90, "test_faults": 80, "test_checkpoint": 50, "test_objective": 40,
+    "test_preemption": 30, "test_finetune": 30, "test_model": 30, "test_hlo": 20,
+    "test_observe": 20,
 }
 
 
