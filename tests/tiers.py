@@ -215,7 +215,7 @@ def select(config, items: list) -> None:
         if matches(item, FLOOR):
             item.add_marker("floor")
     if config.getoption("--list-tiers"):
-        listed = [{"id": item_id(item), "unit": unit(item), "slow": is_slow(item),
+        listed = [{"id": item.nodeid, "unit": unit(item), "slow": is_slow(item),
                    "floor": item.get_closest_marker("floor") is not None} for item in items]
         Path(config.getoption("--list-tiers")).write_text(json.dumps(listed))
     tier, cut = config.getoption("--tier"), config.getoption("--slow-slice")
@@ -231,13 +231,8 @@ def select(config, items: list) -> None:
 
 
 def matches(item, patterns: list[str]) -> bool:
-    return any(pattern_matches(p, item_id(item)) for p in patterns)
-
-
-def item_id(item) -> str:
-    """The test's id, less the `@group` that pytest-xdist's workers add to it."""
-    group = item.get_closest_marker("xdist_group")
-    return item.nodeid.removesuffix(f"@{group.args[0]}") if group else item.nodeid
+    # (Read before pytest-xdist's workers add `@group` to the id: conftest's hook runs first.)
+    return any(pattern_matches(p, item.nodeid) for p in patterns)
 
 
 def pattern_matches(pattern: str, name: str) -> bool:
