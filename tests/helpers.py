@@ -4,7 +4,10 @@ faults in."""
 
 import json
 import subprocess
+import sys
 from pathlib import Path
+
+DRIVER = Path(__file__).with_name("cli_driver.py")
 
 
 def one_error_line(stderr: str) -> str:
@@ -32,3 +35,17 @@ def in_namespace(script: str, cwd: Path, timeout: float = 300, **kwargs) -> subp
 def losses_by_step(metrics_file: Path) -> dict[int, float]:
     """The loss of each step a --metrics-file records."""
     return {r["step"]: r["loss"] for r in map(json.loads, metrics_file.read_text().splitlines())}
+
+
+def run_cases(cases: dict, files: dict, work: Path, timeout: float = 600) -> dict:
+    """Each case (name -> (module, argv whose `{name}` fields are `files`' paths, ...)) in an
+    empty working directory of its own under `work`, all run by one tests/cli_driver.py.
+    -> name -> (its result, its working directory)"""
+    batch = []
+    for i, (module, argv, *_) in enumerate(cases.values()):
+        (work / str(i)).mkdir()
+        batch.append({"module": module, "cwd": str(work / str(i)), "argv": [a.format(**files) for a in argv]})
+    done = subprocess.run([sys.executable, str(DRIVER)], input=json.dumps(batch), capture_output=True, text=True,
+                          timeout=timeout)
+    assert done.returncode == 0, done.stderr
+    return {name: (result, work / str(i)) for i, (name, result) in enumerate(zip(cases, json.loads(done.stdout)))}

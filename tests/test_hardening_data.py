@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import one_error_line, snapshot
+from helpers import one_error_line, run_cases, snapshot
 
 from spmd.base.errors import UserError
 from spmd.base.hardware import usable_cpus
@@ -46,7 +46,6 @@ from spmd.formats.checkpoint import finalized_steps
 pytestmark = pytest.mark.xdist_group("data-hardening")
 
 SFT = Path(__file__).parent / "sft"
-DRIVER = Path(__file__).with_name("cli_driver.py")
 CHAT = [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "4."}]
 # Loops of loops: each range is bounded (100,000), their product is not.
 FOREVER = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
@@ -159,15 +158,7 @@ def results(tmp_path_factory):
     inputs = tmp_path_factory.mktemp("inputs")
     files = _inputs(inputs)
     before = snapshot(inputs)
-    work = tmp_path_factory.mktemp("work")
-    batch = []
-    for i, (module, argv, _) in enumerate(CASES.values()):
-        (work / str(i)).mkdir()
-        batch.append({"module": module, "cwd": str(work / str(i)), "argv": [a.format(**files) for a in argv]})
-    done = subprocess.run([sys.executable, str(DRIVER)], input=json.dumps(batch), capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr
-    cases = {name: (result, work / str(i)) for i, (name, result) in enumerate(zip(CASES, json.loads(done.stdout)))}
+    cases = run_cases(CASES, files, tmp_path_factory.mktemp("work"), timeout=600)
     return cases, files, before == snapshot(inputs)
 
 

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import one_error_line, snapshot
+from helpers import one_error_line, run_cases, snapshot
 
 from spmd.base.errors import UserError
 from spmd.config import TrainConfig, validate
@@ -32,7 +32,6 @@ from spmd.run.distributed import processes
 pytestmark = pytest.mark.xdist_group("hardening_inputs")
 
 TESTS = Path(__file__).parent
-DRIVER = TESTS / "cli_driver.py"
 
 # name -> (module, argv, fragment of the one error line). {names} are the fixture's inputs.
 CASES = {
@@ -154,15 +153,7 @@ def results(tmp_path_factory):
     inputs = tmp_path_factory.mktemp("inputs")
     files = _inputs(inputs)
     before = snapshot(inputs)
-    work = tmp_path_factory.mktemp("work")
-    batch = []
-    for i, (module, argv, _) in enumerate(CASES.values()):
-        (work / str(i)).mkdir()
-        batch.append({"module": module, "cwd": str(work / str(i)), "argv": [a.format(**files) for a in argv]})
-    done = subprocess.run([sys.executable, str(DRIVER)], input=json.dumps(batch), capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr
-    cases = {name: (result, work / str(i)) for i, (name, result) in enumerate(zip(CASES, json.loads(done.stdout)))}
+    cases = run_cases(CASES, files, tmp_path_factory.mktemp("work"), timeout=300)
     return cases, before, snapshot(inputs)
 
 
