@@ -68,6 +68,12 @@ def test_tpu_flags_go_to_libtpu_init_args():
     assert args[0] == "--xla_tpu_enable_async_collective_fusion=false"
     assert xla_flags.flag_names(" ".join(args)) == set(xla_flags.TPU_FLAGS)
     assert len(args) == len(xla_flags.TPU_FLAGS)
+    # The all-gather fusion libtpu takes on v5e alone: added where the TPU VM says v5e.
+    fused = set(xla_flags.TPU_V5E_FLAGS)
+    for accelerator, wanted in (("v5litepod-16", fused), ("v5p-128", set()), ("v6e-8", set())):
+        environ = {"TPU_ACCELERATOR_TYPE": accelerator}
+        xla_flags.configure("tpu", PRESETS["tiny"], "bfloat16", environ)
+        assert xla_flags.flag_names(environ["LIBTPU_INIT_ARGS"]) - set(xla_flags.TPU_FLAGS) == wanted, accelerator
 
 
 @pytest.mark.parametrize("model", ["tiny", "moe-tiny", "llama3.2-1b"])

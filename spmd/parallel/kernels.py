@@ -4,8 +4,10 @@ how it runs on a mesh.
 `auto` is cuDNN's fused flash attention on NVIDIA GPUs, Pallas splash attention on TPUs,
 and the chunked (flash-style, plain JAX) kernel elsewhere. The plain-JAX kernels (xla,
 chunked) are partitioned by XLA like the rest of the model. The fused ones are custom
-calls that XLA's partitioner cannot split, so they run in a map manual over the axes that
-split their rows and heads (each device attends with its own), as ring attention does.
+calls that XLA's partitioner cannot split, so they run in a map manual over every mesh
+axis (each device attends with its own rows and heads), as ring attention does. Every axis,
+size-1 ones included: an axis left automatic asks the partitioner to split the call, which
+Mosaic (splash) and cuDNN refuse when compiled for a real TPU or GPU.
 """
 
 from __future__ import annotations
@@ -54,6 +56,6 @@ def make_kernel(mesh: jax.sharding.Mesh, name: str, batch_axes: tuple[str, ...] 
 
         rows = jax.P(batch_axes or None)  # segment ids (batch, seq): a device's own rows
         return jax.shard_map(local, mesh=inside_map(mesh), in_specs=(split, split, split, rows), out_specs=split,
-                             axis_names=still_automatic({HEADS_AXIS, *BATCH_AXES}), check_vma=False)(q, k, v, segments)
+                             axis_names=still_automatic(mesh.axis_names), check_vma=False)(q, k, v, segments)
 
     return attention

@@ -29,7 +29,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 
 import numpy as np
 from jax._src import xla_bridge
@@ -62,18 +62,20 @@ GPU_THRESHOLD_FLAGS = (
 
 # TPU (libtpu), after MaxText's flag library and TPU scripts: async collective fusion
 # (continuation fusion) of all-gathers, overlapped with compute, and the data-parallel
-# all-reduce optimizations. NOT verified here: libtpu is not part of the CPU/GPU jaxlib,
-# its flags are not in the registry a CPU backend checks, and no TPU was at hand. A libtpu
-# that does not know one of these fails at start; set LIBTPU_INIT_ARGS yourself to override.
+# all-reduce optimizations. Each is taken by libtpu 0.0.50.1 compiling for v4, v5e, v5p and
+# v6e topologies ahead of time (tests/test_target_tpu.py); no TPU was at hand to time them.
 TPU_FLAGS: dict[str, str] = {
     "xla_tpu_enable_async_collective_fusion": "true",
-    "xla_tpu_enable_async_collective_fusion_fuse_all_gather": "true",
     "xla_tpu_enable_async_collective_fusion_multiple_steps": "true",
     "xla_tpu_overlap_compute_collective_tc": "true",
     "xla_enable_async_all_gather": "true",
     "xla_tpu_enable_data_parallel_all_reduce_opt": "true",
     "xla_tpu_data_parallel_opt_different_sized_ops": "true",
 }
+# libtpu takes this one on v5e alone ("Continuation fusion for AllGather ... not supported"
+# on v5p and the others): added where the TPU VM's TPU_ACCELERATOR_TYPE names a v5e.
+TPU_V5E_FLAGS: dict[str, str] = {"xla_tpu_enable_async_collective_fusion_fuse_all_gather": "true"}
+V5E_TYPES = ("v5litepod-", "v5e-")
 
 VARIABLE = {"gpu": "XLA_FLAGS", "tpu": "LIBTPU_INIT_ARGS"}
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -106,8 +108,11 @@ def gpu_flags(model_cfg, dtype) -> list[str]:
         [f"--{name}={threshold}" for name in GPU_THRESHOLD_FLAGS]
 
 
-def tpu_flags() -> list[str]:
-    return [f"--{name}={value}" for name, value in TPU_FLAGS.items()]
+def tpu_flags(environ: Mapping[str, str] = os.environ) -> list[str]:
+    """TPU_FLAGS, and TPU_V5E_FLAGS on a v5e (as the TPU VM's TPU_ACCELERATOR_TYPE names it)."""
+    v5e = environ.get("TPU_ACCELERATOR_TYPE", "").strip().lower().startswith(V5E_TYPES)
+    flags = {**TPU_FLAGS, **(TPU_V5E_FLAGS if v5e else {})}
+    return [f"--{name}={value}" for name, value in flags.items()]
 
 
 def flag_names(value: str) -> set[str]:
@@ -147,7 +152,7 @@ def configure(backend: str, model_cfg, dtype, environ: MutableMapping[str, str] 
     variable = VARIABLE.get(backend)
     if variable is None:
         return []
-    wanted = gpu_flags(model_cfg, dtype) if backend == "gpu" else tpu_flags()
+    wanted = gpu_flags(model_cfg, dtype) if backend == "gpu" else tpu_flags(environ)
     if environ is os.environ and _backend_started():
         return [f"{variable} left unchanged: JAX's backend started already (set flags before the first jax.devices())"]
     current = environ.get(variable, "")
