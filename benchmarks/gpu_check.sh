@@ -4,6 +4,7 @@
 #
 #   bash benchmarks/gpu_check.sh      # logs in $OUT (a lent machine's), else /tmp/spmd-gpu-check
 #   NO_INSTALL=1 MODEL=small SEQ=128 BATCH=4 PARITY_SEQ=256 bash benchmarks/gpu_check.sh   # its logic, on a CPU
+#   ONLY=4 bash benchmarks/gpu_check.sh   # step 0's checks and step 4 alone
 #
 # 0. JAX sees the GPU (else `pip install -e ".[cuda12]"`, which needs the package index),
 #    and every flag of spmd.run.xla_flags is known to this jaxlib (tests/test_xla_flags.py).
@@ -16,6 +17,8 @@
 # 3. Dropless experts by jax.lax.ragged_all_to_all (ep = the GPUs there are; one GPU: ep=1)
 #    against the padded all-to-all: the op compiles, outputs and gradients agree
 #    (benchmarks/ragged_check.py; on a CPU it runs the op's model).
+# 4. The trainer end to end on the GPU: the README's default job, then a bf16 run of `small`
+#    that saves, is resumed and continues from its checkpoint (Orbax on device arrays).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -30,6 +33,9 @@ step() {  # step NAME SECONDS COMMAND...: run it under a timeout, log it (NAME's
   # the first '-' names the log: at most 8 files come back from a lent machine), note its status
   local name=$1 limit=$2 log="$LOGS/${1%%-*}.log"
   shift 2
+  if [ -n "${ONLY:-}" ] && [ "${name%%-*}" != 0 ] && [[ ",$ONLY," != *",${name%%-*},"* ]]; then
+    return 0  # ONLY=2,4: those steps (and step 0's checks) alone
+  fi
   echo "=== $name (at most ${limit}s): $*" | tee -a "$log"
   local start=$SECONDS
   timeout --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$log"
@@ -55,7 +61,14 @@ step 2-mfu-no-xla-flags 150 "$PY" benchmarks/mfu.py --model "$MODEL" --seq "$SEQ
 
 step 3-ragged 120 "$PY" benchmarks/ragged_check.py
 
+RUNS=$(mktemp -d)
+step 4-default 120 "$PY" -m spmd.train
+step 4-save 120 "$PY" -m spmd.train --model small --dtype bfloat16 --steps 20 --save-every 10 --out "$RUNS/small"
+step 4-resume 120 "$PY" -m spmd.train --model small --dtype bfloat16 --steps 30 --save-every 10 --out "$RUNS/small" \
+  --resume-with-changes
+rm -rf "$RUNS"
+
 echo "=== summary"
 printf '%s\n' "${SUMMARY[@]}" | tee "$LOGS/summary.log"
-grep -h -E "^(xla|cudnn|chunked) vs|^(xla|cudnn|chunked):|MFU|ragged|error|FAILED|fell back|cannot take|passed|failed" \
+grep -h -E "^(xla|cudnn|chunked) vs|^(xla|cudnn|chunked):|MFU|ragged|error|FAILED|fell back|cannot take|passed|failed|resum|final|^step +(10|20|30) " \
   "$LOGS"/[0-9].log | tee -a "$LOGS/summary.log"

@@ -188,8 +188,12 @@ def cudnn_attention(q, k, v, q_positions, k_positions, q_segments=None, k_segmen
         return fallback("cudnn", why)(q, k, v, q_positions, k_positions, q_segments, k_segments, window)
     # Query head (kv, g) is head kv * groups + g: the one jax maps to key/value head kv.
     # A window of w: w - 1 keys before the query, none after.
-    out = jax.nn.dot_product_attention(q.reshape(b, s, kv * g, d), k, v, is_causal=True, implementation="cudnn",
-                                       local_window_size=None if window is None else (window - 1, 0))
+    try:
+        out = jax.nn.dot_product_attention(q.reshape(b, s, kv * g, d), k, v, is_causal=True, implementation="cudnn",
+                                           local_window_size=None if window is None else (window - 1, 0))
+    except NotImplementedError as exc:  # a shape JAX's cuDNN path refuses while tracing: Gemma 3's head dim 256
+        why = str(exc).strip().splitlines()[0].rstrip(".") if str(exc).strip() else "JAX's cuDNN path refused it"
+        return fallback("cudnn", why)(q, k, v, q_positions, k_positions, q_segments, k_segments, window)
     return out.reshape(q.shape)
 
 

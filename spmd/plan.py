@@ -9,7 +9,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from spmd.base.cli import integer
+from spmd.base.cli import integer, nonempty
 from spmd.base.errors import UserError
 from spmd.base.signals import serve as serve_signals
 
@@ -30,6 +30,9 @@ def plan_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--devices", type=integer, default=None,
                         help="device count for --auto, or for the default layout without --mesh (default: the product "
                         "of --mesh, or 8 without one: spmd.train's default run)")
+    from spmd.planner.targets import TARGET_HELP  # (light: no JAX)
+
+    parser.add_argument("--target", type=nonempty, default=None, metavar="NAME", help=TARGET_HELP)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -43,18 +46,24 @@ def main(argv: Sequence[str] | None = None) -> int:
                                         description="Show per-device memory, collectives and a step-time "
                                                     "estimate of a layout, before launch (trains nothing).")
         from spmd.parallel.layout import make_layout
-        from spmd.parallel.mesh import (DEFAULT_CPU_DEVICES, MAX_EMULATED_DEVICES, accelerator_plugin_installed,
+        from spmd.parallel.mesh import (DEFAULT_CPU_DEVICES, MAX_EMULATED_DEVICES, accelerator_present,
                                         check_dcn)
         from spmd.planner import report
         from spmd.planner.plan import auto, default_hardware, make_plan, plan_devices
         from spmd.run.bootstrap import with_mesh
         from spmd.run.config import check_empty_layers
 
+        if extras.target:
+            if extras.auto or extras.devices is not None:
+                raise UserError("--target names its devices: give it without --auto and --devices")
+            from spmd.run.target import plan_target
+
+            return plan_target(cfg, extras.target, extras.json)
         spec = cfg.mesh_spec
         count = extras.devices if extras.devices is not None else spec.devices if cfg.mesh else DEFAULT_CPU_DEVICES
         if count < 1:
             raise UserError(f"--devices must be positive, got {count}")
-        if count > MAX_EMULATED_DEVICES and not accelerator_plugin_installed():
+        if count > MAX_EMULATED_DEVICES and not accelerator_present():
             raise UserError(f"planning for {count:,} devices would emulate them on the CPU; at most "
                             f"{MAX_EMULATED_DEVICES} can be emulated")
         if spec.has_remaining and not extras.devices and not extras.auto:

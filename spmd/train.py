@@ -29,6 +29,14 @@ EXIT_PEER_FAILED = 4
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if any(arg == "--target" or arg.startswith("--target=") for arg in argv):
+        # A compile-only dry run for an accelerator not at hand (as MaxText's train_compile.py):
+        # the run's step compiled by that accelerator's compiler, and its plan; nothing is
+        # trained or written.
+        serve_signals("stopped; nothing was written")
+        from spmd.run.target import dry_run
+
+        return dry_run(argv, prog="python -m spmd.train")
     serve_signals()  # first: every thread started from here on leaves SIGINT/SIGTERM/SIGUSR1 to it
     quiet_library_threads()
     with one_line_errors():

@@ -88,6 +88,10 @@ PLAN_CASES = {
     "plan: too large for every layout": (
         ["--model", "llama3-70b", "--auto", "--devices", "8", "--hardware", "v6e"], "does not fit on 8 x v6e in any layout"),
     "plan: auto without hardware": (["--auto", "--devices", "8"], "--auto needs --hardware"),
+    "plan: unknown target": (["--target", "tpu-9000"], "--target tpu-9000: unknown; give a TPU slice"),
+    "plan: target and devices": (["--target", "v5p-8", "--devices", "8"], "--target names its devices"),
+    # the test extra installs libtpu, not the 3.4 GB of CUDA wheels
+    "plan: target without its compiler": (["--target", "h100x8"], 'pip install -e ".[aot-gpu]"'),
 }
 # spmd.launch checks its own flags before it starts anything.
 LAUNCH_CASES = {"launch: no command": (["--nproc", "2"], "the command after --")}

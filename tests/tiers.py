@@ -69,6 +69,7 @@ AREAS = {
     "test_sequence_parallel": ("parity",),
     "test_sharding": ("parity",),
     "test_slurm": ("cluster",),
+    "test_targets": ("plan",),
     "test_tiers": ("docs",),
     "test_tools_hardening": ("cli",),
     "test_xla_flags": ("cli",),

@@ -53,11 +53,11 @@ def get(name: str) -> Hardware:
 
 
 def detect(device_kind: str) -> Hardware | None:
-    """The table entry for a `jax.Device.device_kind`, if any (emulated CPUs excluded)."""
-    for hw in table().values():
-        if hw.name != "cpu" and any(k.lower() in device_kind.lower() for k in hw.device_kind):
-            return hw
-    return None
+    """The table entry for a `jax.Device.device_kind`, if any (emulated CPUs excluded): of the
+    entries whose kinds are in it, the one with the longest ("TPU v5 lite" over "TPU v5")."""
+    found = [(len(k), hw) for hw in table().values() if hw.name != "cpu"
+             for k in hw.device_kind if k.lower() in device_kind.lower()]
+    return max(found, key=lambda f: f[0])[1] if found else None
 
 
 def peak_tflops(device_kind: str) -> float | None:

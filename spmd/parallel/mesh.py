@@ -8,7 +8,6 @@ count can still be chosen (`emulate_cpu_devices`) after parsing.
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
 import math
 import os
 import re
@@ -17,6 +16,7 @@ from collections.abc import Mapping, Sequence
 import jax
 from jax.experimental import mesh_utils
 
+from spmd.base import accelerators
 from spmd.base.errors import UserError
 
 AXES = ("pp", "dp", "fsdp", "ep", "sp", "tp")
@@ -141,15 +141,21 @@ def format_mesh(shape: Mapping[str, int]) -> str:
     return ",".join(named) or "single device"
 
 
-def accelerator_plugin_installed() -> bool:
-    """Whether a GPU/TPU jaxlib plugin is present (checked without starting a backend)."""
-    if os.environ.get("JAX_PLATFORMS", "").strip().lower() == "cpu":
-        return False
-    for dist in importlib.metadata.distributions():
-        name = (dist.metadata["Name"] or "").lower()
-        if name.startswith(("jax-cuda", "jax_cuda", "jax-rocm", "libtpu")):
-            return True
-    return False
+def accelerator_present() -> bool:
+    """Whether JAX will run on a GPU or TPU (decided without starting a backend: a plugin
+    installed and its device shown, spmd.base.accelerators)."""
+    return accelerators.backend() != "cpu"
+
+
+def keep_unused_plugins_out() -> None:
+    """Where a plugin is installed for a device the host lacks (`.[aot-tpu]`, to compile for
+    TPUs), run on the CPU without JAX trying the plugin first. Before a backend starts."""
+    if accelerators.unused_plugins():
+        os.environ["JAX_PLATFORMS"] = "cpu"  # (and data workers, which inherit it)
+        try:
+            jax.config.update("jax_platforms", "cpu")
+        except RuntimeError:  # JAX already started (a notebook): it chose already
+            pass
 
 
 def preset_cpu_devices() -> int | None:
@@ -169,7 +175,7 @@ def emulated_device_count(sizes: Mapping[str, int] | None, cpu_devices: int | No
     devices are what the host is set up with: no --mesh (`sizes` None) and no --cpu-devices,
     on a host set up to emulate some, or for inference (`trains` False), which uses JAX's
     own (one CPU device, unless the host says otherwise)."""
-    if accelerator_plugin_installed():
+    if accelerator_present():
         return None
     wanted = cpu_devices
     if wanted is None and sizes is None and (not trains or preset_cpu_devices() is not None):
@@ -195,9 +201,11 @@ def emulate_cpu_devices(sizes: Mapping[str, int] | None, cpu_devices: int | None
     process (its share when the run has several processes); `sizes` None: no --mesh, see
     `emulated_device_count`.
 
-    Must run before anything starts a JAX backend. On a machine with an accelerator
-    plugin this does nothing: the mesh is checked against the real devices later.
+    Must run before anything starts a JAX backend. On a machine with an accelerator this
+    does nothing: the mesh is checked against the real devices later. A plugin installed
+    for a device the host lacks (`.[aot-tpu]` to compile for TPUs) is kept out of JAX's way.
     """
+    keep_unused_plugins_out()
     wanted = emulated_device_count(sizes, cpu_devices, processes, trains)
     if wanted is None:
         return

@@ -3,8 +3,9 @@
 `compiled.as_text()` is a list of computations. Each instruction names its result type
 and its operands; a collective's device groups are in `replica_groups` (three syntaxes,
 see `spmd.replica_groups`). Loops are `while` instructions whose body is another
-computation and whose `known_trip_count` says how often it runs, so a collective's count
-per step is the product of the trip counts of the loops around it.
+computation and whose `known_trip_count` says how often it runs (XLA:CPU and XLA:GPU
+write it; XLA:TPU does not, and the count is read from the loop's condition), so a
+collective's count per step is the product of the trip counts of the loops around it.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from spmd.parallel.zero_bubble import split_backward
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute", "ragged-all-to-all")
 REDUCTIONS = ("all-reduce", "reduce-scatter")
+COMPUTE = ("fusion", "custom-call", "dot", "convolution")  # what a device computes while a collective runs
 
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
                 "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
@@ -29,6 +31,10 @@ _CALLED = re.compile(r"\b(?:body|condition|to_apply|calls|true_computation|false
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _PARAMETER_INDEX = re.compile(r"^(\d+)\)")
+_CUSTOM_CALL_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+_CONDITION = re.compile(r"\bcondition=%?([\w.\-]+)")
+_DIRECTION = re.compile(r"\bdirection=(\w+)")
+_TUPLE_INDEX = re.compile(r"\bindex=(\d+)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,8 +89,8 @@ class HloModule:
     def runs_per_step(self) -> dict[str, float]:
         """How many times each computation runs in one execution of the entry computation.
 
-        A loop without a known trip count is counted once (and such loops are rare after
-        XLA's loop analysis; the train step's scans all have one). The branches of a
+        A loop whose trip count is neither written nor readable from its condition is
+        counted once (the train step's scans all have one). The branches of a
         conditional that move the same collectives (a layer that runs one of two kinds of
         attention, each over sp) share its runs: one of them runs each time."""
         runs = {self.entry: 1}
@@ -158,6 +164,7 @@ def parse(text: str) -> HloModule:
     instructions: dict[str, dict[str, Instruction]] = {}
     roots: dict[str, str] = {}
     collectives: list[Collective] = []
+    unknown: list[tuple[Instruction, set[str]]] = []  # loops without known_trip_count, and their bodies
     for line in text.splitlines():
         header = _HEADER.match(line)
         if header and "=" not in line.split("(")[0]:
@@ -186,13 +193,93 @@ def parse(text: str) -> HloModule:
             trip = _TRIP_COUNT.search(attributes)
             for body in bodies:
                 trip_counts[body] = int(trip.group(1)) if trip else 1
+            if not trip:
+                unknown.append((instr, bodies))
         base = op[: -len("-start")] if op.endswith("-start") else op
         if base in COLLECTIVES:
             table = instructions[current]
             operand_bytes = tuple(shape_bytes(table[o].result_type) if o in table else 0 for o in operands)
             collectives.append(Collective(base, name, current, shape_bytes(result_type), operand_bytes,
                                           attributes, line.strip()))
+    for loop, bodies in unknown:
+        trip = trip_from_condition(loop, instructions, roots)
+        for body in bodies:
+            trip_counts[body] = trip or 1
     return HloModule(entry, calls, loop_bodies, trip_counts, instructions, roots, collectives)
+
+
+def overlapped(module: HloModule) -> set[str]:
+    """The asynchronous collectives (`-start` ... `-done`) that have compute scheduled
+    between their start and their done: those the device runs under compute. A compiled
+    module is scheduled, and its text lists each computation in that order."""
+    out = set()
+    for table in module.instructions.values():
+        position = {name: i for i, name in enumerate(table)}
+        order = list(table.values())
+        for instr in order:
+            if instr.op.endswith("-done") and instr.operands and instr.operands[0] in position:
+                between = order[position[instr.operands[0]] + 1:position[instr.name]]
+                if any(b.op in COMPUTE for b in between):
+                    out.add(instr.operands[0])
+    return out
+
+
+def fused_kernels(module: HloModule) -> dict[str, int]:
+    """The fused kernels' custom calls in the program, by target: cuDNN's attention
+    (`__cudnn$fmha...`) and Mosaic's (`tpu_custom_call`, splash attention's on a TPU)."""
+    counts: dict[str, int] = {}
+    for table in module.instructions.values():
+        for instr in table.values():
+            target = _CUSTOM_CALL_TARGET.search(instr.attributes) if instr.op == "custom-call" else None
+            if target and (target.group(1).startswith("__cudnn$fmha") or target.group(1) == "tpu_custom_call"):
+                counts[target.group(1)] = counts.get(target.group(1), 0) + 1
+    return counts
+
+
+def is_async(module: HloModule) -> bool:
+    """Whether the compiler split its collectives into start and done (XLA:GPU does)."""
+    return any(module.instructions[c.computation][c.name].op.endswith("-start") for c in module.collectives)
+
+
+def trip_from_condition(loop: Instruction, instructions, roots) -> int | None:
+    """The trip count of a `while` whose condition is `counter < N` (or `<=`), the counter
+    a tuple element that starts at a constant and counts up by one, as in JAX's scans and
+    fori_loops; None for any other loop."""
+    condition = _CONDITION.search(loop.attributes)
+    if not condition or condition.group(1) not in roots or not loop.operands:
+        return None
+    table = instructions[condition.group(1)]
+    compare = table[roots[condition.group(1)]]
+    direction = _DIRECTION.search(compare.attributes)
+    if compare.op != "compare" or not direction or direction.group(1) not in ("LT", "LE") \
+            or len(compare.operands) != 2:
+        return None
+    counter, bound = (_through_copies(table, o) for o in compare.operands)
+    index = _TUPLE_INDEX.search(counter.attributes) if counter and counter.op == "get-tuple-element" else None
+    end = _constant(bound)
+    init = instructions[loop.computation].get(loop.operands[0])
+    if index is None or end is None or init is None or init.op != "tuple":
+        return None
+    start = _constant(_through_copies(instructions[loop.computation], init.operands[int(index.group(1))]))
+    if start is None:
+        return None
+    return max(end - start + (direction.group(1) == "LE"), 0)
+
+
+def _through_copies(table: dict[str, Instruction], name: str) -> Instruction | None:
+    instr = table.get(name)
+    while instr is not None and instr.op in ("copy", "bitcast", "convert") and instr.operands:
+        instr = table.get(instr.operands[0])
+    return instr
+
+
+def _constant(instr: Instruction | None) -> int | None:
+    if instr is None or instr.op != "constant" or not instr.operands:
+        return None
+    try:
+        return int(instr.operands[0])
+    except ValueError:
+        return None
 
 
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")

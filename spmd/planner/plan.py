@@ -18,7 +18,7 @@ import jax
 from spmd.base import hardware
 from spmd.base.errors import UserError
 from spmd.parallel.layout import make_layout
-from spmd.parallel.mesh import accelerator_plugin_installed
+from spmd.parallel.mesh import accelerator_present, keep_unused_plugins_out
 from spmd.parallel.skeleton import REMAT
 from spmd.parallel.step import build_program
 from spmd.planner import footprint, hlo, theory, traffic
@@ -39,6 +39,7 @@ class Row:
     measured: float
     theory: float
     from_all_reduce: bool
+    overlapped: float = 0.0  # of measured: bytes of asynchronous collectives with compute scheduled under them
 
     @property
     def ratio(self) -> float | None:
@@ -61,6 +62,8 @@ class Plan:
     rows: list[Row]
     prediction: object | None
     full_state: float | None = None  # a LoRA run's: the state of a full fine-tune of its model on its mesh
+    asynchronous: bool = False  # the compiler split collectives into start and done (XLA:GPU)
+    kernels: dict[str, int] = dataclasses.field(default_factory=dict)  # fused kernels' custom calls, per target
 
     @property
     def devices(self) -> int:
@@ -120,8 +123,10 @@ class Plan:
                 "peak_from": self.fit_basis,
                 "usable_bytes": round(self.usable) if self.usable else None,
             },
+            "fused_kernel_calls": self.kernels,
             "collectives": [{"op": r.op, "axis": r.axes, "count": r.count, "bytes_per_device": round(r.measured),
                              "theory_bytes_per_device": round(r.theory),
+                             **({"under_compute_bytes": round(r.overlapped)} if self.asynchronous else {}),
                              **({"from_all_reduce_and_slice": True} if r.from_all_reduce else {}),
                              **({"unexpected": True} if r.unexpected else {})}
                             for r in self.rows if r.count],
@@ -144,12 +149,16 @@ def compare(measured, expected) -> list[Row]:
         row = rows.get((t.op, t.axes)) or Row(t.op, t.axes, 0, 0.0, 0.0, False)
         rows[(t.op, t.axes)] = dataclasses.replace(row, count=row.count + t.count,
                                                    measured=row.measured + t.bytes_per_device,
-                                                   from_all_reduce=row.from_all_reduce or t.from_all_reduce)
+                                                   from_all_reduce=row.from_all_reduce or t.from_all_reduce,
+                                                   overlapped=row.overlapped + t.overlapped)
     return sorted(rows.values(), key=lambda r: (-max(r.measured, r.theory), r.op, r.axes))
 
 
-def make_plan(cfg, layout, compiled=None, hardware=None, planned_on: str | None = None, program=None) -> Plan:
-    """Compile the step for abstract shapes (unless given the compiled step) and compare."""
+def make_plan(cfg, layout, compiled=None, hardware=None, planned_on: str | None = None, program=None,
+              program_shape=None) -> Plan:
+    """Compile the step for abstract shapes (unless given the compiled step) and compare.
+    `program_shape`: the mesh the compiled program's device ids span, where it is not the
+    whole mesh (a TPU multislice program is one slice's)."""
     program = program or build_program(cfg, layout)
     if compiled is None:
         compiled = program.compile_step()
@@ -159,7 +168,8 @@ def make_plan(cfg, layout, compiled=None, hardware=None, planned_on: str | None 
         xla = {"argument": stats.argument_size_in_bytes, "output": stats.output_size_in_bytes,
                "alias": stats.alias_size_in_bytes, "temp": stats.temp_size_in_bytes}
         xla["peak"] = xla["argument"] + xla["output"] - xla["alias"] + xla["temp"]
-    measured = traffic.step_traffic(hlo.parse(compiled.as_text()), layout.shape)
+    module = hlo.parse(compiled.as_text())
+    measured = traffic.step_traffic(module, program_shape or layout.shape)
     rows = compare(measured, theory.collectives(cfg, layout))
     # The batch's arrays (tokens; of packed rows also segment ids and loss masks), per device.
     batch_bytes = sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
@@ -170,7 +180,7 @@ def make_plan(cfg, layout, compiled=None, hardware=None, planned_on: str | None 
                              [(r.op, r.axes, r.measured) for r in rows], hardware)
     kind = layout.mesh.devices.flat[0].device_kind
     return Plan(cfg, layout, planned_on or kind, hardware, footprint.memory(cfg, layout), xla, batch_bytes,
-                rows, prediction, full_fine_tune_state(cfg, layout))
+                rows, prediction, full_fine_tune_state(cfg, layout), hlo.is_async(module), hlo.fused_kernels(module))
 
 
 def full_fine_tune_state(cfg, layout) -> float | None:
@@ -188,11 +198,12 @@ def full_fine_tune_state(cfg, layout) -> float | None:
 def plan_devices(count: int):
     """`count` devices to compile for: the real accelerators if there are enough, else
     emulated CPU devices (set up before JAX starts its backends). -> (devices, label)"""
+    keep_unused_plugins_out()
     try:
         jax.config.update("jax_num_cpu_devices", max(count, 1))
     except RuntimeError:  # JAX already started (a notebook): use what it has
         pass
-    if accelerator_plugin_installed():
+    if accelerator_present():
         real = jax.devices()
         if len(real) >= count and real[0].platform != "cpu":
             return real[:count], real[0].device_kind

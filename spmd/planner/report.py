@@ -40,8 +40,8 @@ _MEMORY_ROWS = (("params", "parameters"), ("opt_state", "optimizer state"), ("gr
                 ("gathered_weights", "gathered weights"), ("activations", "activations"))
 _XLA_ROWS = (("argument", "arguments"), ("output", "outputs"), ("alias", "  of which aliased"),
              ("temp", "temporaries"))
-_ALL_REDUCE_NOTE = ("* XLA:CPU emits these as all-reduce + dynamic-slice; XLA on GPU/TPU forms the "
-                    "reduce-scatter, whose bytes are shown")
+_ALL_REDUCE_NOTE = ("* compiled as all-reduce + dynamic-slice (XLA:CPU, and XLA:TPU's optimized HLO); the "
+                    "reduce-scatter they amount to is shown")
 
 
 def _ratio(r) -> str:
@@ -69,17 +69,25 @@ def plan_table(plan) -> list[str]:
     lines.append(f"  {'peak':26}{human_bytes(sum(plan.theory_memory.values())):>12}"
                  f"{human_bytes(plan.xla['peak']) if plan.xla else '-':>12}")
     lines.append(verdict(plan))
-    lines += ["", f"{'communication per step':30}{'count':>7}{'per device':>13}{'theory':>13}{'ratio':>11}"]
+    overlap = plan.asynchronous  # the compiler scheduled each collective's start and done: show what runs under compute
+    lines += ["", f"{'communication per step':30}{'count':>7}{'per device':>13}{'theory':>13}{'ratio':>11}"
+              + (f"{'under compute':>15}" if overlap else "")]
     for r in plan.rows:
         star = " *" if r.from_all_reduce else ""
+        under = f"{r.overlapped / r.measured:>15.0%}" if overlap and r.measured else ""
         lines.append(f"  {r.op + ' ' + r.axes + star:28}{r.count:>7}{human_bytes(r.measured):>13}"
-                     f"{human_bytes(r.theory) if r.theory else '-':>13}{_ratio(r):>11}")
+                     f"{human_bytes(r.theory) if r.theory else '-':>13}{_ratio(r):>11}{under}")
     if not plan.rows:
         lines.append("  none: every device works alone")
     if any(r.from_all_reduce for r in plan.rows):
         lines.append("  " + _ALL_REDUCE_NOTE)
     if any(r.unexpected for r in plan.rows):
         lines.append("  unexpected: collectives the theory of this layout does not account for (see spmd/planner/theory.py)")
+    if overlap:
+        lines.append("  under compute: of the bytes, those of collectives with compute scheduled between their start "
+                     "and done")
+    if plan.kernels:
+        lines.append("fused kernels in the step: " + ", ".join(f"{n} {t}" for t, n in sorted(plan.kernels.items())))
     if plan.prediction:
         lines += ["", *roofline_lines(plan)]
     return lines

@@ -39,6 +39,7 @@ class Traffic:
     count: int  # executions per step
     bytes_per_device: float  # per step
     from_all_reduce: bool = False  # split out of an all-reduce + slice (see the module doc)
+    overlapped: float = 0.0  # of bytes_per_device, those of asynchronous collectives with compute under them
 
 
 # ----------------------------------------------------------------------------- groups
@@ -159,7 +160,7 @@ def _slice_fraction(module: hlo.HloModule, computation: str, name: str, elements
         if user.op == "dynamic-slice":
             kept = _elements(user.result_type)
             fractions.add(elements // kept if kept and elements % kept == 0 else 1)
-        elif _is_copy(module, user):
+        elif _is_copy(module, user) or user.op.endswith("-done"):  # (an asynchronous collective's result)
             fractions.add(_slice_fraction(module, computation, user.name, elements, depth + 1))
         elif user.op == "fusion" and (fused := _called(user)):
             for index, operand in enumerate(user.operands):
@@ -215,11 +216,14 @@ def _source_width(module: hlo.HloModule, computation: str, name: str) -> float:
 
 def _operand_slice_fractions(module: hlo.HloModule, c: hlo.Collective) -> list[int]:
     """For an all-reduce: per operand, k if only a 1/k slice of its result is ever used."""
-    instr = module.instructions[c.computation][c.name]
+    instr = result = module.instructions[c.computation][c.name]
+    if instr.op.endswith("-start"):  # asynchronous (XLA:GPU): its -done holds the result
+        done = [u for u in module.users(c.computation, c.name) if u.op.endswith("-done")]
+        result = done[0] if len(done) == 1 else instr
     if len(instr.operands) == 1:
-        return [_slice_fraction(module, c.computation, c.name, _elements(instr.result_type))]
+        return [_slice_fraction(module, c.computation, result.name, _elements(result.result_type))]
     out = [1] * len(instr.operands)
-    for user in module.users(c.computation, c.name):
+    for user in module.users(c.computation, result.name):
         index = re.search(r"\bindex=(\d+)", user.attributes)
         if user.op == "get-tuple-element" and index:
             out[int(index.group(1))] = _slice_fraction(module, c.computation, user.name, _elements(user.result_type))
@@ -322,6 +326,7 @@ def step_traffic(module: hlo.HloModule, mesh_shape: Mapping[str, int]) -> list[T
         first = feeders.get((name, operand))
         return _joined(*filter(None, (axes, reduced_over(*first)))) if first else axes
 
+    under_compute = hlo.overlapped(module)
     totals: dict[tuple[str, str, bool], list[float]] = {}
     for c in module.collectives:
         if c.name not in axes_of:
@@ -354,8 +359,9 @@ def step_traffic(module: hlo.HloModule, mesh_shape: Mapping[str, int]) -> list[T
                 if rest:
                     parts.append(("all-reduce", rest, group // k, size / k, True))
         for op, on_axes, group, operand_bytes, converted in parts:
-            row = totals.setdefault((op, on_axes, converted), [0, 0.0])
+            row = totals.setdefault((op, on_axes, converted), [0, 0.0, 0.0])
             row[0] += times
             row[1] += times * _ring_bytes(op, operand_bytes, group)
-    return [Traffic(op, axes, int(count), total, converted)
-            for (op, axes, converted), (count, total) in sorted(totals.items())]
+            row[2] += times * _ring_bytes(op, operand_bytes, group) * (c.name in under_compute)
+    return [Traffic(op, axes, int(count), total, converted, overlapped)
+            for (op, axes, converted), (count, total, overlapped) in sorted(totals.items())]

@@ -12,7 +12,8 @@ parsing its options (the model and dtype size the thresholds), before anything s
 backend. `configure` says so instead of changing anything when the backend already started.
 
 Which backend: `backend_before_start()` decides without starting one (JAX_PLATFORMS, else
-which plugin is installed), since the flags must be in place before JAX looks.
+the installed plugin whose device the host shows), since the flags must be in place before
+JAX looks.
 
 Unknown flags abort: XLA stops at backend start on a name its flag registry lacks
 ("Unknown flag in XLA_FLAGS"), and that registry (DebugOptions) is one for all backends,
@@ -26,13 +27,15 @@ into the three pipelined_* flags).
 
 from __future__ import annotations
 
-import importlib.util
 import os
+import re
 import sys
-from collections.abc import Mapping, MutableMapping
+from collections.abc import MutableMapping
 
 import numpy as np
 from jax._src import xla_bridge
+
+from spmd.base import accelerators
 
 # GPU (NVIDIA), after MaxText's GPU scripts and JAX-Toolbox's / JAX's GPU performance
 # guides: schedule collectives to overlap compute, and in the scanned layers start the
@@ -50,7 +53,15 @@ GPU_FLAGS: dict[str, str] = {
     "xla_gpu_enable_pipelined_all_reduce": "true",
     # Unrolls the scan by two, so one iteration's collective overlaps the other's compute.
     "xla_gpu_enable_while_loop_double_buffering": "true",
+    # A gradient all-reduce over dp+fsdp whose result each device slices by fsdp (HSDP)
+    # becomes a reduce-scatter over fsdp and an all-reduce over dp: 2/3 of the bytes on
+    # dp=2,fsdp=2. XLA:GPU splits it only where another all-reduce already uses one of
+    # those groups; compiled for 8 H100s (spmd.plan --target h100x8) it did not.
+    "xla_gpu_all_reduce_splitter_ignore_profitability_check": "true",
 }
+# Flags that older jaxlibs refuse (XLA aborts on a flag it does not know): the first
+# jaxlib that has each. Left out below it.
+GPU_FLAGS_SINCE: dict[str, tuple[int, int]] = {"xla_gpu_all_reduce_splitter_ignore_profitability_check": (0, 12)}
 # Combining thresholds: collectives smaller than this are merged into one. Sized to one
 # layer's weights (combine_threshold_bytes): a layer's parameters travel in one collective,
 # but the next layer's are not held back waiting for more.
@@ -79,10 +90,7 @@ V5E_TYPES = ("v5litepod-", "v5e-")
 
 VARIABLE = {"gpu": "XLA_FLAGS", "tpu": "LIBTPU_INIT_ARGS"}
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
-# Module names (importlib.util.find_spec, nothing imported) of the plugins `jax[cuda12]`,
-# `jax[cuda13]` and `jax[tpu]` install.
-CUDA_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13")
-TPU_PLUGINS = ("libtpu",)
+
 
 
 def layer_params(model_cfg) -> int:
@@ -102,15 +110,27 @@ def combine_threshold_bytes(model_cfg, dtype) -> int:
     return layer_params(model_cfg) * itemsize
 
 
-def gpu_flags(model_cfg, dtype) -> list[str]:
+def gpu_flags(model_cfg, dtype, jaxlib_version: str | None = None) -> list[str]:
     threshold = combine_threshold_bytes(model_cfg, dtype)
-    return [f"--{name}={value}" for name, value in GPU_FLAGS.items()] + \
+    installed = _release(jaxlib_version or _jaxlib_version())
+    return [f"--{name}={value}" for name, value in GPU_FLAGS.items() if installed >= GPU_FLAGS_SINCE.get(name, (0,))] + \
         [f"--{name}={threshold}" for name in GPU_THRESHOLD_FLAGS]
 
 
-def tpu_flags(environ: Mapping[str, str] = os.environ) -> list[str]:
-    """TPU_FLAGS, and TPU_V5E_FLAGS on a v5e (as the TPU VM's TPU_ACCELERATOR_TYPE names it)."""
-    v5e = environ.get("TPU_ACCELERATOR_TYPE", "").strip().lower().startswith(V5E_TYPES)
+def _jaxlib_version() -> str:
+    import jaxlib.version  # (no backend starts)
+
+    return jaxlib.version.__version__
+
+
+def _release(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in re.findall(r"\d+", version)[:3])
+
+
+def tpu_flags(accelerator_type: str) -> list[str]:
+    """TPU_FLAGS, and TPU_V5E_FLAGS on a v5e (`accelerator_type` as the TPU VM's
+    TPU_ACCELERATOR_TYPE names it: v5litepod-16; or spmd.plan's --target: v5e-16)."""
+    v5e = accelerator_type.strip().lower().startswith(V5E_TYPES)
     flags = {**TPU_FLAGS, **(TPU_V5E_FLAGS if v5e else {})}
     return [f"--{name}={value}" for name, value in flags.items()]
 
@@ -121,29 +141,13 @@ def flag_names(value: str) -> set[str]:
 
 
 def backend_before_start(environ: MutableMapping[str, str] = os.environ) -> str:
-    """"gpu", "tpu" or "cpu": where JAX will run, decided without starting a backend.
-
-    JAX_PLATFORMS if set (its first entry: JAX tries them in order), else the accelerator
-    plugin installed (a CUDA plugin, else libtpu), else the CPU."""
-    platforms = environ.get("JAX_PLATFORMS", "").strip().lower()
-    if platforms:
-        first = platforms.split(",")[0].strip()
-        return "gpu" if first in ("cuda", "gpu", "rocm") else "tpu" if first == "tpu" else "cpu"
-    if any(_installed(name) for name in CUDA_PLUGINS):
-        return "gpu"
-    if any(_installed(name) for name in TPU_PLUGINS):
-        return "tpu"
-    return "cpu"
+    """"gpu", "tpu" or "cpu": where JAX will run, decided without starting a backend
+    (spmd.base.accelerators: JAX_PLATFORMS, else a plugin whose device the host shows)."""
+    return accelerators.backend(environ)
 
 
-def _installed(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):  # a parent package missing or broken
-        return False
-
-
-def configure(backend: str, model_cfg, dtype, environ: MutableMapping[str, str] = os.environ) -> list[str]:
+def configure(backend: str, model_cfg, dtype, environ: MutableMapping[str, str] = os.environ,
+              accelerator_type: str | None = None) -> list[str]:
     """Add `backend`'s flags to its variable (XLA_FLAGS on "gpu", LIBTPU_INIT_ARGS on
     "tpu"), except those the variable already names; nothing on "cpu" (or anything else).
     Must run before JAX starts its backend (when `environ` is os.environ and the backend
@@ -152,7 +156,7 @@ def configure(backend: str, model_cfg, dtype, environ: MutableMapping[str, str] 
     variable = VARIABLE.get(backend)
     if variable is None:
         return []
-    wanted = gpu_flags(model_cfg, dtype) if backend == "gpu" else tpu_flags(environ)
+    wanted = gpu_flags(model_cfg, dtype) if backend == "gpu" else tpu_flags(accelerator_type or environ.get("TPU_ACCELERATOR_TYPE", ""))
     if environ is os.environ and _backend_started():
         return [f"{variable} left unchanged: JAX's backend started already (set flags before the first jax.devices())"]
     current = environ.get(variable, "")

@@ -1,0 +1,152 @@
+"""Accelerators to compile for without one (`spmd.plan --target NAME`): TPU slices by
+topology, GPU nodes by a target description of the chip, both compiled ahead of time by
+the real accelerator's compiler (libtpu; XLA:GPU of the CUDA plugin) on this host.
+
+Names, as Cloud TPU and GPU clouds name them:
+  v5p-128       a TPU v5p slice of 128 TensorCores (64 chips, 4x4x4); v5p-8 is the smallest
+  v5e-256       a TPU v5e slice of 256 chips (16x16); v6e-64 likewise (8x8)
+  2xv5p-128     two such slices joined by the data-center network (multislice)
+  v5p:2x2x4     a slice by its chips' topology, as libtpu names it
+  h100x8        one node of 8 H100s; h200x8 likewise; h100x2 a node of 2
+  2xh100x8      two such nodes
+The GPU chips' descriptions are data (targets/*.txtpb: XLA's GpuTargetConfig, in text);
+TPUs need none (libtpu knows its chips).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import re
+from pathlib import Path
+
+from spmd.base.errors import UserError
+
+DESCRIPTIONS = Path(__file__).with_name("targets")
+# TensorCores per chip in a slice's name: v5p (and v4) count cores, two a chip; v5e and v6e count chips.
+CORES_PER_CHIP = {"v5p": 2, "v5e": 1, "v6e": 1}
+TORUS_DIMS = {"v5p": 3, "v5e": 2, "v6e": 2}
+MAX_TPU_CHIPS = {"v5p": 8960, "v5e": 256, "v6e": 256}  # the largest slice of each
+MAX_SLICES = 64
+# The H800 is the H100's chip with NVLink cut (hardware.toml's h800): the same to the compiler.
+GPU_CHIPS = {"h100": "h100.txtpb", "h800": "h100.txtpb", "h200": "h200.txtpb"}
+MAX_GPUS_PER_NODE = 8
+MAX_GPU_NODES = 256  # DeepSeek-V3's 2,048 H800s
+TARGET_HELP = (  # spmd.plan's and spmd.train's --target
+    "compile for this accelerator with its own compiler, ahead of time and with none here: a TPU slice "
+    "(v5p-128, v5e-256, v6e-64, 2xv5p-128) or a GPU node (h100x8, h200x8, 2xh100x8); needs .[aot-tpu] or "
+    ".[aot-gpu] (docs/planner.md)")
+EXTRAS = {"tpu": ("aot-tpu", "libtpu"), "cuda": ("aot-gpu", "jax_cuda12_plugin")}
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    name: str
+    platform: str  # "tpu" or "cuda"
+    hardware: str  # its spmd/base/hardware.toml entry
+    topology: str  # libtpu's "v5p:4x4x4"; for GPUs "slices x hosts x devices per host"
+    slices: int = 1
+    target_config: str | None = None  # GPUs: XLA's GpuTargetConfig, text
+
+    @property
+    def devices(self) -> int:
+        dims = re.findall(r"\d+", self.topology.split(":")[-1])
+        count = 1
+        for d in dims:
+            count *= int(d)
+        return count * (self.slices if self.platform == "tpu" else 1)
+
+
+def torus(chips: int, dims: int) -> tuple[int, ...]:
+    """A slice's chip grid as Cloud TPU shapes it: from one chip, the smallest side doubles
+    (the last of equal sides first): 4 chips 2x2x1, 8 2x2x2, 16 2x2x4, 32 2x4x4, 64 4x4x4;
+    in 2D 4 chips 2x2, 8 2x4, 16 4x4, 256 16x16."""
+    shape = [2, 2, 1] if dims == 3 else [1, 1]  # a 3D slice starts at 4 chips
+    while _product(shape) < chips:
+        smallest = min(shape)
+        last = max(i for i, side in enumerate(shape) if side == smallest)
+        shape[last] *= 2
+    if _product(shape) != chips:
+        raise ValueError(chips)
+    return tuple(shape)
+
+
+def _product(shape) -> int:
+    out = 1
+    for side in shape:
+        out *= side
+    return out
+
+
+def parse(name: str) -> Target:
+    """The target a name means, or a UserError listing the forms."""
+    text = name.strip().lower()
+    slices, rest = 1, text
+    if m := re.fullmatch(r"(\d+)x(.+)", text):
+        slices, rest = int(m.group(1)), m.group(2)
+        if slices < 1:
+            raise UserError(f"--target {name}: give at least one slice or node")
+    if re.match(r"v\d", rest) and slices > MAX_SLICES:
+        raise UserError(f"--target {name}: {slices} slices; give 1 to {MAX_SLICES}")
+    if m := re.fullmatch(r"(v5p|v5e|v6e)-(\d+)", rest):
+        generation, cores = m.group(1), int(m.group(2))
+        chips, odd = divmod(cores, CORES_PER_CHIP[generation])
+        try:
+            if odd or not 1 <= chips <= MAX_TPU_CHIPS[generation]:
+                raise ValueError(chips)
+            shape = torus(chips, TORUS_DIMS[generation])
+        except ValueError:
+            raise UserError(f"--target {name}: {generation} slices come in powers of two up to "
+                            f"{MAX_TPU_CHIPS[generation] * CORES_PER_CHIP[generation]}"
+                            f"{' TensorCores (two a chip), from 8' if generation == 'v5p' else ' chips'}") from None
+        return Target(name, "tpu", generation, f"{generation}:{'x'.join(map(str, shape))}", slices)
+    if m := re.fullmatch(r"(v5p|v5e|v6e):(\d+(?:x\d+)+)", rest):
+        generation, shape = m.group(1), m.group(2)
+        if len(shape.split("x")) != TORUS_DIMS[generation]:
+            raise UserError(f"--target {name}: a {generation} topology has {TORUS_DIMS[generation]} sides")
+        return Target(name, "tpu", generation, rest, slices)
+    if m := re.fullmatch(r"(h100|h800|h200)x(\d+)", rest):
+        chip, per_node = m.group(1), int(m.group(2))
+        if not 1 <= per_node <= MAX_GPUS_PER_NODE or slices > MAX_GPU_NODES:
+            raise UserError(f"--target {name}: a node holds 1 to {MAX_GPUS_PER_NODE} GPUs, and up to "
+                            f"{MAX_GPU_NODES} nodes can be named")
+        config = (DESCRIPTIONS / GPU_CHIPS[chip]).read_text()
+        return Target(name, "cuda", chip, f"1x{slices}x{per_node}", 1, config)
+    raise UserError(f"--target {name}: unknown; give a TPU slice (v5p-128, v5e-256, v6e-64, v5p:2x2x4, "
+                    f"multislice 2xv5p-128) or a GPU node (h100x8, h200x8, 2xh100x8)")
+
+
+def check_plugin(target: Target) -> None:
+    """One line naming the extra when the target's compiler is not installed."""
+    extra, module = EXTRAS[target.platform]
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise UserError(f"--target {target.name} compiles with the {'TPU' if target.platform == 'tpu' else 'CUDA'} "
+                        f"plugin, which is not installed: pip install -e \".[{extra}]\"")
+
+
+def devices(target: Target) -> list:
+    """The target's devices, to compile for (they run nothing). Set the compiler's flags first."""
+    check_plugin(target)
+    from jax.experimental import topologies
+
+    if target.platform == "tpu":
+        # libtpu looks for the TPU VM it runs on and warns of each thing it cannot find;
+        # compiling for a topology needs none of them (a TPU VM's own values stand).
+        os.environ.setdefault("TPU_ACCELERATOR_TYPE", target.name.split("x", 1)[-1] if ":" not in target.name
+                              else f"{target.hardware}-8")
+        os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+        # libtpu locks /tmp/libtpu_lockfile so that one process owns a TPU; compiling owns
+        # none, and two plans at once would otherwise refuse each other.
+        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+        kwargs = {"num_slices": target.slices} if target.slices > 1 else {}
+        topology = topologies.get_topology_desc(topology_name=target.topology, platform="tpu", **kwargs)
+    else:
+        os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # no GPU, no driver to check against
+        topology = topologies.get_topology_desc(platform="cuda", target_config=target.target_config,
+                                                topology=target.topology)
+    return list(topology.devices)
