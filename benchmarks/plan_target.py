@@ -79,11 +79,11 @@ def report(name: str, target: str, plan: dict, wall: float) -> dict:
           f"(XLA / theory {xla_peak / theory_peak:.2f}); fits {plan['fits']}; "
           f"fused kernels {plan['fused_kernel_calls'] or 'none'}", flush=True)
     for c in plan["collectives"]:
-        ratio = c["bytes_per_device"] / c["theory_bytes_per_device"] if c["theory_bytes_per_device"] else None
-        under = c.get("under_compute_bytes")
-        print(f"  {c['op']:>18} {c['axis']:<14} x{c['count']:<5} {c['bytes_per_device'] / gib:9.3f} GiB  "
-              f"{'theory ' + format(ratio, '.2f') if ratio is not None else 'unexpected' if c.get('unexpected') else 'small'}"
-              f"{'' if under is None or not c['bytes_per_device'] else f'  under compute {under / c["bytes_per_device"]:.0%}'}")
+        measured, expected, under = c["bytes_per_device"], c["theory_bytes_per_device"], c.get("under_compute_bytes")
+        against = (f"theory {measured / expected:.2f}" if expected else "unexpected" if c.get("unexpected")
+                   else "small")
+        overlap = f"  under compute {under / measured:.0%}" if under is not None and measured else ""
+        print(f"  {c['op']:>18} {c['axis']:<14} x{c['count']:<5} {measured / gib:9.3f} GiB  {against}{overlap}")
     return {"name": name, "target": target, "peak_ratio": xla_peak / theory_peak, "wall_s": wall}
 
 

@@ -59,10 +59,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                     {"--data": args.data, **tokenizer_inputs(args.tokenizer, "--tokenizer")})["--out"]
         if out.stream is None and not args.out.endswith(".npy"):  # a file to train from, named as one
             raise UserError("--out must name a .npy file")
-        if data_files(args.data)[0] == "tokens":
-            raise UserError(f"--data {args.data} holds token files already")
-        if fine_tuning_format(args.data, args.max_record_bytes):
+        if fine_tuning_format(args.data, args.max_record_bytes):  # (JSONL, Parquet or a datasets folder)
             array, wrote = _packed(args)
+        elif data_files(args.data)[0] == "tokens":
+            raise UserError(f"--data {args.data} holds token files already")
         elif args.seq is not None:
             raise UserError(f"--seq packs fine-tuning records; --data {args.data} holds text (it becomes one token "
                             f"stream, cut into rows as training reads it)")

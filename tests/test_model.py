@@ -82,6 +82,28 @@ def test_remat_changes_memory_not_gradients(policy):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_pad_tokens_row_gets_no_gradient_from_the_lookup(tied):
+    """As transformers' nn.Embedding(padding_idx=pad_token_id): the lookup sends the pad
+    row no gradient (config.json's pad_token_id, read by every family). Tied to the head,
+    the row still trains as an output."""
+    tokens = jnp.array([[3, 5, 3, 7, 9, 3, 11, 12]])
+
+    def embedding_gradient(pad_token):  # per row: the sum of its gradient's magnitudes
+        cfg = dataclasses.replace(PRESETS["tiny"], pad_token=pad_token, tie_embeddings=tied)
+        graphdef, params = nnx.split(_built(cfg))
+        grads = jax.jit(jax.grad(lambda p: jnp.mean(nnx.merge(graphdef, p)(tokens) ** 2)))(params)
+        return np.abs(np.asarray(grads["embedding"][...])).sum(axis=1)
+
+    padded, plain = embedding_gradient(3), embedding_gradient(None)
+    assert plain[3] > 0 and padded[5] > 0  # without a pad token, row 3 trains like any row read
+    if tied:  # the lookup's share is gone, the head's stays
+        assert 0 < padded[3] < plain[3]
+    else:
+        assert padded[3] == 0
+    np.testing.assert_array_equal(np.delete(padded, 3), np.delete(plain, 3))  # the forward pass is the same
+
+
 def test_models_name_logical_axes_only():
     mesh_axis = re.compile(r"""["'](pp|dp|fsdp|ep|sp|tp)["']|jax\.devices\(|device_count\(""")
     for path in pathlib.Path(__file__).parents[1].joinpath("models").glob("*.py"):

@@ -103,6 +103,31 @@ def test_jsonl_parquet_and_datasets_folders_read_alike(tmp_path, tokenizers):
         read_examples(str(tmp_path / "splits"), tok)
 
 
+def test_corpus_packs_a_datasets_folder_as_it_packs_the_same_records_in_jsonl(tmp_path):
+    """spmd.corpus --seq reads what spmd.train reads: a `save_to_disk` folder; a
+    DatasetDict is refused in one line naming its splits' folders."""
+    import subprocess
+    import sys
+
+    datasets = pytest.importorskip("datasets")
+    records = [json.loads(line) for line in (SFT / "chat.jsonl").read_text().splitlines()]
+    datasets.Dataset.from_list(records).save_to_disk(str(tmp_path / "saved"))
+    datasets.DatasetDict(train=datasets.Dataset.from_list(records)).save_to_disk(str(tmp_path / "splits"))
+
+    def corpus(data, out):
+        return subprocess.run([sys.executable, "-m", "spmd.corpus", "--data", str(data), "--tokenizer",
+                               str(SFT / "model"), "--seq", "64", "--out", str(out)], capture_output=True, text=True,
+                              timeout=120, cwd=Path(__file__).parents[1])
+
+    for data, out in ((SFT / "chat.jsonl", tmp_path / "jsonl.npy"), (tmp_path / "saved", tmp_path / "saved.npy")):
+        assert corpus(data, out).returncode == 0
+    np.testing.assert_array_equal(np.load(tmp_path / "saved.npy"), np.load(tmp_path / "jsonl.npy"))
+    refused = corpus(tmp_path / "splits", tmp_path / "splits.npy")
+    assert refused.returncode == 2 and not (tmp_path / "splits.npy").exists()
+    assert refused.stderr.strip() == (f"error: --data {tmp_path / 'splits'} holds several splits (a DatasetDict); "
+                                      f"give one split's folder: {tmp_path / 'splits' / 'train'}")
+
+
 def test_a_null_message_field_is_no_field(tmp_path, tokenizers):
     """A Parquet column of message structs gives every message every field (null where a
     message has none): null fields are dropped before rendering, as transformers does."""

@@ -103,7 +103,7 @@ def config_from_hf(hf: dict) -> DeepSeekV3Config:
         kv_heads=v["num_attention_heads"], head_dim=v["qk_nope_head_dim"] + v["qk_rope_head_dim"],
         mlp=v["intermediate_size"], rope_theta=theta, norm_eps=float(v["rms_norm_eps"]), moe=moe,
         kv_rank=v["kv_lora_rank"], rope_dim=v["qk_rope_head_dim"], v_dim=v["v_head_dim"], q_rank=v["q_lora_rank"],
-        dense_layers=v["first_k_dense_replace"], yarn=yarn)
+        dense_layers=v["first_k_dense_replace"], yarn=yarn, pad_token=llama.pad_token_of(v))
 
 
 def _rope(v: dict) -> tuple[float, Yarn | None]:
@@ -129,7 +129,7 @@ def config_to_hf(cfg: DeepSeekV3Config) -> dict:
         "q_lora_rank": cfg.q_rank, "qk_rope_head_dim": cfg.rope_dim, "qk_nope_head_dim": cfg.nope_dim,
         "v_head_dim": cfg.v_dim, "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
         "rope_scaling": None, "rope_interleave": True, "tie_word_embeddings": False, "attention_bias": False,
-    }
+    } | llama.pad_token_to_hf(cfg)
     if cfg.yarn:
         y = cfg.yarn
         hf["rope_scaling"] = {"rope_type": "yarn", "factor": y.factor, "original_max_position_embeddings":

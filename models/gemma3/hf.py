@@ -20,7 +20,7 @@ POSITIVE = llama.POSITIVE
 LAYER_TYPES = ("sliding_attention", "full_attention")
 # Llama's fields of the same meaning (the shapes, and what is read past: ids, provenance).
 SHARED = ("architectures", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-          "num_key_value_heads", "intermediate_size", "rms_norm_eps")
+          "num_key_value_heads", "intermediate_size", "rms_norm_eps", "pad_token_id")
 CONFIG = (
     *(f for f in llama.CONFIG if f.name in SHARED or (f.kind is ANY and not f.choices)),
     Field("head_dim", INTEGER, POSITIVE, 256),
@@ -76,7 +76,8 @@ def config_from_hf(hf: dict) -> Gemma3Config:
         heads=v["num_attention_heads"], kv_heads=v["num_key_value_heads"], head_dim=v["head_dim"],
         mlp=v["intermediate_size"], rope_theta=theta, norm_eps=float(v["rms_norm_eps"]),
         tie_embeddings=v["tie_word_embeddings"], window=llama.window_of(v["sliding_window"]), layer_types=types,
-        local_rope_theta=local_theta, rope_linear_factor=factor, query_scale=float(v["query_pre_attn_scalar"]))
+        local_rope_theta=local_theta, rope_linear_factor=factor, query_scale=float(v["query_pre_attn_scalar"]),
+        pad_token=llama.pad_token_of(v))
 
 
 def _rope(v: dict, kind: str) -> tuple[float, float]:
@@ -111,7 +112,7 @@ def config_to_hf(cfg: Gemma3Config) -> dict:
         "rope_parameters": {"full_attention": full | {"rope_theta": cfg.rope_theta},
                             "sliding_attention": {"rope_type": "default", "rope_theta": cfg.local_rope_theta}},
         "tie_word_embeddings": cfg.tie_embeddings, "final_logit_softcapping": None, "attn_logit_softcapping": None,
-    }
+    } | llama.pad_token_to_hf(cfg)
 
 
 def _integral(x: float) -> int | float:

@@ -53,6 +53,9 @@ class LlamaConfig:
     sandwich_norms: bool = False  # a norm after attention and after the MLP too, before each residual sum
     activation: str = "silu"  # of the gated MLP: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
     embed_scale: bool = False  # embeddings times sqrt(embed)
+    # config.json's pad_token_id: transformers builds the embedding with padding_idx=pad_token_id,
+    # so that row gets no gradient from the lookup (a tied head still trains it); so here.
+    pad_token: int | None = None
     family: str = "llama"  # which family's config this is, kept when it is saved as data (models.config_from_dict)
     # Identity layers after the stacked ones, so that pipeline stages of equal depth hold a
     # depth that does not divide into them (spmd.run.config's --empty-layers): they have

@@ -42,6 +42,7 @@ CONFIG = (
     Field("rope_parameters", MAPPING, default=None, nullable=True),  # transformers 5: theta and scaling
     Field("tie_word_embeddings", BOOLEAN, default=False),
     Field("max_position_embeddings", INTEGER, POSITIVE, 2048),  # the context it was made for (generate's)
+    Field("pad_token_id", INTEGER, Bounds(at_least=0), None, nullable=True),  # the embedding's padding_idx
     # What the model computes only one way here.
     Field("hidden_act", STRING, default="silu", choices=("silu",)),
     Field("attention_bias", BOOLEAN, default=False, choices=(False,)),
@@ -53,7 +54,7 @@ CONFIG = (
     Field("router_aux_loss_coef", NUMBER, Bounds(at_least=0), None, nullable=True),
     # Read past: ids, provenance, generation and training-only settings.
     *(Field(name, ANY, default=None) for name in (
-        "_name_or_path", "model_type", "bos_token_id", "eos_token_id", "pad_token_id", "torch_dtype", "dtype",
+        "_name_or_path", "model_type", "bos_token_id", "eos_token_id", "torch_dtype", "dtype",
         "transformers_version", "use_cache", "initializer_range", "output_router_logits", "tokenizer_class")),
 )
 MIXTRAL = (Field("num_local_experts", INTEGER, POSITIVE), Field("num_experts_per_tok", INTEGER, POSITIVE))
@@ -135,8 +136,20 @@ def config_of(v: dict, cls: type[LlamaConfig] = LlamaConfig) -> LlamaConfig:
         vocab=v["vocab_size"], embed=v["hidden_size"], layers=v["num_hidden_layers"],
         heads=v["num_attention_heads"], kv_heads=v["num_key_value_heads"], head_dim=v["head_dim"],
         mlp=v["intermediate_size"], rope_theta=theta, rope_scaling=scaling, norm_eps=float(v["rms_norm_eps"]),
-        tie_embeddings=v["tie_word_embeddings"], moe=moe,
+        tie_embeddings=v["tie_word_embeddings"], moe=moe, pad_token=pad_token_of(v),
     )
+
+
+def pad_token_of(v: dict) -> int | None:
+    """config.json's pad_token_id, a row of the embedding (transformers refuses another)."""
+    pad = v["pad_token_id"]
+    if pad is not None and pad >= v["vocab_size"]:
+        raise Invalid("pad_token_id", f"{pad} is not a row of the embedding (vocab_size {v['vocab_size']})")
+    return pad
+
+
+def pad_token_to_hf(cfg: LlamaConfig) -> dict:
+    return {} if cfg.pad_token is None else {"pad_token_id": cfg.pad_token}
 
 
 def _rope(v: dict) -> tuple[float, RopeScaling | None]:
@@ -174,7 +187,7 @@ def config_to_hf(cfg: LlamaConfig) -> dict:
         "intermediate_size": cfg.moe.expert_mlp if cfg.moe else cfg.mlp, "hidden_act": "silu",
         "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta, "rope_scaling": None,
         "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False,
-    }
+    } | pad_token_to_hf(cfg)
     if cfg.rope_scaling:
         r = cfg.rope_scaling
         hf["rope_scaling"] = {"rope_type": "llama3", "factor": r.factor, "low_freq_factor": r.low_freq_factor,

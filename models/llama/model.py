@@ -414,6 +414,8 @@ class Llama(nnx.Module):
         family that runs layers before the stacked ones reads them)."""
         # A lookup has no FLOPs to save: rows are read (and their gradient summed) in float32.
         x = jnp.take(weight(self.embedding, jnp.float32), tokens, axis=0)
+        if self.cfg.pad_token is not None:  # transformers' padding_idx: no gradient to that row from here
+            x = jnp.where((tokens == self.cfg.pad_token)[..., None], jax.lax.stop_gradient(x), x)
         if self.cfg.embed_scale:
             x = x * np.float32(math.sqrt(self.cfg.embed))
         return constrain(x.astype(self.dtype), "batch", "residual_seq", "embed")

@@ -179,7 +179,10 @@ def fine_tuning_format(path: str, max_record_bytes: int = MAX_RECORD_BYTES) -> s
     """'messages' or 'prompt/completion' when `path` holds fine-tuning records (its first
     record says), else None: text (any field, --text-field) and token files are read as a
     token stream (spmd.data.corpus). Reads one record."""
-    kind, files = data_files(path) if not _is_datasets_folder(Path(path)) else ("datasets", [Path(path)])
+    root = Path(path)
+    saved = root.is_dir() and ((root / "dataset_dict.json").is_file() or _is_datasets_folder(root))
+    # (a DatasetDict is refused by record_files, in one line naming its splits' folders)
+    kind, files = record_files(path) if saved else data_files(path)
     if kind not in ("jsonl", "parquet", "datasets"):
         return None
     for where, record in file_records(kind, files[0], max_record_bytes):

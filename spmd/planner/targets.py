@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 import os
 import re
 from pathlib import Path
@@ -48,14 +49,12 @@ class Target:
     topology: str  # libtpu's "v5p:4x4x4"; for GPUs "slices x hosts x devices per host"
     slices: int = 1
     target_config: str | None = None  # GPUs: XLA's GpuTargetConfig, text
+    accelerator_type: str | None = None  # TPUs: one slice as a TPU VM names it (TPU_ACCELERATOR_TYPE), v5p-128
 
     @property
     def devices(self) -> int:
-        dims = re.findall(r"\d+", self.topology.split(":")[-1])
-        count = 1
-        for d in dims:
-            count *= int(d)
-        return count * (self.slices if self.platform == "tpu" else 1)
+        per_slice = math.prod(int(d) for d in re.findall(r"\d+", self.topology.split(":")[-1]))
+        return per_slice * (self.slices if self.platform == "tpu" else 1)
 
 
 def torus(chips: int, dims: int) -> tuple[int, ...]:
@@ -63,20 +62,13 @@ def torus(chips: int, dims: int) -> tuple[int, ...]:
     (the last of equal sides first): 4 chips 2x2x1, 8 2x2x2, 16 2x2x4, 32 2x4x4, 64 4x4x4;
     in 2D 4 chips 2x2, 8 2x4, 16 4x4, 256 16x16."""
     shape = [2, 2, 1] if dims == 3 else [1, 1]  # a 3D slice starts at 4 chips
-    while _product(shape) < chips:
+    while math.prod(shape) < chips:
         smallest = min(shape)
         last = max(i for i, side in enumerate(shape) if side == smallest)
         shape[last] *= 2
-    if _product(shape) != chips:
+    if math.prod(shape) != chips:
         raise ValueError(chips)
     return tuple(shape)
-
-
-def _product(shape) -> int:
-    out = 1
-    for side in shape:
-        out *= side
-    return out
 
 
 def parse(name: str) -> Target:
@@ -100,12 +92,15 @@ def parse(name: str) -> Target:
             raise UserError(f"--target {name}: {generation} slices come in powers of two up to "
                             f"{MAX_TPU_CHIPS[generation] * CORES_PER_CHIP[generation]}"
                             f"{' TensorCores (two a chip), from 8' if generation == 'v5p' else ' chips'}") from None
-        return Target(name, "tpu", generation, f"{generation}:{'x'.join(map(str, shape))}", slices)
+        return Target(name, "tpu", generation, f"{generation}:{'x'.join(map(str, shape))}", slices,
+                      accelerator_type=rest)
     if m := re.fullmatch(r"(v5p|v5e|v6e):(\d+(?:x\d+)+)", rest):
         generation, shape = m.group(1), m.group(2)
         if len(shape.split("x")) != TORUS_DIMS[generation]:
             raise UserError(f"--target {name}: a {generation} topology has {TORUS_DIMS[generation]} sides")
-        return Target(name, "tpu", generation, rest, slices)
+        chips = math.prod(int(side) for side in shape.split("x"))
+        return Target(name, "tpu", generation, rest, slices,
+                      accelerator_type=f"{generation}-{chips * CORES_PER_CHIP[generation]}")
     if m := re.fullmatch(r"(h100|h800|h200)x(\d+)", rest):
         chip, per_node = m.group(1), int(m.group(2))
         if not 1 <= per_node <= MAX_GPUS_PER_NODE or slices > MAX_GPU_NODES:
@@ -137,8 +132,7 @@ def devices(target: Target) -> list:
     if target.platform == "tpu":
         # libtpu looks for the TPU VM it runs on and warns of each thing it cannot find;
         # compiling for a topology needs none of them (a TPU VM's own values stand).
-        os.environ.setdefault("TPU_ACCELERATOR_TYPE", target.name.split("x", 1)[-1] if ":" not in target.name
-                              else f"{target.hardware}-8")
+        os.environ.setdefault("TPU_ACCELERATOR_TYPE", target.accelerator_type)
         os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
         # libtpu locks /tmp/libtpu_lockfile so that one process owns a TPU; compiling owns
         # none, and two plans at once would otherwise refuse each other.

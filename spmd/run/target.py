@@ -51,7 +51,7 @@ def plan_target(cfg, name: str, as_json: bool) -> int:
     target = targets.parse(name)
     backend = "tpu" if target.platform == "tpu" else "gpu"
     # The flags spmd.train sets on that accelerator, set before its compiler starts.
-    flag_lines = xla_flags.configure(backend, model_config(cfg), cfg.dtype, accelerator_type=target.name)
+    flag_lines = xla_flags.configure(backend, model_config(cfg), cfg.dtype, accelerator_type=target.accelerator_type)
     try:
         devices = targets.devices(target)
     except jax.errors.JaxRuntimeError as exc:  # the plugin refused (a flag of yours in LIBTPU_INIT_ARGS, say)

@@ -113,8 +113,8 @@ def combine_threshold_bytes(model_cfg, dtype) -> int:
 def gpu_flags(model_cfg, dtype, jaxlib_version: str | None = None) -> list[str]:
     threshold = combine_threshold_bytes(model_cfg, dtype)
     installed = _release(jaxlib_version or _jaxlib_version())
-    return [f"--{name}={value}" for name, value in GPU_FLAGS.items() if installed >= GPU_FLAGS_SINCE.get(name, (0,))] + \
-        [f"--{name}={threshold}" for name in GPU_THRESHOLD_FLAGS]
+    known = [name for name in GPU_FLAGS if installed >= GPU_FLAGS_SINCE.get(name, (0,))]
+    return [f"--{name}={GPU_FLAGS[name]}" for name in known] + [f"--{name}={threshold}" for name in GPU_THRESHOLD_FLAGS]
 
 
 def _jaxlib_version() -> str:
@@ -156,7 +156,10 @@ def configure(backend: str, model_cfg, dtype, environ: MutableMapping[str, str] 
     variable = VARIABLE.get(backend)
     if variable is None:
         return []
-    wanted = gpu_flags(model_cfg, dtype) if backend == "gpu" else tpu_flags(accelerator_type or environ.get("TPU_ACCELERATOR_TYPE", ""))
+    if backend == "gpu":
+        wanted = gpu_flags(model_cfg, dtype)
+    else:
+        wanted = tpu_flags(accelerator_type or environ.get("TPU_ACCELERATOR_TYPE", ""))
     if environ is os.environ and _backend_started():
         return [f"{variable} left unchanged: JAX's backend started already (set flags before the first jax.devices())"]
     current = environ.get(variable, "")
