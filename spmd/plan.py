@@ -52,6 +52,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from spmd.planner.plan import auto, default_hardware, make_plan, plan_devices
         from spmd.run.bootstrap import with_mesh
         from spmd.run.config import check_empty_layers
+        from spmd.run.target import json_only
 
         if extras.target:
             if extras.auto or extras.devices is not None:
@@ -81,14 +82,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             check_empty_layers(cfg, pp=1)  # (it searches meshes without stages)
             if hardware is None:
                 raise UserError("--auto needs --hardware (one of the entries in spmd/base/hardware.toml)")
-            plans, searched = auto(cfg, devices, hardware, planned_on)
+            with json_only(extras.json):
+                plans, searched = auto(cfg, devices, hardware, planned_on)
             print(json.dumps([p.as_json() for p in plans], indent=2) if extras.json
                   else "\n".join([*report.auto_table(plans), searched]))
             return 0
 
         layout = make_layout(cfg, devices)
         check_empty_layers(cfg, layout.shape["pp"])
-        plan = make_plan(cfg, layout, hardware=hardware, planned_on=planned_on)
+        with json_only(extras.json):
+            plan = make_plan(cfg, layout, hardware=hardware, planned_on=planned_on)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2

@@ -6,6 +6,7 @@ dry run, as MaxText's train_compile.py: nothing is trained or written."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import sys
@@ -46,12 +47,29 @@ def dry_run(argv: Sequence[str], prog: str) -> int:
         return 2
 
 
+def json_only(as_json: bool):
+    """With --json, stdout holds the JSON alone: what building the step prints (a kernel
+    that falls back, say) goes to stderr meanwhile."""
+    return contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext()
+
+
 def plan_target(cfg, name: str, as_json: bool) -> int:
     """The plan of `cfg`'s step compiled for the target `name`, printed (or as JSON)."""
     target = targets.parse(name)
     backend = "tpu" if target.platform == "tpu" else "gpu"
     # The flags spmd.train sets on that accelerator, set before its compiler starts.
     flag_lines = xla_flags.configure(backend, model_config(cfg), cfg.dtype, accelerator_type=target.accelerator_type)
+    with json_only(as_json):
+        lines, plan, seconds = _compiled(cfg, target)
+    print(json.dumps({**plan.as_json(), "target": target.name, "compile_s": round(seconds, 1),
+                      "flags": flag_lines}, indent=2)
+          if as_json else "\n".join(flag_lines + lines + report.plan_table(plan)
+                                    + [f"compiled for {target.name} in {seconds:.1f} s"]))
+    return 0
+
+
+def _compiled(cfg, target: targets.Target):
+    """The step compiled for `target`: (lines to print before the plan, the plan, compile seconds)."""
     try:
         devices = targets.devices(target)
     except jax.errors.JaxRuntimeError as exc:  # the plugin refused (a flag of yours in LIBTPU_INIT_ARGS, say)
@@ -77,11 +95,7 @@ def plan_target(cfg, name: str, as_json: bool) -> int:
     except jax.errors.JaxRuntimeError as exc:
         raise UserError(f"--target {target.name}: the compiler refused the step: {str(exc).splitlines()[0]}") from None
     seconds = time.perf_counter() - start
-    print(json.dumps({**plan.as_json(), "target": target.name, "compile_s": round(seconds, 1),
-                      "flags": flag_lines}, indent=2)
-          if as_json else "\n".join(flag_lines + lines + report.plan_table(plan)
-                                        + [f"compiled for {target.name} in {seconds:.1f} s"]))
-    return 0
+    return lines, plan, seconds
 
 
 def spanning_axis(shape, slices: int) -> str:
