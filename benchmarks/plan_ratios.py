@@ -1,11 +1,11 @@
-"""spmd.plan against theory on every pair of features and the seeds' layouts: measured /
+"""spmd.plan against theory on every pair and triple of features and the seeds' layouts: measured /
 theoretical collective bytes per (collective, mesh axes) row, and state bytes.
 
 For each layout the real train step is compiled for abstract shapes on emulated CPU
 devices (nothing is allocated); its optimized HLO gives the collectives' bytes per
 device per step, XLA's memory analysis the state each device holds. Theory comes from
 shapes, dtypes and shardings alone (spmd/planner/theory.py, DESIGN.md section 8).
-The layouts: one tiny run per pair of spmd.parallel.checks.FEATURES (spmd.planner.matrix),
+The layouts: one tiny run per pair and per triple of spmd.parallel.checks.FEATURES (spmd.planner.matrix),
 then the hand-written ones below (3-D, pipelines with MoE, DeepSeek's, llama3-8b).
 Goal: every row between 0.95 and 1.05, and no collective the theory does not expect.
 
@@ -65,7 +65,7 @@ LAYOUTS = [
     ("llama3-8b HSDP+ZeRO-1 bf16", 8,
      dict(model="llama3-8b", batch=16, seq=2048, mesh="dp=4,fsdp=2", zero=1, dtype="bfloat16", remat="dots")),
 ]
-LAYOUTS = [(name, devices, fields) for name, fields, devices in matrix.pairs()] + LAYOUTS
+LAYOUTS = [(name, devices, fields) for name, fields, devices in matrix.pairs() + matrix.triples()] + LAYOUTS
 
 
 def main() -> int:

@@ -1,7 +1,7 @@
-"""The layouts of what combines, generated: one small run for each pair of FEATURES
-(spmd.parallel.checks; two devices per axis it names), so that the plan is held against
-XLA on every pair (benchmarks/plan_ratios.py, tests/test_plan.py), and a plan's rows as
-ratios of measured to theory."""
+"""The layouts of what combines, generated: one small run for each pair and each triple of
+FEATURES (spmd.parallel.checks; two devices per axis it names), so that the plan is held
+against XLA on every combination (benchmarks/plan_ratios.py, tests/test_plan.py), and a
+plan's rows as ratios of measured to theory."""
 
 from __future__ import annotations
 
@@ -38,8 +38,17 @@ def example(names) -> tuple[dict, int]:
 
 def pairs() -> list[tuple[str, dict, int]]:
     """(name, TrainConfig fields, devices) of every pair of features that combines."""
-    return [("+".join(pair), *example(pair)) for pair in itertools.combinations(FEATURES, 2)
-            if frozenset(pair) not in REFUSED]
+    return combinations(2)
+
+
+def triples() -> list[tuple[str, dict, int]]:
+    """The same of every triple (of up to 8 devices)."""
+    return combinations(3)
+
+
+def combinations(size: int) -> list[tuple[str, dict, int]]:
+    return [("+".join(names), *example(names)) for names in itertools.combinations(FEATURES, size)
+            if not any(refused <= frozenset(names) for refused in REFUSED)]
 
 
 def ratios(plan) -> dict[str, float]:
