@@ -127,6 +127,7 @@ def check_plugin(target: Target) -> None:
 def devices(target: Target) -> list:
     """The target's devices, to compile for (they run nothing). Set the compiler's flags first."""
     check_plugin(target)
+    # Imported on first use: naming and parsing a target needs no jax.
     from jax.experimental import topologies
 
     if target.platform == "tpu":
