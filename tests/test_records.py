@@ -57,6 +57,19 @@ def test_ids_and_loss_equal_transformers_and_trl(tokenizers, name, index):
     assert everything.ids.tolist() == golden["input_ids"] and everything.loss.all()
 
 
+@pytest.mark.parametrize("name", ["qwen2.5", "qwen3"])
+def test_a_published_template_is_swapped_for_training_by_its_exact_text_alone(tokenizers, name):
+    """Chat records train through spmd's variant of a published template TRL knows (the
+    goldens above); one more character, and the template is some other one, rendered as
+    written (Qwen3: no thinking block before the last query)."""
+    golden = GOLDENS[name]
+    record, published = golden["records"][1], golden["chat_template"]
+    tok = tokenizer_for(tokenizers, name)
+    tok.chat_template = ChatTemplate(published + "\n", "edited")
+    edited = example(record["record"], "", tok)
+    assert (edited.ids.tolist(), edited.loss.astype(int).tolist()) != (record["input_ids"], record["loss"])
+
+
 @pytest.mark.parametrize("name", ["chatml", "llama"])
 def test_special_tokens_as_transformers_reads_them(tokenizers, name):
     """Legacy special_tokens_map.json counts only without added_tokens_decoder; a special

@@ -18,8 +18,10 @@ from __future__ import annotations
 import contextvars
 import datetime
 import functools
+import hashlib
 import json
 import re
+from pathlib import Path
 
 from spmd.base.errors import UserError, first_line, optional_module
 
@@ -29,6 +31,13 @@ CHARS_PER_STEP = 1000  # characters (or items) of a value read or made that coun
 MAX_CHARS = 1 << 24  # characters a rendering may make when no record's bound is given (a --chat prompt's)
 _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _REASONING = ("reasoning_content", "thinking", "reasoning")  # one message field under the names templates read
+# Published templates with no generation blocks that TRL's SFTTrainer trains through a variant
+# of its own (matched, as TRL matches them, by their exact text): the sha256 of the published
+# text, and spmd's variant of it in chat_templates/ (the same rendering, with generation blocks).
+TRAINING_VARIANTS = {
+    "cd8e9439f0570856fd70470bf8889ebd8b5d1107207f67a5efb46e342330527f": ("Qwen2.5", "qwen2_5.jinja"),
+    "a55ee1b1660128b7098723e0abcd92caa0788061051c62d51cbe87d9cf1974d8": ("Qwen3", "qwen3.jinja"),
+}
 
 
 class ChatTemplate:
@@ -39,11 +48,18 @@ class ChatTemplate:
     def __init__(self, source: str, where: str):
         jinja2 = optional_module("jinja2", "a chat template")
         self.where, self.has_generation = where, bool(_GENERATION.search(source))
+        self.digest = hashlib.sha256(source.encode()).hexdigest()
         env = _environment()
         try:
             self._template = env.from_string(_counting_loops(env.parse(source)))
         except jinja2.TemplateError as exc:
             raise UserError(f"{where}: the chat template does not compile ({first_line(exc)})") from None
+
+    def for_training(self) -> ChatTemplate:
+        """The template chat records train through: spmd's training variant of a published
+        template that TRL swaps for its own (TRAINING_VARIANTS), else this one."""
+        known = None if self.has_generation else TRAINING_VARIANTS.get(self.digest)
+        return _training_variant(*known) if known else self
 
     def render(self, messages: list, variables: dict, where: str, tools=None, add_generation_prompt: bool = False,
                max_chars: int | None = None) -> tuple[str, list[tuple[int, int]]]:
@@ -66,6 +82,12 @@ class ChatTemplate:
         finally:
             _RENDERING.reset(token)
         return "".join(pieces), rendering.spans
+
+
+@functools.cache
+def _training_variant(family: str, name: str) -> ChatTemplate:
+    file = Path(__file__).parent / "chat_templates" / name
+    return ChatTemplate(file.read_text(encoding="utf-8"), f"spmd's training variant of {family}'s chat template")
 
 
 def _aliased(message: dict) -> dict:

@@ -322,9 +322,9 @@ def _chat(record: dict, where: str, tokenizer, conversational_prompt: bool,
             raise UserError(f"{where}: tools: {exc}") from None
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
         raise UserError(f"{where}: tools is {json_kind(tools)}, not a list of objects")
-    render = functools.partial(template.render, variables=tokenizer.special_tokens, where=where, tools=tools,
-                               max_chars=max_record_bytes)
+    options = dict(variables=tokenizer.special_tokens, where=where, tools=tools, max_chars=max_record_bytes)
     if conversational_prompt:  # TRL: the loss starts after the prompt rendered with its generation prompt
+        render = functools.partial(template.render, **options)
         prompt = _messages(record["prompt"], "prompt", where)
         messages = prompt + _messages(record["completion"], "completion", where)
         text, _ = render(messages)
@@ -334,6 +334,8 @@ def _chat(record: dict, where: str, tokenizer, conversational_prompt: bool,
     messages = _messages(record["messages"], "messages", where)
     if not any(m["role"] == "assistant" for m in messages):
         raise UserError(f"{where}: messages have no assistant turn to train on")
+    template = template.for_training()  # as TRL's assistant-only loss swaps a published template it knows
+    render = functools.partial(template.render, **options)
     text, spans = render(messages)
     ids, offsets = tokenizer.tokens(text, special=False)
     if not template.has_generation:

@@ -1,7 +1,7 @@
 """Make the fine-tuning goldens that tests/test_records.py checks spmd.data.records against
-(run by hand; needs torch and transformers, which the tests do not):
+(run by hand; needs torch, transformers and TRL, which the tests do not):
 
-    pip install torch transformers jinja2 && python tests/sft/make_goldens.py
+    pip install torch transformers trl jinja2 && python tests/sft/make_goldens.py
 
 It writes two small tokenizer directories in the Hugging Face layout and, in goldens.json,
 the token ids and loss masks that transformers (and TRL's rules, restated below from
@@ -30,6 +30,10 @@ The rules, per record (TRL 1.16's SFTTrainer, completion_only_loss on):
   prompt, then ids of the template over prompt + completion; loss as above.
 - messages: apply_chat_template(messages, tokenize=True, return_dict=True,
   return_assistant_tokens_mask=True); loss on the assistant mask.
+
+The entries qwen2.5 and qwen3 hold those templates as published (the text TRL recognizes
+them by) over the chatml tokenizer, with the ids and masks TRL makes through the training
+template it swaps in for them (published_template_goldens).
 
 It also writes (make_model) a tiny random LlamaForCausalLM with the chatml tokenizer in
 model/, two data files (prompt_completion.jsonl, chat.jsonl) and, in model_losses.json,
@@ -122,6 +126,11 @@ CHATS = [
     [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hi "},  # trimmed by LLAMA_TRIM
      {"role": "user", "content": "hi"}, {"role": "assistant", "content": " hi"}],
     [{"role": "user", "content": "say it"}, {"role": "assistant", "content": "\n  spaced out \n"}],
+]
+# Qwen3's template reads reasoning from a message's field or from a <think> block in its content.
+QWEN3_CHATS = [
+    [{"role": "user", "content": "2 + 2?"}, {"role": "assistant", "content": "4", "reasoning_content": "two twos"},
+     {"role": "user", "content": "and 3 + 3?"}, {"role": "assistant", "content": "<think>\nthree, twice\n</think>\n\n6"}],
 ]
 TOOLS = [{"type": "function", "function": {"name": "weather", "description": "météo à Paris",
                                            "parameters": {"type": "object", "properties": {}}}}]
@@ -246,6 +255,30 @@ def goldens(name: str, template: str | None = None, reference: str | None = None
             ids = tok.apply_chat_template(record["prompt"] + record["completion"], tokenize=True,
                                           return_dict=True)["input_ids"]
             found.append({"record": record, "input_ids": ids, "loss": after(prompt_ids, ids)})
+    return found
+
+
+def published_template_goldens() -> dict:
+    """Qwen2.5's and Qwen3's published chat templates (the text TRL recognizes them by) over
+    the chatml tokenizer: the chats' ids and masks as TRL's SFTTrainer makes them with
+    assistant_only_loss, through the training template it swaps in
+    (trl.chat_template_utils.get_training_chat_template)."""
+    from trl import chat_template_utils as trl_templates
+
+    found = {}
+    for name, published in (("qwen2.5", trl_templates.qwen2_5_chat_template),
+                            ("qwen3", trl_templates.qwen3_chat_template)):
+        tok = AutoTokenizer.from_pretrained(HERE / "chatml")
+        tok.chat_template = published
+        training = trl_templates.get_training_chat_template(tok)
+        records = []
+        for messages in CHATS + QWEN3_CHATS:
+            for tools in (None, TOOLS):
+                out = tok.apply_chat_template(messages, tools=tools, chat_template=training, tokenize=True,
+                                              return_dict=True, return_assistant_tokens_mask=True)
+                record = {"messages": messages} | ({"tools": tools} if tools else {})
+                records.append({"record": record, "input_ids": out["input_ids"], "loss": out["assistant_masks"]})
+        found[name] = {"directory": "chatml", "chat_template": published, "records": records}
     return found
 
 
@@ -377,6 +410,7 @@ def main() -> None:
               f"special {tok.special_tokens_map}, {len(tokenizers[name]['records'])} records")
     tokenizers["llama-trim"] = {"directory": "llama", "chat_template": LLAMA_TRIM_PLAIN,
                                 "records": goldens("llama", LLAMA_TRIM_PLAIN, LLAMA_TRIM_GENERATION)}
+    tokenizers.update(published_template_goldens())
     write_json(HERE / "goldens.json", tokenizers, depth=3)  # one record a line
     make_model()
 
@@ -401,8 +435,10 @@ def check_trl() -> None:
     # pyarrow and Python versions; nothing here is cached.
     datasets.arrow_dataset.generate_fingerprint = lambda dataset: secrets.token_hex(8)
     golden = json.loads((HERE / "goldens.json").read_text())
-    for name in ("chatml", "llama"):
-        tok = AutoTokenizer.from_pretrained(HERE / name)
+    for name in ("chatml", "llama", "qwen2.5", "qwen3"):
+        tok = AutoTokenizer.from_pretrained(HERE / golden[name].get("directory", name))
+        if "chat_template" in golden[name]:  # a published template, which TRL swaps for its training one
+            tok.chat_template = golden[name]["chat_template"]
         model = LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                                              intermediate_size=32)).to(torch.float32)
         records = golden[name]["records"]
