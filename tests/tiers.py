@@ -143,7 +143,7 @@ GATE = [
         "pp=4-pp_scheduleinterleaved-1f1b-pp_repeats2-microbatches8", "pp=2,dp=2,tp=2-pp_schedule1f1b-microbatches4",
         "pp=4-pp_schedulezb-v-microbatches8")],
     *[f"tests/test_moe.py::test_expert_parallel_layout_matches_one_device[{layout}]" for layout in (
-        "ep=2-dropless", "ep=4-dropless", "ep=2,fsdp=2,tp=2-capacity")],
+        "ep=2-dropless", "ep=4-dropless", "ep=2,fsdp=2,tp=2-capacity", "sp=2-dropless-accum")],
     "tests/test_balance.py::test_expert_copies_match_one_device_across_a_rebalancing[ep4-capacity]",
     "tests/test_lora.py::test_adapter_gradients_equal_one_devices[fsdp=2,tp=2]",
     "tests/test_lora.py::test_adapter_gradients_equal_one_devices[pp=2,dp=2-1f1b]",

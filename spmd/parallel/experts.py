@@ -67,7 +67,9 @@ def make_experts(mesh: jax.sharding.Mesh, batch_axes: tuple[str, ...] = BATCH_AX
     # partly manual map crashed XLA:CPU's bf16 all-reduce promotion.
     replicas = tuple(a for a in batch_axes if a != AXIS) + (SEQUENCE_AXIS,)
     copies = math.prod(mesh.shape[a] for a in replicas)
-    tokens, experts = jax.P(batch_axes or None, SEQUENCE_AXIS), jax.P(replicas, AXIS)
+    # ep taken by a surrounding vmap (accumulation takes it where it does not split the
+    # experts: ep is 1) is the vmap's to name, not this map's.
+    tokens, experts = jax.P(batch_axes or None, SEQUENCE_AXIS), jax.P(replicas, AXIS if AXIS in batch_axes else None)
 
     def implementation(x, choice: Choice, gate_up, down, capacity: int | None):
         if capacity is not None:
