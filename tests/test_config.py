@@ -38,11 +38,11 @@ def test_mesh_flag_fills_unnamed_axes_and_the_rest():
 
 @pytest.mark.parametrize("zero,params,grads,opt", [
     # fsdp and sp (whose devices see other tokens, as fsdp's) split the weights' embed.
-    (0, ("fsdp", "sp"), ("fsdp", "sp"), ("fsdp", "sp")),
+    (0, ("sp", "fsdp"), ("sp", "fsdp"), ("sp", "fsdp")),
     # In one fused step ZeRO-1 gradients go straight to the optimizer's shards, as ZeRO-2's.
-    (1, ("fsdp", "sp"), ("fsdp", "sp", "dp"), ("fsdp", "sp", "dp")),
-    (2, ("fsdp", "sp"), ("fsdp", "sp", "dp"), ("fsdp", "sp", "dp")),
-    (3, ("fsdp", "sp", "dp"), ("fsdp", "sp", "dp"), ("fsdp", "sp", "dp")),
+    (1, ("sp", "fsdp"), ("sp", "fsdp", "dp"), ("sp", "fsdp", "dp")),
+    (2, ("sp", "fsdp"), ("sp", "fsdp", "dp"), ("sp", "fsdp", "dp")),
+    (3, ("sp", "fsdp", "dp"), ("sp", "fsdp", "dp"), ("sp", "fsdp", "dp")),
 ])
 def test_zero_stage_selects_what_dp_splits(zero, params, grads, opt):
     rules = make_rules(zero)

@@ -44,15 +44,15 @@ def _born_sharded(mesh: str, **overrides) -> dict:
 def test_initializer_creates_state_already_sharded():
     state = _born_sharded("dp=2,fsdp=2,tp=2")
     wkv = state["params"]["blocks"]["attn"]["wkv"]  # (layers, embed, kv_heads, 2, head_dim)
-    assert wkv.sharding.spec == jax.P("pp", ("fsdp", "sp"), "tp", None, None)  # pp and sp have size 1 here
+    assert wkv.sharding.spec == jax.P("pp", ("sp", "fsdp"), "tp", None, None)  # pp and sp have size 1 here
     assert {s.data.shape for s in wkv.addressable_shards} == {(2, 32, 2, 2, 8)}
     mu = state["opt_state"][1][0].mu["blocks"]["mlp"]["down"]  # (layers, mlp, embed)
-    assert mu.sharding.spec == jax.P("pp", "tp", ("fsdp", "sp"))
+    assert mu.sharding.spec == jax.P("pp", "tp", ("sp", "fsdp"))
 
 
 def test_experts_are_stored_split_over_ep():
     cfg = validate(TrainConfig(model="moe-tiny", mesh="ep=2,fsdp=2,tp=2"))
     state = build_program(cfg, make_layout(cfg)).abstract_state  # what init is jitted to produce
     gate_up = state["params"]["blocks"]["moe"]["mlp"]["gate_up"]  # (groups, experts, embed, 2, expert_mlp)
-    assert gate_up.sharding.spec == jax.P("pp", "ep", ("fsdp", "sp"), None, "tp")
+    assert gate_up.sharding.spec == jax.P("pp", "ep", ("sp", "fsdp"), None, "tp")
     assert gate_up.sharding.shard_shape(gate_up.shape) == (1, 4, 32, 2, 32)

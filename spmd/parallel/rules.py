@@ -38,7 +38,10 @@ TABLE: dict[str, tuple[Axes, Axes]] = {
     "batch": (None, BATCH_AXES),
     "seq": (None, "sp"),
     "residual_seq": (None, "sp"),  # the residual stream's sequence; Megatron-SP adds tp
-    "embed": (("fsdp", "sp"), None),  # FSDP over the context axis too (as MaxText): sp splits no weight else
+    # FSDP over the context axis too (as MaxText: sp splits no weight else), sp major: the
+    # order accumulation's sums arrive in (sp's reduction in each microbatch, fsdp's once),
+    # which fsdp major made XLA permute every step.
+    "embed": (("sp", "fsdp"), None),
     "heads": ("tp", "tp"),
     "kv_heads": ("tp", "tp"),
     "head_dim": (None, None),
