@@ -42,8 +42,8 @@ from spmd.parallel.layout import make_layout  # noqa: E402
 from spmd.parallel.pipeline import Schedule  # noqa: E402
 from spmd.parallel.staged import stage_parts  # noqa: E402
 from spmd.parallel.step import build_program  # noqa: E402
-from spmd.parallel.pipeline import _split_vjp  # noqa: E402
-from spmd.parallel.zero_bubble import executed_over_useful, split_backward, timetable  # noqa: E402
+from spmd.parallel.pipeline.kit import split_vjp  # noqa: E402
+from spmd.parallel.pipeline.zero_bubble import executed_over_useful, split_backward, timetable  # noqa: E402
 from spmd.planner.hlo import chunk_dot_flops  # noqa: E402
 
 BASE = dict(model="small", layers=8, seq=128, remat="none")
@@ -127,7 +127,7 @@ def ring_bytes(p: int, m: int) -> tuple[str, float]:
         stage, x = parts.stage, parts.embedded()
         chunk = jax.tree.map(lambda w: w[: BASE["layers"] // (2 * p)], params["blocks"])
         shapes = [mib(s) for s in split_backward(stage, chunk, x)[3]]
-        stage_residuals = mib(_split_vjp(stage, jax.tree.map(lambda w: w[: BASE["layers"] // p], params["blocks"]), x)[2])
+        stage_residuals = mib(split_vjp(stage, jax.tree.map(lambda w: w[: BASE["layers"] // p], params["blocks"]), x)[2])
     slots = timetable(p, m)["slots"]
     total = sum(n * s for n, s in zip(slots, shapes))
     return f"{total:.1f} = " + " + ".join(f"{n} x {s:.2f}" for n, s in zip(slots, shapes)), (2 * p - 1) * stage_residuals

@@ -393,3 +393,18 @@ def test_the_readme_is_a_front_door():
     text = "\n".join(lines)
     assert "    pip install -e . && python -m spmd.train\n" in text + "\n"
     assert '    pip install -e ".[test]" && pytest\n' in text + "\n"
+
+
+def test_the_architecture_pages_package_table_lists_every_module():
+    """docs/architecture.md's table of packages names each package's modules (a package
+    inside it counts as one) and counts them; a module added or removed breaks it."""
+    table = re.findall(r"^\| `((?:spmd|models)/[\w/]*)` \| (.*) \| (\d+)(?: \+ families)? \|$",
+                       (ROOT / "docs" / "architecture.md").read_text(), re.M)
+    assert len(table) >= 12
+    for package, text, count in table:
+        folder = ROOT / package
+        modules = {p.stem for p in folder.glob("*.py") if p.stem != "__init__"}
+        modules |= {p.name for p in folder.iterdir() if (p / "__init__.py").exists()} if package != "models" else set()
+        named = set(re.findall(r"`([\w.]+)`", text))
+        assert modules <= named, (package, modules - named)
+        assert int(count) == len(modules), (package, sorted(modules))

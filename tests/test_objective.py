@@ -22,7 +22,7 @@ from spmd.base.errors import UserError
 from spmd.config import TrainConfig, model_config, validate
 from spmd.parallel.layout import make_layout
 from spmd.parallel.optim import make_optimizer, schedule
-from spmd.parallel.step import AuxLosses, _loss, aux_losses
+from spmd.parallel.step import AuxLosses, aux_losses, model_loss
 
 MIXTRAL = Path(__file__).parent / "hf" / "mixtral"
 
@@ -44,7 +44,7 @@ def test_an_imported_moe_model_trains_with_its_own_balance_loss():
     layout = make_layout(cfg, jax.devices()[:1], for_training=False)
     params = load_params(Directory(str(MIXTRAL)), layout)
     rows = jnp.asarray(np.load(MIXTRAL / "tokens.npy"))
-    objective, metrics = jax.jit(lambda p, r: _loss(layout.skeleton.graphdef, p, r, None, aux_losses(cfg)))(params, rows)
+    objective, metrics = jax.jit(lambda p, r: model_loss(layout.skeleton.graphdef, p, r, None, aux_losses(cfg)))(params, rows)
     np.testing.assert_allclose(float(metrics["loss"]), golden["cross_entropy"], rtol=1e-5)
     np.testing.assert_allclose(float(metrics["aux_loss"]), golden["aux_loss"], rtol=1e-5)
     np.testing.assert_allclose(float(objective), golden["cross_entropy"] + golden["router_aux_loss_coef"]

@@ -16,7 +16,7 @@ from spmd.parallel.layout import make_layout
 from spmd.parallel.skeleton import restack
 from spmd.parallel.staged import stage_parts
 from spmd.parallel.step import build_program
-from spmd.parallel.zero_bubble import executed_over_useful
+from spmd.parallel.pipeline.zero_bubble import executed_over_useful
 from spmd.planner import hlo
 from spmd.planner.hlo import chunk_dot_flops
 from spmd.planner.plan import make_plan
@@ -151,7 +151,7 @@ def test_zb_v_timetable(p, m):
     W's after its B, and the rings are bounded whatever m is; the roofline's overhead is
     the executed-compute formula at f = b = w."""
     from spmd.parallel.pipeline import Schedule
-    from spmd.parallel.zero_bubble import timetable
+    from spmd.parallel.pipeline.zero_bubble import timetable
 
     table = timetable(p, m)  # (it asserts forward <= B <= W for every chunk and microbatch)
     assert table["slots"] == (4 * p - 1, 5 * p - 2, 2 * p - 1)

@@ -157,7 +157,7 @@ def test_zero_bubble_counts_the_latent_up_projections_and_the_norms_with_b():
     from models import PRESETS
     from models.deepseek3.model import DeepSeekV3, LatentAttention
     from models.llama.model import REMAT_POLICIES
-    from spmd.parallel.zero_bubble import split_backward
+    from spmd.parallel.pipeline.zero_bubble import split_backward
     from spmd.planner.counting import is_vector, params, stage_overhead
 
     model_cfg = PRESETS["deepseek-v3-tiny"]

@@ -13,13 +13,12 @@ refused."""
 
 from __future__ import annotations
 
-import dataclasses
 
 import numpy as np
 
 from models.deepseek3.config import DeepSeekV3Config, Yarn
 from models.llama import hf as llama
-from models.llama.hf import Block, ExpertNames, Tensor, _listed, _one
+from models.llama.hf import Block, ExpertNames, Tensor, listed, only
 from models.moe import MoEConfig
 from spmd.base.schema import ANY, BOOLEAN, INTEGER, MAPPING, NUMBER, STRING, Bounds, Field, Rule
 
@@ -180,20 +179,20 @@ def _attention(cfg: DeepSeekV3Config, b: Block) -> list[Tensor]:
             Tensor((*attn, "wq_a"), b.steps, b.names("self_attn.q_a_proj.weight"), [(q, e)],
                    lambda t: t[0].T, lambda w: [w.T]),
             Tensor((*attn, "q_norm", "scale"), b.steps, b.names("self_attn.q_a_layernorm.weight"), [(q,)],
-                   _one, _listed),
+                   only, listed),
             Tensor((*attn, "wq_b"), b.steps, b.names("self_attn.q_b_proj.weight"), [(h * d, q)],
                    lambda t: heads(t, q), lambda w: unheads(w, q)),
         ]
     kv_width = cfg.nope_dim + cfg.v_dim
     return [
-        Tensor((*b.ours, "attn_norm", "scale"), b.steps, b.names("input_layernorm.weight"), [(e,)], _one, _listed),
+        Tensor((*b.ours, "attn_norm", "scale"), b.steps, b.names("input_layernorm.weight"), [(e,)], only, listed),
         Tensor((*b.ours, "mlp_norm", "scale"), b.steps, b.names("post_attention_layernorm.weight"), [(e,)],
-               _one, _listed),
+               only, listed),
         *query,
         Tensor((*attn, "wkv_a"), b.steps, b.names("self_attn.kv_a_proj_with_mqa.weight"), [(cfg.latent_dim, e)],
                lambda t: _to_rotate_half(t[0].T, dr), lambda w: [_to_interleaved(w, dr).T]),
         Tensor((*attn, "kv_norm", "scale"), b.steps, b.names("self_attn.kv_a_layernorm.weight"), [(r,)],
-               _one, _listed),
+               only, listed),
         Tensor((*attn, "wkv_b"), b.steps, b.names("self_attn.kv_b_proj.weight"), [(h * kv_width, r)],
                lambda t: t[0].T.reshape(r, h, kv_width), lambda w: [w.reshape(r, h * kv_width).T]),
         Tensor((*attn, "wo"), b.steps, b.names("self_attn.o_proj.weight"), [(e, h * cfg.v_dim)],
@@ -210,19 +209,19 @@ def _moe(cfg: DeepSeekV3Config, b: Block) -> list[Tensor]:
         Tensor((*b.ours, "mlp", "shared_down"), b.steps, b.names("mlp.shared_experts.down_proj.weight"), [(e, width)],
                lambda t: t[0].T, lambda w: [w.T]),
     ] if width else []
-    bias = Tensor((*b.ours, "mlp", "bias"), b.steps, b.names("mlp.gate.e_score_correction_bias"), [(n,)], _one, _listed)
-    return [*llama._experts(cfg, b, EXPERTS), bias, *shared]
+    bias = Tensor((*b.ours, "mlp", "bias"), b.steps, b.names("mlp.gate.e_score_correction_bias"), [(n,)], only, listed)
+    return [*llama.expert_tensors(cfg, b, EXPERTS), bias, *shared]
 
 
 def tensors(cfg: DeepSeekV3Config) -> list[Tensor]:
     e, v = cfg.embed, cfg.vocab
     found = [
-        Tensor(("embedding",), 0, lambda i: ["model.embed_tokens.weight"], [(v, e)], _one, _listed),
-        Tensor(("final_norm", "scale"), 0, lambda i: ["model.norm.weight"], [(e,)], _one, _listed),
+        Tensor(("embedding",), 0, lambda i: ["model.embed_tokens.weight"], [(v, e)], only, listed),
+        Tensor(("final_norm", "scale"), 0, lambda i: ["model.norm.weight"], [(e,)], only, listed),
         Tensor(("head",), 0, lambda i: ["lm_head.weight"], [(v, e)], lambda t: t[0].T, lambda w: [w.T]),
     ]
     for block in _blocks(cfg):
-        found += _attention(cfg, block) + (_moe(cfg, block) if block.moe else llama._mlp(cfg, block))
+        found += _attention(cfg, block) + (_moe(cfg, block) if block.moe else llama.mlp_tensors(cfg, block))
     return found
 
 

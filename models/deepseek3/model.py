@@ -30,7 +30,7 @@ from flax import nnx
 from models.annotate import PREFIX_LAYERS, constrain, weight
 from models.attention import Packing, attend, cached_attention
 from models.deepseek3.config import DeepSeekV3Config
-from models.llama.model import REMAT_POLICIES, Block, Decoding, Llama, RMSNorm, _param, rotary, with_empty_steps
+from models.llama.model import REMAT_POLICIES, Block, Decoding, Llama, RMSNorm, normal_param, rotary, with_empty_steps
 from models.lora import LoRA
 from models.moe import Routing
 
@@ -45,17 +45,17 @@ class LatentAttention(nnx.Module):
         e, h, d, r = cfg.embed, cfg.heads, cfg.head_dim, cfg.kv_rank
         # The ranks are split as the hidden size is (fsdp, ZeRO): each is an up-projection's input.
         if cfg.q_rank is None:
-            self.wq = _param(rngs, (e, h, d), ("embed", "heads", "head_dim"), e**-0.5)
+            self.wq = normal_param(rngs, (e, h, d), ("embed", "heads", "head_dim"), e**-0.5)
         else:
-            self.wq_a = _param(rngs, (e, cfg.q_rank), ("embed", None), e**-0.5)
+            self.wq_a = normal_param(rngs, (e, cfg.q_rank), ("embed", None), e**-0.5)
             self.q_norm = RMSNorm(cfg.q_rank, cfg.norm_eps, (None,))
-            self.wq_b = _param(rngs, (cfg.q_rank, h, d), ("embed", "heads", "head_dim"), cfg.q_rank**-0.5)
+            self.wq_b = normal_param(rngs, (cfg.q_rank, h, d), ("embed", "heads", "head_dim"), cfg.q_rank**-0.5)
         # The latent and the rotary key, [:, :kv_rank] and [:, kv_rank:]: every head reads them whole.
-        self.wkv_a = _param(rngs, (e, cfg.latent_dim), ("embed", None), e**-0.5)
+        self.wkv_a = normal_param(rngs, (e, cfg.latent_dim), ("embed", None), e**-0.5)
         self.kv_norm = RMSNorm(r, cfg.norm_eps, (None,))
         # Each head's key (its part that does not rotate) and value, [..., :nope_dim] and [..., nope_dim:].
-        self.wkv_b = _param(rngs, (r, h, cfg.nope_dim + cfg.v_dim), ("embed", "heads", "head_dim"), r**-0.5)
-        self.wo = _param(rngs, (h, cfg.v_dim, e), ("heads", "head_dim", "embed"), (h * cfg.v_dim) ** -0.5)
+        self.wkv_b = normal_param(rngs, (r, h, cfg.nope_dim + cfg.v_dim), ("embed", "heads", "head_dim"), r**-0.5)
+        self.wo = normal_param(rngs, (h, cfg.v_dim, e), ("heads", "head_dim", "embed"), (h * cfg.v_dim) ** -0.5)
         self.cfg, self.dtype = cfg, dtype
 
     def __call__(self, x: jax.Array, positions: jax.Array, packing: Packing | None = None,
@@ -168,7 +168,7 @@ class DeepSeekV3(Llama):
         if lora is not None:
             raise ValueError("LoRA adapts Llama's projections (q_proj, ...); DeepSeek-V3's latent attention has none")
         self.cfg, self.dtype, self.remat = cfg, dtype, remat
-        self.embedding = _param(rngs, (cfg.vocab, cfg.embed), ("vocab", "embed"), 1.0)
+        self.embedding = normal_param(rngs, (cfg.vocab, cfg.embed), ("vocab", "embed"), 1.0)
 
         def stack(count: int, axis: str, routing: Routing | None):
             @nnx.split_rngs(splits=count)
@@ -181,7 +181,7 @@ class DeepSeekV3(Llama):
             self.prefix = stack(cfg.dense_layers, PREFIX_AXIS, None)
         self.blocks = with_empty_steps(stack(cfg.moe_layers, "layers", routing), cfg)
         self.final_norm = RMSNorm(cfg.embed, cfg.norm_eps)
-        self.head = _param(rngs, (cfg.embed, cfg.vocab), ("embed", "vocab"), cfg.embed**-0.5)
+        self.head = normal_param(rngs, (cfg.embed, cfg.vocab), ("embed", "vocab"), cfg.embed**-0.5)
 
     def embed(self, tokens: jax.Array, positions: jax.Array | None = None, packing: Packing | None = None
               ) -> jax.Array:

@@ -273,22 +273,22 @@ MIXTRAL_EXPERTS = ExpertNames("block_sparse_moe.gate.weight", "block_sparse_moe.
 def tensors(cfg: LlamaConfig, experts: ExpertNames = MIXTRAL_EXPERTS) -> list[Tensor]:
     e, v = cfg.embed, cfg.vocab
     found = [
-        Tensor(("embedding",), 0, lambda i: ["model.embed_tokens.weight"], [(v, e)], _one, _listed),
-        Tensor(("final_norm", "scale"), 0, lambda i: ["model.norm.weight"], [(e,)], _one, _listed),
+        Tensor(("embedding",), 0, lambda i: ["model.embed_tokens.weight"], [(v, e)], only, listed),
+        Tensor(("final_norm", "scale"), 0, lambda i: ["model.norm.weight"], [(e,)], only, listed),
     ]
     if not cfg.tie_embeddings:
         found.append(Tensor(("head",), 0, lambda i: ["lm_head.weight"], [(v, e)], lambda t: t[0].T, lambda w: [w.T]))
     for block in blocks(cfg):
-        found += _attention(cfg, block) + (_experts(cfg, block, experts) if block.moe else _mlp(cfg, block))
+        found += _attention(cfg, block) + (expert_tensors(cfg, block, experts) if block.moe else mlp_tensors(cfg, block))
     return found
 
 
 def _attention(cfg: LlamaConfig, b: Block) -> list[Tensor]:
     e, h, k, d = cfg.embed, cfg.heads, cfg.kv_heads, cfg.head_dim
     return [
-        Tensor((*b.ours, "attn_norm", "scale"), b.steps, b.names("input_layernorm.weight"), [(e,)], _one, _listed),
+        Tensor((*b.ours, "attn_norm", "scale"), b.steps, b.names("input_layernorm.weight"), [(e,)], only, listed),
         Tensor((*b.ours, "mlp_norm", "scale"), b.steps, b.names("post_attention_layernorm.weight"), [(e,)],
-               _one, _listed),
+               only, listed),
         Tensor((*b.ours, "attn", "wq"), b.steps, b.names("self_attn.q_proj.weight"), [(h * d, e)],
                lambda t: t[0].T.reshape(e, h, d), lambda w: [w.reshape(e, h * d).T]),
         # Query head n reads key/value head n // (h / k), as transformers' repeat_kv.
@@ -300,7 +300,7 @@ def _attention(cfg: LlamaConfig, b: Block) -> list[Tensor]:
     ]
 
 
-def _mlp(cfg: LlamaConfig, b: Block) -> list[Tensor]:
+def mlp_tensors(cfg: LlamaConfig, b: Block) -> list[Tensor]:
     e, m = cfg.embed, cfg.mlp
     return [
         Tensor((*b.ours, "mlp", "gate_up"), b.steps, b.names("mlp.gate_proj.weight", "mlp.up_proj.weight"),
@@ -310,7 +310,7 @@ def _mlp(cfg: LlamaConfig, b: Block) -> list[Tensor]:
     ]
 
 
-def _experts(cfg: LlamaConfig, b: Block, names: ExpertNames) -> list[Tensor]:
+def expert_tensors(cfg: LlamaConfig, b: Block, names: ExpertNames) -> list[Tensor]:
     e, n, m = cfg.embed, cfg.moe.experts, cfg.moe.expert_mlp
     each = lambda *templates: b.names(*(t.format(j=j) for t in templates for j in range(n)))  # noqa: E731
     return [
@@ -374,9 +374,9 @@ def copies(cfg: LlamaConfig) -> dict[str, str]:
     return {"lm_head.weight": "model.embed_tokens.weight"} if cfg.tie_embeddings else {}
 
 
-def _one(t: list[np.ndarray]) -> np.ndarray:
+def only(t: list[np.ndarray]) -> np.ndarray:
     return t[0]
 
 
-def _listed(w: np.ndarray) -> list[np.ndarray]:
+def listed(w: np.ndarray) -> list[np.ndarray]:
     return [w]

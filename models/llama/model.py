@@ -57,7 +57,7 @@ class Decoding:
         return self.slot + jnp.arange(n)
 
 
-def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...], std: float) -> nnx.Param:
+def normal_param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...], std: float) -> nnx.Param:
     value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
     # Sharding is applied by whoever builds the model (jit out_shardings), not here.
     return nnx.Param(value, out_sharding=names, eager_sharding=False)
@@ -104,9 +104,9 @@ class Attention(nnx.Module):
         # Query head n reads key/value head n // (heads / kv_heads), so a split of the
         # heads that is a split of the kv heads too keeps each query with its key and value;
         # finer splits share a kv head between devices.
-        self.wq = _param(rngs, (e, h, d), ("embed", "heads", "head_dim"), e**-0.5)
-        self.wkv = _param(rngs, (e, k, 2, d), ("embed", "kv_heads", None, "head_dim"), e**-0.5)
-        self.wo = _param(rngs, (h, d, e), ("heads", "head_dim", "embed"), (h * d) ** -0.5)
+        self.wq = normal_param(rngs, (e, h, d), ("embed", "heads", "head_dim"), e**-0.5)
+        self.wkv = normal_param(rngs, (e, k, 2, d), ("embed", "kv_heads", None, "head_dim"), e**-0.5)
+        self.wo = normal_param(rngs, (h, d, e), ("heads", "head_dim", "embed"), (h * d) ** -0.5)
         if cfg.qkv_bias:  # laid out as wq and wkv are
             self.bq = _zeros((h, d), ("heads", "head_dim"))
             self.bkv = _zeros((k, 2, d), ("kv_heads", None, "head_dim"))
@@ -228,8 +228,8 @@ class SwiGLU(nnx.Module):
     def __init__(self, cfg: LlamaConfig, dtype, rngs: nnx.Rngs, lora: LoRA | None = None):
         e, m = cfg.embed, cfg.mlp
         # Gate and up projections in one matmul (one gradient for x): [:, 0] gate, [:, 1] up.
-        self.gate_up = _param(rngs, (e, 2, m), ("embed", None, "mlp"), e**-0.5)
-        self.down = _param(rngs, (m, e), ("mlp", "embed"), m**-0.5)
+        self.gate_up = normal_param(rngs, (e, 2, m), ("embed", None, "mlp"), e**-0.5)
+        self.down = normal_param(rngs, (m, e), ("mlp", "embed"), m**-0.5)
         embed, mlp = ((e,), ("embed",)), ((m,), ("mlp",))
         for target, inputs, outputs in (("gate_proj", embed, mlp), ("up_proj", embed, mlp), ("down_proj", mlp, embed)):
             if lora and lora.adapts(target):
@@ -367,7 +367,7 @@ class Llama(nnx.Module):
             raise ValueError(f"remat must be one of {sorted(REMAT_POLICIES)}, got {remat!r}")
         self.cfg, self.dtype, self.remat = cfg, dtype, remat
         # A tied table is also the output head, so it starts at the head's scale.
-        self.embedding = _param(rngs, (cfg.vocab, cfg.embed), ("vocab", "embed"),
+        self.embedding = normal_param(rngs, (cfg.vocab, cfg.embed), ("vocab", "embed"),
                                 cfg.embed**-0.5 if cfg.tie_embeddings else 1.0)
 
         # Stacked along a leading "layers" axis: blocks, or groups of blocks in an MoE model.
@@ -379,7 +379,7 @@ class Llama(nnx.Module):
         self.blocks = with_empty_steps(make_blocks(rngs), cfg)
         self.final_norm = RMSNorm(cfg.embed, cfg.norm_eps, offset=cfg.norm_offset)
         if not cfg.tie_embeddings:
-            self.head = _param(rngs, (cfg.embed, cfg.vocab), ("embed", "vocab"), cfg.embed**-0.5)
+            self.head = normal_param(rngs, (cfg.embed, cfg.vocab), ("embed", "vocab"), cfg.embed**-0.5)
 
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None, packing: Packing | None = None
                  ) -> jax.Array:

@@ -74,7 +74,7 @@ def _example_positions(segments: jax.Array) -> jax.Array:
     return index - jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
 
 
-def _columns(rows, order: np.ndarray | None) -> Columns:
+def model_columns(rows, order: np.ndarray | None) -> Columns:
     """`rows` (token rows (b, seq + 1), or packed rows' dict) as the model reads them,
     in `order` (a permutation of the columns, or None)."""
     tokens = rows["tokens"] if isinstance(rows, dict) else rows
@@ -91,7 +91,7 @@ def _columns(rows, order: np.ndarray | None) -> Columns:
     return Columns(inputs, targets, positions, packing, weights)
 
 
-def _loss(graphdef, params, rows, order: np.ndarray | None = None, aux: AuxLosses = AuxLosses(),
+def model_loss(graphdef, params, rows, order: np.ndarray | None = None, aux: AuxLosses = AuxLosses(),
           router: dict | None = None, denominator=None) -> tuple[jax.Array, dict]:
     """The loss to minimize and the step's metrics, for token rows (b, seq + 1) or packed rows.
 
@@ -103,12 +103,12 @@ def _loss(graphdef, params, rows, order: np.ndarray | None = None, aux: AuxLosse
     for the model (a permutation of the positions); the mean is that of any order.
     `router`: the MoE layers' router state, if the model keeps one (spmd.parallel.balance)."""
     model = nnx.merge(graphdef, params, router) if router else nnx.merge(graphdef, params)
-    columns = _columns(rows, order)
+    columns = model_columns(rows, order)
     logits, moe_stats = model.forward(columns.inputs, columns.positions, columns.packing)
-    return _objective(logits, columns.targets, moe_stats, aux, columns.weights, denominator)
+    return objective(logits, columns.targets, moe_stats, aux, columns.weights, denominator)
 
 
-def _objective(logits, targets, moe_stats: dict, aux: AuxLosses, weights=None, denominator=None
+def objective(logits, targets, moe_stats: dict, aux: AuxLosses, weights=None, denominator=None
                ) -> tuple[jax.Array, dict]:
     targets = jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype)
     # One-hot rather than a gather: the vocab dimension may be split over tp.
@@ -120,11 +120,11 @@ def _objective(logits, targets, moe_stats: dict, aux: AuxLosses, weights=None, d
         loss = jnp.sum(losses * weights) / (jnp.sum(weights) if denominator is None else denominator)
     if not moe_stats:
         return loss, {"loss": loss}
-    metrics = {"loss": loss, **_moe_metrics(moe_stats, aux.balance)}
+    metrics = {"loss": loss, **moe_metrics(moe_stats, aux.balance)}
     return loss + aux.aux_weight * metrics["aux_loss"] + aux.z_weight * metrics["z_loss"], metrics
 
 
-def _moe_metrics(moe_stats: dict, balance_loss: str) -> dict:
+def moe_metrics(moe_stats: dict, balance_loss: str) -> dict:
     """The MoE layers' statistics (each with a leading layer axis) as step metrics.
 
     The balance loss "sequence" is the mean over layers of each layer's per-sequence loss;
@@ -142,9 +142,9 @@ def _moe_metrics(moe_stats: dict, balance_loss: str) -> dict:
             **loads}
 
 
-def _aux_weights_per_layer(aux: AuxLosses, moe_layers: int):
+def aux_weights_per_layer(aux: AuxLosses, moe_layers: int):
     """What each MoE layer's statistics add to what is minimized, per unit of the loss
-    (`_objective` takes their means over the model's `moe_layers`): the per-sequence form
+    (`objective` takes their means over the model's `moe_layers`): the per-sequence form
     only, which is a sum of per-layer terms (spmd.run.config refuses the pooled form here)."""
     scale = {"balance_loss": aux.aux_weight, "z_loss": aux.z_weight}
 

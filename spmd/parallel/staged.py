@@ -1,6 +1,6 @@
 """Pipelined steps: the model split into what runs outside the stages (the embedding, the
 head and the loss) and what the stages run (chunks of the stacked layers), and the loss and
-gradients of a step under each schedule (spmd.parallel.pipeline, spmd.parallel.zero_bubble):
+gradients of a step under each schedule (spmd.parallel.pipeline, spmd.parallel.pipeline.zero_bubble):
 GPipe and circular differentiated by autodiff, 1F1B and zb-v computing the stages'
 gradients themselves."""
 
@@ -19,10 +19,10 @@ from models.attention import Packing
 from models.lora import dropping, joined
 from spmd.parallel.layout import Layout
 from spmd.parallel.mesh import BATCH_AXES
-from spmd.parallel.objective import AuxLosses, Columns, _aux_weights_per_layer, _columns, _moe_metrics, _objective
+from spmd.parallel.objective import AuxLosses, Columns, aux_weights_per_layer, model_columns, moe_metrics, objective
 from spmd.parallel.pipeline import from_microbatches, one_f_one_b, pipeline, to_microbatches
 from spmd.parallel.rules import spec_for
-from spmd.parallel.zero_bubble import zb_v
+from spmd.parallel.pipeline.zero_bubble import zb_v
 
 
 class StageParts(NamedTuple):
@@ -67,7 +67,7 @@ def stage_parts(graphdef, params, rows, in_stage, stacked: str, order: np.ndarra
     `frozen`: parameters that are not trained (a LoRA run's base, `params` being the
     adapters); their stacked part is the stages' `fixed` weights, which the schedules pass
     beside each chunk without differentiating them."""
-    columns = _columns(rows, order)
+    columns = model_columns(rows, order)
     positions = columns.positions  # a constant (numpy), which the stages' map may close over
     every = params if frozen is None else joined(frozen, params)
     outer = {name: value for name, value in every.items() if name != stacked}
@@ -115,7 +115,7 @@ def _row_spec(layout: Layout) -> jax.P:
 
 def pipelined_loss(graphdef, params, rows, layout: Layout, in_stage, order, aux: AuxLosses, router=None,
                     denominator=None) -> tuple[jax.Array, dict]:
-    """`_loss` with the stacked layers run as pipeline stages (spmd.parallel.pipeline); the
+    """`model_loss` with the stacked layers run as pipeline stages (spmd.parallel.pipeline); the
     embedding, head and loss run outside, on rows split over the data axes and pp."""
     schedule, shards = layout.schedule, layout.batch_shards
     stacked = model_class(layout.skeleton.model_cfg).STACKED
@@ -125,7 +125,7 @@ def pipelined_loss(graphdef, params, rows, layout: Layout, in_stage, order, aux:
     out, stats = pipeline(layout.mesh, schedule, parts.stage, parts.blocks, x, _row_spec(layout),
                           REMAT_POLICIES[model.remat], parts.side(shards, schedule))
     logits = model.logits(from_microbatches(out, shards, schedule))
-    return _objective(logits, columns.targets, _of_layers(stats, model.cfg), aux, columns.weights, denominator)
+    return objective(logits, columns.targets, _of_layers(stats, model.cfg), aux, columns.weights, denominator)
 
 
 def one_f_one_b_grads(graphdef, params, rows, layout: Layout, in_stage, order, aux: AuxLosses, router=None,
@@ -146,7 +146,7 @@ def one_f_one_b_grads(graphdef, params, rows, layout: Layout, in_stage, order, a
     def head(head_params, y, labels):
         targets, weights = labels
         with in_stage():
-            return _objective(model_of({**outer, **head_params}).logits(y), targets, {}, AuxLosses(), weights, part)[0]
+            return objective(model_of({**outer, **head_params}).logits(y), targets, {}, AuxLosses(), weights, part)[0]
 
     x, embed_vjp = jax.vjp(lambda t: to_microbatches(parts._replace(outer={**outer, **t}).embedded(), shards, schedule),
                            trained)
@@ -154,12 +154,12 @@ def one_f_one_b_grads(graphdef, params, rows, layout: Layout, in_stage, order, a
     labels = jax.tree.map(lambda a: to_microbatches(a, shards, schedule), (columns.targets, columns.weights))
     loss, d_blocks, d_head, dx, stats = run(
         layout.mesh, schedule, parts.stage, head, parts.blocks, {name: outer[name] for name in head_names}, x,
-        labels, _row_spec(layout), _aux_weights_per_layer(aux, layout.skeleton.model_cfg.moe_layers),
+        labels, _row_spec(layout), aux_weights_per_layer(aux, layout.skeleton.model_cfg.moe_layers),
         parts.side(shards, schedule), parts.fixed)
     (grads,) = embed_vjp(dx)
     grads = grads | {name: jax.tree.map(jnp.add, grads[name], d_head[name]) for name in head_names}
     d_blocks = _weights_of(d_blocks, params[family.STACKED])
-    metrics = _moe_metrics(_of_layers(stats, layout.skeleton.model_cfg), aux.balance) if stats else {}
+    metrics = moe_metrics(_of_layers(stats, layout.skeleton.model_cfg), aux.balance) if stats else {}
     return {"loss": loss} | metrics, grads | {family.STACKED: d_blocks}
 
 

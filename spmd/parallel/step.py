@@ -37,7 +37,7 @@ from spmd.parallel.kernels import make_kernel
 from spmd.parallel.kernels import resolve as resolve_kernel
 from spmd.parallel.layout import Layout
 from spmd.parallel.mesh import BATCH_AXES
-from spmd.parallel.objective import AuxLosses, _loss, aux_losses, target_count
+from spmd.parallel.objective import AuxLosses, aux_losses, model_loss, target_count
 from spmd.parallel.optim import applied_updates, make_optimizer, schedule
 from spmd.parallel.pipeline import MANUAL_AXES
 from spmd.parallel.rules import spec_for
@@ -300,7 +300,7 @@ class Program:
         if self.layout.schedule:
             return pipelined_loss(self.graphdef, params, rows, self.layout, self._in_stage, self.order,
                                    self._aux_losses, router, denominator)
-        return _loss(self.graphdef, params, rows, self.order, self._aux_losses, router, denominator)
+        return model_loss(self.graphdef, params, rows, self.order, self._aux_losses, router, denominator)
 
     def _loss_and_grads(self, params, rows, router=None, denominator=None, frozen=None):
         """Metrics, and the gradients of the trained `params` (not of the `frozen` rest)."""

@@ -6,7 +6,7 @@ says how; this module counts them)."""
 from __future__ import annotations
 
 from models.lora import MLP_TARGETS
-from spmd.parallel import zero_bubble
+from spmd.parallel.pipeline import zero_bubble
 from spmd.parallel.experts import ragged_exchange
 from spmd.parallel.layout import Layout
 from spmd.parallel.mesh import BATCH_AXES

@@ -112,7 +112,7 @@ def head_in_stages(layout: Layout) -> bool:
 
 def picks_again(layout: Layout) -> bool:
     """Whether autodiff's backward pass picks each tick's chunk again under the model's
-    remat policy (circular: spmd.parallel.pipeline._run_chunk); the written-out backward of
+    remat policy (circular: spmd.parallel.pipeline.kit.run_chunk); the written-out backward of
     interleaved-1f1b runs each chunk's backward once."""
     return layout.schedule is not None and layout.schedule.repeats > 1 and not layout.schedule.writes_backward
 

@@ -74,7 +74,7 @@ def _backward_gathers(cfg, layout: Layout, stage_runs: float) -> float:
     With one layer-scan step and accumulation: once (below). In GPipe stages XLA hoists that gather out of the backward tick loop (the weights are
     the same every tick), under every remat policy: once. A circular schedule under remat
     "full" runs each tick's forward once more in the backward pass (spmd.parallel.pipeline.
-    _run_chunk): twice per forward."""
+    kit.run_chunk): twice per forward."""
     model_cfg = layout.skeleton.model_cfg
     scan_steps = model_cfg.layers // (model_cfg.moe.every if model_cfg.moe else 1)
     if layout.schedule is None and cfg.grad_accum > 1 and scan_steps == 1:
@@ -215,7 +215,7 @@ def _stage_gradient_runs(cfg, layout: Layout, p: Param, stage_runs: float) -> fl
     """How often a stacked weight's gradient is computed (and reduced over the automatic
     axes) in the stages, in whole passes over the stage's layers: with each forward's
     backward (stage_runs), but zb-v's weight-gradient pass W (the matrices') runs exactly
-    once per chunk and microbatch, without the bubble (spmd.parallel.zero_bubble): m
+    once per chunk and microbatch, without the bubble (spmd.parallel.pipeline.zero_bubble): m
     passes; its input-gradient pass B, which also computes the vectors' (norm scales')
     and those of the matrices whose input it recomputes, runs with the forwards (and
     under a remat policy computes every gradient: Schedule.defers_weights)."""

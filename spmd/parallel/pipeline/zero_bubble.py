@@ -52,9 +52,9 @@ import numpy as np
 from jax._src import core
 from jax._src.interpreters import partial_eval as pe
 
-from spmd.parallel.pipeline import (AXIS, BATCH_AXIS, MANUAL_AXES, Schedule, _copies, _from_stage_0, _head,
-                                    _no_statistics, _only_stage_0, _split_vjp, _stage_statistics, _statistics,
-                                    _weighted_statistics, layer_statistics, micro, stacked_spec, stage_view)
+from spmd.parallel.pipeline.kit import (add_statistics, from_stage_0, head_vjp, layer_statistics, micro, no_statistics,
+                                        only_stage_0, split_vjp, stage_copies, stage_statistics, weighted_statistics)
+from spmd.parallel.pipeline.schedule import AXIS, BATCH_AXIS, MANUAL_AXES, Schedule, stacked_spec, stage_view
 
 # ------------------------------------------------------------------------- the B/W split
 
@@ -71,7 +71,7 @@ def split_backward(stage_fn, chunk, example, side_example=None, fixed=None):
     norm scales, whose gradients read only what the chain reads) and None elsewhere;
     backward_weight(bw_residuals, w_residuals) -> the other weights' gradients (None for
     B's). Also returns the shapes of the three residual lists."""
-    forward, backward, res_shapes = _split_vjp(stage_fn, chunk, example, side_example, fixed)
+    forward, backward, res_shapes = split_vjp(stage_fn, chunk, example, side_example, fixed)
     weights, weights_tree = jax.tree.flatten((chunk, fixed))
     ct_shapes = jax.eval_shape(stage_fn, chunk, example, side_example, fixed)
     # nw gradients (of the chunk's weights) out; nk weights (the fixed ones too) in.
@@ -142,7 +142,7 @@ def split_backward(stage_fn, chunk, example, side_example=None, fixed=None):
 def _whole_backward(stage_fn, chunk, example, side_example=None, fixed=None):
     """`split_backward`'s functions for a backward pass that is not split: B computes
     every weight's gradient, W nothing (no W residuals)."""
-    forward, backward, res_shapes = _split_vjp(stage_fn, chunk, example, side_example, fixed)
+    forward, backward, res_shapes = split_vjp(stage_fn, chunk, example, side_example, fixed)
 
     def forward_split(chunk, x, side=None, fixed=None):
         out, residuals = forward(chunk, x, side, fixed)
@@ -244,12 +244,12 @@ def zb_v(mesh, schedule: Schedule, stage_fn, head_fn, blocks, head, x: jax.Array
         forward, backward_input, backward_weight, (b_shapes, w_shapes, bw_shapes) = (
             split_backward if schedule.defers_weights else _whole_backward)(
             stage_fn, pick(0), x[0], micro(side, 0), pick(0, fixed_chunks))
-        no_stats = _no_statistics(stage_fn, chunks, x[0], micro(side, 0), fixed_chunks)
-        stats_weights = _weighted_statistics(no_stats, statistics_weights, seed)
+        no_stats = no_statistics(stage_fn, chunks, x[0], micro(side, 0), fixed_chunks)
+        stats_weights = weighted_statistics(no_stats, statistics_weights, seed)
         order = jnp.asarray(table["w_order"])[stage]  # (2m, 4)
         first = stage == 0
 
-        head = _head(head_fn, head_params, targets, seed)
+        head = head_vjp(head_fn, head_params, targets, seed)
 
         def accumulate(d_chunks, grads, c, valid):
             return [acc if g is None else acc.at[c].add(jnp.where(valid, g, 0)) for acc, g in zip(d_chunks, grads)]
@@ -264,7 +264,7 @@ def zb_v(mesh, schedule: Schedule, stage_fn, head_fn, blocks, head, x: jax.Array
                 k = jnp.clip(k, 0, m - 1)
                 inp = jnp.where(c == 0, jnp.where(first, x[k], f_in), jnp.where(stage == p - 1, f_own, f_in))
                 (y, stats), b_res, w_res = forward(pick(c), inp, micro(side, k), pick(c, fixed_chunks))
-                totals = _statistics(stats, valid, c, totals)
+                totals = add_statistics(stats, valid, c, totals)
                 b_ring = [buf.at[t % b_slots].set(r) for buf, r in zip(b_ring, b_res)]
                 w_ring = [buf.at[t % w_slots].set(r) for buf, r in zip(w_ring, w_res)]
                 final = first & (c == 1)
@@ -327,14 +327,14 @@ def zb_v(mesh, schedule: Schedule, stage_fn, head_fn, blocks, head, x: jax.Array
                                 blocks)
         loss = jax.lax.psum(loss, AXIS) / m
         return (jax.lax.pmean(loss, BATCH_AXIS), jax.lax.psum(d_blocks, BATCH_AXIS),
-                jax.lax.psum(d_head, MANUAL_AXES), _only_stage_0(dx, stage), _stage_statistics(totals, m))
+                jax.lax.psum(d_head, MANUAL_AXES), only_stage_0(dx, stage), stage_statistics(totals, m))
 
     copies, per_microbatch = jax.P(AXIS, None, BATCH_AXIS), jax.P(None, BATCH_AXIS)
     loss, d_blocks, d_head, dx, stats = jax.shard_map(
         run, mesh=mesh, in_specs=(stacked_spec(2), jax.P(), copies, per_microbatch, per_microbatch, stacked_spec(2)),
         out_specs=(jax.P(), stacked_spec(2), jax.P(), copies, jax.P(AXIS)), axis_names=frozenset(MANUAL_AXES),
         check_vma=False,
-    )(blocks, head, _copies(x, mesh, rows), targets, side, fixed or {})
+    )(blocks, head, stage_copies(x, mesh, rows), targets, side, fixed or {})
     # Device d's second chunk is stored on device p-1-d: its statistics go there.
     stats = jax.tree.map(lambda x: jnp.stack([x[:, 0], x[::-1, 1]], axis=1), stats)
-    return loss, d_blocks, d_head, _from_stage_0(dx, mesh, rows), layer_statistics(stats)
+    return loss, d_blocks, d_head, from_stage_0(dx, mesh, rows), layer_statistics(stats)

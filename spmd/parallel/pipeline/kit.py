@@ -1,0 +1,140 @@
+"""What every schedule's tick is made of: the microbatches' copies into the stages and
+out of stage 0, a chunk run on one microbatch, the statistics summed over ticks, the
+head's loss and gradient on the last stage, and a stage's forward and backward passes as
+two functions joined by arrays."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from spmd.parallel.pipeline.schedule import AXIS, BATCH_AXIS
+
+
+def ring_pairs(p: int, shift: int) -> list[tuple[int, int]]:
+    return [(s, (s + shift) % p) for s in range(p)]
+
+
+def stage_copies(x: jax.Array, mesh, rows: jax.P) -> jax.Array:
+    """Microbatches (m, ...), split over pp along m -> one copy per stage (p, m, ...),
+    split over pp along the copies: an all-gather over pp (stage 0 reads its copy). Done
+    outside the map, where XLA keeps the rows laid out as `rows` says (one microbatch's
+    spec: batch axes, and sp on the sequence), and the copies' gradients are summed there
+    too: a reduce-scatter."""
+    p = mesh.shape[AXIS]
+    return jax.lax.with_sharding_constraint(jnp.broadcast_to(x, (p, *x.shape)),
+                                            jax.NamedSharding(mesh, jax.P(AXIS, None, *rows)))
+
+
+def from_stage_0(per_stage: jax.Array, mesh, rows: jax.P) -> jax.Array:
+    """Each stage's (m, ...) results, zero but on stage 0 -> stage 0's, split over pp along
+    m: a reduce-scatter over pp (and its gradient an all-gather)."""
+    return jax.lax.with_sharding_constraint(jnp.sum(per_stage, axis=0),
+                                            jax.NamedSharding(mesh, jax.P(AXIS, *rows)))
+
+
+def add_statistics(stats: dict, valid, repeat, totals: dict) -> dict:
+    """Add a tick's statistics (a chunk's MoE layers' on one microbatch) to `totals`
+    (one entry per chunk, `repeat` the tick's), if the tick computed a real microbatch."""
+    return jax.tree.map(lambda total, x: total.at[repeat].add(jnp.where(valid, x, 0)), totals, stats)
+
+
+def stage_statistics(totals: dict, m: int) -> dict:
+    """The stage's statistics: means over its microbatches and dp shards, with a leading
+    stage axis (the map's output is split over pp along it)."""
+    return jax.tree.map(lambda total: jax.lax.pmean(total / m, BATCH_AXIS)[None], totals)
+
+
+def layer_statistics(per_stage: dict) -> dict:
+    """(stages, chunks, layers per chunk, ...) statistics -> (layers, ...), in the order the
+    stacked layers are stored (chunk-major: `stacked_spec`), which per-layer state updated
+    from them (the MoE layers' router, spmd.parallel.balance) follows."""
+    return jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[3:]), per_stage)
+
+
+def only_stage_0(x: jax.Array, stage: jax.Array) -> jax.Array:
+    return jnp.where(stage == 0, x, jnp.zeros_like(x))[None]
+
+
+
+def micro(side, k):
+    """Microbatch k's side inputs (None: none)."""
+    return jax.tree.map(lambda s: s[k], side)
+
+
+def run_chunk(stage_fn, policy, chunks, repeat, x, side):
+    """stage_fn on chunk `repeat` of the stage's layers (chunks: (v, layers, ...)).
+
+    Autodiff of the tick loop keeps what the stage computes from its weights each tick:
+    with one chunk (v = 1) the weights are the same every tick and nothing is copied; with
+    several, the chunk picked each tick would be kept once per tick, so the tick runs under
+    the model's remat `policy` (a picked chunk is neither a matmul output nor a named
+    activation: the backward pass picks it again). Under remat "full" that runs the
+    tick's forward once more in the backward pass."""
+    if jax.tree.leaves(chunks)[0].shape[0] == 1:
+        return stage_fn(jax.tree.map(lambda w: w[0], chunks), x, side)
+
+    def run(chunks, repeat, x, side):
+        return stage_fn(jax.tree.map(lambda w: w[repeat], chunks), x, side)
+    return jax.checkpoint(run, policy=policy)(chunks, repeat, x, side)
+
+
+def no_statistics(stage_fn, chunks, x, side, fixed=None) -> dict:
+    """Zeros shaped like what `stage_fn` reports for one chunk, one entry per chunk."""
+    first = lambda tree: jax.tree.map(lambda w: w[0], tree)  # noqa: E731
+    shapes = jax.eval_shape(stage_fn, first(chunks), x, side, first(fixed))[1]
+    v = jax.tree.leaves(chunks)[0].shape[0]
+    return jax.tree.map(lambda s: jnp.zeros((v, *s.shape), s.dtype), shapes)
+
+
+def weighted_statistics(no_stats: dict, statistics_weights, seed: float) -> dict:
+    """What each statistic of one chunk adds to what is minimized, per microbatch of the
+    whole batch (zeros if nothing: `statistics_weights` None)."""
+    weights = jax.tree.map(lambda total: total[0], no_stats)
+    return weights if statistics_weights is None else jax.tree.map(lambda w: seed * w, statistics_weights(weights))
+
+
+def head_vjp(head_fn, head_params, targets, seed: float):
+    """head(y, k, here) -> (loss, d_head, dy): microbatch k's loss from the last chunk's
+    output y and its gradients (seeded with `seed`), on the device where `here`; zeros
+    elsewhere. `targets`: the microbatches' (m, mb, ...) arrays, or a tree of them."""
+    def on_this_device(y, k):
+        loss, vjp = jax.vjp(lambda h, y: head_fn(h, y, micro(targets, k)), head_params, y)
+        d_head, dy = vjp(jnp.asarray(seed, loss.dtype))
+        return loss, d_head, dy
+
+    def elsewhere(y, k):
+        return jnp.zeros(()), jax.tree.map(jnp.zeros_like, head_params), jnp.zeros_like(y)
+
+    return lambda y, k, here: jax.lax.cond(here, on_this_device, elsewhere, y, k)
+
+
+def split_vjp(stage_fn, chunk, example: jax.Array, side_example=None, fixed=None):
+    """The stage's forward and backward passes as two functions joined by arrays:
+    forward(chunk, x, side, fixed) -> (y, residuals), backward(chunk, residuals, dy, fixed)
+    -> (d_chunk, dx), and the residuals' shapes; `fixed`: weights of the chunk that are not
+    differentiated (frozen ones). The weights are left out of the residuals: the backward
+    pass reads them again rather than a copy being kept per microbatch in flight. What it
+    reads of the side inputs is a residual."""
+    found = {}
+
+    def structure(chunk, x, side, fixed):
+        _, vjp = jax.vjp(lambda chunk, x: stage_fn(chunk, x, side, fixed), chunk, x)
+        leaves, found["tree"] = jax.tree.flatten(vjp)
+        weights = jax.tree.leaves((chunk, fixed))
+        # For each leaf of the backward pass, which weight it is (-1: a residual).
+        found["where"] = tuple(next((j for j, w in enumerate(weights) if leaf is w), -1) for leaf in leaves)
+        return [leaf for leaf, j in zip(leaves, found["where"]) if j < 0]
+
+    shapes = jax.eval_shape(structure, chunk, example, side_example, fixed)
+    tree, where = found["tree"], found["where"]
+
+    def forward(chunk, x, side=None, fixed=None):
+        y, vjp = jax.vjp(lambda chunk, x: stage_fn(chunk, x, side, fixed), chunk, x)
+        return y, [leaf for leaf, j in zip(jax.tree.leaves(vjp), where) if j < 0]
+
+    def backward(chunk, residuals, cotangent, fixed=None):
+        weights, kept = jax.tree.leaves((chunk, fixed)), iter(residuals)
+        return jax.tree.unflatten(tree, [weights[j] if j >= 0 else next(kept) for j in where])(cotangent)
+
+    return forward, backward, shapes

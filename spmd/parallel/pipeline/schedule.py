@@ -1,0 +1,125 @@
+"""The schedules' shapes: what a pipeline's schedule is (stages, microbatches, chunks per
+stage, ticks, what a stage keeps), the axes the pipeline's map is manual over, and the
+microbatches' and stacked layers' layouts."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from spmd.parallel.rules import STAGE_AXIS
+
+AXIS = STAGE_AXIS  # the rules table splits the stacked layers over it
+BATCH_AXIS = "dp"  # also manual in the map: gradients are reduced over it once per step
+MANUAL_AXES = (AXIS, BATCH_AXIS)
+PP_SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved-1f1b", "zb-v")
+REPEATED_SCHEDULES = ("circular", "interleaved-1f1b")  # those with --pp-repeats chunks per stage
+WRITTEN_OUT = ("1f1b", "interleaved-1f1b", "zb-v")  # schedules that run their backward pass themselves
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    name: str
+    stages: int  # p
+    microbatches: int  # m
+    repeats: int = 1  # v (circular, interleaved-1f1b)
+    remat: str = "none"  # the model's remat policy (zb-v defers its weight gradients only under "none")
+
+    @classmethod
+    def of(cls, cfg, stages: int) -> "Schedule":
+        """The schedule a run's options ask for on `stages` pipeline stages."""
+        # zb-v: two chunks per stage, stored as circular's (spmd.parallel.pipeline.zero_bubble)
+        repeats = 2 if cfg.pp_schedule == "zb-v" else cfg.pp_repeats
+        return cls(cfg.pp_schedule, stages, cfg.microbatches or stages, repeats, cfg.remat)
+
+    @property
+    def defers_weights(self) -> bool:
+        """Whether the backward pass is split into B and a deferred W (zb-v under remat
+        "none"). Under a remat policy the matmuls' inputs are recomputed inside the
+        backward pass, so zb-v runs each chunk's whole backward in B's tick: its
+        activations are the policy's, its bubble 1F1B's (spmd.parallel.pipeline.zero_bubble)."""
+        return self.name == "zb-v" and self.remat == "none"
+
+    @property
+    def ticks(self) -> int:
+        """Ticks that run a chunk's forward (gpipe, circular, 1f1b, interleaved-1f1b:
+        v*m + p - 1; zb-v: 2m + 2p - 2, half a stage each)."""
+        if self.name == "zb-v":
+            return 2 * (self.microbatches + self.stages - 1)
+        return self.repeats * self.microbatches + self.stages - 1
+
+    @property
+    def bubble(self) -> float:
+        """Share of the executed forward (and backward) stage work that is idle (computes
+        on padding). zb-v: of its forwards and input gradients; its weight gradients
+        have none (spmd.parallel.pipeline.zero_bubble.executed_over_useful)."""
+        p, useful = self.stages, self.repeats * self.microbatches
+        if self.name == "zb-v":
+            useful = self.microbatches
+        return (p - 1) / (useful + p - 1)
+
+    @property
+    def compute_overhead(self) -> float:
+        """Executed over useful stage compute: 1 / (1 - bubble); zb-v's weight gradients
+        have no bubble, so with a chunk's forward, B and W alike (its matmuls, each once
+        per pass) 1 + 2(p-1)/(3m) (spmd.parallel.pipeline.zero_bubble.executed_over_useful)."""
+        if self.defers_weights:
+            return 1 + 2 * (self.stages - 1) / (3 * self.microbatches)
+        return 1 / (1 - self.bubble)
+
+    @property
+    def writes_backward(self) -> bool:
+        """Whether the schedule runs the backward pass itself (`one_f_one_b`), not autodiff."""
+        return self.name in WRITTEN_OUT
+
+    @property
+    def residual_slots(self) -> int:
+        """Chunk residuals a stage keeps at once (1f1b, interleaved-1f1b): a forward's
+        live at most 2(vp - 1) ticks."""
+        return 2 * self.repeats * self.stages - 1
+
+    @property
+    def kept_microbatches(self) -> float:
+        """A stage's activations kept at once, in microbatches through all its layers:
+        m + p - 1 ticks' (gpipe), v*m + p - 1 ticks of 1/v of them (circular), or the
+        residual ring's (2vp - 1) / v."""
+        if self.defers_weights:
+            # The longest-kept part: the matmuls' inputs for W, 5p - 2 chunks (what B
+            # reads: 4p - 1; the matmul outputs' cotangents from B to W: 2p - 1).
+            return (5 * self.stages - 2) / 2
+        # (zb-v with W in B's tick: B's ring of 4p - 1 chunks, interleaved-1f1b's at v = 2)
+        if self.writes_backward:
+            return self.residual_slots / self.repeats
+        return self.ticks / self.repeats
+
+
+# ------------------------------------------------------------------ rows <-> microbatches
+
+def to_microbatches(x: jax.Array, shards: int, schedule: Schedule) -> jax.Array:
+    """Rows (b, ...) split over (batch axes, pp) -> (m, b/m, ...): pp rank i's rows are
+    microbatches [i*m/p, (i+1)*m/p), each taking an equal share of every batch shard's
+    rows, so the reshuffle moves nothing between devices."""
+    p, m = schedule.stages, schedule.microbatches
+    b = x.shape[0]
+    x = x.reshape(shards, p, m // p, b // (shards * m), *x.shape[1:])
+    return jnp.moveaxis(x, 0, 2).reshape(m, b // m, *x.shape[4:])
+
+
+def from_microbatches(x: jax.Array, shards: int, schedule: Schedule) -> jax.Array:
+    """The inverse of `to_microbatches`."""
+    p, m = schedule.stages, schedule.microbatches
+    b = x.shape[0] * x.shape[1]
+    x = x.reshape(p, m // p, shards, b // (shards * m), *x.shape[2:])
+    return jnp.moveaxis(x, 2, 0).reshape(b, *x.shape[4:])
+
+
+def stage_view(leaf: jax.Array, repeats: int) -> jax.Array:
+    """A stage's local slice of a stacked parameter -> (repeats, layers per chunk, ...)."""
+    return leaf.reshape(repeats, -1, *leaf.shape[(2 if repeats > 1 else 1):])
+
+
+def stacked_spec(repeats: int) -> jax.P:
+    """How the stacked layers are split over pp: (layers,) or (repeats, layers / repeats)."""
+    return jax.P(None, AXIS) if repeats > 1 else jax.P(AXIS)
