@@ -90,3 +90,14 @@ def test_the_family_contract_names_every_registered_family():
     forbidden = next(c for c in contracts if c["name"].startswith("Nothing under spmd/ names a model family"))
     families = {".".join(cls.__module__.split(".")[:2]) for pair in FAMILIES.items() for cls in pair}
     assert set(forbidden["forbidden_modules"]) == families
+
+
+def test_the_loop_reads_its_data_through_the_source_surface_alone():
+    """spmd.data.source.DataSource is what a run's data is to the trainer, the loop and
+    evaluation: no probing a source for what it might have (hasattr/getattr)."""
+    import re
+
+    probes = [f"{path.relative_to(ROOT)}:{n}" for path in sorted([*ROOT.glob("spmd/run/*.py"), *ROOT.glob("spmd/inference/*.py")])
+              for n, line in enumerate(path.read_text().splitlines(), 1)
+              if re.search(r"\b(hasattr|getattr)\((self\.|run\.)?(source|data)\b", line)]
+    assert probes == []

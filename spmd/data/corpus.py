@@ -30,6 +30,7 @@ from spmd.base.errors import UserError, file_kind, optional_module
 from spmd.base.hardware import host_memory_bytes
 from spmd.base.paths import read_text
 from spmd.base.schema import Invalid, loads
+from spmd.data.source import DataSource
 from spmd.data.tokenizer import ByteTokenizer, check_vocab
 
 TEXT_SUFFIXES = (".txt", ".text", ".md")
@@ -253,7 +254,7 @@ def shuffled(index: np.ndarray, count: int, seed: int) -> np.ndarray:
     return np.array([epoch_order(seed, int(e), count)[p] for e, p in zip(epochs, positions)], np.int64)
 
 
-class TokenSource:
+class TokenSource(DataSource):
     """Rows of packed samples, `length` tokens each, from one token stream.
 
     Row r of step k's batch is training sample `order[k * batch + r]` of its epoch; eval

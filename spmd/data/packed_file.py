@@ -17,6 +17,7 @@ import numpy as np
 from spmd.base.errors import UserError
 from spmd.data.corpus import held_out_split, shuffled
 from spmd.data.packing import Packing
+from spmd.data.source import DataSource
 
 PACKED = np.dtype([("tokens", "<i4"), ("segments", "<i4"), ("loss_mask", "?")])
 
@@ -87,7 +88,7 @@ def _problems(chunk: np.ndarray, vocab: int | None) -> list[tuple[str, np.ndarra
     ]
 
 
-class PackedFileSource:
+class PackedFileSource(DataSource):
     """The rows of a pre-packed file, served by (step, row)."""
 
     packed = True  # its rows are dicts of tokens, segments and loss masks (spmd.parallel.step)

@@ -30,6 +30,7 @@ from spmd.base.errors import UserError
 from spmd.data.corpus import epoch_order, held_out_split
 from spmd.data.index import RecordIndex
 from spmd.data.packing import Packing, pack
+from spmd.data.source import DataSource
 from spmd.data.tokenizer import check_vocab, load_tokenizer_directory
 from spmd.data.workers import Failed, Tokenizing, default_workers
 
@@ -95,7 +96,7 @@ class _Stream:
         return packing
 
 
-class RecordSource:
+class RecordSource(DataSource):
     """Fine-tuning records (a spmd.data.index.RecordIndex), packed into rows of `length`
     tokens as they are asked for; tokenized by `tokenizing` (spmd.data.workers)."""
 

@@ -17,13 +17,14 @@ import numpy as np
 from spmd.data.corpus import TokenSource, token_stream
 from spmd.data.packed_file import PackedFileSource, read_packed
 from spmd.data.records import fine_tuning_format
+from spmd.data.source import DataSource
 from spmd.data.stream import record_source
 from spmd.data.tokenizer import load_tokenizer
 
 SUCCESSORS = 4  # each token can be followed by this many tokens
 
 
-class MarkovSource:
+class MarkovSource(DataSource):
     """Sequences of a first-order Markov chain; the first token is uniform."""
 
     def __init__(self, vocab: int, seed: int, successors: int = SUCCESSORS):

@@ -24,10 +24,10 @@ def evaluate(cfg, checkpoint, batches: int | None, devices=None) -> tuple[float,
     source = make_source(cfg, layout.skeleton.model_cfg.vocab)
     try:
         steps = _batches(source, cfg, batches)
-        evaluate_fn = build_program(cfg, layout, getattr(source, "packed", False)).compile_eval()
+        evaluate_fn = build_program(cfg, layout, source.packed).compile_eval()
         params = load_params(cfg, layout, checkpoint)
         results = []
-        split = "in order" if getattr(source, "finite", False) else "train"
+        split = "in order" if source.finite else "train"
         for j in steps:
             batch = global_batch(source, j, cfg.batch, cfg.seq + 1, layout.batch_sharding, split)
             results.append(evaluate_fn(params, batch))
@@ -36,8 +36,7 @@ def evaluate(cfg, checkpoint, batches: int | None, devices=None) -> tuple[float,
             if len(results) > MAX_STEPS_IN_FLIGHT:
                 results[-MAX_STEPS_IN_FLIGHT - 1]["loss"].block_until_ready()
     finally:
-        if hasattr(source, "close"):  # its worker processes
-            source.close()
+        source.close()  # its worker processes
     loss, tokens = weighted_mean(jax.device_get(results))
     return loss, tokens, len(results)
 
@@ -46,7 +45,7 @@ def _batches(source, cfg, batches: int | None) -> Iterable[int]:
     """The batches to evaluate. Fine-tuning records: every example once, in order, the
     last batch filled with padding rows (which hold no targets). A token stream: its
     windows, in the run's order."""
-    if getattr(source, "finite", False):
+    if source.finite:
         if not source.has_rows(0, "in order"):
             raise UserError(f"--data {cfg.data}: no target tokens: no example has a token to learn after its first "
                             f"within --seq {cfg.seq}")

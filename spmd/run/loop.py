@@ -74,8 +74,8 @@ class Run:
             return
         meta = make_meta(self.cfg, step, self.state["params"])
         meta["skipped_updates"] = self.skipped
-        if hasattr(self.source, "state"):  # where a resumed run finds its rows without walking the data
-            meta["data"] = self.source.state(step)
+        if (position := self.source.state(step)) is not None:  # where a resumed run finds its rows
+            meta["data"] = position
         with self._writing_checkpoint(step):
             if step in self.checkpoints.steps():  # a later checkpoint of a run this one resumed before
                 self.checkpoints.delete(step)
@@ -203,13 +203,11 @@ class Run:
 
         if records and ok:  # the summary of a run that went to the end
             last = recent_loss(records, cfg.log_every)
-            versus = ""
-            if hasattr(self.source, "entropy_floor"):
-                floor = self.source.entropy_floor(cfg.seq)
-                versus = f"; synthetic floor {floor:.4f}; gap {last - floor:+.4f}"
+            floor = self.source.entropy_floor(cfg.seq)
+            versus = "" if floor is None else f"; synthetic floor {floor:.4f}; gap {last - floor:+.4f}"
             self.log(f"done: final loss {last:.4f} nats/token (mean of the last log window){versus}")
         steps = cfg.steps - self.start_step
-        packed = f"; {self.source.packed_so_far()}" if hasattr(self.source, "packed_so_far") else ""
+        packed = f"; {held}" if (held := self.source.packed_so_far()) else ""
         self.say(f"data: read {self.source.rows_read:,} training rows in {steps} steps "
                  f"({self.source.rows_read / max(steps, 1):g} per step of the global batch's {cfg.batch}){packed}")
         return Result(records, self.state, ok)
@@ -223,7 +221,7 @@ class Run:
         """Mean loss over the targets of --eval-batches held-out batches (the same ones every time)."""
         cfg, layout = self.cfg, self.layout
         batches = range(cfg.eval_batches)
-        if getattr(self.source, "finite", False):  # its held-out examples each at most once
+        if self.source.finite:  # its held-out examples each at most once
             batches = [j for j in batches if self.source.has_rows(j * cfg.batch, "eval")]
         results = [self.eval_fn(model_params(self.state),
                                 global_batch(self.source, j, cfg.batch, cfg.seq + 1, layout.batch_sharding, "eval"))

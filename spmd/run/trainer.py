@@ -41,8 +41,7 @@ def train(cfg: TrainConfig, layout, log=print) -> tuple[list[dict], dict]:
     try:
         result = run.loop()
     finally:
-        if hasattr(run.source, "close"):  # its worker processes
-            run.source.close()
+        run.source.close()  # its worker processes
     return result.records, result.state
 
 
@@ -56,7 +55,7 @@ def prepare(cfg: TrainConfig, layout, log=print):
     if cfg.mesh is None:  # (the Python API's default layout: its checkpoints record the mesh it chose)
         cfg = dataclasses.replace(cfg, mesh=mesh_flag(layout.shape))
     data = make_source(cfg, layout.skeleton.model_cfg.vocab)
-    program = build_program(cfg, layout, getattr(data, "packed", False))
+    program = build_program(cfg, layout, data.packed)
     # One run per directory: taken before --out is read, so that a second run is refused
     # before it looks at checkpoints the first is writing. One lock per run: process 0's.
     lock = DirectoryLock(cfg.out) if cfg.out and jax.process_index() == 0 else None
@@ -65,9 +64,9 @@ def prepare(cfg: TrainConfig, layout, log=print):
     source_dir, step, meta = _resume_source(cfg, program)
     if source_dir is None:
         check_empty_layers(cfg, layout.shape["pp"])
-    if getattr(data, "finite", False) and cfg.eval_every and not data.has_rows(0, "eval"):
+    if data.finite and cfg.eval_every and not data.has_rows(0, "eval"):
         raise UserError(f"--data {cfg.data}: no target tokens in the held-out examples (--eval-fraction)")
-    if source_dir is not None and hasattr(data, "resume") and not data.resume(meta.get("data")) and step:
+    if source_dir is not None and not data.resume(meta.get("data")) and step:
         log(f"data: the checkpoint holds no position in {cfg.data} for this run's rows; they are found by "
             f"packing the records of its {step:,} steps again")
     step_fn = program.compile_step()
