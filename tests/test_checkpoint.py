@@ -77,7 +77,7 @@ def test_export_writes_parameters_readable_without_the_optimizer(uninterrupted, 
 @pytest.fixture
 def poisoned_loss(monkeypatch):
     """Make the loss non-finite on the batches of steps 2 and 3 (whose data are fixed)."""
-    real = spmd.parallel.step._loss
+    real = spmd.parallel.step.model_loss
     from spmd.data.synthetic import MarkovSource
 
     source = MarkovSource(256, seed=0)
@@ -91,7 +91,7 @@ def poisoned_loss(monkeypatch):
         poison = lambda x: jnp.where(hit, jnp.nan, x)  # noqa: E731
         return poison(value), metrics | {"loss": poison(metrics["loss"])}
 
-    monkeypatch.setattr(spmd.parallel.step, "_loss", loss)
+    monkeypatch.setattr(spmd.parallel.step, "model_loss", loss)
 
 
 def test_on_nan_skip_drops_the_update_and_goes_on(poisoned_loss):

@@ -49,6 +49,34 @@ def weighted_mean(results: list[dict]) -> tuple[float, int]:
     return float(np.sum(losses * tokens) / np.sum(tokens)), int(np.sum(tokens))
 
 
+@dataclasses.dataclass
+class _Progress:
+    """What the loop carries from step to step."""
+    window_start: float  # when the current window of steps began
+    done: int  # steps dispatched
+    tokens: int  # a step's, and its FLOPs per device, and the device's peak TFLOP/s: for the records
+    flops_per_device: float
+    peak: float | None
+    records: list[dict] = dataclasses.field(default_factory=list)
+    pending: list[dict] = dataclasses.field(default_factory=list)  # metrics of steps not yet fetched
+    in_flight: deque = dataclasses.field(default_factory=deque)  # their losses, to wait for the oldest
+    votes: deque = dataclasses.field(default_factory=deque)  # stop votes cast, read a few steps later
+
+
+class MetricsFile:
+    """The run's JSONL metrics: started as `start_metrics` says, a window appended at a time."""
+
+    def __init__(self, path: str, start_step: int):
+        self.path = path
+        start_metrics(path, start_step)
+
+    def write(self, window: list[dict]) -> None:
+        append_records(self.path, window)
+
+    def close(self) -> None:
+        pass
+
+
 class Run:
     """`log` prints the run's lines (process 0's job); `say` prints this process's own."""
 
@@ -99,76 +127,33 @@ class Run:
                                f"({why_io_failed(exc)}); {last}") from None
 
     def loop(self) -> Result:
-        cfg, layout = self.cfg, self.layout
-        for line in describe_run(cfg, layout, self.plan, self.source.describe(cfg.seq), self.setup_s):
+        """Steps dispatched ahead of the devices; at each window's end (a log, save or
+        evaluation step, or a stop) its metrics fetched, written to the sinks and checked
+        for non-finite losses, then the save, the log line or the stop."""
+        cfg = self.cfg
+        for line in describe_run(cfg, self.layout, self.plan, self.source.describe(cfg.seq), self.setup_s):
             self.log(line)
-        devices = layout.mesh.devices.size
-        tokens = cfg.batch * cfg.seq
-        flops = train_flops_per_token(layout.skeleton.model_cfg, cfg.seq) * tokens
-        peak = peak_tflops(layout.mesh.devices.flat[0].device_kind)
-
-        metrics_file = cfg.metrics_file if self.primary else None  # one process writes the run's file
-        if metrics_file:
-            start_metrics(metrics_file, self.start_step)
-        scalars = Scalars(cfg.tensorboard, self.start_step) if cfg.tensorboard and self.primary else None
+        sinks = self._sinks()
         profile = Profile(cfg.profile_range, cfg.profile_dir, self.start_step, self.log)
-        records: list[dict] = []
-        pending: list[dict] = []
-        in_flight: deque = deque()
-        votes: deque = deque()
-        ok = True
         batches = Prefetcher(
-            lambda k: global_batch(self.source, k, cfg.batch, cfg.seq + 1, layout.batch_sharding),
+            lambda k: global_batch(self.source, k, cfg.batch, cfg.seq + 1, self.layout.batch_sharding),
             self.start_step, cfg.steps)
-        window_start = time.perf_counter()
-        done = self.start_step
+        run = _Progress(time.perf_counter(), self.start_step, *self._throughput())
+        ok = True
         try:
             with StopSignals() as stop:
                 for step in range(self.start_step, cfg.steps):
-                    done = step + 1
-                    with profile.step(done):
-                        with self.watchdog.waiting(f"reading step {step}'s batch"):
-                            batch = batches.next()
-                        self.state, metrics = self.step_fn(self.state, batch)
-                        if self.rebalance and done % self.rebalance_every == 0 and done < cfg.steps:
-                            with self.watchdog.waiting(f"rebalancing the experts after step {step}"):
-                                self.state = self.rebalance(self.state)
-                    if profile.ends_at(done):  # the trace must hold this step's device work
-                        with self.watchdog.waiting(f"step {step}, the last one profiled"):
-                            jax.block_until_ready((self.state, metrics))
-                        window_start += profile.stop(done)  # writing the trace is no step's time
-                    pending.append(metrics)
-                    in_flight.append(metrics["loss"])
-                    stopping = stop.requested  # read once: a signal may land mid-iteration
-                    if self.stop_vote:
-                        votes.append(self.stop_vote.cast(stopping))
-                        stopping = None
-                    if len(in_flight) > MAX_STEPS_IN_FLIGHT:
-                        with self.watchdog.waiting(f"step {step - MAX_STEPS_IN_FLIGHT}"):
-                            in_flight.popleft().block_until_ready()  # a step already behind: no stall
-                            if self.stop_vote:  # the vote cast with that step: every process reads the same
-                                stopping = self.stop_vote.outcome(votes.popleft())
+                    run.done = done = step + 1
+                    stopping = self._stop_requested(stop, run, self._dispatch(step, batches, profile, run), step)
                     save_due = bool(cfg.save_every) and done % cfg.save_every == 0
                     log_due = done % cfg.log_every == 0 or done == cfg.steps
                     eval_due = bool(cfg.eval_every) and done % cfg.eval_every == 0
                     if not (save_due or log_due or eval_due or stopping):
                         continue
                     # Fetch before saving, so that a non-finite loss is seen before its state is kept.
-                    with self.watchdog.waiting(f"step {step}"):
-                        fetched = jax.device_get(pending)
-                    now = time.perf_counter()
-                    window = self._records(fetched, done - len(fetched), (now - window_start) / len(fetched),
-                                           tokens, flops / devices, peak)
-                    if eval_due:
-                        window[-1]["eval_loss"] = self.evaluate(done)
-                    if (peak_memory := peak_memory_bytes(layout.mesh.local_devices)) is not None:
-                        window[-1]["peak_memory_bytes"] = peak_memory
-                    records += window
-                    pending, window_start = [], now
-                    if metrics_file:
-                        append_records(metrics_file, window)
-                    if scalars:
-                        scalars.write(window)
+                    window = self._end_window(run, step, eval_due)
+                    for sink in sinks:
+                        sink.write(window)
                     bad = [r["step"] for r in window if r["skipped"]]
                     if bad and cfg.on_nan == "stop":
                         ok = False
@@ -177,14 +162,14 @@ class Run:
                     if save_due or stopping:
                         self.save(done)
                     if log_due or eval_due or stopping:
-                        self.log(log_line(window[-1], cfg.steps, recent_loss(records, cfg.log_every), self.skipped))
+                        self.log(log_line(window[-1], cfg.steps, recent_loss(run.records, cfg.log_every), self.skipped))
                     if stopping:
                         profile.stop(done)
                         self._finish_saves()
                         where = f"saved {self.checkpoints.directory / str(done)}" if self.checkpoints else "not saved (no --out)"
                         # Every process says where it stopped: all the same step (StopVote).
                         self.say(f"stopped by {stopping} after step {done}; {where}")
-                        return Result(records, self.state, ok)
+                        return Result(run.records, self.state, ok)
                 else:
                     self.save(cfg.steps)
         except UserError as exc:  # the data failed (a bad record, a data worker that died): where a rerun resumes
@@ -192,16 +177,87 @@ class Run:
         finally:
             batches.close()
             try:
-                profile.stop(done)  # a run that ends inside the range keeps the trace of its steps so far
-                if scalars:
-                    scalars.close()
+                profile.stop(run.done)  # a run that ends inside the range keeps the trace of its steps so far
+                for sink in sinks:
+                    sink.close()
                 self._finish_saves()
             finally:
                 self.watchdog.close()
                 if self.lock:
                     self.lock.release()
+        self._summarize(run.records, ok)
+        return Result(run.records, self.state, ok)
 
-        if records and ok:  # the summary of a run that went to the end
+    def _sinks(self) -> list:
+        """Where each window's records go besides the log: the metrics file and
+        TensorBoard, written by one process for the run."""
+        cfg = self.cfg
+        if not self.primary:
+            return []
+        return ([MetricsFile(cfg.metrics_file, self.start_step)] if cfg.metrics_file else []) + (
+            [Scalars(cfg.tensorboard, self.start_step)] if cfg.tensorboard else [])
+
+    def _throughput(self) -> tuple[int, float, float | None]:
+        """A step's tokens, its model FLOPs per device, and the device's peak TFLOP/s (if known)."""
+        cfg, mesh = self.cfg, self.layout.mesh
+        tokens = cfg.batch * cfg.seq
+        flops = train_flops_per_token(self.layout.skeleton.model_cfg, cfg.seq) * tokens
+        return tokens, flops / mesh.devices.size, peak_tflops(mesh.devices.flat[0].device_kind)
+
+    def _dispatch(self, step: int, batches, profile, run: _Progress) -> dict:
+        """Run step `step` (and a rebalancing of the experts after it, when due) without
+        waiting for it, unless the profile's range ends there: its metrics, still on the devices."""
+        done = step + 1
+        with profile.step(done):
+            with self.watchdog.waiting(f"reading step {step}'s batch"):
+                batch = batches.next()
+            self.state, metrics = self.step_fn(self.state, batch)
+            if self.rebalance and done % self.rebalance_every == 0 and done < self.cfg.steps:
+                with self.watchdog.waiting(f"rebalancing the experts after step {step}"):
+                    self.state = self.rebalance(self.state)
+        if profile.ends_at(done):  # the trace must hold this step's device work
+            with self.watchdog.waiting(f"step {step}, the last one profiled"):
+                jax.block_until_ready((self.state, metrics))
+            run.window_start += profile.stop(done)  # writing the trace is no step's time
+        run.pending.append(metrics)
+        return metrics
+
+    def _stop_requested(self, stop, run: _Progress, metrics: dict, step: int):
+        """Whether to stop after this step: the signal, read once (it may land mid-step); with
+        several processes the vote cast MAX_STEPS_IN_FLIGHT steps ago, which every process
+        reads alike. Waits for the step that far behind, so the host stays that far ahead."""
+        run.in_flight.append(metrics["loss"])
+        stopping = stop.requested
+        if self.stop_vote:
+            run.votes.append(self.stop_vote.cast(stopping))
+            stopping = None
+        if len(run.in_flight) > MAX_STEPS_IN_FLIGHT:
+            with self.watchdog.waiting(f"step {step - MAX_STEPS_IN_FLIGHT}"):
+                run.in_flight.popleft().block_until_ready()  # a step already behind: no stall
+                if self.stop_vote:  # the vote cast with that step: every process reads the same
+                    stopping = self.stop_vote.outcome(run.votes.popleft())
+        return stopping
+
+    def _end_window(self, run: _Progress, step: int, evaluate: bool) -> list[dict]:
+        """The records of the steps since the last window, fetched; the held-out loss and
+        the devices' peak memory on its last."""
+        with self.watchdog.waiting(f"step {step}"):
+            fetched = jax.device_get(run.pending)
+        now = time.perf_counter()
+        window = self._records(fetched, run.done - len(fetched), (now - run.window_start) / len(fetched),
+                               run.tokens, run.flops_per_device, run.peak)
+        if evaluate:
+            window[-1]["eval_loss"] = self.evaluate(run.done)
+        if (peak_memory := peak_memory_bytes(self.layout.mesh.local_devices)) is not None:
+            window[-1]["peak_memory_bytes"] = peak_memory
+        run.records += window
+        run.pending, run.window_start = [], now
+        return window
+
+    def _summarize(self, records: list[dict], ok: bool) -> None:
+        """The run's last lines: its final loss (beside the data's floor, where known) and what it read."""
+        cfg = self.cfg
+        if records and ok:  # a run that went to the end
             last = recent_loss(records, cfg.log_every)
             floor = self.source.entropy_floor(cfg.seq)
             versus = "" if floor is None else f"; synthetic floor {floor:.4f}; gap {last - floor:+.4f}"
@@ -210,7 +266,6 @@ class Run:
         packed = f"; {held}" if (held := self.source.packed_so_far()) else ""
         self.say(f"data: read {self.source.rows_read:,} training rows in {steps} steps "
                  f"({self.source.rows_read / max(steps, 1):g} per step of the global batch's {cfg.batch}){packed}")
-        return Result(records, self.state, ok)
 
     def say(self, line: str) -> None:
         """A line of this process's own (every process prints it, named when there are several)."""
