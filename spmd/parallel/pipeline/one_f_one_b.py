@@ -3,7 +3,9 @@ backward pass written out (the head's loss on the last stage, in its forward tic
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -44,80 +46,22 @@ def one_f_one_b(mesh, schedule: Schedule, stage_fn, head_fn, blocks, head, x: ja
     stacked layers (split over pp) and of `head`, dx, the gradient of x (laid out like x),
     from which the embedding's follows, and the layers' statistics (`layer_statistics`)."""
     p, m, v = schedule.stages, schedule.microbatches, schedule.repeats
-    slots = schedule.residual_slots
-    # The last stage's backward of a microbatch's last round runs in the tick of its
-    # forward (the head's gradient at hand): stage p-1's first forward of round v-1.
-    first_backward = v * p - 1
 
     def run(blocks, head_params, x, targets, side, fixed):
-        stage, x = jax.lax.axis_index(AXIS), x[0]
-        last = stage == p - 1
-        chunks, fixed_chunks = (jax.tree.map(lambda w: stage_view(w, v), tree) for tree in (blocks, fixed))
-        if v == 1:  # the same weights every tick: nothing picked
-            def pick(r, chunks=chunks):
-                return jax.tree.map(lambda w: w[0], chunks)
-        else:
-            def pick(r, chunks=chunks):
-                return jax.tree.map(lambda w: w[r], chunks)
-        dp = jax.lax.psum(1, BATCH_AXIS)
-        seed = 1.0 / (m * dp)  # each dp shard's microbatch loss is a mean over its own rows
-        forward, backward, shapes = split_vjp(stage_fn, pick(0), x[0], micro(side, 0), pick(0, fixed_chunks))
-        no_stats = no_statistics(stage_fn, chunks, x[0], micro(side, 0), fixed_chunks)
-        stats_weights = weighted_statistics(no_stats, statistics_weights, seed)
-        head = head_vjp(head_fn, head_params, targets, seed)
-
-        def tick(carry, t, *, forwards: bool, backwards: bool):
-            arrived, returned, ring, d_chunks, d_head, loss, dx, totals = carry
-            if forwards:
-                i = t - stage
-                r, k, _ = interleaved_order(i, p, v)
-                valid = (i >= 0) & (i < v * m)
-                k = jnp.clip(k, 0, m - 1)
-                # Stage 0 starts a microbatch's first round from x; later rounds continue
-                # from what the last stage sent it in the previous tick.
-                inp = jnp.where((stage == 0) & (r == 0), x[k], arrived)
-                (y, stats), residuals = forward(pick(r), inp, micro(side, k), pick(r, fixed_chunks))
-                totals = add_statistics(stats, valid, r, totals)
-                ring = [buf.at[i % slots].set(res) for buf, res in zip(ring, residuals)]
-                final = last & (r == v - 1)
-                head_loss, head_grads, dy = head(y, k, final)
-                keep = valid & final
-                loss = loss + jnp.where(keep, head_loss, 0.0)
-                d_head = jax.tree.map(lambda acc, g: acc + jnp.where(keep, g, 0), d_head, head_grads)
-                arrived = jax.lax.ppermute(y, AXIS, ring_pairs(p, 1))
-            if backwards:
-                j = t - first_backward - (p - 1 - stage)
-                rest, k, group_start = interleaved_order(j, p, v)
-                r = v - 1 - rest
-                valid = (j >= 0) & (j < v * m)
-                # Its forward's iteration, whose residuals the ring holds (a forward's
-                # residuals live at most 2(vp-1) ticks: 2vp-1 slots).
-                i = group_start + r * p + j % p
-                cotangent = jnp.where(last & (r == v - 1), dy, returned) if forwards else returned
-                d_chunk, d_inp = backward(pick(r), [buf[i % slots] for buf in ring], (cotangent, stats_weights),
-                                          pick(r, fixed_chunks))
-                d_chunks = jax.tree.map(lambda acc, g: acc.at[r].add(jnp.where(valid, g, 0)), d_chunks, d_chunk)
-                slot = jnp.clip(k, 0, m - 1)
-                dx = dx.at[slot].set(jnp.where(valid & (stage == 0) & (r == 0), d_inp, dx[slot]))
-                returned = jax.lax.ppermute(d_inp, AXIS, ring_pairs(p, -1))
-            return (arrived, returned, ring, d_chunks, d_head, loss, dx, totals), None
-
-        zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)  # noqa: E731
-        ring = [jnp.zeros((slots, *s.shape), s.dtype) for s in shapes]
-        carry = (jnp.zeros_like(x[0]), jnp.zeros_like(x[0]), ring, zeros(chunks), zeros(head_params), jnp.zeros(()),
-                 jnp.zeros_like(x), no_stats)
+        stage = _Stage.of(schedule, stage_fn, head_fn, blocks, head_params, x[0], targets, side, fixed,
+                          statistics_weights)
+        carry = stage.start(head_params)
         # Warm-up (forwards only), steady state (both), cool-down (backwards only).
-        both = v * m + p - 1
-        phases = ((0, first_backward, True, False), (first_backward, both - first_backward, True, True),
-                  (both, first_backward, False, True))
-        for start, length, forwards, backwards in phases:
-            body = functools.partial(tick, forwards=forwards, backwards=backwards)
+        first, both = stage.first_backward, v * m + p - 1
+        for start, length, forwards, backwards in ((0, first, True, False), (first, both - first, True, True),
+                                                    (both, first, False, True)):
+            body = functools.partial(stage.tick, forwards=forwards, backwards=backwards)
             carry, _ = jax.lax.scan(body, carry, start + jnp.arange(length))
-        _, _, _, d_chunks, d_head, loss, dx, totals = carry
-        d_blocks = jax.tree.map(lambda g, w: g.reshape(w.shape), d_chunks, blocks)
-        loss = jax.lax.psum(loss, AXIS) / m
+        d_blocks = jax.tree.map(lambda g, w: g.reshape(w.shape), carry.d_chunks, blocks)
+        loss = jax.lax.psum(carry.loss, AXIS) / m
         return (jax.lax.pmean(loss, BATCH_AXIS), jax.lax.psum(d_blocks, BATCH_AXIS),
-                jax.lax.psum(d_head, MANUAL_AXES), only_stage_0(dx, stage), stage_statistics(totals, m))
+                jax.lax.psum(carry.d_head, MANUAL_AXES), only_stage_0(carry.dx, stage.stage),
+                stage_statistics(carry.totals, m))
 
     copies = jax.P(AXIS, None, BATCH_AXIS)
     per_microbatch = jax.P(None, BATCH_AXIS)
@@ -127,3 +71,114 @@ def one_f_one_b(mesh, schedule: Schedule, stage_fn, head_fn, blocks, head, x: ja
         check_vma=False,
     )(blocks, head, stage_copies(x, mesh, rows), targets, side, fixed or {})
     return loss, d_blocks, d_head, from_stage_0(dx, mesh, rows), layer_statistics(stats)
+
+
+class _Carry(NamedTuple):
+    """What a stage's ticks carry."""
+    arrived: jax.Array  # the activation the previous stage sent forward
+    returned: jax.Array  # the gradient the next stage sent back
+    ring: list  # the residuals of forwards whose backward has not run (residual_slots of them)
+    d_chunks: dict  # the gradients of the stage's chunks, summed over ticks
+    d_head: dict  # the head's, summed over the last stage's final rounds
+    loss: jax.Array
+    dx: jax.Array  # the gradient of each microbatch's input (stage 0's)
+    totals: dict  # the chunks' statistics, summed over ticks
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stage:
+    """One stage inside the map: the schedule's sizes, its index, its microbatches and
+    chunks, its forward and backward passes as two functions (kit.split_vjp) and the
+    head's loss and gradient (kit.head_vjp). Its tick runs a forward half, a backward
+    half, or both."""
+    p: int
+    m: int
+    v: int
+    slots: int
+    first_backward: int  # the last stage's first backward: in the tick of its final round's forward
+    stage: jax.Array
+    x: jax.Array
+    side: object
+    chunks: dict
+    fixed_chunks: dict
+    forward: object
+    backward: object
+    shapes: list
+    no_stats: dict
+    stats_weights: dict
+    head: object
+
+    @classmethod
+    def of(cls, schedule: Schedule, stage_fn, head_fn, blocks, head_params, x, targets, side, fixed,
+           statistics_weights) -> _Stage:
+        p, m, v = schedule.stages, schedule.microbatches, schedule.repeats
+        chunks, fixed_chunks = (jax.tree.map(lambda w: stage_view(w, v), tree) for tree in (blocks, fixed))
+        first = lambda tree: jax.tree.map(lambda w: w[0], tree)  # noqa: E731
+        seed = 1.0 / (m * jax.lax.psum(1, BATCH_AXIS))  # each dp shard's microbatch loss is a mean over its own rows
+        forward, backward, shapes = split_vjp(stage_fn, first(chunks), x[0], micro(side, 0), first(fixed_chunks))
+        no_stats = no_statistics(stage_fn, chunks, x[0], micro(side, 0), fixed_chunks)
+        return cls(p, m, v, schedule.residual_slots, v * p - 1, jax.lax.axis_index(AXIS), x, side, chunks,
+                   fixed_chunks, forward, backward, shapes, no_stats,
+                   weighted_statistics(no_stats, statistics_weights, seed),
+                   head_vjp(head_fn, head_params, targets, seed))
+
+    def pick(self, r, tree):
+        """Chunk `r` of the stage's `tree` (with one chunk, the same weights every tick)."""
+        return jax.tree.map(lambda w: w[0] if self.v == 1 else w[r], tree)
+
+    def start(self, head_params) -> _Carry:
+        zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)  # noqa: E731
+        return _Carry(jnp.zeros_like(self.x[0]), jnp.zeros_like(self.x[0]),
+                      [jnp.zeros((self.slots, *s.shape), s.dtype) for s in self.shapes], zeros(self.chunks),
+                      zeros(head_params), jnp.zeros(()), jnp.zeros_like(self.x), self.no_stats)
+
+    def tick(self, carry: _Carry, t, *, forwards: bool, backwards: bool):
+        dy = None
+        if forwards:
+            carry, dy = self._forward(carry, t)
+        if backwards:
+            carry = self._backward(carry, t, dy)
+        return carry, None
+
+    def _forward(self, c: _Carry, t) -> tuple[_Carry, jax.Array]:
+        """This tick's forward: the stage's i-th, of microbatch k's round r; on the last
+        stage, a final round's head (its loss, and dy for the backward of the same tick)."""
+        p, v, last = self.p, self.v, self.stage == self.p - 1
+        i = t - self.stage
+        r, k, _ = interleaved_order(i, p, v)
+        valid = (i >= 0) & (i < v * self.m)
+        k = jnp.clip(k, 0, self.m - 1)
+        # Stage 0 starts a microbatch's first round from x; later rounds continue
+        # from what the last stage sent it in the previous tick.
+        inp = jnp.where((self.stage == 0) & (r == 0), self.x[k], c.arrived)
+        (y, stats), residuals = self.forward(self.pick(r, self.chunks), inp, micro(self.side, k),
+                                             self.pick(r, self.fixed_chunks))
+        final = last & (r == v - 1)
+        head_loss, head_grads, dy = self.head(y, k, final)
+        keep = valid & final
+        return c._replace(
+            arrived=jax.lax.ppermute(y, AXIS, ring_pairs(p, 1)),
+            ring=[buf.at[i % self.slots].set(res) for buf, res in zip(c.ring, residuals)],
+            d_head=jax.tree.map(lambda acc, g: acc + jnp.where(keep, g, 0), c.d_head, head_grads),
+            loss=c.loss + jnp.where(keep, head_loss, 0.0),
+            totals=add_statistics(stats, valid, r, c.totals)), dy
+
+    def _backward(self, c: _Carry, t, dy) -> _Carry:
+        """This tick's backward: the stage's j-th, rounds of a group in reverse; from the
+        head's dy on a final round of the last stage, else from what the next stage returned."""
+        p, v = self.p, self.v
+        j = t - self.first_backward - (p - 1 - self.stage)
+        rest, k, group_start = interleaved_order(j, p, v)
+        r = v - 1 - rest
+        valid = (j >= 0) & (j < v * self.m)
+        # Its forward's iteration, whose residuals the ring holds (a forward's residuals
+        # live at most 2(vp-1) ticks: 2vp-1 slots).
+        i = group_start + r * p + j % p
+        cotangent = c.returned if dy is None else jnp.where((self.stage == p - 1) & (r == v - 1), dy, c.returned)
+        d_chunk, d_inp = self.backward(self.pick(r, self.chunks), [buf[i % self.slots] for buf in c.ring],
+                                       (cotangent, self.stats_weights), self.pick(r, self.fixed_chunks))
+        slot = jnp.clip(k, 0, self.m - 1)
+        return c._replace(
+            returned=jax.lax.ppermute(d_inp, AXIS, ring_pairs(p, -1)),
+            d_chunks=jax.tree.map(lambda acc, g: acc.at[r].add(jnp.where(valid, g, 0)), c.d_chunks, d_chunk),
+            dx=c.dx.at[slot].set(jnp.where(valid & (self.stage == 0) & (r == 0), d_inp, c.dx[slot])))
