@@ -42,7 +42,9 @@ device under "none"), that is the trade.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -230,104 +232,26 @@ def zb_v(mesh, schedule: Schedule, stage_fn, head_fn, blocks, head, x: jax.Array
     `spmd.parallel.pipeline.one_f_one_b`'s (blocks stored as circular's with 2 chunks)."""
     p, m = schedule.stages, schedule.microbatches
     table = timetable(p, m, schedule.defers_weights)
-    b_slots, w_slots, bw_slots = table["slots"]
     mirror = [(s, p - 1 - s) for s in range(p)]  # chunk p+s is chunk 2p-1-(p-1-s)
 
     def run(blocks, head_params, x, targets, side, fixed):
-        stage, x = jax.lax.axis_index(AXIS), x[0]
         # Device d runs chunk d and chunk 2p-1-d: the second from device p-1-d.
         chunks, fixed_chunks = (jax.tree.map(lambda w: jnp.stack([w[0], jax.lax.ppermute(w[1], AXIS, mirror)]),
                                              jax.tree.map(lambda w: stage_view(w, 2), tree)) for tree in (blocks, fixed))
-        pick = lambda c, chunks=chunks: jax.tree.map(lambda w: w[c], chunks)  # noqa: E731
-        dp = jax.lax.psum(1, BATCH_AXIS)
-        seed = 1.0 / (m * dp)
-        forward, backward_input, backward_weight, (b_shapes, w_shapes, bw_shapes) = (
-            split_backward if schedule.defers_weights else _whole_backward)(
-            stage_fn, pick(0), x[0], micro(side, 0), pick(0, fixed_chunks))
-        no_stats = no_statistics(stage_fn, chunks, x[0], micro(side, 0), fixed_chunks)
-        stats_weights = weighted_statistics(no_stats, statistics_weights, seed)
-        order = jnp.asarray(table["w_order"])[stage]  # (2m, 4)
-        first = stage == 0
-
-        head = head_vjp(head_fn, head_params, targets, seed)
-
-        def accumulate(d_chunks, grads, c, valid):
-            return [acc if g is None else acc.at[c].add(jnp.where(valid, g, 0)) for acc, g in zip(d_chunks, grads)]
-
-        def tick(carry, t, *, parity: int, forwards: bool, backwards: bool, weights: bool):
-            (f_in, f_own, b_in, b_own, b_ring, w_ring, bw_ring, d_chunks, d_head, loss, dx, totals) = carry
-            dy = None
-            if forwards:
-                c = (t - stage) % 2  # chunk 0 on ticks of the device's parity
-                k = (t - jnp.where(c == 0, stage, 2 * p - 1 - stage)) // 2
-                valid = (k >= 0) & (k < m)
-                k = jnp.clip(k, 0, m - 1)
-                inp = jnp.where(c == 0, jnp.where(first, x[k], f_in), jnp.where(stage == p - 1, f_own, f_in))
-                (y, stats), b_res, w_res = forward(pick(c), inp, micro(side, k), pick(c, fixed_chunks))
-                totals = add_statistics(stats, valid, c, totals)
-                b_ring = [buf.at[t % b_slots].set(r) for buf, r in zip(b_ring, b_res)]
-                w_ring = [buf.at[t % w_slots].set(r) for buf, r in zip(w_ring, w_res)]
-                final = first & (c == 1)
-                head_loss, head_grads, dy = head(y, k, final)
-                keep = valid & final
-                loss = loss + jnp.where(keep, head_loss, 0.0)
-                d_head = jax.tree.map(lambda acc, g: acc + jnp.where(keep, g, 0), d_head, head_grads)
-                f_in, f_own = _send(y, _pairs(p, parity, True)), y
-            if backwards:
-                c = 1 - (t - table["first_b"] - stage) % 2  # chunk 1's B on the device's parity
-                k = (t - table["first_b"] - jnp.where(c == 1, stage, 2 * p - 1 - stage)) // 2
-                valid = (k >= 0) & (k < m)
-                k = jnp.clip(k, 0, m - 1)
-                f_tick = 2 * k + jnp.where(c == 0, stage, 2 * p - 1 - stage)
-                ct = jnp.where(c == 1, jnp.where(first, dy, b_in) if dy is not None else b_in,
-                               jnp.where(stage == p - 1, b_own, b_in))
-                grads, d_inp, bw_res = backward_input(pick(c), [buf[f_tick % b_slots] for buf in b_ring],
-                                                      (ct, stats_weights), pick(c, fixed_chunks))
-                d_chunks = accumulate(d_chunks, grads, c, valid)
-                bw_ring = [buf.at[t % bw_slots].set(r) for buf, r in zip(bw_ring, bw_res)]
-                dx = dx.at[k].set(jnp.where(valid & first & (c == 0), d_inp, dx[k]))
-                # B's output goes the other way from the forward's: chunk 1's down.
-                b_in, b_own = _send(d_inp, _pairs(p, parity, False)), d_inp
-            if weights:
-                c, _, f_tick, b_tick = (order[t - table["w_start"], j] for j in range(4))
-                grads = backward_weight([buf[b_tick % bw_slots] for buf in bw_ring],
-                                        [buf[f_tick % w_slots] for buf in w_ring])
-                d_chunks = accumulate(d_chunks, grads, c, True)
-            return (f_in, f_own, b_in, b_own, b_ring, w_ring, bw_ring, d_chunks, d_head, loss, dx, totals)
-
-        def kinds(t):
-            return (t < table["f_end"], table["first_b"] <= t, table["w_start"] <= t)
-
-        def pair(carry, t, *, first_kinds, second_kinds):
-            carry = tick(carry, t, parity=0, **dict(zip(("forwards", "backwards", "weights"), first_kinds)))
-            carry = tick(carry, t + 1, parity=1, **dict(zip(("forwards", "backwards", "weights"), second_kinds)))
-            return carry, None
-
-        ring = lambda shapes, n: [jnp.zeros((n, *s.shape), s.dtype) for s in shapes]  # noqa: E731
-        zero = jnp.zeros_like(x[0])
-        carry = (zero, zero, zero, zero, ring(b_shapes, b_slots), ring(w_shapes, w_slots), ring(bw_shapes, bw_slots),
-                 [jnp.zeros_like(w) for w in jax.tree.leaves(chunks)], jax.tree.map(jnp.zeros_like, head_params),
-                 jnp.zeros(()), jnp.zeros_like(x), no_stats)
-        # Ticks in pairs (even, odd): runs of pairs that do the same kinds of work are one scan.
-        ticks = table["ticks"] + table["ticks"] % 2
-        runs = []
-        for t in range(0, ticks, 2):
-            key = (kinds(t), kinds(t + 1) if t + 1 < table["ticks"] else (False, False, False))
-            if runs and runs[-1][0] == key:
-                runs[-1][2] += 1
-            else:
-                runs.append([key, t, 1])
-        for (first_kinds, second_kinds), start, n in runs:
-            body = functools.partial(pair, first_kinds=first_kinds, second_kinds=second_kinds)
+        stage = _VStage.of(schedule, table, stage_fn, head_fn, chunks, fixed_chunks, head_params, x[0], targets, side,
+                           statistics_weights)
+        carry = stage.start(head_params)
+        for (first_kinds, second_kinds), start, n in _runs_of_pairs(table):
+            body = functools.partial(stage.pair, first_kinds=first_kinds, second_kinds=second_kinds)
             carry, _ = jax.lax.scan(body, carry, start + 2 * jnp.arange(n))
-        d_chunks, d_head, loss, dx, totals = carry[7:]
         # Chunk 2p-1-d's gradient back to where it is stored.
-        d_chunks = [jnp.stack([g[0], jax.lax.ppermute(g[1], AXIS, mirror)]) for g in d_chunks]
+        d_chunks = [jnp.stack([g[0], jax.lax.ppermute(g[1], AXIS, mirror)]) for g in carry.d_chunks]
         d_blocks = jax.tree.map(lambda g, w: g.reshape(w.shape), jax.tree.unflatten(jax.tree.structure(blocks), d_chunks),
                                 blocks)
-        loss = jax.lax.psum(loss, AXIS) / m
+        loss = jax.lax.psum(carry.loss, AXIS) / m
         return (jax.lax.pmean(loss, BATCH_AXIS), jax.lax.psum(d_blocks, BATCH_AXIS),
-                jax.lax.psum(d_head, MANUAL_AXES), only_stage_0(dx, stage), stage_statistics(totals, m))
+                jax.lax.psum(carry.d_head, MANUAL_AXES), only_stage_0(carry.dx, stage.stage),
+                stage_statistics(carry.totals, m))
 
     copies, per_microbatch = jax.P(AXIS, None, BATCH_AXIS), jax.P(None, BATCH_AXIS)
     loss, d_blocks, d_head, dx, stats = jax.shard_map(
@@ -338,3 +262,148 @@ def zb_v(mesh, schedule: Schedule, stage_fn, head_fn, blocks, head, x: jax.Array
     # Device d's second chunk is stored on device p-1-d: its statistics go there.
     stats = jax.tree.map(lambda x: jnp.stack([x[:, 0], x[::-1, 1]], axis=1), stats)
     return loss, d_blocks, d_head, from_stage_0(dx, mesh, rows), layer_statistics(stats)
+
+
+def _runs_of_pairs(table: dict) -> list:
+    """The ticks in pairs (even, odd), and runs of pairs that do the same kinds of work
+    (forwards, B, W) as [(kinds of the even tick, of the odd one), first tick, pairs]: one
+    scan each."""
+    def kinds(t):
+        return (t < table["f_end"], table["first_b"] <= t, table["w_start"] <= t)
+
+    runs = []
+    for t in range(0, table["ticks"] + table["ticks"] % 2, 2):
+        key = (kinds(t), kinds(t + 1) if t + 1 < table["ticks"] else (False, False, False))
+        if runs and runs[-1][0] == key:
+            runs[-1][2] += 1
+        else:
+            runs.append([key, t, 1])
+    return runs
+
+
+class _VCarry(NamedTuple):
+    """What a zb-v stage's ticks carry."""
+    f_in: jax.Array  # the activation a neighbour sent forward
+    f_own: jax.Array  # this device's last forward output (the V's turn: the last device feeds itself)
+    b_in: jax.Array  # the gradient a neighbour sent back
+    b_own: jax.Array
+    b_ring: list  # what B reads of each forward, W's of each forward, W's of each B
+    w_ring: list
+    bw_ring: list
+    d_chunks: list  # the gradients of the device's two chunks (flat leaves)
+    d_head: dict
+    loss: jax.Array
+    dx: jax.Array
+    totals: dict
+
+
+@dataclasses.dataclass(frozen=True)
+class _VStage:
+    """One device of the V inside the map (chunks d and 2p-1-d): its F, B and W passes
+    (split_backward, or one backward pass when weights are not deferred), the timetable's
+    ring sizes and W order, the head's loss and gradient."""
+    p: int
+    m: int
+    table: dict
+    stage: jax.Array
+    x: jax.Array
+    side: object
+    chunks: dict
+    fixed_chunks: dict
+    passes: tuple  # forward, backward_input, backward_weight
+    shapes: tuple  # of the three rings' entries
+    no_stats: dict
+    stats_weights: dict
+    head: object
+
+    @classmethod
+    def of(cls, schedule: Schedule, table: dict, stage_fn, head_fn, chunks, fixed_chunks, head_params, x, targets,
+           side, statistics_weights) -> _VStage:
+        m = schedule.microbatches
+        first = lambda tree: jax.tree.map(lambda w: w[0], tree)  # noqa: E731
+        seed = 1.0 / (m * jax.lax.psum(1, BATCH_AXIS))
+        *passes, shapes = (split_backward if schedule.defers_weights else _whole_backward)(
+            stage_fn, first(chunks), x[0], micro(side, 0), first(fixed_chunks))
+        no_stats = no_statistics(stage_fn, chunks, x[0], micro(side, 0), fixed_chunks)
+        return cls(schedule.stages, m, table, jax.lax.axis_index(AXIS), x, side, chunks, fixed_chunks, tuple(passes),
+                   shapes, no_stats, weighted_statistics(no_stats, statistics_weights, seed),
+                   head_vjp(head_fn, head_params, targets, seed))
+
+    def pick(self, c, tree):
+        return jax.tree.map(lambda w: w[c], tree)
+
+    def start(self, head_params) -> _VCarry:
+        ring = lambda shapes, n: [jnp.zeros((n, *s.shape), s.dtype) for s in shapes]  # noqa: E731
+        zero = jnp.zeros_like(self.x[0])
+        rings = [ring(shapes, n) for shapes, n in zip(self.shapes, self.table["slots"])]
+        return _VCarry(zero, zero, zero, zero, *rings, [jnp.zeros_like(w) for w in jax.tree.leaves(self.chunks)],
+                       jax.tree.map(jnp.zeros_like, head_params), jnp.zeros(()), jnp.zeros_like(self.x), self.no_stats)
+
+    def pair(self, carry: _VCarry, t, *, first_kinds, second_kinds):
+        """Ticks t (even) and t + 1 (odd), each doing its kinds of work (forwards, B, W)."""
+        for parity, kinds in enumerate((first_kinds, second_kinds)):
+            carry = self.tick(carry, t + parity, parity, *kinds)
+        return carry, None
+
+    def tick(self, c: _VCarry, t, parity: int, forwards: bool, backwards: bool, weights: bool) -> _VCarry:
+        dy = None
+        if forwards:
+            c, dy = self._forward(c, t, parity)
+        if backwards:
+            c = self._backward_input(c, t, parity, dy)
+        if weights:
+            c = self._backward_weight(c, t)
+        return c
+
+    def _chunk_and_microbatch(self, t, c):
+        """Microbatch k of chunk c at tick t (counted from its first), clipped, and whether it is real."""
+        k = (t - jnp.where(c == 0, self.stage, 2 * self.p - 1 - self.stage)) // 2
+        return jnp.clip(k, 0, self.m - 1), (k >= 0) & (k < self.m)
+
+    def _forward(self, s: _VCarry, t, parity: int) -> tuple[_VCarry, jax.Array]:
+        p, first, slots = self.p, self.stage == 0, self.table["slots"]
+        c = (t - self.stage) % 2  # chunk 0 on ticks of the device's parity
+        k, valid = self._chunk_and_microbatch(t, c)
+        inp = jnp.where(c == 0, jnp.where(first, self.x[k], s.f_in), jnp.where(self.stage == p - 1, s.f_own, s.f_in))
+        (y, stats), b_res, w_res = self.passes[0](self.pick(c, self.chunks), inp, micro(self.side, k),
+                                                  self.pick(c, self.fixed_chunks))
+        final = first & (c == 1)
+        head_loss, head_grads, dy = self.head(y, k, final)
+        keep = valid & final
+        return s._replace(
+            f_in=_send(y, _pairs(p, parity, True)), f_own=y,
+            b_ring=[buf.at[t % slots[0]].set(r) for buf, r in zip(s.b_ring, b_res)],
+            w_ring=[buf.at[t % slots[1]].set(r) for buf, r in zip(s.w_ring, w_res)],
+            d_head=jax.tree.map(lambda acc, g: acc + jnp.where(keep, g, 0), s.d_head, head_grads),
+            loss=s.loss + jnp.where(keep, head_loss, 0.0), totals=add_statistics(stats, valid, c, s.totals)), dy
+
+    def _backward_input(self, s: _VCarry, t, parity: int, dy) -> _VCarry:
+        p, first, slots = self.p, self.stage == 0, self.table["slots"]
+        t_b = t - self.table["first_b"]
+        c = 1 - (t_b - self.stage) % 2  # chunk 1's B on the device's parity
+        k, valid = self._chunk_and_microbatch(t_b, 1 - c)
+        f_tick = 2 * k + jnp.where(c == 0, self.stage, 2 * p - 1 - self.stage)
+        ct = jnp.where(c == 1, jnp.where(first, dy, s.b_in) if dy is not None else s.b_in,
+                       jnp.where(self.stage == p - 1, s.b_own, s.b_in))
+        grads, d_inp, bw_res = self.passes[1](self.pick(c, self.chunks), [buf[f_tick % slots[0]] for buf in s.b_ring],
+                                              (ct, self.stats_weights), self.pick(c, self.fixed_chunks))
+        # B's output goes the other way from the forward's: chunk 1's down.
+        return s._replace(
+            b_in=_send(d_inp, _pairs(p, parity, False)), b_own=d_inp,
+            bw_ring=[buf.at[t % slots[2]].set(r) for buf, r in zip(s.bw_ring, bw_res)],
+            d_chunks=_accumulate(s.d_chunks, grads, c, valid),
+            dx=s.dx.at[k].set(jnp.where(valid & first & (c == 0), d_inp, s.dx[k])))
+
+    def _backward_weight(self, s: _VCarry, t) -> _VCarry:
+        """W of the forward and B the timetable orders at tick t."""
+        slots = self.table["slots"]
+        c, _, f_tick, b_tick = (jnp.asarray(self.table["w_order"])[self.stage][t - self.table["w_start"], j]
+                                for j in range(4))
+        grads = self.passes[2]([buf[b_tick % slots[2]] for buf in s.bw_ring],
+                               [buf[f_tick % slots[1]] for buf in s.w_ring])
+        return s._replace(d_chunks=_accumulate(s.d_chunks, grads, c, True))
+
+
+def _accumulate(d_chunks: list, grads: list, c, valid) -> list:
+    """Add a pass's gradients of chunk c (None where it computes none) where `valid`."""
+    return [acc if g is None else acc.at[c].add(jnp.where(valid, g, 0)) for acc, g in zip(d_chunks, grads)]
