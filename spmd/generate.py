@@ -77,7 +77,6 @@ def main(argv=None) -> int:
             from spmd.data.tokenizer import check_vocab, load_tokenizer, load_tokenizer_directory
             from spmd.inference.generation import (Generation, model_source, new_tokens, on_mesh, read_prompts,
                                                    trained_context)
-            from spmd.parallel.skeleton import model_config
             from spmd.run.bootstrap import start_devices_and_mesh
             from spmd.run.weights import source_inputs
 
@@ -90,7 +89,7 @@ def main(argv=None) -> int:
                 tokenizer = load_tokenizer_directory(tokenizer_path, "chat prompts (--chat)")
             else:
                 tokenizer = load_tokenizer(tokenizer_path)
-            vocab = model_config(cfg).vocab
+            vocab = cfg.model_cfg.vocab
             check_vocab(tokenizer, vocab, "the tokenizer")
             if args.top_k > vocab:
                 raise UserError(f"--top-k {args.top_k} is more than the model's vocabulary of {vocab} tokens")

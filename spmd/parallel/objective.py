@@ -21,7 +21,6 @@ import numpy as np
 from flax import nnx
 
 from models.attention import Packing
-from spmd.parallel.skeleton import model_config
 
 
 class AuxLosses(NamedTuple):
@@ -35,7 +34,7 @@ class AuxLosses(NamedTuple):
 
 def aux_losses(cfg) -> AuxLosses:
     """The run's: its flags where given, else the model's own definition and weights."""
-    moe = model_config(cfg).moe
+    moe = cfg.model_cfg.moe
     if moe is None:
         return AuxLosses()
     pick = lambda given, own: own if given is None else given  # noqa: E731

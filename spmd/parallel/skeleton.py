@@ -72,7 +72,7 @@ class ModelSkeleton:
 
 def routing(cfg) -> Routing:
     """How the run routes tokens: dispatch, and the balancing state it keeps (spmd.parallel.balance)."""
-    moe = model_config(cfg).moe
+    moe = cfg.model_cfg.moe
     balanced = moe is not None and (cfg.router_bias_rate > 0 or cfg.redundant_experts > 0)
     slots = moe.experts + cfg.redundant_experts if balanced and cfg.redundant_experts else None
     return Routing(cfg.moe_dispatch, cfg.capacity_factor, balanced, slots, cfg.router_bias_weight and not balanced)
@@ -86,7 +86,7 @@ def lora(cfg) -> LoRA | None:
 
 
 def skeleton_for(cfg) -> ModelSkeleton:
-    return model_skeleton(model_config(cfg), cfg.dtype, cfg.remat, routing(cfg), lora(cfg))
+    return model_skeleton(cfg.model_cfg, cfg.dtype, cfg.remat, routing(cfg), lora(cfg))
 
 
 def build_model(model_cfg, dtype: str, remat: str, routing: Routing, lora: LoRA | None, rngs: nnx.Rngs):

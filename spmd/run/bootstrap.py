@@ -15,7 +15,6 @@ import jax
 from spmd.parallel.checks import check_before_devices
 from spmd.parallel.defaults import default_layout, mesh_flag
 from spmd.parallel.mesh import emulate_cpu_devices, format_mesh
-from spmd.parallel.skeleton import model_config
 from spmd.run import xla_flags
 from spmd.run.distributed import Processes
 
@@ -28,7 +27,7 @@ def start_devices(cfg, processes: Processes | None = None, cpu_devices: int | No
     flag_lines = []
     if processes is not None:
         check_before_devices(cfg, processes.count)
-        flag_lines = xla_flags.configure(xla_flags.backend_before_start(), model_config(cfg), cfg.dtype)
+        flag_lines = xla_flags.configure(xla_flags.backend_before_start(), cfg.model_cfg, cfg.dtype)
     emulate_cpu_devices(None if cfg.mesh is None else cfg.mesh_spec.sizes,
                         cfg.cpu_devices if cpu_devices is None else cpu_devices,
                         processes.count if processes is not None else 1, trains=processes is not None)

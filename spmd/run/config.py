@@ -146,6 +146,12 @@ class TrainConfig:
         """`mesh` and `dcn`, parsed (spmd.parallel.mesh.MeshSpec): the one place the strings are read."""
         return MeshSpec.parse(self.mesh, self.dcn)
 
+    @functools.cached_property
+    def model_cfg(self):
+        """The model this run builds (spmd.parallel.skeleton.model_config): resolved once, here,
+        and read by every part of the run."""
+        return model_config(self)
+
     @property
     def model_name(self) -> str:
         if self.model:
@@ -341,9 +347,9 @@ def check(cfg: TrainConfig) -> TrainConfig:
     if cfg.tokenizer and not cfg.data:
         raise UserError("--tokenizer applies to --data; the built-in data has its own tokens")
     cfg.mesh_spec  # noqa: B018  (parsed here: a bad --mesh or --dcn is refused before anything else)
-    _validate_moe(cfg, model_config(cfg))
+    _validate_moe(cfg, cfg.model_cfg)
     _validate_pipeline(cfg)
-    _validate_lora(cfg, model_config(cfg))
+    _validate_lora(cfg, cfg.model_cfg)
     cfg.profile_range  # noqa: B018  (parsed here: a bad range is refused before anything runs)
     if cfg.save_every and not cfg.out:
         raise UserError("--save-every needs --out DIR")

@@ -22,7 +22,7 @@ from spmd.base.signals import served
 from spmd.formats.hf import GENERATION_CONFIG, TOKENIZER_FILES, companions
 from spmd.formats.peft import write_peft
 from spmd.parallel.layout import make_layout
-from spmd.parallel.skeleton import model_config, skeleton_for
+from spmd.parallel.skeleton import skeleton_for
 from spmd.run.bootstrap import start_devices_and_mesh
 from spmd.run.config import TrainConfig
 from spmd.run.resolve import validate
@@ -64,7 +64,7 @@ def hf_parts(cfg, meta: dict):
     the tokenizer files to copy beside it: those of the run's tokenizer.json (its
     directory's tokenizer_config.json and special_tokens_map.json with it), else those
     of the directory the run started from."""
-    model_cfg = model_config(cfg)
+    model_cfg = cfg.model_cfg
     if cfg.router_bias_weight and not model_cfg.moe.selection_bias:  # DeepSeek-V3's layout has one
         raise UserError(f"--format hf: model {cfg.model_name} was trained with --router-bias-rate, and its Hugging "
                         "Face layout has no selection bias; the default format keeps it")

@@ -19,7 +19,6 @@ from spmd.base import hardware
 from spmd.base.cli import nonempty
 from spmd.base.errors import UserError
 from spmd.parallel.layout import make_layout
-from spmd.parallel.skeleton import model_config
 from spmd.planner import report, targets
 from spmd.planner.targets import TARGET_HELP
 from spmd.planner.plan import make_plan
@@ -58,7 +57,7 @@ def plan_target(cfg, name: str, as_json: bool) -> int:
     target = targets.parse(name)
     backend = "tpu" if target.platform == "tpu" else "gpu"
     # The flags spmd.train sets on that accelerator, set before its compiler starts.
-    flag_lines = xla_flags.configure(backend, model_config(cfg), cfg.dtype, accelerator_type=target.accelerator_type)
+    flag_lines = xla_flags.configure(backend, cfg.model_cfg, cfg.dtype, accelerator_type=target.accelerator_type)
     with json_only(as_json):
         lines, plan, seconds = _compiled(cfg, target)
     print(json.dumps({**plan.as_json(), "target": target.name, "compile_s": round(seconds, 1),
