@@ -20,6 +20,34 @@ def test_flags_override_the_yaml_file(tmp_path):
     assert (cfg.mesh, cfg.dcn, cfg.steps, cfg.lr, cfg.scale_lr) == ("dp=2,tp=4", "dp=2", 9, 0.01, True)
 
 
+def test_a_yaml_file_by_sections_is_the_flat_one(tmp_path):
+    """Every option belongs to one section (spmd.run.config.SECTIONS); a preset rewritten
+    with its keys under their sections gives the same options; a key under another
+    section's name, or given both ways, is refused in one line; --help lists them by section."""
+    import yaml
+
+    from spmd.config import train_parser
+    from spmd.run.config import SECTION_OF, SECTIONS, cli_fields
+
+    assert sorted(SECTION_OF) == sorted(f.name for f in cli_fields())
+    assert sum(map(len, SECTIONS.values())) == len(SECTION_OF)
+    flat = yaml.safe_load((ROOT / "mesh_configs" / "deepseek-v3-2048xh800.yaml").read_text())
+    nested: dict = {}
+    for key, value in flat.items():
+        nested.setdefault(SECTION_OF[key], {})[key] = value
+    assert {"model", "parallelism", "moe", "optimizer"} <= set(nested)
+    file = tmp_path / "nested.yaml"
+    file.write_text(yaml.safe_dump(nested, sort_keys=False))
+    assert parse_args(["--config", str(file)]) == parse_args(["--config", str(ROOT / "mesh_configs" / "deepseek-v3-2048xh800.yaml")])
+    for wrong, message in (({"optimizer": {"steps": 3}}, "optimizer.steps is an option of the training section"),
+                           ({"lora": {"rank": 3}}, "lora.rank is no option"),
+                           ({"training": {"steps": 3}, "steps": 4}, "steps and steps are one option, given twice")):
+        file.write_text(yaml.safe_dump(wrong))
+        with pytest.raises(UserError, match=message):
+            parse_args(["--config", str(file)])
+    assert "optimizer options:" in train_parser().format_help()
+
+
 def test_every_preset_file_is_a_valid_config():
     presets = sorted(ROOT.joinpath("mesh_configs").glob("*.yaml"))
     assert presets

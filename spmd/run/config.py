@@ -180,18 +180,43 @@ class TrainConfig:
         return self.batch // self.grad_accum
 
 
+# The options by the part of the trainer that reads them, as torchtitan's job config groups
+# them: `--help` lists the flags by section, and a YAML file may give its keys under these
+# (`optimizer: {lr: 3.0e-4, warmup: 500}`) as well as flat. `model` is also an option: a
+# mapping under it is the section, a name the preset.
+SECTIONS: dict[str, tuple[str, ...]] = {
+    "model": ("model", "init_from", "layers", "empty_layers", "dtype", "remat", "attention_kernel"),
+    "training": ("steps", "batch", "seq", "seed", "grad_accum", "on_nan"),
+    "optimizer": ("lr", "warmup", "min_lr_ratio", "weight_decay", "b1", "b2", "eps", "clip", "scale_lr", "ref_batch"),
+    "parallelism": ("mesh", "dcn", "cpu_devices", "zero", "megatron_sp", "attention", "pp_schedule", "pp_repeats",
+                    "microbatches", "hardware", "ignore_fit"),
+    "moe": ("experts", "top_k", "moe_dispatch", "capacity_factor", "router_bias_rate", "redundant_experts",
+            "rebalance_every", "balance_loss", "aux_loss_weight", "z_loss_weight"),
+    "lora": ("lora_rank", "lora_alpha", "lora_targets", "lora_dropout", "base_dtype", "adapter"),
+    "data": ("data", "tokenizer", "text_field", "token_dtype", "loss_on", "overlong", "data_workers",
+             "max_record_bytes", "document_mask", "eval_every", "eval_batches", "eval_fraction"),
+    "checkpoint": ("out", "save_every", "keep", "resume", "resume_with_changes"),
+    "logging": ("log_every", "metrics_file", "tensorboard", "profile_steps", "profile_dir"),
+    "processes": ("coordinator", "num_processes", "process_id", "join_timeout", "heartbeat_timeout", "step_timeout"),
+}
+SECTION_OF = {name: section for section, names in SECTIONS.items() for name in names}
+
+
 def train_parser(prog: str = "python -m spmd.train",
                  description: str = "Train a model on a named device mesh.") -> argparse.ArgumentParser:
     parser = OneLineErrorParser(prog=prog, description=description)
-    parser.add_argument("--config", metavar="FILE.yaml", type=nonempty, help="YAML file of these options (flags override it)")
+    parser.add_argument("--config", metavar="FILE.yaml", type=nonempty,
+                        help="YAML file of these options, flat or by section (flags override it)")
+    groups = {section: parser.add_argument_group(f"{section} options") for section in SECTIONS}
     for f in cli_fields():
+        group = groups[SECTION_OF[f.name]]
         kwargs = {k: v for k, v in f.metadata.items() if k not in ("help", "bounds")}
         help_text = f"{f.metadata['help']} (default: {f.default})"
         if f.type == "bool":
-            parser.add_argument(flag_of(f.name), action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+            group.add_argument(flag_of(f.name), action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
             continue
         kind = {"int": integer, "float": finite, "int | None": integer, "float | None": finite}.get(f.type, nonempty)
-        parser.add_argument(flag_of(f.name), type=kind, default=f.default, help=help_text, **kwargs)
+        group.add_argument(flag_of(f.name), type=kind, default=f.default, help=help_text, **kwargs)
     return parser
 
 
@@ -272,7 +297,7 @@ def _yaml_to_argv(path: str) -> list[str]:
     names = {f.name: f for f in cli_fields()}
     argv: list[str] = []
     spelled: dict[str, object] = {}  # option -> the key that gave it (grad_accum and grad-accum are one)
-    for key, value in data.items():
+    for key, value in _flattened(data, path):
         name = str(key).replace("-", "_")
         if name not in names:
             raise UserError(f"config file {path}: unknown option {key!r}")
@@ -294,6 +319,24 @@ def _yaml_to_argv(path: str) -> list[str]:
         else:
             argv += [flag, _scalar(value, f"{wrong} a single value")]
     return argv
+
+
+def _flattened(data: Mapping, path: str) -> list[tuple[object, object]]:
+    """A YAML file's (key, value) pairs, those given under a section (SECTIONS) taken out
+    of it: each must be one of the section's options."""
+    pairs = []
+    for key, value in data.items():
+        if key not in SECTIONS or not isinstance(value, Mapping):
+            pairs.append((key, value))
+            continue
+        for inner, inner_value in value.items():
+            name = str(inner).replace("-", "_")
+            if name not in SECTIONS[key]:
+                where = f"an option of the {SECTION_OF[name]} section" if name in SECTION_OF else "no option"
+                raise UserError(f"config file {path}: {key}.{inner} is {where}; the {key} section holds "
+                                f"{', '.join(SECTIONS[key])}")
+            pairs.append((inner, inner_value))
+    return pairs
 
 
 def _scalar(value, refusal: str) -> str:
