@@ -101,3 +101,13 @@ def test_the_loop_reads_its_data_through_the_source_surface_alone():
               for n, line in enumerate(path.read_text().splitlines(), 1)
               if re.search(r"\b(hasattr|getattr)\((self\.|run\.)?(source|data)\b", line)]
     assert probes == []
+
+
+def test_no_function_is_longer_than_80_lines():
+    """A function that grows past a screen and a half gets split by what its parts do (the
+    pipeline schedules' ticks and the training loop were; docs/architecture.md)."""
+    long = [f"{path.relative_to(ROOT)}:{fn.lineno} {fn.name} ({fn.end_lineno - fn.lineno + 1} lines)"
+            for path in sorted([*ROOT.glob("spmd/**/*.py"), *ROOT.glob("models/**/*.py")])
+            for fn in ast.walk(ast.parse(path.read_text()))
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and fn.end_lineno - fn.lineno + 1 > 80]
+    assert long == []

@@ -186,10 +186,32 @@ def _environment():
     # jinja2 is an optional dependency (spmd[data]): imported when a chat template is compiled.
     import jinja2
     import jinja2.ext
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    class Dict:
+        def __call__(self, *args, **kwargs):
+            return dict(*args, **kwargs)
+
+        def fromkeys(self, *args, **kwargs):
+            return dict.fromkeys(*args, **kwargs)
+
+    env = _bounded_sandbox()(trim_blocks=True, lstrip_blocks=True,
+                                   extensions=[_generation_blocks(), jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals.update(raise_exception=raise_exception, dict=Dict(), namespace=_namespace(),
+                       strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt))
+    return env
+
+
+def _generation_blocks():
+    """The `{% generation %}` tag: renders its body and records where it lies in the text."""
+    import jinja2.ext  # optional (spmd[data]), as in _environment
     import jinja2.nodes
-    import jinja2.runtime
-    import jinja2.sandbox
-    import jinja2.utils
 
     class Generation(jinja2.ext.Extension):
         tags = {"generation"}
@@ -205,6 +227,13 @@ def _environment():
                 start = rendering.written  # the block is yielded after this call: its start is what was written
                 rendering.spans.append((start, start + len(text)))
             return text
+
+    return Generation
+
+
+def _namespace():
+    """jinja2's `namespace`, refusing names that start with an underscore."""
+    import jinja2.utils  # optional (spmd[data]), as in _environment
 
     class Namespace(jinja2.utils.Namespace):
         def __init__(*args, **kwargs):
@@ -222,22 +251,15 @@ def _environment():
             if isinstance(name, str) and name.startswith("_"):
                 raise jinja2.exceptions.SecurityError(f"a namespace may not hold {name!r}")
 
-    class Dict:
-        def __call__(self, *args, **kwargs):
-            return dict(*args, **kwargs)
+    return Namespace
 
-        def fromkeys(self, *args, **kwargs):
-            return dict.fromkeys(*args, **kwargs)
 
-    def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+def _bounded_sandbox():
+    """jinja2's immutable sandbox, counting a rendering's steps (the module's docstring)."""
+    import jinja2.runtime  # optional (spmd[data]), as in _environment
+    import jinja2.sandbox
 
     class Bounded(jinja2.sandbox.ImmutableSandboxedEnvironment):
-        """The sandbox, counting a rendering's steps (spmd.data.chat's docstring)."""
-
         intercepted_binops = frozenset({"*", "**"})
 
         @staticmethod
@@ -260,8 +282,4 @@ def _environment():
             _bounded_binop(operator, left, right)
             return _charged(super().call_binop(context, operator, left, right))
 
-    env = Bounded(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals.update(raise_exception=raise_exception, dict=Dict(), namespace=Namespace,
-                       strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt))
-    return env
+    return Bounded
