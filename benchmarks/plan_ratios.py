@@ -10,8 +10,16 @@ then the hand-written ones below (3-D, pipelines with MoE, DeepSeek's, llama3-8b
 Goal: every row between 0.95 and 1.05, and no collective the theory does not expect.
 
     python benchmarks/plan_ratios.py [NAME ...]   # only layouts whose name contains a NAME
+    python benchmarks/plan_ratios.py --target h100 [NAME ...]  # compiled by XLA:GPU for H100s (or h200, v5p,
+                                                               # v5e, v6e: spmd.plan --target's compilers)
+
+With --target the step is compiled ahead of time for as many accelerators of that kind as
+the layout has devices (`spmd.planner.targets.named_for`; a layout no slice holds is
+skipped), with the flags spmd.train sets there, and XLA's peak is printed beside the
+theory's.
 """
 
+import dataclasses
 import os
 import sys
 
@@ -68,23 +76,52 @@ LAYOUTS = [
 LAYOUTS = [(name, devices, fields) for name, fields, devices in matrix.pairs() + matrix.triples()] + LAYOUTS
 
 
+def plan_of(cfg, devices: int, kind: str | None):
+    """The plan of `cfg` on `devices` emulated CPU devices, or compiled for that many of the
+    accelerator `kind` (None: no target holds that many)."""
+    if kind is None:
+        return make_plan(cfg, make_layout(cfg, jax.devices()[:devices]))
+    from spmd.planner import targets
+    from spmd.run import xla_flags
+    from spmd.run.target import compiled_for
+
+    name = targets.named_for(kind, devices)
+    if name is None:
+        return None
+    target = targets.parse(name)
+    xla_flags.configure("tpu" if target.platform == "tpu" else "gpu", cfg.model_cfg, cfg.dtype,
+                        accelerator_type=target.accelerator_type)
+    return compiled_for(dataclasses.replace(cfg, hardware=None), target)[1]
+
+
 def main() -> int:
+    args = sys.argv[1:]
+    kind = args[args.index("--target") + 1] if "--target" in args else None
+    names = [a for i, a in enumerate(args) if a != "--target" and (i == 0 or args[i - 1] != "--target")]
     chosen = [(name, devices, fields) for name, devices, fields in LAYOUTS
-              if len(sys.argv) < 2 or any(a in name for a in sys.argv[1:])]
+              if not names or any(a in name for a in names)]
     print("measured / theory of each row off 0.95-1.05 (bytes per device per step); state: XLA's arguments less "
           "the batch / theory\n")
     rows = worst = 0
     worst_row = None
     for name, devices, fields in chosen:
         cfg = validate(TrainConfig(**fields))
-        ratios = matrix.ratios(make_plan(cfg, make_layout(cfg, jax.devices()[:devices])))
+        plan = plan_of(cfg, devices, kind)
+        if plan is None:
+            print(f"{name:34}no {kind} target of {devices} devices", flush=True)
+            continue
+        ratios = matrix.ratios(plan)
+        if kind is not None:
+            off_peak = f"  XLA's peak {plan.xla['peak'] / 2**20:.1f} MiB, theory's {sum(plan.theory_memory.values()) / 2**20:.1f}"
+        else:
+            off_peak = ""
         rows += len(ratios)
         off = {row: ratio for row, ratio in ratios.items() if not 0.95 <= ratio <= 1.05}
         for row, ratio in ratios.items():
             if abs(ratio - 1) > worst:
                 worst, worst_row = abs(ratio - 1), f"{name}: {row} {ratio:.3f}"
-        print(f"{name:34}{len(ratios):3} rows  " + (", ".join(f"{r} {v:.3f}" for r, v in off.items()) or "all 1.00 +- 0.05"),
-              flush=True)
+        print(f"{name:34}{len(ratios):3} rows  " + (", ".join(f"{r} {v:.3f}" for r, v in off.items()) or "all 1.00 +- 0.05")
+              + off_peak, flush=True)
     print(f"\n{len(chosen)} layouts, {rows} rows; largest deviation from 1: {worst:.4f} ({worst_row}); goal: within 0.05")
     print("rows count collectives the theory expects and any it does not; scalar reductions (loss, norms) under "
           "1 KiB each are listed by spmd.plan, not counted here")

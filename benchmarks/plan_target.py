@@ -20,20 +20,10 @@ import sys
 import time
 from pathlib import Path
 
+from spmd.planner.targets import named_for
+
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 1800
-
-
-def target_of(preset: dict, devices: int) -> str | None:
-    """The target a preset's hardware and device count name: GPU nodes of 8, or a TPU slice."""
-    hw = preset.get("hardware")
-    if hw in ("h100", "h200", "h800"):
-        return f"{hw}x{devices}" if devices <= 8 else f"{devices // 8}x{hw}x8"
-    if hw == "v5p":
-        return f"v5p-{2 * devices}"
-    if hw in ("v5e", "v6e"):
-        return f"{hw}-{devices}"
-    return None
 
 
 def read_preset(path: Path) -> dict:
@@ -51,7 +41,7 @@ def main(names: list[str]) -> int:
         devices = 1
         for size in (preset.get("mesh") or {}).values():
             devices *= size
-        target = target_of(preset, devices)
+        target = named_for(preset.get("hardware"), devices)
         if target is None:
             continue
         start = time.perf_counter()

@@ -263,8 +263,12 @@ def grouped_experts(tokens: jax.Array, expert: jax.Array, gate_up: jax.Array, do
     n = gate_up.shape[0]
     order = jnp.argsort(expert, stable=True)
     sizes = jnp.bincount(expert, length=n + 1)[:n].astype(jnp.int32)  # padding sorts last, outside every group
-    both = ragged_dot(MATMUL, tokens[order], gate_up, sizes)  # (t, 2, m)
-    hidden = jax.nn.silu(both[:, 0]) * both[:, 1]
+    _, e, _, m = gate_up.shape
+    # One contracting dimension each way, as libtpu's grouped matmul requires (the input's
+    # gradient would contract gate/up and m): gate and up interleaved along the output, so
+    # that m split over tp stays a split of the merged axis.
+    both = ragged_dot(MATMUL, tokens[order], gate_up.swapaxes(2, 3).reshape(n, e, m * 2), sizes).reshape(-1, m, 2)
+    hidden = jax.nn.silu(both[..., 0]) * both[..., 1]
     out = ragged_dot(MATMUL, hidden, down, sizes)
     return jnp.zeros_like(out).at[order].set(out)
 

@@ -159,3 +159,12 @@ def test_multislice_collectives_are_named_by_their_axes():
     plan = _plan("--target", "2xv5p-8", "--model", "tiny", "--seq", "128", "--mesh", "dp=2,fsdp=4")
     axes = {c["axis"] for c in plan["collectives"]}
     assert "?" not in axes and "fsdp" in axes, axes
+
+
+def test_the_dropless_experts_grouped_matmul_compiles_for_a_tpu_slice():
+    """The dropless experts' grouped matmul (jax.lax.ragged_dot) with one contracting
+    dimension each way: libtpu refused the gate and up projections' input gradient when it
+    contracted two ("number of contracting dimensions should be 1, got 2")."""
+    plan = _plan("--target", "v5p-8", "--model", "moe-tiny", "--layers", "2", "--seq", "128", "--mesh", "fsdp=2,ep=2")
+    assert plan["target"] == "v5p-8" and plan["fits"] is True
+    assert any(c["op"] == "ragged-all-to-all" and c["axis"] == "ep" for c in plan["collectives"])

@@ -71,6 +71,19 @@ def torus(chips: int, dims: int) -> tuple[int, ...]:
     return tuple(shape)
 
 
+def named_for(hardware: str, devices: int) -> str | None:
+    """The target of `devices` accelerators of the kind `hardware` (hardware.toml's names):
+    GPU nodes of 8, or a TPU slice of that many chips; None for a kind no target compiles
+    for, or a count no slice has."""
+    if hardware in ("h100", "h200", "h800"):
+        return f"{hardware}x{devices}" if devices <= 8 else f"{devices // 8}x{hardware}x8"
+    if hardware == "v5p" and devices >= 4:  # a 3D slice has 4 chips at least; v5p-N counts 2 cores a chip
+        return f"v5p-{2 * devices}"
+    if hardware in ("v5e", "v6e"):
+        return f"{hardware}-{devices}"
+    return None
+
+
 def parse(name: str) -> Target:
     """The target a name means, or a UserError listing the forms."""
     text = name.strip().lower()

@@ -59,7 +59,7 @@ def plan_target(cfg, name: str, as_json: bool) -> int:
     # The flags spmd.train sets on that accelerator, set before its compiler starts.
     flag_lines = xla_flags.configure(backend, cfg.model_cfg, cfg.dtype, accelerator_type=target.accelerator_type)
     with json_only(as_json):
-        lines, plan, seconds = _compiled(cfg, target)
+        lines, plan, seconds = compiled_for(cfg, target)
     print(json.dumps({**plan.as_json(), "target": target.name, "compile_s": round(seconds, 1),
                       "flags": flag_lines}, indent=2)
           if as_json else "\n".join(flag_lines + lines + report.plan_table(plan)
@@ -67,7 +67,7 @@ def plan_target(cfg, name: str, as_json: bool) -> int:
     return 0
 
 
-def _compiled(cfg, target: targets.Target):
+def compiled_for(cfg, target: targets.Target):
     """The step compiled for `target`: (lines to print before the plan, the plan, compile seconds)."""
     try:
         devices = targets.devices(target)
