@@ -227,7 +227,7 @@ def test_a_failure_in_any_process_gives_the_others_grace_then_ends_them(tmp_path
 
 @pytest.mark.parametrize("environ, message", [
     ({"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "0", "JAX_PROCESS_ID": "0"},
-     "JAX_NUM_PROCESSES=0: the number of processes must be at least 1"),
+     "JAX_NUM_PROCESSES=0: the number of processes must be 1 to 65,536"),
     ({"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "2"},
      r"JAX_PROCESS_ID=2 is not one of 2 processes \(JAX_NUM_PROCESSES=2\): it must be 0 to 1"),
     ({"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "-1"},
@@ -252,5 +252,5 @@ def test_the_command_says_so_in_one_line_before_joining(tmp_path):
     done = subprocess.run([sys.executable, "-m", "spmd.train", "--steps", "1"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 2
-    assert one_error_line(done.stderr) == "error: JAX_NUM_PROCESSES=0: the number of processes must be at least 1"
+    assert one_error_line(done.stderr) == "error: JAX_NUM_PROCESSES=0: the number of processes must be 1 to 65,536"
     assert not any(tmp_path.iterdir())

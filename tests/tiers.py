@@ -25,6 +25,7 @@ import pytest
 AREAS = {
     "test_attention_kernels": ("kernels", "parity"),
     "test_bad_input": ("cli",),
+    "test_bad_files": ("cli", "data"),
     "test_balance": ("moe", "parity"),
     "test_checkpoint": ("checkpoint", "parity"),
     "test_checkpoint_integrity": ("checkpoint",),

@@ -27,6 +27,7 @@ from spmd.base.schema import Bounds
 from spmd.parallel.mesh import MeshSpec
 from spmd.parallel.pipeline import PP_SCHEDULES, REPEATED_SCHEDULES
 from spmd.parallel.skeleton import REMAT, model_config
+from spmd.run.distributed import MAX_PROCESSES
 
 ON_NAN = ("stop", "skip")
 ATTENTION = ("ring", "all-gather")
@@ -121,8 +122,9 @@ class TrainConfig:
     eval_batches: int = _field(4, "batches of held-out data per evaluation", at_least=1)
     eval_fraction: float = _field(0.05, "share of --data's samples held out for evaluation (when --eval-every is set)", above=0, below=1)
     coordinator: str | None = _field(None, "several processes: process 0's host:port, or 'auto' to let JAX find the cluster (TPU pod, SLURM, Open MPI); default: from the environment, else one process")
-    num_processes: int | None = _field(None, "several processes: how many", at_least=1)
-    process_id: int | None = _field(None, "several processes: this one's index, 0 to N-1", at_least=0)
+    num_processes: int | None = _field(None, "several processes: how many", at_least=1, at_most=MAX_PROCESSES)
+    process_id: int | None = _field(None, "several processes: this one's index, 0 to N-1", at_least=0,
+                                    at_most=MAX_PROCESSES - 1)
     dcn: str | None = _field(None, "the part of the mesh that spans processes or slices over the data-center network, e.g. dp=2 (each named axis's factor; the rest of the mesh stays within a host or slice)")
     step_timeout: float = _field(300.0, "seconds the host waits for a step before deciding a process died or hangs, and exiting with an error", above=0, at_most=WAIT_S)
     join_timeout: int = _field(300, "several processes: seconds to wait for all of them to join the run before giving up", at_least=1, at_most=WAIT_S)

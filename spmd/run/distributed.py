@@ -32,6 +32,9 @@ PLACE_NAMES = {"flags": ("--num-processes {}", "--process-id {}"),
                "environment": ("JAX_NUM_PROCESSES={}", "JAX_PROCESS_ID={}"),
                SLURM: ("SLURM_NTASKS={}", "SLURM_PROCID={}")}
 JAX_JOIN_GRACE_S = 30  # JAX's own deadline comes this much after ours
+# The most processes a run may name: beyond the largest clusters (a TPU v5p pod has 2,240
+# hosts), and within the 32-bit counts JAX's client takes.
+MAX_PROCESSES = 1 << 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +65,7 @@ def processes(cfg, environ: Mapping[str, str] = os.environ) -> Processes:
         if missing:
             raise UserError(f"the environment sets some of {', '.join(ENV)} but not {', '.join(missing)}")
         return _checked(environ[ENV[0]], _int(environ, ENV[1]), _int(environ, ENV[2]), "environment")
-    if _int(environ, "SLURM_NTASKS", 1) > 1 and "SLURM_JOB_ID" in environ:
+    if "SLURM_JOB_ID" in environ and _int(environ, "SLURM_NTASKS", 1) != 1:
         # A job step of several tasks (srun): JAX finds the coordinator and the ids from the
         # same variables; the count and index are read here only to share emulated devices.
         return _placed(Processes(_int(environ, "SLURM_NTASKS"), _int(environ, "SLURM_PROCID", 0), found_in=SLURM))
@@ -79,10 +82,10 @@ def one_task_per_node(environ: Mapping[str, str] = os.environ) -> bool:
 def _int(environ: Mapping[str, str], name: str, default: int | None = None) -> int:
     if name not in environ and default is not None:
         return default
-    try:
-        return int(environ[name])
-    except ValueError:
-        raise UserError(f"environment variable {name}={environ[name]!r} is not an integer") from None
+    value = environ[name]
+    if not (value.isascii() and value.strip().lstrip("+-").isdigit()):  # int() takes other digits, "1_0" too
+        raise UserError(f"environment variable {name}={value!r} is not an integer")
+    return int(value)
 
 
 def _checked(coordinator: str, count: int, index: int, found_in: str) -> Processes:
@@ -97,8 +100,8 @@ def _placed(procs: Processes) -> Processes:
     line naming the flag or environment variable and its bound."""
     count_name, index_name = (name.format(value) for name, value in
                               zip(PLACE_NAMES[procs.found_in], (procs.count, procs.index)))
-    if procs.count < 1:
-        raise UserError(f"{count_name}: the number of processes must be at least 1")
+    if not 1 <= procs.count <= MAX_PROCESSES:
+        raise UserError(f"{count_name}: the number of processes must be 1 to {MAX_PROCESSES:,}")
     if not 0 <= procs.index < procs.count:
         raise UserError(f"{index_name} is not one of {procs.count} processes ({count_name}): it must be "
                         f"0 to {procs.count - 1}")
