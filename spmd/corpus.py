@@ -68,6 +68,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                             f"stream, cut into rows as training reads it)")
         else:
             array = token_stream(args.data, load_tokenizer(args.tokenizer), args.text_field)
+            if not array.size:  # a token file that no run could train from
+                raise UserError(f"--data {args.data} holds no text (0 tokens); nothing to write")
             wrote = f"{array.size:,} {array.dtype} tokens"
     try:
         out.write(functools.partial(write_npy, tokens=array))

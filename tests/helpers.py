@@ -21,8 +21,11 @@ def snapshot(root: Path) -> dict[str, tuple[int, int] | None]:
     """Every path under `root`, each file with its size and modification time: equal
     before and after means nothing was written there. (A directory's own time changes
     when a writability probe is made and removed in it, so only its presence counts.)"""
-    return {str(p.relative_to(root)): None if p.is_dir() else (p.stat().st_size, p.stat().st_mtime_ns)
-            for p in sorted(root.rglob("*"))}
+    def state(p: Path):  # (a broken link: its own)
+        st = p.stat() if p.exists() else p.lstat()
+        return st.st_size, st.st_mtime_ns
+
+    return {str(p.relative_to(root)): None if p.is_dir() else state(p) for p in sorted(root.rglob("*"))}
 
 
 def in_namespace(script: str, cwd: Path, timeout: float = 300, **kwargs) -> subprocess.CompletedProcess:

@@ -1,35 +1,59 @@
 """The bad-input tables of the inputs that are files and variables, generated from what reads
 them, as tests/test_bad_input.py generates the options' from the parsers: every field of a
-fine-tuning record of each format, every key of a PEFT adapter_config.json (its schema,
-spmd.formats.peft.FIELDS), every variable that places a process (JAX's and SLURM's), each
-given values of the wrong kind, out of bounds and empty. Each is refused in one line that
-names the input (the record's file and line, the file and key, the variable) and why.
+fine-tuning record of each format (spmd.data.records), chat templates that fail or go past
+their bounds (spmd.data.chat), every key of a PEFT adapter_config.json (its schema,
+spmd.formats.peft.FIELDS) and its tensors file, data files that are no data, `spmd.launch`'s
+flags together and a process that fails, and every variable that places a process (JAX's
+and SLURM's), each given values of the wrong kind, out of bounds and empty.
 
-The cases call the readers in this process (microseconds each); tests/test_bad_input.py and
-the hardening tests hold that a refusal reaches the command line as one `error:` line with
-exit code 2 and nothing written.
+Every case runs on the command line (spmd.train, spmd.eval, spmd.generate, spmd.corpus,
+spmd.launch), all in one driver, one fork each (tests/cli_driver.py): one `error:` line that
+names the input (the file, and its line or key; the variable) and why, exit code 2 (a
+launched process's own code when it fails), nothing on stdout, nothing written in the
+working directory, no input changed; a launch that a process fails ends within --grace + 2 s.
 """
 
+import itertools
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from helpers import snapshot
 
-from spmd.base.errors import UserError
+from spmd.base.cli import MAX_RECORD_BYTES, SEQ
 from spmd.base.schema import BOOLEAN, INTEGER, LIST, MAPPING, NUMBER, REQUIRED, STRING
-from spmd.data.records import example
-from spmd.data.tokenizer import TokenizerDirectory
-from spmd.formats.peft import CONFIG, FIELDS, read_adapter_config
-from spmd.run.distributed import ENV, processes
+from spmd.data.chat import MAX_STEPS
+from spmd.data.records import ROLES
+from spmd.formats.peft import CONFIG, FIELDS, MAX_CONFIG_BYTES, WEIGHTS
+from spmd.launch import MAX_PROCESSES
+from spmd.run.distributed import ENV
 
 pytestmark = pytest.mark.xdist_group("cli")
 
-ROOT = Path(__file__).resolve().parents[1]
-WHERE = "data.jsonl:7"  # where a record is, as the readers name it
+TESTS = Path(__file__).resolve().parent
+DRIVER = TESTS / "cli_driver.py"
+# The fixtures, copied into the inputs (a case must change none of them).
+FIXTURES = {"model": TESTS / "sft" / "model", "chatml": TESTS / "sft" / "chatml", "base": TESTS / "hf" / "llama-gqa",
+            "adapter": TESTS / "hf" / "lora-peft"}
+TRAIN = ["--mesh", "dp=1", "--batch", "2", "--seq", "16", "--steps", "1"]
+PACK = ["--seq", "16", "--out", "t.npy"]
+# What a case is: (module, argv with {input} fields, fragments the error line must hold), and
+# optionally "code" (2), "within" (seconds it may take), "env" (variables set, None: unset).
+CASES: dict[str, dict] = {}
+
+
+def case(name: str, module: str, argv: list[str], *fragments: str, **more) -> None:
+    assert name not in CASES, name
+    CASES[name] = dict(module=module, argv=argv, fragments=fragments, **more)
+
 
 # ------------------------------------------------------------------------------ records
-# Good records of each format; each case below breaks one field of one of them.
+# A good record of each format; each case breaks one field of one of them, on line 2 of a file
+# whose line 1 is the good record (the format is the first record's).
 GOOD = {
     "text": {"text": "the lazy dog"},
     "prompt/completion": {"prompt": "2 + 2?", "completion": " 4"},
@@ -38,12 +62,33 @@ GOOD = {
                                          "completion": [{"role": "assistant", "content": "hello"}]},
 }
 # JSON values of every kind, for a field that must hold text (or a list of messages).
+# (An empty string is text: an empty prompt or document is no mistake.)
 WRONG_KINDS = {"a number": 3, "true": True, "null": None, "an object": {"a": 1}, "a list": ["a"]}
+RECORD_LINES: dict[str, tuple[str, bytes]] = {}  # case -> (format of line 1, line 2)
 
 
-def _record_cases() -> dict[str, tuple[dict, str]]:
-    """name -> (record, a fragment the error must hold)."""
-    cases = {}
+def _record(name: str, fmt: str, line2, *fragments: str) -> None:
+    line = line2 if isinstance(line2, bytes) else json.dumps(line2).encode()
+    RECORD_LINES[name] = (fmt, line)
+    file = f"{{records}}/{len(RECORD_LINES)}.jsonl"
+    where = f"{len(RECORD_LINES)}.jsonl, line 2"
+    if fmt == "text":  # a text record's file is a token stream: training, spmd.corpus without --seq
+        case(f"records: {name}", "spmd.corpus", ["--data", file, "--out", "t.npy"], where, *fragments)
+    else:
+        case(f"records: {name}", "spmd.corpus", ["--data", file, "--tokenizer", "{model}", *PACK], where, *fragments)
+
+
+def _good_with(fmt: str, value: bytes) -> bytes:
+    """The good record of `fmt` as a JSONL line, with `value` (raw JSON) for its first text."""
+    record = json.loads(json.dumps(GOOD[fmt]))
+    holder, key = (record, next(iter(record)))
+    while not isinstance(holder[key], str):
+        holder, key = holder[key], 0 if isinstance(holder[key], list) else "content"
+    holder[key] = "@@"
+    return json.dumps(record).encode().replace(b'"@@"', value)
+
+
+def _record_cases() -> None:
     for fmt, good in GOOD.items():
         for field, value in good.items():
             kinds = dict(WRONG_KINDS)
@@ -51,43 +96,139 @@ def _record_cases() -> dict[str, tuple[dict, str]]:
                 kinds.pop("a list")  # (its items are broken below)
                 kinds["an empty list"] = []
             for kind, bad in kinds.items():
-                cases[f"{fmt}: {field} is {kind}"] = ({**good, field: bad}, field)
+                _record(f"{fmt}: {field} is {kind}", fmt, {**good, field: bad},
+                        field if fmt != "text" or kind != "null" else "")
             if isinstance(value, list):  # each message of the list, field by field
-                for part, bad in (("not an object", "hi"), ("role unknown", {"role": "robot", "content": "x"}),
-                                  ("role missing", {"content": "x"}), ("content a number", {"role": "user", "content": 3}),
-                                  ("content a list", {"role": "user", "content": [1]})):
-                    cases[f"{fmt}: {field}[0] {part}"] = ({**good, field: [bad, *value[1:]]}, f"{field}[0]")
-    cases["messages: no assistant turn"] = ({"messages": [{"role": "user", "content": "hi"}]}, "no assistant turn")
-    cases["messages: tools a number"] = ({**GOOD["messages"], "tools": 3}, "tools")
-    cases["messages: tools text that is no JSON"] = ({**GOOD["messages"], "tools": "[{"}, "tools")
-    cases["no field of any format"] = ({"question": "2 + 2?"}, "no known fields")
-    return cases
+                messages = {"not an object": "hi", "role missing": {"content": "x"},
+                            "content a number": {"role": "user", "content": 3},
+                            "content a list": {"role": "user", "content": [1]},
+                            "content missing": {"role": "user"}, "content null": {"role": "user", "content": None}}
+                # A role outside ROLES: each one's spelling in other case, and the empty one.
+                messages |= {f"role {r.upper()!r}": {"role": r.upper(), "content": "x"} for r in ROLES}
+                messages |= {"role ''": {"role": "", "content": "x"}, "role a number": {"role": 1, "content": "x"}}
+                for part, bad in messages.items():
+                    _record(f"{fmt}: {field}[0] {part}", fmt, {**good, field: [bad, *value[1:]]}, f"{field}[0]")
+    chat = GOOD["messages"]
+    _record("messages: no assistant turn", "messages", {"messages": [{"role": "user", "content": "hi"}]},
+            "no assistant turn")
+    for kind, tools in {"a number": 3, "an object": {"a": 1}, "a list of numbers": [1, 2], "a list of lists": [[]],
+                        "text that is no JSON": "[{", "JSON text of a number": "3"}.items():
+        _record(f"messages: tools {kind}", "messages", {**chat, "tools": tools}, "tools")
+    for fmt in GOOD:
+        _record(f"{fmt}: no field of any format", fmt, {"question": "2 + 2?"},
+                "no known fields" if fmt != "text" else "text")
+    for fmt, other in (("messages", "prompt/completion"), ("prompt/completion", "messages"), ("messages", "text"),
+                       ("prompt/completion", "text")):
+        _record(f"{fmt}: a {other} record among them", fmt, GOOD[other], f"a {other} record in a file of {fmt}")
+    for fmt in GOOD:
+        for name, line, fragment in (
+                ("not JSON", b'{"messages": [', "JSON"), ("a JSON list", b"[1, 2]", "not a JSON object"),
+                ("a JSON string", b'"hi"', "not a JSON object"), ("a key twice", b'{"text": "a", "text": "b"}',
+                                                                  "twice")):
+            _record(f"{fmt}: a line {name}", fmt, line, fragment)
+        # The first text of a good record, given as JSON that is no text.
+        for name, value, fragment in (("not UTF-8", b'"\xff"', "not UTF-8"), ("NaN", b"NaN", "finite"),
+                                      ("Infinity", b"1e999", "finite"), ("a lone surrogate", b'"\\ud800"',
+                                                                          "surrogate")):
+            _record(f"{fmt}: its first text {name}", fmt, _good_with(fmt, value), fragment)
 
 
-RECORDS = _record_cases()
+_record_cases()
+# A line over --max-record-bytes, in each format (a text that long refused before it is read).
+BOUND = 200
+for fmt in ("prompt/completion", "messages", "conversational prompt/completion"):  # (text: a token stream)
+    _record(f"{fmt}: a line over --max-record-bytes", fmt, {"padding": "x" * BOUND, **GOOD[fmt]},
+            f"bytes, more than --max-record-bytes {BOUND}")
+    CASES[f"records: {fmt}: a line over --max-record-bytes"]["argv"] += ["--max-record-bytes", str(BOUND)]
+# The commands that read records besides spmd.corpus: one case of each format.
+for name in ("messages: messages[0] role 'ROBOT'", "messages: messages[0] role 'USER'",
+             "prompt/completion: prompt is a number", "conversational prompt/completion: completion[0] not an object",
+             "messages: a line not JSON", "messages: tools a list of numbers"):
+    if f"records: {name}" not in CASES:
+        continue
+    c = CASES[f"records: {name}"]
+    data = c["argv"][1]
+    case(f"records (train): {name}", "spmd.train", ["--init-from", "{model}", "--data", data, *TRAIN], *c["fragments"])
+    case(f"records (eval): {name}", "spmd.eval", ["--init-from", "{model}", "--data", data, "--seq", "16"],
+         *c["fragments"])
+for fmt in ("text",):
+    c = CASES[f"records: {fmt}: text is a number"]
+    case(f"records (train): {fmt}: text is a number", "spmd.train", ["--data", c["argv"][1], *TRAIN], *c["fragments"])
 
 
-@pytest.fixture(scope="module")
-def chat_tokenizer():
-    return TokenizerDirectory(ROOT / "tests" / "sft" / "model")
+# ------------------------------------------------------------------------------ chat templates
+# Each is the template of a copy of the fixture's model (its tokenizer too). FOREVER: loops of
+# loops, each range bounded (100,000), their product not.
+FOREVER = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+TEMPLATES = {  # name -> (chat_template.jinja's text, fragment, also refused by generate --chat)
+    "does not compile": ("{% for %}", "the chat template does not compile", True),
+    "unclosed block": ("{% if messages %}", "the chat template does not compile", True),
+    "raises": ("{{ raise_exception('no chats here') }}", "fails: no chats here", True),
+    "calls what is not there": ("{{ nothing() }}", "fails", True),
+    "divides by zero": ("{{ 1 // 0 }}", "fails", True),
+    "unbounded nested loops": (FOREVER, f"takes more than {MAX_STEPS:,} steps", False),
+    "a macro calling itself twice": (
+        "{% macro f(n) %}{% if n > 0 %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}{{ f(60) }}",
+        f"takes more than {MAX_STEPS:,} steps", False),
+    "makes a value past the bound": ("{{ 'x' * 10**9 }}", "reaches a value of 1,000,000,000 characters", True),
+    "an integer power past the bound": ("{{ 7 ** 1000000 }}", "", True),
+    "renders past --max-record-bytes": ("{% for i in range(1000) %}{{ 'x' * 500 }}{% endfor %}",
+                                        f"renders more than {MAX_RECORD_BYTES // 64:,} characters", False),
+    "renders nothing": ("", "is not in the rendering of the chat template", False),
+    "drops the assistant's content": ("{% for m in messages %}{{ m.role }}{% endfor %}",
+                                      "is not in the rendering of the chat template", False),
+}
+TEMPLATE_FILES = {  # name -> (what chat_template.jinja is, fragment)
+    "is a directory": ("directory", "chat_template.jinja is a directory, not a file"),
+    "is a FIFO": ("fifo", "chat_template.jinja is a FIFO, not a file"),
+    "is a broken link": ("broken", "chat_template.jinja"),
+    "is not UTF-8": (b"{{ messages }}\xff", "chat_template.jinja: not UTF-8 text"),
+    "is too large": (b" " * ((1 << 26) + 1), "chat_template.jinja"),
+}
+CONFIG_TEMPLATES = {  # name -> tokenizer_config.json's chat_template (the model has no chat_template.jinja)
+    "a number": (3, "chat_template is not a string"), "true": (True, "chat_template is not a string"),
+    "an object": ({"template": "x"}, "chat_template is not a string"),
+    "a list with no 'default'": ([{"name": "tool_use", "template": "x"}], "none named 'default'"),
+    "a list of numbers": ([1, 2], "none named 'default'"),
+    "null": (None, "has none"), "empty": ("", "has none"),
+    "a default that is no text": ([{"name": "default", "template": 3}], "chat_template"),
+}
+CONFIG_FILES = {  # name -> tokenizer_config.json's bytes
+    "not JSON": b'{"chat_template": ', "a JSON list": b"[]", "not UTF-8": b'{"eos_token": "\xff"}',
+    "a key twice": b'{"eos_token": "<|im_end|>", "eos_token": "<|im_end|>"}',
+}
 
 
-@pytest.mark.parametrize("case", RECORDS)
-def test_a_bad_record_is_refused_naming_its_line_and_field(chat_tokenizer, case):
-    record, fragment = RECORDS[case]
-    with pytest.raises(UserError) as refused:
-        example(record, WHERE, chat_tokenizer)
-    line = str(refused.value)
-    assert "\n" not in line and line.startswith(WHERE) and fragment in line, line
+def _template_cases() -> None:
+    for i, (name, (text, fragment, at_load)) in enumerate(TEMPLATES.items()):
+        flags = ["--max-record-bytes", str(MAX_RECORD_BYTES // 64)] if "max-record-bytes" in name else []
+        tok = f"{{templates}}/{i}"
+        case(f"template: {name}", "spmd.corpus", ["--data", "{chat}", "--tokenizer", tok, *PACK, *flags],
+             "chat_template.jinja", fragment)
+        if at_load:
+            case(f"template (generate --chat): {name}", "spmd.generate",
+                 ["--init-from", tok, "--chat", "--prompt", "hi"], "chat_template.jinja", fragment)
+    for i, (name, (_, fragment)) in enumerate(TEMPLATE_FILES.items()):
+        tok = f"{{template_files}}/{i}"
+        case(f"template: chat_template.jinja {name}", "spmd.corpus",
+             ["--data", "{chat}", "--tokenizer", tok, *PACK], fragment)
+        case(f"template (train): chat_template.jinja {name}", "spmd.train",
+             ["--init-from", tok, "--data", "{chat}", *TRAIN], fragment)
+        case(f"template (generate --chat): chat_template.jinja {name}", "spmd.generate",
+             ["--init-from", tok, "--chat", "--prompt", "hi"], fragment)
+    for i, (name, (_, fragment)) in enumerate(CONFIG_TEMPLATES.items()):
+        case(f"template: tokenizer_config.json chat_template {name}", "spmd.corpus",
+             ["--data", "{chat}", "--tokenizer", f"{{config_templates}}/{i}", *PACK], "tokenizer_config.json"
+             if "none" in fragment else "", fragment)
+    for i, name in enumerate(CONFIG_FILES):
+        case(f"template: tokenizer_config.json {name}", "spmd.corpus",
+             ["--data", "{chat}", "--tokenizer", f"{{config_files}}/{i}", *PACK], "tokenizer_config.json")
 
 
-def test_every_field_of_every_record_format_is_broken_by_the_table():
-    broken = {case.split(":")[0] for case in RECORDS}
-    assert set(GOOD) <= broken
-    assert len(RECORDS) >= 45
+_template_cases()
 
 
-# ------------------------------------------------------------------- adapter_config.json
+# ------------------------------------------------------------------------------ adapters
 
 def _wrong_values(field) -> dict[str, object]:
     """Values a schema field must refuse: another kind, out of its bounds, not a choice."""
@@ -103,81 +244,317 @@ def _wrong_values(field) -> dict[str, object]:
                 values[name] = edge
         if field.kind is INTEGER:
             values["not whole"] = 4.5
+            values["a boolean"] = True
     if not field.nullable:
         values["null"] = None
     return {k: v for k, v in values.items() if not (field.choices and any(v == c for c in field.choices))}
 
 
-ADAPTER = {f"{field.name} {what}": (field.name, value) for field in FIELDS for what, value in _wrong_values(field).items()}
-ADAPTER |= {f"{field.name} missing": (field.name, KeyError) for field in FIELDS if field.default is REQUIRED}
+ADAPTER_CONFIGS = {f"{field.name} {what}": (field.name, value)
+                   for field in FIELDS for what, value in _wrong_values(field).items()}
+ADAPTER_CONFIGS |= {f"{field.name} missing": (field.name, KeyError) for field in FIELDS if field.default is REQUIRED}
+ADAPTER_CONFIGS |= {"r disagrees with the tensors": ("r", 2), "target_modules one not in the tensors":
+                    ("target_modules", ["q_proj"]), "target_modules unknown": ("target_modules", ["qkv"]),
+                    "target_modules empty": ("target_modules", []), "target_modules twice": ("target_modules",
+                                                                                             ["q_proj", "q_proj"])}
+ADAPTER_FILES = {  # name -> (file, what it is: bytes, "missing", "directory", "fifo", "broken"; fragment)
+    f"{WEIGHTS} missing": (WEIGHTS, "missing", f"has no {WEIGHTS}"),
+    f"{WEIGHTS} empty": (WEIGHTS, b"", WEIGHTS), f"{WEIGHTS} truncated": (WEIGHTS, 100, "truncated"),
+    f"{WEIGHTS} a header past the file": (WEIGHTS, (1 << 40).to_bytes(8, "little") + b"{}", WEIGHTS),
+    f"{WEIGHTS} a header that is no JSON": (WEIGHTS, (4).to_bytes(8, "little") + b"abcd", WEIGHTS),
+    f"{WEIGHTS} a tensor missing": (WEIGHTS, "drop", WEIGHTS),
+    f"{WEIGHTS} a directory": (WEIGHTS, "directory", "is a directory"),
+    f"{WEIGHTS} a FIFO": (WEIGHTS, "fifo", "is a FIFO"), f"{WEIGHTS} a broken link": (WEIGHTS, "broken", WEIGHTS),
+    f"{CONFIG} missing": (CONFIG, "missing", f"has no {CONFIG}"),
+    f"{CONFIG} a directory": (CONFIG, "directory", CONFIG), f"{CONFIG} a FIFO": (CONFIG, "fifo", CONFIG),
+    f"{CONFIG} not JSON": (CONFIG, b'{"r": ', CONFIG), f"{CONFIG} a JSON list": (CONFIG, b"[]", CONFIG),
+    f"{CONFIG} empty": (CONFIG, b"", CONFIG), f"{CONFIG} not UTF-8": (CONFIG, b'{"r": "\xff"}', CONFIG),
+    f"{CONFIG} larger than a config": (CONFIG, b" " * (MAX_CONFIG_BYTES + 1) + b"{}", CONFIG),
+    f"{CONFIG} a key twice": (CONFIG, "twice", "twice"),
+}
 
 
-@pytest.fixture(scope="module")
-def adapter(tmp_path_factory):
-    return tmp_path_factory.mktemp("adapters")
+def _adapter_cases() -> None:
+    commands = {"train": ("spmd.train", TRAIN), "generate": ("spmd.generate", ["--prompt", "hi"]),
+                "eval": ("spmd.eval", ["--data", "{text}", "--seq", "16"])}
+    for group, table in (("adapter_configs", ADAPTER_CONFIGS), ("adapter_files", ADAPTER_FILES)):
+        for i, name in enumerate(table):
+            fragment = table[name][0] if group == "adapter_configs" else table[name][2]
+            fragment = {"target_modules one not in the tensors": "has no place for"}.get(name, fragment)
+            for command, (module, flags) in commands.items():
+                if group == "adapter_configs" and command != "train" and i % 3:
+                    continue  # the config is read by one function for all three: each key's every value once
+                case(f"adapter ({command}): {name}", module,
+                     ["--init-from", "{base}", "--adapter", f"{{{group}}}/{i}", *flags], f"{group}/{i}", fragment)
+    # Another command's output over the adapter's files: refused before anything is written.
+    weights = f"{{adapter}}/{WEIGHTS}"
+    for name, module, argv in (
+            ("generate --output over its tensors", "spmd.generate", ["--prompt", "hi", "--output", weights]),
+            ("train --metrics-file over its tensors", "spmd.train", [*TRAIN, "--metrics-file", weights]),
+            ("train --out in it", "spmd.train", [*TRAIN, "--out", "{adapter}/run"]),
+            ("train --tensorboard in it", "spmd.train", [*TRAIN, "--tensorboard", "{adapter}/tb"]),
+            ("train --metrics-file over its README", "spmd.train", [*TRAIN, "--metrics-file", "{adapter}/README.md"])):
+        case(f"adapter: {name}", module, ["--init-from", "{base}", "--adapter", "{adapter}", *argv],
+             "would write over the input --adapter")
+    case("adapter: a file, not a directory", "spmd.train",
+         ["--init-from", "{base}", "--adapter", f"{{adapter}}/{CONFIG}", *TRAIN], "--adapter")
+    case("adapter: missing", "spmd.train", ["--init-from", "{base}", "--adapter", "{adapter}/none", *TRAIN],
+         "--adapter")
 
 
-@pytest.mark.parametrize("case", ADAPTER)
-def test_a_bad_adapter_config_is_refused_naming_the_file_and_key(adapter, case):
-    key, value = ADAPTER[case]
-    directory = adapter / str(sorted(ADAPTER).index(case))
-    shutil.copytree(ROOT / "tests" / "hf" / "lora-peft", directory)
-    config = json.loads((directory / CONFIG).read_text())
-    if value is KeyError:
-        del config[key]
-    else:
-        config[key] = value
-    (directory / CONFIG).write_text(json.dumps(config))
-    with pytest.raises(UserError) as refused:
-        read_adapter_config(str(directory))
-    line = str(refused.value)
-    assert "\n" not in line and CONFIG in line and key in line, line
+_adapter_cases()
 
 
-def test_every_key_of_the_adapter_schema_is_broken_by_the_table():
-    assert {field.name for field in FIELDS} <= {key for key, _ in ADAPTER.values()}
+# ------------------------------------------------------------------------------ data files
+# `--data` that is no data, given to spmd.corpus (a token stream, and packed records) and spmd.train.
+DATA = {  # name -> (path under {data}, fragment)
+    "a missing file": ("none.txt", "no such file"), "an empty folder": ("empty_folder", "no data files"),
+    "a FIFO": ("fifo.jsonl", "is a FIFO"), "a broken link": ("broken.jsonl", "broken.jsonl"),
+    "a folder holding a FIFO": ("with_fifo", "is a FIFO"), "a folder of hidden files": ("hidden", "no data files"),
+    "a folder of two kinds": ("mixed", "mixes kinds of data"),
+    "an empty text file": ("empty.txt", "empty.txt"), "an empty JSONL file": ("empty.jsonl", "empty.jsonl"),
+    "a binary text file": ("binary.txt", "not UTF-8", "--seq packs fine-tuning records"),
+    "a binary JSONL file": ("binary.jsonl", "binary.jsonl, line 1"),
+    "a .npy that is not one": ("garbage.npy", "garbage.npy"),
+    "a JSONL of blank lines": ("blank.jsonl", "blank.jsonl"),
+}
 
 
-# ---------------------------------------------------------------- the processes' variables
+def _data_cases() -> None:
+    for name, (path, fragment, *packed) in DATA.items():
+        data = f"{{data}}/{path}"
+        case(f"data (corpus): {name}", "spmd.corpus", ["--data", data, "--out", "t.npy"], fragment)
+        case(f"data (corpus --seq): {name}", "spmd.corpus", ["--data", data, "--tokenizer", "{model}", *PACK],
+             *(packed or [fragment]))
+        case(f"data (train): {name}", "spmd.train", ["--data", data, *TRAIN], fragment)
+    # --seq with records: values of the wrong kind and out of spmd.base.cli.SEQ's bounds.
+    bad_seq = {"zero": str(SEQ.at_least - 1), "negative": "-1", "past the bound": str(int(SEQ.at_most) + 1),
+               "a fraction": "1.5", "empty": "", "not finite": "inf", "other digits": "\u0661\u0666"}
+    for name, seq in bad_seq.items():
+        case(f"corpus: --seq {name} with records", "spmd.corpus",
+             ["--data", "{chat}", "--tokenizer", "{model}", "--seq", seq, "--out", "t.npy"], "--seq")
+    case("corpus: records without --seq", "spmd.corpus", ["--data", "{chat}", "--tokenizer", "{model}", "--out",
+                                                           "t.npy"], "give --seq")
+    case("corpus: --seq with text", "spmd.corpus", ["--data", "{text}", *PACK], "--seq packs fine-tuning records")
+    case("corpus: records without a tokenizer directory", "spmd.corpus", ["--data", "{chat}", *PACK],
+         "need a Hugging Face tokenizer directory")
 
-class _NoFlags:
-    coordinator = num_processes = process_id = None
+
+_data_cases()
 
 
+# ------------------------------------------------------------------------------ spmd.launch
+# --nproc and --grace together: each bad value with the other good, and both bad.
+NPROC = {"2": None, "0": "--nproc", "-1": "--nproc", str(MAX_PROCESSES + 1): "--nproc", "1.5": "--nproc",
+         "": "--nproc"}
+GRACE = {"1": None, "-1": "--grace", "nan": "--grace", "inf": "--grace", "abc": "--grace", "": "--grace"}
+for (nproc, n_bad), (grace, g_bad) in itertools.product(NPROC.items(), GRACE.items()):
+    if n_bad or g_bad:
+        case(f"launch: --nproc {nproc!r} --grace {grace!r}", "spmd.launch",
+             ["--nproc", nproc, "--grace", grace, "--", "true"], "", either=[f for f in (n_bad, g_bad) if f])
+case("launch: no --", "spmd.launch", ["--nproc", "2", "true"], "the command after --")
+case("launch: nothing after --", "spmd.launch", ["--nproc", "2", "--"], "a command must follow --")
+case("launch: no such command", "spmd.launch", ["--nproc", "2", "--", "{data}/none"], "command not found")
+case("launch: a command that cannot run", "spmd.launch", ["--nproc", "2", "--", "{data}/empty.txt"],
+     "permission denied")
+# A process that fails (exit 9) while the others run on (sleep, or ignore SIGTERM too): the
+# launch ends within --grace + 2 s with the failure's code and one line naming the process.
+SLEEP = {"sleeps": "sleep 30", "ignores SIGTERM": "trap '' TERM; sleep 30"}
+for grace, (failing, index), (how, other) in itertools.product(("0", "0.5"), (("first", 0), ("last", 2)),
+                                                               SLEEP.items()):
+    script = f'if [ "$JAX_PROCESS_ID" = {index} ]; then exit 9; fi; {other}'
+    case(f"launch: the {failing} of 3 exits 9, the others {how}, --grace {grace}", "spmd.launch",
+         ["--nproc", "3", "--grace", grace, "--", "sh", "-c", script], f"process {index} of 3 failed (exit code 9)",
+         code=9, within=float(grace) + 2)
+case("launch: a process killed, the other sleeps", "spmd.launch",
+     ["--nproc", "2", "--grace", "0", "--", "sh", "-c", 'if [ "$JAX_PROCESS_ID" = 1 ]; then kill -9 $$; fi; sleep 30'],
+     "process 1 of 2 failed (killed by SIGKILL)", code=128 + 9, within=2)
+
+
+# ------------------------------------------------------------------------------ the processes' variables
+# Every variable that places a process (spmd.run.distributed reads JAX's and SLURM's; JAX's
+# SLURM cluster reads SLURM's node list and local id too), each with values of the wrong
+# kind, out of range and empty, through spmd.train.
 GOOD_PLACES = {
     "JAX": {"JAX_COORDINATOR_ADDRESS": "h:1234", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1"},
     "SLURM": {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "2", "SLURM_PROCID": "1"},
 }
-NOT_INTEGERS = {"empty": "", "text": "two", "a fraction": "1.5", "other digits": "\u0661", "huge": "9" * 40}
-OUT_OF_RANGE = {"negative": "-1", "zero count": "0"}
+PLACE_VARIABLES = (*ENV, "SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_STEP_NODELIST",
+                   "SLURM_STEP_NUM_NODES")
+NOT_INTEGERS = {"empty": "", "text": "two", "a fraction": "1.5", "other digits": "\u0661", "huge": "9" * 40,
+                "underscored": "1_0", "blank": " "}
+OUT_OF_RANGE = {"negative": "-1", "zero count": "0", "past any cluster": str(1 << 17)}
 
 
-def _place_cases() -> dict[str, tuple[dict, str]]:
-    cases = {}
+
+def _place_cases() -> None:
+    def place(name, environ, *fragments, mesh="dp=1", **more):
+        case(f"variables: {name}", "spmd.train", [*TRAIN, "--mesh", mesh, "--join-timeout", "1"], *fragments,
+             env={**dict.fromkeys(PLACE_VARIABLES), **environ}, **more)
+
     for source, good in GOOD_PLACES.items():
         for name in good:
             if name in ("SLURM_JOB_ID", "JAX_COORDINATOR_ADDRESS"):
                 continue  # read as text: the coordinator's address is checked as host:port below
             for kind, value in {**NOT_INTEGERS, **OUT_OF_RANGE}.items():
-                if kind == "zero count" and not name.endswith(("NUM_PROCESSES", "NTASKS")):
+                count = name.endswith(("NUM_PROCESSES", "NTASKS"))
+                if kind == "zero count" and not count or kind == "past any cluster" and not count:
                     continue
-                cases[f"{name} {kind}"] = ({**good, name: value}, name)
-        cases[f"{source}: the index past the count"] = ({**good, [n for n in good if n.endswith(("ID", "PROCID"))
-                                                                    and "JOB" not in n][0]: "2"}, "")
-    for address in ("", "h", "h:", ":1", "h:0", "h:65536", "h:1\u0661"):
-        cases[f"JAX_COORDINATOR_ADDRESS {address!r}"] = ({**GOOD_PLACES["JAX"], "JAX_COORDINATOR_ADDRESS": address},
-                                                         "coordinator")
-    cases["JAX: a variable missing"] = ({k: v for k, v in GOOD_PLACES["JAX"].items() if k != ENV[2]}, ENV[2])
-    return cases
+                place(f"{name} {kind}", {**good, name: value}, name)
+        index = [n for n in good if n.endswith("ID") and "JOB" not in n][0]
+        place(f"{source}: the index past the count", {**good, index: "2"}, index, "not one of 2 processes")
+    for address in ("", "h", "h:", ":1", "h:0", "h:65536", "h:1\u0661", "h:-1"):
+        place(f"JAX_COORDINATOR_ADDRESS {address!r}", {**GOOD_PLACES["JAX"], "JAX_COORDINATOR_ADDRESS": address},
+              "coordinator", "JAX_COORDINATOR_ADDRESS")
+    # A SLURM step of two tasks as JAX's SLURM cluster reads it (jax._src.clusters.slurm_cluster), one
+    # of its variables broken: JAX reads these itself, and spmd checks them first.
+    slurm = {**GOOD_PLACES["SLURM"], "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_STEP_NODELIST": "localhost"}
+    for name, value in (("SLURM_LOCALID", "x"), ("SLURM_JOB_ID", "x"), ("SLURM_STEP_NODELIST", "")):
+        place(f"SLURM: {name} {value!r}", {**slurm, name: value}, name, mesh="dp=2")
+    for missing in ENV:
+        place(f"JAX: {missing} missing", {k: v for k, v in GOOD_PLACES["JAX"].items() if k != missing}, missing)
 
 
-PLACES = _place_cases()
+_place_cases()
 
 
-@pytest.mark.parametrize("case", PLACES)
-def test_a_bad_process_variable_is_refused_naming_it(case):
-    environ, fragment = PLACES[case]
-    with pytest.raises(UserError) as refused:
-        processes(_NoFlags(), environ)
-    line = str(refused.value)
-    assert "\n" not in line and fragment in line, line
+# ------------------------------------------------------------------------------ the inputs
+
+def _kind(path: Path, what) -> None:
+    """Make `path` what a table says: bytes, or a directory, FIFO, broken link or nothing."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        path.unlink()
+    if isinstance(what, bytes):
+        path.write_bytes(what)
+    elif what == "directory":
+        path.mkdir()
+    elif what == "fifo":
+        os.mkfifo(path)  # read, it would block
+    elif what == "broken":
+        path.symlink_to(path.with_name("nowhere"))
+    else:
+        assert what == "missing", what
+
+
+def _safetensors_without_one(src: Path) -> bytes:
+    """`src`'s tensors less the first (a valid file that lacks one)."""
+    data = src.read_bytes()
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + size])
+    first = next(k for k in header if k != "__metadata__")
+    del header[first]
+    blob, out, at = data[8 + size:], {}, 0
+    body = b""
+    for name, meta in header.items():
+        if name == "__metadata__":
+            out[name] = meta
+            continue
+        start, end = meta["data_offsets"]
+        body += blob[start:end]
+        out[name] = {**meta, "data_offsets": [at, at + end - start]}
+        at += end - start
+    text = json.dumps(out).encode()
+    return len(text).to_bytes(8, "little") + text + body
+
+
+def _inputs(tmp: Path) -> dict[str, str]:
+    for name, src in FIXTURES.items():
+        shutil.copytree(src, tmp / name)
+    (tmp / "chat.jsonl").write_bytes((TESTS / "sft" / "chat.jsonl").read_bytes())
+    (tmp / "text.txt").write_text("some text " * 100)
+    (tmp / "records").mkdir()
+    for i, (fmt, line) in enumerate(RECORD_LINES.values(), 1):
+        (tmp / "records" / f"{i}.jsonl").write_bytes(json.dumps(GOOD[fmt]).encode() + b"\n" + line + b"\n")
+    for group, table in (("templates", TEMPLATES), ("template_files", TEMPLATE_FILES)):
+        for i, (text, *_) in enumerate(table.values()):
+            shutil.copytree(FIXTURES["model"], tmp / group / str(i))
+            _kind(tmp / group / str(i) / "chat_template.jinja", text.encode() if group == "templates" else text)
+    for group, table in (("config_templates", CONFIG_TEMPLATES), ("config_files", CONFIG_FILES)):
+        for i, value in enumerate(table.values()):
+            shutil.copytree(FIXTURES["chatml"], tmp / group / str(i))
+            config = tmp / group / str(i) / "tokenizer_config.json"
+            if group == "config_files":
+                config.write_bytes(value)
+            else:
+                config.write_text(json.dumps({**json.loads(config.read_text()), "chat_template": value[0]}))
+    good_config = json.loads((FIXTURES["adapter"] / CONFIG).read_text())
+    for group, table in (("adapter_configs", ADAPTER_CONFIGS), ("adapter_files", ADAPTER_FILES)):
+        for i, spec in enumerate(table.values()):
+            folder = tmp / group / str(i)
+            folder.mkdir(parents=True)
+            for file in (CONFIG, WEIGHTS):
+                shutil.copyfile(FIXTURES["adapter"] / file, folder / file)
+            if group == "adapter_configs":
+                key, value = spec
+                config = {k: v for k, v in good_config.items() if k != key or value is not KeyError}
+                if value is not KeyError:
+                    config[key] = value
+                (folder / CONFIG).write_text(json.dumps(config))
+                continue
+            file, what, _ = spec
+            if isinstance(what, int):
+                what = (FIXTURES["adapter"] / file).read_bytes()[:what]
+            elif what == "drop":
+                what = _safetensors_without_one(FIXTURES["adapter"] / file)
+            elif what == "twice":
+                what = (FIXTURES["adapter"] / file).read_bytes().replace(b'"r": 4', b'"r": 4, "r": 4')
+            _kind(folder / file, what)
+    data = tmp / "data"
+    for path in ("empty_folder", "with_fifo", "hidden/.secret", "mixed"):
+        (data / path).mkdir(parents=True)
+    os.mkfifo(data / "fifo.jsonl")
+    os.mkfifo(data / "with_fifo" / "a.jsonl")
+    (data / "broken.jsonl").symlink_to(data / "nowhere")
+    (data / "hidden" / ".secret" / "a.txt").write_text("hidden")
+    (data / "hidden" / ".b.txt").write_text("hidden")
+    (data / "mixed" / "a.txt").write_text("text")
+    (data / "mixed" / "b.jsonl").write_text('{"text": "text"}\n')
+    for name, content in (("empty.txt", b""), ("empty.jsonl", b""), ("binary.txt", bytes(range(256))),
+                          ("binary.jsonl", bytes(range(256))), ("garbage.npy", b"\x93NUMPY garbage"),
+                          ("blank.jsonl", b"\n  \n\n")):
+        (data / name).write_bytes(content)
+    return {p.name: str(p) for p in tmp.iterdir()} | {"text": str(tmp / "text.txt"), "chat": str(tmp / "chat.jsonl")}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """Every case, each in its own empty working directory, run by one driver; no input may change."""
+    inputs = tmp_path_factory.mktemp("inputs")
+    files = _inputs(inputs)
+    before = snapshot(inputs)
+    work = tmp_path_factory.mktemp("work")
+    batch = []
+    for i, c in enumerate(CASES.values()):
+        (work / str(i)).mkdir()
+        batch.append({"module": c["module"], "cwd": str(work / str(i)), "argv": [a.format(**files) for a in c["argv"]],
+                      "env": c.get("env"), "limit": 60})
+    done = subprocess.run([sys.executable, str(DRIVER)], input=json.dumps(batch), capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stderr
+    assert snapshot(inputs) == before  # no input was touched
+    return {name: (r, work / str(i)) for i, (name, r) in enumerate(zip(CASES, json.loads(done.stdout)))}, files
+
+
+def test_every_surface_is_covered():
+    surfaces = {name.split(":")[0].split(" (")[0] for name in CASES}
+    assert surfaces == {"records", "template", "adapter", "data", "corpus", "launch", "variables"}, surfaces
+    assert {f.name for f in FIELDS} <= {key for key, _ in ADAPTER_CONFIGS.values()}
+    assert set(GOOD) <= {fmt for fmt, _ in RECORD_LINES.values()}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_bad_input_gives_one_error_line(results, name):
+    (result, cwd), files = results[0][name], results[1]
+    c = CASES[name]
+    assert result["code"] == c.get("code", 2), result
+    assert result["stdout"] == ""
+    lines = result["stderr"].splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result["stderr"]
+    for fragment in c["fragments"]:
+        assert fragment.format(**files) in lines[0], (fragment, lines[0])
+    if "either" in c:
+        assert any(flag in lines[0] for flag in c["either"]), lines[0]
+    assert not any(cwd.iterdir()), list(cwd.iterdir())  # nothing written
+    assert result["seconds"] < c.get("within", 30), result  # bounded: a template's steps take a second or two

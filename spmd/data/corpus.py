@@ -83,14 +83,26 @@ def jsonl_texts(file: Path, field: str, flag: str = "--data", field_flag: str | 
     # Training data may also be fine-tuning records (spmd.data.records), which the first record's fields announce.
     hint = (f" ({field_flag}), nor the fields of a fine-tuning record ('messages', or 'prompt' and 'completion')"
             if field_flag else "")
-    for number, line in enumerate(read_text(file, flag).splitlines(), 1):
+    try:
+        data = file.read_bytes()
+    except OSError as exc:
+        raise UserError(f"{flag} {file} cannot be read: {exc.strerror or exc}") from None
+    # Split as bytes: a line ends at its newline only (str.splitlines also cuts at U+2028,
+    # which JSON text may hold as it is), and a byte that is no UTF-8 is named by its line.
+    for number, line in enumerate(data.splitlines(), 1):
         if not line.strip():
             continue
+        try:
+            line.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise UserError(f"{flag} {file}, line {number}: not UTF-8 text (byte {exc.start} of the line)") from None
         try:  # strictly: a key given twice, NaN or Infinity is no record either
-            record = loads(line.encode())
+            record = loads(line)
         except Invalid as exc:
             raise UserError(f"{flag} {file}, line {number}: {exc}") from None
-        if not isinstance(record, dict) or field not in record:
+        if not isinstance(record, dict):
+            raise UserError(f"{flag} {file}, line {number}: {json_kind(record)}, not a JSON object")
+        if field not in record:
             raise UserError(f"{flag} {file}, line {number}: no text field {field!r}{hint}")
         yield checked_text(record[field], f"{flag} {file}, line {number}", f"the text field {field!r}")
 

@@ -339,7 +339,8 @@ def _chat(record: dict, where: str, tokenizer, conversational_prompt: bool,
     text, spans = render(messages)
     ids, offsets = tokenizer.tokens(text, special=False)
     if not template.has_generation:
-        spans = _ended(_content_spans(messages, text, render, where), ids, offsets, tokenizer.special_ids)
+        spans = _ended(_content_spans(messages, text, render, where, template.where), ids, offsets,
+                       tokenizer.special_ids)
     return ids, _overlapping(offsets, spans)
 
 
@@ -356,7 +357,8 @@ def _overlapping(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -
     return mask
 
 
-def _content_spans(messages: list[dict], text: str, render, where: str) -> list[tuple[int, int]]:
+def _content_spans(messages: list[dict], text: str, render, where: str, template: str
+                   ) -> list[tuple[int, int]]:
     """Where the assistant messages' contents are in `text`. Exactly, where the template
     renders them unchanged: a second rendering with each content between two markers
     must give `text` once the markers are taken out. Otherwise by search: every message's
@@ -380,8 +382,9 @@ def _content_spans(messages: list[dict], text: str, render, where: str) -> list[
                       for i in [text.find(c, at)] if i >= 0), None)
         if found is None:
             if message["role"] == "assistant" and content.strip():
-                raise UserError(f"{where}: messages[{n}]'s content is not in the chat template's rendering; "
-                                f"without {{% generation %}} blocks the assistant's turns are found by their content")
+                raise UserError(f"{where}: messages[{n}]'s content is not in the rendering of the chat template "
+                                f"({template}); without {{% generation %}} blocks the assistant's turns are found "
+                                f"by their content")
             continue
         at = found[0] + len(found[1])
         if message["role"] == "assistant":

@@ -67,7 +67,12 @@ def processes(cfg, environ: Mapping[str, str] = os.environ) -> Processes:
         return _checked(environ[ENV[0]], _int(environ, ENV[1]), _int(environ, ENV[2]), "environment")
     if "SLURM_JOB_ID" in environ and _int(environ, "SLURM_NTASKS", 1) != 1:
         # A job step of several tasks (srun): JAX finds the coordinator and the ids from the
-        # same variables; the count and index are read here only to share emulated devices.
+        # same variables (checked here, so that a bad one is named before JAX reads it); the
+        # count and index are read here only to share emulated devices.
+        for name in ("SLURM_JOB_ID", "SLURM_LOCALID"):
+            _int(environ, name, 0)
+        if not environ.get("SLURM_STEP_NODELIST", "x").strip():
+            raise UserError("environment variable SLURM_STEP_NODELIST is empty: the job step's nodes are unknown")
         return _placed(Processes(_int(environ, "SLURM_NTASKS"), _int(environ, "SLURM_PROCID", 0), found_in=SLURM))
     return Processes()
 
@@ -91,7 +96,8 @@ def _int(environ: Mapping[str, str], name: str, default: int | None = None) -> i
 def _checked(coordinator: str, count: int, index: int, found_in: str) -> Processes:
     host, _, port = coordinator.rpartition(":")
     if not host or not port.isascii() or not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise UserError(f"coordinator {coordinator!r} is not host:port (a port from 1 to 65535)")
+        given = f"{ENV[0]}={coordinator!r}" if found_in == "environment" else f"--coordinator {coordinator!r}"
+        raise UserError(f"coordinator {given} is not host:port (a port from 1 to 65535)")
     return _placed(Processes(count, index, coordinator, found_in))
 
 
