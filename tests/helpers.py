@@ -40,14 +40,16 @@ def losses_by_step(metrics_file: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in map(json.loads, metrics_file.read_text().splitlines())}
 
 
-def run_cases(cases: dict, files: dict, work: Path, timeout: float = 600) -> dict:
+def run_cases(cases: dict, files: dict, work: Path, timeout: float = 600, options=None) -> dict:
     """Each case (name -> (module, argv whose `{name}` fields are `files`' paths, ...)) in an
-    empty working directory of its own under `work`, all run by one tests/cli_driver.py.
+    empty working directory of its own under `work`, all run by one tests/cli_driver.py;
+    `options(name)`: what else the driver takes for a case ("env", "limit").
     -> name -> (its result, its working directory)"""
     batch = []
-    for i, (module, argv, *_) in enumerate(cases.values()):
+    for i, (name, (module, argv, *_)) in enumerate(cases.items()):
         (work / str(i)).mkdir()
-        batch.append({"module": module, "cwd": str(work / str(i)), "argv": [a.format(**files) for a in argv]})
+        batch.append({"module": module, "cwd": str(work / str(i)), "argv": [a.format(**files) for a in argv],
+                      **(options(name) if options else {})})
     done = subprocess.run([sys.executable, str(DRIVER)], input=json.dumps(batch), capture_output=True, text=True,
                           timeout=timeout)
     assert done.returncode == 0, done.stderr

@@ -17,12 +17,10 @@ import itertools
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from helpers import snapshot
+from helpers import run_cases, snapshot
 
 from spmd.base.cli import MAX_RECORD_BYTES, SEQ
 from spmd.base.schema import BOOLEAN, INTEGER, LIST, MAPPING, NUMBER, REQUIRED, STRING
@@ -35,7 +33,6 @@ from spmd.run.distributed import ENV
 pytestmark = pytest.mark.xdist_group("cli")
 
 TESTS = Path(__file__).resolve().parent
-DRIVER = TESTS / "cli_driver.py"
 # The fixtures, copied into the inputs (a case must change none of them).
 FIXTURES = {"model": TESTS / "sft" / "model", "chatml": TESTS / "sft" / "chatml", "base": TESTS / "hf" / "llama-gqa",
             "adapter": TESTS / "hf" / "lora-peft"}
@@ -524,17 +521,11 @@ def results(tmp_path_factory):
     inputs = tmp_path_factory.mktemp("inputs")
     files = _inputs(inputs)
     before = snapshot(inputs)
-    work = tmp_path_factory.mktemp("work")
-    batch = []
-    for i, c in enumerate(CASES.values()):
-        (work / str(i)).mkdir()
-        batch.append({"module": c["module"], "cwd": str(work / str(i)), "argv": [a.format(**files) for a in c["argv"]],
-                      "env": c.get("env"), "limit": 60})
-    done = subprocess.run([sys.executable, str(DRIVER)], input=json.dumps(batch), capture_output=True, text=True,
-                          timeout=900)
-    assert done.returncode == 0, done.stderr
+    ran = run_cases({name: (c["module"], c["argv"]) for name, c in CASES.items()}, files,
+                    tmp_path_factory.mktemp("work"), timeout=900,
+                    options=lambda name: {"env": CASES[name].get("env"), "limit": 60})
     assert snapshot(inputs) == before  # no input was touched
-    return {name: (r, work / str(i)) for i, (name, r) in enumerate(zip(CASES, json.loads(done.stdout)))}, files
+    return ran, files
 
 
 def test_every_surface_is_covered():
