@@ -165,7 +165,8 @@ def test_expert_copies_match_one_device_across_a_rebalancing(balanced_reference,
 
 # Pipeline stages carry the router state with their chunks of layers, and update it from
 # per-layer loads in the order the layers are stored: interleaved stores 2 chunks per
-# stage, zb-v also runs each device's second chunk on the mirror device.
+# stage, zb-v also runs each device's second chunk on the mirror device, and DualPipe
+# each device's mirror stage (its statistics added to that stage's own).
 STAGED = dict(model="moe-tiny", layers=8, router_bias_rate=0.01)
 
 
@@ -178,14 +179,15 @@ def staged_reference():
 @pytest.mark.parametrize("schedule", [
     {"pp_schedule": "interleaved-1f1b", "pp_repeats": 2, "microbatches": 2},
     {"pp_schedule": "zb-v", "microbatches": 2, "redundant_experts": 4, "rebalance_every": 2},
-], ids=["interleaved-1f1b", "zb-v-copies"])
+    {"pp_schedule": "dualpipe", "microbatches": 2, "redundant_experts": 4, "rebalance_every": 2},
+], ids=["interleaved-1f1b", "zb-v-copies", "dualpipe-copies"])
 def test_balancing_in_pipeline_stages_matches_one_device(staged_reference, schedule):
     reference, run = staged_reference, train_run("pp=2,ep=2", 4, cached=False, **STAGED, **schedule)
     np.testing.assert_allclose(run.losses, reference.losses, rtol=LOSS_RTOL, atol=0)
     bias, want = (balance.states(r.router)[0]["bias"] for r in (run, reference))
     assert np.abs(want).max() > 0
     np.testing.assert_allclose(bias.reshape(want.shape), want, rtol=0, atol=1e-6)
-    if schedule["pp_schedule"] == "zb-v":
+    if schedule["pp_schedule"] in ("zb-v", "dualpipe"):
         # zb-v's weight-gradient pass W (the matrices' gradients, reduced over ep as
         # computed) runs m times, without the bubble; the copies are tied per stage, on the
         # layers it holds, with no gather of the stack over pp (a reshape that merged the

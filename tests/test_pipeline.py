@@ -45,8 +45,13 @@ LAYOUTS = [
     ("pp=2,fsdp=2,tp=2", 8, {"pp_schedule": "zb-v", "microbatches": 2, "grad_accum": 2, "zero": 1}),
     # ... under a remat policy: each chunk's whole backward in its B tick.
     ("pp=2,tp=2", 4, {"pp_schedule": "zb-v", "microbatches": 4, "remat": "full"}),
-    # pp=2 alone: each chunk's scan keeps two layers (test_zb_v_executes_its_formula).
+    # pp=2 alone: each chunk's scan keeps two layers (test_split_backward_executes_its_formula).
     ("pp=2", 2, {"pp_schedule": "zb-v", "microbatches": 4}),
+    # DualPipe: stages d and p-1-d on device d, the microbatches in two directions.
+    ("pp=4", 4, {"pp_schedule": "dualpipe", "microbatches": 8}),
+    ("pp=2", 2, {"pp_schedule": "dualpipe", "microbatches": 4}),
+    # ... with ZeRO-1 over dp and two accumulated passes (the mirrored stage's gradients summed in each).
+    ("pp=2,dp=2", 4, {"pp_schedule": "dualpipe", "microbatches": 2, "grad_accum": 2, "zero": 1}),
 ]
 IDS = [f"{m}{''.join(f'-{k}{v}' for k, v in o.items())}" for m, _, o in LAYOUTS]
 
@@ -123,26 +128,31 @@ def test_interleaved_one_f_one_b_keeps_about_one_f_one_bs_activations():
     assert interleaved < 0.8 * gpipe, (interleaved, gpipe)
 
 
-def test_zb_v_executes_its_formula(deep_reference):
+@pytest.mark.parametrize("layout", ["pp=2-pp_schedulezb-v-microbatches4", "pp=2-pp_scheduledualpipe-microbatches4",
+                                    "pp=4-pp_scheduledualpipe-microbatches8"])
+def test_split_backward_executes_its_formula(deep_reference, layout):
     """zb-v runs 2m + 2p - 2 chunk forwards and input gradients (B) per device and exactly
-    2m weight gradients (W): executed/useful = ((2m+2p-2)(f+b) + 2m w) / (2m(f+b+w)), with
-    f, b, w a chunk's dot FLOPs counted as the step's are (its attention kernel's causal
-    branches aside). Here f = b = w (the layers' matmuls, each once per pass), so it is
-    1 + 2(p-1)/(3m) = 7/6 at p=2, m=4, against 1F1B's 5/4. (pp=2: a chunk's layer scan
-    has two layers and stays a loop in every tick; one-layer scans in one-pair runs of
-    ticks are unrolled by XLA and fall out of the loop count.)"""
-    run, program = _run(len(LAYOUTS) - 1), deep_reference.program
+    2m weight gradients (W), DualPipe m + p - 2 stage forwards and B's and m W's:
+    executed/useful = ((2n + s - 2)(f+b) + 2n w) / (2n(f+b+w)) with n = m, s = 2p (zb-v)
+    or n = m/2, s = p (DualPipe), f, b, w a chunk's dot FLOPs counted as the step's are
+    (its attention kernel's causal branches aside). Here f = b = w (the layers' matmuls,
+    each once per pass), so zb-v's is 1 + 2(p-1)/(3m) = 7/6 at p=2, m=4, against 1F1B's
+    5/4; DualPipe's 1 + 2(p-2)/(3m): no bubble at all on p=2, 7/6 on p=4, m=8. (Two layers
+    a chunk: a chunk's layer scan stays a loop in every tick; one-layer scans in one-pair
+    runs of ticks are unrolled by XLA and fall out of the loop count.)"""
+    run, program = _run(IDS.index(layout)), deep_reference.program
     schedule = run.layout.schedule
-    p, m = schedule.stages, schedule.microbatches
+    p, m, dual = schedule.stages, schedule.microbatches, schedule.name == "dualpipe"
     rows = jnp.zeros((PARITY["batch"] // m, PARITY["seq"] + 1), jnp.int32)
     with program._annotated():
         parts = stage_parts(program.graphdef, deep_reference.params, rows, program._annotated, "blocks", None)
-        chunk = jax.tree.map(lambda w: w[: DEEP["layers"] // (2 * p)], deep_reference.params["blocks"])
+        chunk = jax.tree.map(lambda w: w[: DEEP["layers"] // (p if dual else 2 * p)], deep_reference.params["blocks"])
         f, b, w = chunk_dot_flops(parts.stage, chunk, parts.embedded())
     assert f == b == w > 0
     executed = p * _stage_flops(run) / _stage_flops(deep_reference)
-    assert executed == pytest.approx(executed_over_useful(p, m, f, b, w), rel=1e-9)
-    assert executed == pytest.approx(1 + 2 * (p - 1) / (3 * m), rel=1e-9)
+    assert executed == pytest.approx(executed_over_useful(p, m, f, b, w, dual), rel=1e-9)
+    assert executed == pytest.approx(1 + 2 * (p - 2 if dual else p - 1) / (3 * m), rel=1e-9)
+    assert executed == pytest.approx(schedule.compute_overhead, rel=1e-9)
 
 
 @pytest.mark.parametrize("p,m", [(2, 2), (2, 8), (4, 4), (4, 16), (8, 64)])
@@ -163,6 +173,36 @@ def test_zb_v_timetable(p, m):
     remat = Schedule("zb-v", p, m, 2, "full")
     assert remat.compute_overhead == pytest.approx(1 + (p - 1) / m)
     assert remat.kept_microbatches == (4 * p - 1) / 2
+
+
+@pytest.mark.parametrize("p,m", [(2, 2), (2, 8), (4, 4), (4, 16), (8, 64), (16, 32)])
+def test_dualpipe_timetable(p, m):
+    """DualPipe's plan of a step: m + p - 2 ticks of stage forwards and as many of B's
+    (every device runs one of each per tick where any runs), m W's each after its B, and
+    rings bounded whatever m is: B reads what 2p - 1 stage forwards kept, W the matmuls'
+    inputs of (5p - 4)/2. DeepSeek's published DualPipe (V3 report, table 2) idles
+    (p/2 - 1)(F&B + B - 3W) and keeps p + 1 microbatches' activations: its devices run
+    their own timelines, so W's fill each one's gaps; here every device runs the same
+    ticks (one program), so the idle work is (p - 2)(F + B) and the rings hold a tick's
+    residuals each (benchmarks/pipeline.py prints both)."""
+    from spmd.parallel.pipeline import Schedule
+    from spmd.parallel.pipeline.zero_bubble import timetable
+
+    table = timetable(p, m, dual=True)  # (it asserts forward <= B <= W for every chunk and microbatch)
+    assert table["slots"] == (2 * p - 1, (5 * p - 4) // 2, p - 1)
+    assert table["f_end"] == m + p - 2 and table["ticks"] - table["first_b"] == m + p - 2
+    assert table["ticks"] - table["w_start"] == m and len(table["w_order"][0]) == m
+    schedule = Schedule("dualpipe", p, m)
+    assert schedule.compute_overhead == pytest.approx(executed_over_useful(p, m, dual=True))
+    assert schedule.compute_overhead == pytest.approx(1 + 2 * (p - 2) / (3 * m))
+    assert schedule.kept_microbatches == table["slots"][1]
+    # The same timetable as zb-v on p/2 stages of m/2 microbatches: a V's two arms are one
+    # microbatch's path there, two directions' paths here.
+    if p % 4 == 0:
+        half = timetable(p // 2, m // 2)
+        assert table["ticks"] == half["ticks"] and table["slots"] == half["slots"]
+    remat = Schedule("dualpipe", p, m, remat="full")
+    assert remat.compute_overhead == pytest.approx(1 + (p - 2) / m) and remat.kept_microbatches == 2 * p - 1
 
 
 def test_zb_v_activations_do_not_grow_with_microbatches():
@@ -200,7 +240,7 @@ def test_circular_checkpoint_restores_onto_a_layout_without_pipeline(tmp_path):
         np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("i", [1, 2, 3, 8, 10, 12], ids=[IDS[i] for i in (1, 2, 3, 8, 10, 12)])
+@pytest.mark.parametrize("i", [1, 2, 3, 8, 10, 12, 14, 16], ids=[IDS[i] for i in (1, 2, 3, 8, 10, 12, 14, 16)])
 def test_plan_matches_the_compiled_pipeline(i):
     """spmd.plan's theory of pipeline stages (the pp permutes, the rows entering and
     leaving, the bubble ticks' tp traffic, dp reduced once) against the compiled step."""
@@ -229,6 +269,8 @@ def test_plan_matches_the_compiled_pipeline(i):
     ({"mesh": "pp=2", "pp_schedule": "zb-v", "layers": 6}, 2, "zb-v: model tiny's 6 layers do not divide into 2 x pp = 4"),
     ({"mesh": "pp=4", "pp_schedule": "zb-v", "layers": 8, "microbatches": 2}, 4, "--microbatches 2 must be a multiple of pp=4"),
     ({"mesh": "pp=2", "pp_schedule": "zb-v", "pp_repeats": 2}, 2, "--pp-repeats applies to"),
+    ({"mesh": "pp=3", "pp_schedule": "dualpipe", "layers": 6, "microbatches": 6, "batch": 12}, 3,
+     "--pp-schedule dualpipe needs an even pp \\(pp=3\\)"),
 ])
 def test_bad_pipeline_layouts_are_refused_before_compiling(overrides, devices, message):
     """(The CLI turns these into one `error:` line and exit 2: test_cli_errors.)"""

@@ -93,7 +93,7 @@ SLOW = [
     "tests/test_pipeline.py::test_plan_matches_the_compiled_pipeline*",
     "tests/test_pipeline.py::test_zb_v_activations_do_not_grow_with_microbatches",
     "tests/test_pipeline.py::test_interleaved_one_f_one_b_keeps_about_one_f_one_bs_activations",
-    "tests/test_pipeline.py::test_zb_v_executes_its_formula",  # the gate holds the formula of GPipe, circular, 1F1B
+    "tests/test_pipeline.py::test_split_backward_executes_its_formula*",  # the gate holds the formula of GPipe, circular, 1F1B
     "tests/test_composition.py::*",
     "tests/test_moe.py::test_expert_parallel_layout_matches_one_device*",
     "tests/test_moe.py::test_tokens_move_by_all_to_all*",
@@ -142,7 +142,7 @@ GATE = [
     *[f"tests/test_pipeline.py::test_pipeline_matches_one_device[{layout}]" for layout in (
         "pp=4-microbatches8", "pp=4-pp_schedulecircular-pp_repeats2-microbatches4", "pp=4-pp_schedule1f1b-microbatches8",
         "pp=4-pp_scheduleinterleaved-1f1b-pp_repeats2-microbatches8", "pp=2,dp=2,tp=2-pp_schedule1f1b-microbatches4",
-        "pp=4-pp_schedulezb-v-microbatches8")],
+        "pp=4-pp_schedulezb-v-microbatches8", "pp=4-pp_scheduledualpipe-microbatches8")],
     *[f"tests/test_moe.py::test_expert_parallel_layout_matches_one_device[{layout}]" for layout in (
         "ep=2-dropless", "ep=4-dropless", "ep=2,fsdp=2,tp=2-capacity", "sp=2-dropless-accum")],
     "tests/test_balance.py::test_expert_copies_match_one_device_across_a_rebalancing[ep4-capacity]",

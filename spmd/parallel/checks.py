@@ -139,6 +139,9 @@ def check_pipeline(cfg, shape: Mapping[str, int], model_cfg: LlamaConfig, for_tr
         least = -(-real // unit) * unit - real  # the fewest empty layers after the real ones that even them out
         raise UserError(f"{why}: give --empty-layers {least} (identity layers that even out the stages)" if least
                         else f"{why}: the {real} layers divide without --empty-layers; give none")
+    if schedule.name == "dualpipe" and p % 2:
+        raise UserError(f"--pp-schedule dualpipe needs an even pp (pp={p}): device d holds stages d and "
+                        f"pp-1-d, and the two directions alternate ticks")
     m = schedule.microbatches
     if m % p:
         raise UserError(f"--microbatches {m} must be a multiple of pp={p} "

@@ -20,7 +20,7 @@ from models.lora import dropping, joined
 from spmd.parallel.layout import Layout
 from spmd.parallel.mesh import BATCH_AXES
 from spmd.parallel.objective import AuxLosses, Columns, aux_weights_per_layer, model_columns, moe_metrics, objective
-from spmd.parallel.pipeline import from_microbatches, one_f_one_b, pipeline, to_microbatches
+from spmd.parallel.pipeline import SPLIT_BACKWARD, from_microbatches, one_f_one_b, pipeline, to_microbatches
 from spmd.parallel.rules import spec_for
 from spmd.parallel.pipeline.zero_bubble import zb_v
 
@@ -150,7 +150,7 @@ def one_f_one_b_grads(graphdef, params, rows, layout: Layout, in_stage, order, a
 
     x, embed_vjp = jax.vjp(lambda t: to_microbatches(parts._replace(outer={**outer, **t}).embedded(), shards, schedule),
                            trained)
-    run = zb_v if schedule.name == "zb-v" else one_f_one_b
+    run = zb_v if schedule.name in SPLIT_BACKWARD else one_f_one_b
     labels = jax.tree.map(lambda a: to_microbatches(a, shards, schedule), (columns.targets, columns.weights))
     loss, d_blocks, d_head, dx, stats = run(
         layout.mesh, schedule, parts.stage, head, parts.blocks, {name: outer[name] for name in head_names}, x,

@@ -6,7 +6,7 @@ says how; this module counts them)."""
 from __future__ import annotations
 
 from models.lora import MLP_TARGETS
-from spmd.parallel.pipeline import zero_bubble
+from spmd.parallel.pipeline import SPLIT_BACKWARD, zero_bubble
 from spmd.parallel.experts import ragged_exchange
 from spmd.parallel.layout import Layout
 from spmd.parallel.mesh import BATCH_AXES
@@ -247,17 +247,21 @@ def pipeline_stages(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
     leaves = (p - 1) / p
     # The rows entering have a gradient only where the embedding trains (not under LoRA).
     entering = 0 if layout.skeleton.lora else 1
-    if schedule.name == "zb-v":
+    if schedule.name in SPLIT_BACKWARD:
         # One send per tick each way (none where the tick's pairing is empty: p = 2, every
         # other tick), the second chunk's weights exchanged entering and their gradients
-        # leaving (float32, as stored); rows and targets enter and their gradient leaves as
-        # for 1f1b.
+        # leaving (float32, as stored: zb-v's half a stage, DualPipe's whole mirrored
+        # stage; the weights once a step, the same in every accumulated pass, their
+        # gradients once a pass); rows and targets enter and their gradient leaves as for
+        # 1f1b.
         def stored(p_):
             return p_.numel * p_.itemsize / ways(spec_axes(p_.names, layout.rules.params), layout.shape)
-        weights = sum(stored(p_) for p_ in params(layout, cfg) if p_.stacked) / 2
-        gradients = sum(stored(p_) for p_ in params(layout, cfg) if p_.stacked and p_.trained) / 2
+        dual = schedule.name == "dualpipe"
+        share = 1 if dual else 1 / 2
+        weights = share * sum(stored(p_) for p_ in params(layout, cfg) if p_.stacked)
+        gradients = cfg.grad_accum * share * sum(stored(p_) for p_ in params(layout, cfg) if p_.stacked and p_.trained)
         targets = tokens_per_device(cfg, layout.shape) * p * 4
-        return [Expected("collective-permute", "pp", zero_bubble.sends(p, m) * rows / m + weights + gradients,
+        return [Expected("collective-permute", "pp", zero_bubble.sends(p, m, dual) * rows / m + weights + gradients,
                          "chunk outputs and their gradients; the second chunk's weights and gradients"),
                 Expected("all-gather", "pp", leaves * (rows + targets), "rows and targets entering the stages"),
                 Expected("reduce-scatter", "pp", entering * leaves * rows, "the gradient of the rows entering")]

@@ -54,6 +54,16 @@ def memory(cfg, layout: Layout) -> dict[str, float]:
             gradients += held(p, [a for a in spec_axes(p.names, rules.grads) if a != pipeline.BATCH_AXIS])
         else:
             gradients += held(p, spec_axes(p.names, rules.grads))
+    # zb-v and DualPipe run a second chunk on each device, received from the mirror device
+    # each step (zb-v's half a stage, DualPipe's whole one: its parameters twice), with a
+    # gradient of its own summed over the ticks, both as stored (spmd.parallel.pipeline.zero_bubble).
+    if layout.schedule and layout.schedule.name in pipeline.SPLIT_BACKWARD:
+        share = 1 if layout.schedule.name == "dualpipe" else 1 / 2
+        for p in params(layout, cfg):
+            if p.stacked:
+                stored = held(p, spec_axes(p.names, rules.params))
+                gathered += share * stored
+                gradients += share * stored if p.trained else 0
     # Expert copies tie the 2R rows of a layer's expert gradients, a layer at a time:
     # gathered and reduced, both alive (spmd.parallel.balance.tie).
     gradients += 2 * tied_rows_bytes(cfg, layout) * shape["pp"] / model.stacked_layers

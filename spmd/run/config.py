@@ -25,7 +25,7 @@ from spmd.base.cli import (DTYPES, LOSS_ON, MAX_RECORD_BYTES, OVERLONG, SEED, SE
 from spmd.base.errors import UserError, file_kind
 from spmd.base.schema import Bounds
 from spmd.parallel.mesh import MeshSpec
-from spmd.parallel.pipeline import PP_SCHEDULES, REPEATED_SCHEDULES
+from spmd.parallel.pipeline import PP_SCHEDULES, REPEATED_SCHEDULES, WRITTEN_OUT
 from spmd.parallel.skeleton import REMAT, model_config
 from spmd.run.distributed import MAX_PROCESSES
 
@@ -84,7 +84,7 @@ class TrainConfig:
     megatron_sp: bool = _field(False, "Megatron sequence parallelism: norms and residuals split along the sequence over tp too")
     layers: int | None = _field(None, "number of layers (default: the preset's)", at_least=1, at_most=MODEL_SIZE)
     empty_layers: int = _field(0, "identity layers after the stacked ones, so that pipeline stages of equal depth hold a depth that does not divide (DeepSeek-V3's 58 MoE layers as 16 x 2 chunks of 2: 6); stages run them (their compute and memory), a step without stages skips them; never trained or exported", at_least=0, at_most=MODEL_SIZE)
-    pp_schedule: str = _field("gpipe", "pipeline schedule over the pp axis (gpipe, circular with --pp-repeats chunks per stage, 1f1b, interleaved-1f1b: 1f1b on circular's chunks, zb-v: zero bubble, 2 chunks per stage in a V)", choices=PP_SCHEDULES)
+    pp_schedule: str = _field("gpipe", "pipeline schedule over the pp axis (gpipe, circular with --pp-repeats chunks per stage, 1f1b, interleaved-1f1b: 1f1b on circular's chunks, zb-v: zero bubble, 2 chunks per stage in a V, dualpipe: DeepSeek's two directions, 2 stages per device)", choices=PP_SCHEDULES)
     pp_repeats: int = _field(1, "circular and interleaved-1f1b schedules: chunks of layers per pipeline stage (v)", at_least=1, at_most=MODEL_SIZE)
     microbatches: int | None = _field(None, "pipeline microbatches per step (default: pp; a multiple of pp)", at_least=1)
     experts: int | None = _field(None, "MoE models: number of experts (default: the preset's)", at_least=1, at_most=MODEL_SIZE)
@@ -424,8 +424,7 @@ def _validate_moe(cfg: TrainConfig, model_cfg) -> None:
     if cfg.redundant_experts and cfg.init_from:
         raise UserError("--redundant-experts and --init-from: a run with expert copies starts from its own "
                         "initialization (or resumes its checkpoint)")
-    if (cfg.balance_loss or model_cfg.moe.balance_loss) == "pooled" and cfg.pp_schedule in ("1f1b", "interleaved-1f1b",
-                                                                                        "zb-v"):
+    if (cfg.balance_loss or model_cfg.moe.balance_loss) == "pooled" and cfg.pp_schedule in WRITTEN_OUT:
         # Its gradient in one layer depends on the loads of every layer, which a stage's
         # backward pass under these schedules does not have.
         raise UserError(f"--pp-schedule {cfg.pp_schedule} takes the per-sequence balance loss only; the pooled one "

@@ -61,10 +61,11 @@ from spmd.parallel.pipeline.forward import pipeline
 from spmd.parallel.pipeline.kit import layer_statistics, micro
 from spmd.parallel.pipeline.one_f_one_b import one_f_one_b
 from spmd.parallel.pipeline.schedule import (AXIS, BATCH_AXIS, MANUAL_AXES, PP_SCHEDULES, REPEATED_SCHEDULES,
-                                             WRITTEN_OUT, Schedule, from_microbatches, stacked_spec, stage_view,
+                                             SPLIT_BACKWARD, WRITTEN_OUT, Schedule, from_microbatches, stacked_spec, stage_view,
                                              to_microbatches)
 from spmd.parallel.pipeline.zero_bubble import zb_v
 
-__all__ = ["AXIS", "BATCH_AXIS", "MANUAL_AXES", "PP_SCHEDULES", "REPEATED_SCHEDULES", "WRITTEN_OUT", "Schedule",
+__all__ = ["AXIS", "BATCH_AXIS", "MANUAL_AXES", "PP_SCHEDULES", "REPEATED_SCHEDULES", "SPLIT_BACKWARD", "WRITTEN_OUT",
+           "Schedule",
            "from_microbatches", "layer_statistics", "micro", "one_f_one_b", "pipeline", "stacked_spec", "stage_view",
            "to_microbatches", "zb_v"]

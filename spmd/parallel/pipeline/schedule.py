@@ -14,9 +14,10 @@ from spmd.parallel.rules import STAGE_AXIS
 AXIS = STAGE_AXIS  # the rules table splits the stacked layers over it
 BATCH_AXIS = "dp"  # also manual in the map: gradients are reduced over it once per step
 MANUAL_AXES = (AXIS, BATCH_AXIS)
-PP_SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved-1f1b", "zb-v")
+PP_SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved-1f1b", "zb-v", "dualpipe")
 REPEATED_SCHEDULES = ("circular", "interleaved-1f1b")  # those with --pp-repeats chunks per stage
-WRITTEN_OUT = ("1f1b", "interleaved-1f1b", "zb-v")  # schedules that run their backward pass themselves
+WRITTEN_OUT = ("1f1b", "interleaved-1f1b", "zb-v", "dualpipe")  # schedules that run their backward pass themselves
+SPLIT_BACKWARD = ("zb-v", "dualpipe")  # two chunks per device, B and W apart (spmd.parallel.pipeline.zero_bubble)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,18 +37,20 @@ class Schedule:
 
     @property
     def defers_weights(self) -> bool:
-        """Whether the backward pass is split into B and a deferred W (zb-v under remat
-        "none"). Under a remat policy the matmuls' inputs are recomputed inside the
-        backward pass, so zb-v runs each chunk's whole backward in B's tick: its
-        activations are the policy's, its bubble 1F1B's (spmd.parallel.pipeline.zero_bubble)."""
-        return self.name == "zb-v" and self.remat == "none"
+        """Whether the backward pass is split into B and a deferred W (zb-v, DualPipe under
+        remat "none"). Under a remat policy the matmuls' inputs are recomputed inside the
+        backward pass, so they run each chunk's whole backward in B's tick: their
+        activations are the policy's (spmd.parallel.pipeline.zero_bubble)."""
+        return self.name in SPLIT_BACKWARD and self.remat == "none"
 
     @property
     def ticks(self) -> int:
         """Ticks that run a chunk's forward (gpipe, circular, 1f1b, interleaved-1f1b:
-        v*m + p - 1; zb-v: 2m + 2p - 2, half a stage each)."""
+        v*m + p - 1; zb-v: 2m + 2p - 2, half a stage each; DualPipe: m + p - 2, a stage each)."""
         if self.name == "zb-v":
             return 2 * (self.microbatches + self.stages - 1)
+        if self.name == "dualpipe":
+            return self.microbatches + self.stages - 2
         return self.repeats * self.microbatches + self.stages - 1
 
     @property
@@ -55,18 +58,17 @@ class Schedule:
         """Share of the executed forward (and backward) stage work that is idle (computes
         on padding). zb-v: of its forwards and input gradients; its weight gradients
         have none (spmd.parallel.pipeline.zero_bubble.executed_over_useful)."""
-        p, useful = self.stages, self.repeats * self.microbatches
-        if self.name == "zb-v":
-            useful = self.microbatches
-        return (p - 1) / (useful + p - 1)
+        return 1 - self.repeats * self.microbatches / self.ticks  # (zb-v: 2 chunks, DualPipe: 1 stage)
 
     @property
     def compute_overhead(self) -> float:
-        """Executed over useful stage compute: 1 / (1 - bubble); zb-v's weight gradients
-        have no bubble, so with a chunk's forward, B and W alike (its matmuls, each once
-        per pass) 1 + 2(p-1)/(3m) (spmd.parallel.pipeline.zero_bubble.executed_over_useful)."""
+        """Executed over useful stage compute: 1 / (1 - bubble); zb-v's and DualPipe's weight
+        gradients have no bubble, so with a chunk's forward, B and W alike (its matmuls,
+        each once per pass) 1 + 2(p-1)/(3m), DualPipe's 1 + 2(p-2)/(3m)
+        (spmd.parallel.pipeline.zero_bubble.executed_over_useful)."""
         if self.defers_weights:
-            return 1 + 2 * (self.stages - 1) / (3 * self.microbatches)
+            idle = self.stages - (2 if self.name == "dualpipe" else 1)
+            return 1 + 2 * idle / (3 * self.microbatches)
         return 1 / (1 - self.bubble)
 
     @property
@@ -86,10 +88,14 @@ class Schedule:
         m + p - 1 ticks' (gpipe), v*m + p - 1 ticks of 1/v of them (circular), or the
         residual ring's (2vp - 1) / v."""
         if self.defers_weights:
-            # The longest-kept part: the matmuls' inputs for W, 5p - 2 chunks (what B
-            # reads: 4p - 1; the matmul outputs' cotangents from B to W: 2p - 1).
-            return (5 * self.stages - 2) / 2
-        # (zb-v with W in B's tick: B's ring of 4p - 1 chunks, interleaved-1f1b's at v = 2)
+            # The longest-kept part: the matmuls' inputs for W, zb-v's 5p - 2 half-stage
+            # chunks (what B reads: 4p - 1; the matmul outputs' cotangents from B to W:
+            # 2p - 1), DualPipe's (5p - 4)/2 stages (B: 2p - 1; B to W: p - 1).
+            return (5 * self.stages - (4 if self.name == "dualpipe" else 2)) / 2
+        # (W in B's tick: B's ring, zb-v's 4p - 1 chunks as interleaved-1f1b's at v = 2,
+        # DualPipe's 2p - 1 stages)
+        if self.name == "dualpipe":
+            return 2 * self.stages - 1
         if self.writes_backward:
             return self.residual_slots / self.repeats
         return self.ticks / self.repeats

@@ -178,40 +178,42 @@ def _send(x: jax.Array, pairs: list[tuple[int, int]]) -> jax.Array:
     return jax.lax.ppermute(x, AXIS, pairs) if pairs else jnp.zeros_like(x)
 
 
-def sends(p: int, m: int) -> int:
+def sends(p: int, m: int, dual: bool = False) -> int:
     """Activations (forward outputs and input gradients) a step sends between stages:
     one collective-permute per tick and kind of work whose pairing is not empty."""
-    table = timetable(p, m)
+    table = timetable(p, m, dual=dual)
     forward = sum(1 for t in range(table["f_end"]) if _pairs(p, t % 2, True))
     backward = sum(1 for t in range(table["first_b"], table["ticks"]) if _pairs(p, t % 2, False))
     return forward + backward
 
 
-def timetable(p: int, m: int, defers_weights: bool = True):
+def timetable(p: int, m: int, defers_weights: bool = True, dual: bool = False):
     """The static plan of a step: where forwards, B's and W's run (forwards in [0, f_end),
     B's from first_b, W's from w_start, to `ticks`), each device's W's in order (a numpy
     table: chunk, microbatch, its forward's tick, its B's tick), and the rings' sizes
     (longest lifetimes + 1). Each tick's forward and B follow from the tick's parity
     (`zb_v`). Checks that every W comes after its B and every B after its forward.
-    Without `defers_weights` there are no W's (B's run the whole backward)."""
-    first_b = 2 * p - 1
-    ticks = 2 * m + 4 * p - 3
+    Without `defers_weights` there are no W's (B's run the whole backward). `dual`:
+    DualPipe's two directions (`Route`), microbatch k of a chunk being its k-th."""
+    route = Route(p, m, dual)
+    first_b, n = route.first_b, route.per_chunk
+    ticks = 2 * route.span + 2 * n - 3
     f_at, b_at = {}, {}  # (device, chunk, k) -> tick
     for d in range(p):
-        for k in range(m):
-            f_at[d, 0, k], f_at[d, 1, k] = 2 * k + d, 2 * k + 2 * p - 1 - d
-            b_at[d, 1, k], b_at[d, 0, k] = first_b + 2 * k + d, first_b + 2 * k + 2 * p - 1 - d
+        for k in range(n):
+            f_at[d, 0, k], f_at[d, 1, k] = 2 * k + route.offset(d, 0), 2 * k + route.offset(d, 1)
+            b_at[d, 1, k], b_at[d, 0, k] = first_b + 2 * k + route.offset(d, 0), first_b + 2 * k + route.offset(d, 1)
     f_end = max(f_at.values()) + 1
     if not defers_weights:
         b_life = max(b_at[key] - f_at[key] for key in f_at)
         return dict(ticks=ticks, f_end=f_end, first_b=first_b, w_start=ticks, w_order=np.zeros((p, 0, 4), np.int32),
                     slots=(b_life + 1, 0, 0))
-    w_start = ticks - 2 * m
+    w_start = ticks - 2 * n
     # Each device's B's in tick order; its i-th W runs in tick w_start + i.
-    w_order = np.zeros((p, 2 * m, 4), np.int32)  # chunk, microbatch, forward tick, B tick
+    w_order = np.zeros((p, 2 * n, 4), np.int32)  # chunk, microbatch, forward tick, B tick
     b_life = w_life = bw_life = 0
     for d in range(p):
-        order = sorted(((b_at[d, c, k], c, k) for c in (0, 1) for k in range(m)))
+        order = sorted(((b_at[d, c, k], c, k) for c in (0, 1) for k in range(n)))
         for i, (tb, c, k) in enumerate(order):
             tf, tw = f_at[d, c, k], w_start + i
             assert tf <= tb <= tw, (d, c, k, tf, tb, tw)
@@ -221,46 +223,109 @@ def timetable(p: int, m: int, defers_weights: bool = True):
                 slots=(b_life + 1, w_life + 1, bw_life + 1))
 
 
-def executed_over_useful(p: int, m: int, f: float = 1.0, b: float = 1.0, w: float = 1.0) -> float:
-    """zb-v's executed stage compute over the useful, for per-chunk costs f, b, w."""
-    return ((2 * m + 2 * p - 2) * (f + b) + 2 * m * w) / (2 * m * (f + b + w))
+def executed_over_useful(p: int, m: int, f: float = 1.0, b: float = 1.0, w: float = 1.0, dual: bool = False) -> float:
+    """Executed stage compute over the useful, for per-chunk costs f, b, w: forwards and
+    B's in 2n + span - 2 ticks each, W's in 2n (`timetable`). zb-v (n = m, span = 2p, a
+    chunk half a stage): 1 + (p-1)(f+b)/(m(f+b+w)); DualPipe (n = m/2, span = p, a chunk
+    a whole stage): 1 + (p-2)(f+b)/(m(f+b+w))."""
+    route = Route(p, m, dual)
+    n = route.per_chunk
+    return ((2 * n + route.span - 2) * (f + b) + 2 * n * w) / (2 * n * (f + b + w))
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """Where a microbatch goes. zb-v (the V): each of the m goes down device 0 .. p-1
+    through chunk 0 and back up through chunk 1, 2p virtual stages (`span`), its loss on
+    device 0. DualPipe (`dual`): device d holds stage d as chunk 0 and stage p-1-d as
+    chunk 1; m/2 microbatches go down through chunk 0 (loss on device p-1), the other m/2
+    up through chunk 1 (loss on device 0), p virtual stages each. In both, chunk c's k-th
+    microbatch reaches device d in tick 2k + offset(d, c), and its B runs in tick
+    first_b + 2k + offset(d, 1 - c): the same parities, so the same pairings of sends."""
+    p: int
+    m: int
+    dual: bool = False
+
+    @property
+    def span(self) -> int:
+        return self.p if self.dual else 2 * self.p
+
+    @property
+    def per_chunk(self) -> int:
+        """Microbatches through each of a device's two chunks."""
+        return self.m // 2 if self.dual else self.m
+
+    @property
+    def first_b(self) -> int:
+        return self.span - 1
+
+    def offset(self, d, c):
+        """d for chunk 0, span - 1 - d for chunk 1 (numbers or traced values)."""
+        return d + c * (self.span - 1 - 2 * d)
+
+    def microbatch(self, k, c):
+        """The step's microbatch that is chunk c's k-th."""
+        return k + c * self.per_chunk if self.dual else k
+
+    def enters(self, d, c):
+        """Whether chunk c on device d reads the embedded rows (else what a neighbour sent)."""
+        return (d == 0) & (c == 0) | (self.dual & (d == self.p - 1) & (c == 1))
+
+    def leaves(self, d, c):
+        """Whether chunk c on device d is a microbatch's last: the head and loss follow."""
+        return (d == 0) & (c == 1) | (self.dual & (d == self.p - 1) & (c == 0))
 
 
 def zb_v(mesh, schedule: Schedule, stage_fn, head_fn, blocks, head, x: jax.Array, targets,
          rows: jax.P, statistics_weights=None, side=None, fixed=None):
-    """Loss and gradients with the zb-v schedule; arguments and results as
-    `spmd.parallel.pipeline.one_f_one_b`'s (blocks stored as circular's with 2 chunks)."""
-    p, m = schedule.stages, schedule.microbatches
-    table = timetable(p, m, schedule.defers_weights)
-    mirror = [(s, p - 1 - s) for s in range(p)]  # chunk p+s is chunk 2p-1-(p-1-s)
+    """Loss and gradients with the zb-v or the DualPipe schedule; arguments and results as
+    `spmd.parallel.pipeline.one_f_one_b`'s (zb-v's blocks stored as circular's with 2
+    chunks, DualPipe's as 1f1b's)."""
+    p, m, dual = schedule.stages, schedule.microbatches, schedule.name == "dualpipe"
+    table = timetable(p, m, schedule.defers_weights, dual)
+    mirror = [(s, p - 1 - s) for s in range(p)]  # zb-v: chunk p+s is chunk 2p-1-(p-1-s); DualPipe: stage p-1-s
+
+    def second(w):
+        # Device d's second chunk, from device p-1-d: zb-v's stored second chunk (chunk
+        # 2p-1-d), DualPipe's whole stage (stage p-1-d).
+        return jnp.stack([w[0], jax.lax.ppermute(w[1 - dual], AXIS, mirror)])
+
+    def stored(g):
+        # Chunk 2p-1-d's gradient back to where it is stored; DualPipe's added to the stage's own.
+        back = jax.lax.ppermute(g[1], AXIS, mirror)
+        return (g[0] + back)[None] if dual else jnp.stack([g[0], back])
 
     def run(blocks, head_params, x, targets, side, fixed):
-        # Device d runs chunk d and chunk 2p-1-d: the second from device p-1-d.
-        chunks, fixed_chunks = (jax.tree.map(lambda w: jnp.stack([w[0], jax.lax.ppermute(w[1], AXIS, mirror)]),
-                                             jax.tree.map(lambda w: stage_view(w, 2), tree)) for tree in (blocks, fixed))
+        chunks, fixed_chunks = (jax.tree.map(lambda w: second(stage_view(w, 1 if dual else 2)), tree)
+                                for tree in (blocks, fixed))
         stage = _VStage.of(schedule, table, stage_fn, head_fn, chunks, fixed_chunks, head_params, x[0], targets, side,
                            statistics_weights)
         carry = stage.start(head_params)
         for (first_kinds, second_kinds), start, n in _runs_of_pairs(table):
             body = functools.partial(stage.pair, first_kinds=first_kinds, second_kinds=second_kinds)
             carry, _ = jax.lax.scan(body, carry, start + 2 * jnp.arange(n))
-        # Chunk 2p-1-d's gradient back to where it is stored.
-        d_chunks = [jnp.stack([g[0], jax.lax.ppermute(g[1], AXIS, mirror)]) for g in carry.d_chunks]
+        d_chunks = [stored(g) for g in carry.d_chunks]
         d_blocks = jax.tree.map(lambda g, w: g.reshape(w.shape), jax.tree.unflatten(jax.tree.structure(blocks), d_chunks),
                                 blocks)
         loss = jax.lax.psum(carry.loss, AXIS) / m
+        # (zb-v's inputs all enter on device 0; DualPipe's where each direction's does.)
+        dx = carry.dx[None] if dual else only_stage_0(carry.dx, stage.stage)
         return (jax.lax.pmean(loss, BATCH_AXIS), jax.lax.psum(d_blocks, BATCH_AXIS),
-                jax.lax.psum(carry.d_head, MANUAL_AXES), only_stage_0(carry.dx, stage.stage),
-                stage_statistics(carry.totals, m))
+                jax.lax.psum(carry.d_head, MANUAL_AXES), dx, stage_statistics(carry.totals, m))
 
+    stacked = stacked_spec(1 if dual else 2)
     copies, per_microbatch = jax.P(AXIS, None, BATCH_AXIS), jax.P(None, BATCH_AXIS)
     loss, d_blocks, d_head, dx, stats = jax.shard_map(
-        run, mesh=mesh, in_specs=(stacked_spec(2), jax.P(), copies, per_microbatch, per_microbatch, stacked_spec(2)),
-        out_specs=(jax.P(), stacked_spec(2), jax.P(), copies, jax.P(AXIS)), axis_names=frozenset(MANUAL_AXES),
+        run, mesh=mesh, in_specs=(stacked, jax.P(), copies, per_microbatch, per_microbatch, stacked),
+        out_specs=(jax.P(), stacked, jax.P(), copies, jax.P(AXIS)), axis_names=frozenset(MANUAL_AXES),
         check_vma=False,
     )(blocks, head, stage_copies(x, mesh, rows), targets, side, fixed or {})
-    # Device d's second chunk is stored on device p-1-d: its statistics go there.
-    stats = jax.tree.map(lambda x: jnp.stack([x[:, 0], x[::-1, 1]], axis=1), stats)
+    # Device d's second chunk is stored on device p-1-d: its statistics go there (DualPipe:
+    # are added to that stage's own).
+    if dual:
+        stats = jax.tree.map(lambda x: (x[:, 0] + x[::-1, 1])[:, None], stats)
+    else:
+        stats = jax.tree.map(lambda x: jnp.stack([x[:, 0], x[::-1, 1]], axis=1), stats)
     return loss, d_blocks, d_head, from_stage_0(dx, mesh, rows), layer_statistics(stats)
 
 
@@ -302,8 +367,7 @@ class _VStage:
     """One device of the V inside the map (chunks d and 2p-1-d): its F, B and W passes
     (split_backward, or one backward pass when weights are not deferred), the timetable's
     ring sizes and W order, the head's loss and gradient."""
-    p: int
-    m: int
+    route: Route
     table: dict
     stage: jax.Array
     x: jax.Array
@@ -325,7 +389,8 @@ class _VStage:
         *passes, shapes = (split_backward if schedule.defers_weights else _whole_backward)(
             stage_fn, first(chunks), x[0], micro(side, 0), first(fixed_chunks))
         no_stats = no_statistics(stage_fn, chunks, x[0], micro(side, 0), fixed_chunks)
-        return cls(schedule.stages, m, table, jax.lax.axis_index(AXIS), x, side, chunks, fixed_chunks, tuple(passes),
+        route = Route(schedule.stages, m, schedule.name == "dualpipe")
+        return cls(route, table, jax.lax.axis_index(AXIS), x, side, chunks, fixed_chunks, tuple(passes),
                    shapes, no_stats, weighted_statistics(no_stats, statistics_weights, seed),
                    head_vjp(head_fn, head_params, targets, seed))
 
@@ -355,19 +420,23 @@ class _VStage:
             c = self._backward_weight(c, t)
         return c
 
-    def _chunk_and_microbatch(self, t, c):
-        """Microbatch k of chunk c at tick t (counted from its first), clipped, and whether it is real."""
-        k = (t - jnp.where(c == 0, self.stage, 2 * self.p - 1 - self.stage)) // 2
-        return jnp.clip(k, 0, self.m - 1), (k >= 0) & (k < self.m)
+    def _microbatch(self, since_first, c):
+        """Chunk c's k-th microbatch, `since_first` = 2k ticks after its first: k (clipped),
+        the step's microbatch it is, and whether it is real."""
+        n, k = self.route.per_chunk, since_first // 2
+        k, valid = jnp.clip(k, 0, n - 1), (k >= 0) & (k < n)
+        return k, self.route.microbatch(k, c), valid
 
     def _forward(self, s: _VCarry, t, parity: int) -> tuple[_VCarry, jax.Array]:
-        p, first, slots = self.p, self.stage == 0, self.table["slots"]
+        p, slots = self.route.p, self.table["slots"]
         c = (t - self.stage) % 2  # chunk 0 on ticks of the device's parity
-        k, valid = self._chunk_and_microbatch(t, c)
-        inp = jnp.where(c == 0, jnp.where(first, self.x[k], s.f_in), jnp.where(self.stage == p - 1, s.f_own, s.f_in))
+        _, k, valid = self._microbatch(t - self.route.offset(self.stage, c), c)
+        # Otherwise what a neighbour sent, or at the V's turn (device p-1) its own output.
+        inp = jnp.where(self.route.enters(self.stage, c), self.x[k],
+                        jnp.where((c == 1) & (self.stage == p - 1), s.f_own, s.f_in))
         (y, stats), b_res, w_res = self.passes[0](self.pick(c, self.chunks), inp, micro(self.side, k),
                                                   self.pick(c, self.fixed_chunks))
-        final = first & (c == 1)
+        final = self.route.leaves(self.stage, c)
         head_loss, head_grads, dy = self.head(y, k, final)
         keep = valid & final
         return s._replace(
@@ -378,13 +447,15 @@ class _VStage:
             loss=s.loss + jnp.where(keep, head_loss, 0.0), totals=add_statistics(stats, valid, c, s.totals)), dy
 
     def _backward_input(self, s: _VCarry, t, parity: int, dy) -> _VCarry:
-        p, first, slots = self.p, self.stage == 0, self.table["slots"]
+        p, slots = self.route.p, self.table["slots"]
         t_b = t - self.table["first_b"]
         c = 1 - (t_b - self.stage) % 2  # chunk 1's B on the device's parity
-        k, valid = self._chunk_and_microbatch(t_b, 1 - c)
-        f_tick = 2 * k + jnp.where(c == 0, self.stage, 2 * p - 1 - self.stage)
-        ct = jnp.where(c == 1, jnp.where(first, dy, s.b_in) if dy is not None else s.b_in,
-                       jnp.where(self.stage == p - 1, s.b_own, s.b_in))
+        j, k, valid = self._microbatch(t_b - self.route.offset(self.stage, 1 - c), c)
+        f_tick = 2 * j + self.route.offset(self.stage, c)
+        # A microbatch's last chunk gets the head's gradient (computed in this tick's
+        # forward), at the V's turn its own B's output, elsewhere what a neighbour sent.
+        ct = jnp.where(self.route.leaves(self.stage, c), dy if dy is not None else s.b_in,
+                       jnp.where((c == 0) & (self.stage == p - 1), s.b_own, s.b_in))
         grads, d_inp, bw_res = self.passes[1](self.pick(c, self.chunks), [buf[f_tick % slots[0]] for buf in s.b_ring],
                                               (ct, self.stats_weights), self.pick(c, self.fixed_chunks))
         # B's output goes the other way from the forward's: chunk 1's down.
@@ -392,7 +463,7 @@ class _VStage:
             b_in=_send(d_inp, _pairs(p, parity, False)), b_own=d_inp,
             bw_ring=[buf.at[t % slots[2]].set(r) for buf, r in zip(s.bw_ring, bw_res)],
             d_chunks=_accumulate(s.d_chunks, grads, c, valid),
-            dx=s.dx.at[k].set(jnp.where(valid & first & (c == 0), d_inp, s.dx[k])))
+            dx=s.dx.at[k].set(jnp.where(valid & self.route.enters(self.stage, c), d_inp, s.dx[k])))
 
     def _backward_weight(self, s: _VCarry, t) -> _VCarry:
         """W of the forward and B the timetable orders at tick t."""
