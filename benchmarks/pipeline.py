@@ -47,7 +47,8 @@ from spmd.parallel.pipeline import Schedule  # noqa: E402
 from spmd.parallel.staged import stage_parts  # noqa: E402
 from spmd.parallel.step import build_program  # noqa: E402
 from spmd.parallel.pipeline.kit import split_vjp  # noqa: E402
-from spmd.parallel.pipeline.zero_bubble import executed_over_useful, split_backward, timetable  # noqa: E402
+from spmd.parallel.pipeline.split import split_backward  # noqa: E402
+from spmd.parallel.pipeline.zero_bubble import executed_over_useful, timetable  # noqa: E402
 from spmd.planner.hlo import chunk_dot_flops  # noqa: E402
 
 BASE = dict(model="small", layers=8, seq=128, remat="none")

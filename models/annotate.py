@@ -131,7 +131,27 @@ _cast_in_place.defvjp(_cast_in_place_fwd, _cast_in_place_bwd)
 
 
 def _spec(names, rules: Mapping[str, object]) -> jax.P:
-    return jax.P(*(rules.get(n) if n is not None else None for n in names))
+    return spec_of(names, rules)
+
+
+def spec_of(names, rules: Mapping[str, object]) -> jax.P:
+    """The PartitionSpec of an array from its dimensions' names. A mesh axis splits an
+    array once: where two dimensions name it (ZeRO's axes follow `embed`, and an expert's
+    weight names ep on its `experts` dimension too), it stays with the dimension that
+    names it earliest in its entry."""
+    entries = [rules.get(n) if n is not None else None for n in names]
+    listed = [() if e is None or e is jax.P.UNCONSTRAINED else (e,) if isinstance(e, str) else tuple(e)
+              for e in entries]
+    first = {}
+    for dim, axes in enumerate(listed):
+        for place, axis in enumerate(axes):
+            if axis not in first or place < first[axis][0]:
+                first[axis] = (place, dim)
+    out = []
+    for dim, (entry, axes) in enumerate(zip(entries, listed)):
+        kept = tuple(a for a in axes if first[a][1] == dim)
+        out.append(entry if kept == axes else kept[0] if len(kept) == 1 else kept or None)
+    return jax.P(*out)
 
 
 def _lay_out(x: jax.Array, names, rules: Mapping[str, object]) -> jax.Array:

@@ -35,6 +35,8 @@ LAYOUTS += [("sp=2,ep=2", 4, {})]
 # inside it must not name ep (a crash of every sp + MoE + accumulation run until the
 # triples of spmd.planner.matrix compiled it).
 LAYOUTS += [("sp=2", 2, mode | {"grad_accum": 2}) for mode in ({}, NO_DROPS)]
+# ZeRO-1 over dp and ep: the dense weights' state split over both, the experts' over dp.
+LAYOUTS += [("ep=2,dp=2", 4, {"zero": 1})]
 
 
 @pytest.fixture(scope="module")

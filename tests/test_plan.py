@@ -162,7 +162,7 @@ def test_zero_bubble_counts_the_latent_up_projections_and_the_norms_with_b():
     from models import PRESETS
     from models.deepseek3.model import DeepSeekV3, LatentAttention
     from models.llama.model import REMAT_POLICIES
-    from spmd.parallel.pipeline.zero_bubble import split_backward
+    from spmd.parallel.pipeline.split import split_backward
     from spmd.planner.counting import is_vector, params, stage_overhead
 
     model_cfg = PRESETS["deepseek-v3-tiny"]
@@ -201,7 +201,8 @@ def test_a_prefix_before_stages_that_hold_the_head_reduces_its_gradients_as_comp
     dense ones) runs once per round, outside them, and reduces its matrices' gradients in
     the compute dtype (deepseek-v3-tiny, pp=2,ep=4,dp=2, zb-v, ZeRO-1, bf16: all-reduce pp+ep
     was 0.56 of theory and reduce-scatter dp 0.78, the prefix counted in float32; 1.00 with
-    bf16). Here: the prefix's and the table's gradients are all that is reduced over pp+ep."""
+    bf16). Here: the prefix's and the table's gradients are all that is reduce-scattered
+    over dp+ep (ZeRO splits their state over both) and then all-reduced over pp."""
     import jax
 
     from spmd.planner.counting import live, params, spec_axes, uses
@@ -218,7 +219,8 @@ def test_a_prefix_before_stages_that_hold_the_head_reduces_its_gradients_as_comp
     assert sum(p.numel * max(uses(p, model_cfg, 2)) for p in scattered if p.path.endswith(("gate_up", "wq_a"))) == \
         2 * sum(p.numel for p in scattered if p.path.endswith(("gate_up", "wq_a")))
     comm = by_op_and_axes(theory.collectives(cfg, layout))
-    assert comm[("all-reduce", "pp+ep")] == pytest.approx(2 * 3 / 4 * half)
+    assert comm[("reduce-scatter", "dp+ep")] == pytest.approx(2 * 3 / 4 * half)
+    assert comm[("all-reduce", "pp")] == pytest.approx(half / 2)
 
 
 def test_a_model_of_two_kinds_of_layer_with_a_tied_table_matches_theory():

@@ -21,8 +21,8 @@ pytestmark = pytest.mark.xdist_group("presets")  # the tests read one driver's r
 
 ROOT = pathlib.Path(__file__).parents[1]
 DRIVER = pathlib.Path(__file__).with_name("cli_driver.py")
-# A preset kept to plan a layout that spmd cannot fit yet, and to show why (docs/deepseek.md):
-# over its hardware's memory, and 2,048 devices, too many to compile in the suite's time.
+# A preset kept to plan: 2,048 devices, too many to compile in the suite's time
+# (docs/deepseek.md has its plan).
 PLAN_ONLY = {ROOT / "mesh_configs" / "deepseek-v3-2048xh800.yaml"}
 PRESETS = sorted(p for p in ROOT.joinpath("mesh_configs").glob("*.yaml")
                  if "hardware" in yaml.safe_load(p.read_text()) and p not in PLAN_ONLY)
@@ -76,11 +76,12 @@ def test_preset_plans_cleanly_and_fits(plans, preset):
 
 @pytest.mark.parametrize("preset", sorted(PLAN_ONLY), ids=lambda p: p.stem)
 def test_plan_only_preset_passes_every_check_before_compiling(preset):
-    """Its layout divides (DeepSeek-V3's 58 MoE layers and 6 empty ones into zb-v's 32
-    chunks, the batch into 128 microbatches x 128 batch shards, 256 experts and 64 copies
-    over ep=64), as `spmd.plan` checks it before compiling."""
+    """Its layout divides (DeepSeek-V3's 58 MoE layers and 6 empty ones into DualPipe's 16
+    stages, the batch into 128 microbatches x 128 batch shards, 256 experts and 64 copies
+    over ep=64, the embed dimension for ZeRO-1 over dp x ep), as `spmd.plan` checks it
+    before compiling."""
     cfg = parse_args(["--config", str(preset)])
     shape = cfg.mesh_spec.resolve(cfg.mesh_spec.devices)
     _, skeleton, schedule = check_layout(cfg, shape, for_training=True)
-    assert (schedule.name, schedule.stages, schedule.repeats) == ("zb-v", 16, 2)
-    assert skeleton.model_cfg.stacked_layers == 2 * 16 * 2
+    assert (schedule.name, schedule.stages, schedule.repeats) == ("dualpipe", 16, 1)
+    assert skeleton.model_cfg.stacked_layers == 16 * 4

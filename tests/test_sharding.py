@@ -56,3 +56,24 @@ def test_experts_are_stored_split_over_ep():
     gate_up = state["params"]["blocks"]["moe"]["mlp"]["gate_up"]  # (groups, experts, embed, 2, expert_mlp)
     assert gate_up.sharding.spec == jax.P("pp", "ep", ("sp", "fsdp"), None, "tp")
     assert gate_up.sharding.shard_shape(gate_up.shape) == (1, 4, 32, 2, 32)
+
+
+def test_zero_splits_the_state_over_every_axis_that_replicates_a_weight():
+    """ZeRO-1 on pp=2,ep=2,dp=2: the moments of the dense weights, in the stages or out
+    (the embedding), are split over dp x ep, an expert's over dp (ep splits its experts
+    already); the parameters stay as without ZeRO. (What it saves on DeepSeek-V3's layout:
+    docs/deepseek.md.)"""
+    cfg = validate(TrainConfig(model="moe-tiny", layers=4, mesh="pp=2,ep=2,dp=2", zero=1))
+    state = build_program(cfg, make_layout(cfg)).abstract_state
+    mu = state["opt_state"][1][0].mu
+    specs = {name: leaf.sharding.spec for name, leaf in (
+        ("embedding", mu["embedding"]), ("attention", mu["blocks"]["moe"]["attn"]["wo"]),
+        ("experts", mu["blocks"]["moe"]["mlp"]["gate_up"]))}
+    assert specs == {"embedding": jax.P("tp", ("sp", "fsdp", "dp", "ep")),
+                     "attention": jax.P("pp", "tp", None, ("sp", "fsdp", "dp", "ep")),
+                     "experts": jax.P("pp", "ep", ("sp", "fsdp", "dp"), None, "tp")}
+    assert state["params"]["embedding"].sharding.spec == jax.P("tp", ("sp", "fsdp"))
+    # Each mesh axis splits an array once, whatever the rules name it on.
+    for leaf in jax.tree.leaves(state):
+        axes = [a for entry in leaf.sharding.spec for a in ((entry,) if isinstance(entry, str) else entry or ())]
+        assert len(axes) == len(set(axes)), leaf.sharding.spec

@@ -18,7 +18,7 @@ from models import LlamaConfig
 from spmd.base.errors import UserError
 from spmd.parallel.mesh import AXES, BATCH_AXES, emulated_device_count
 from spmd.parallel.pipeline import Schedule
-from spmd.parallel.rules import Rules, axes_of, make_rules
+from spmd.parallel.rules import Rules, axes_of, make_rules, spec_for
 from spmd.parallel.skeleton import ModelSkeleton, is_names, restacked, skeleton_for
 
 # ------------------------------------------------------------------ what combines
@@ -162,8 +162,8 @@ def check_divisible(cfg, shape: Mapping[str, int], rules: Rules, skeleton: Model
     flat_names = traverse_util.flatten_dict(skeleton.names, is_leaf=lambda _, v: is_names(v))
     for table in (rules.params, rules.grads, rules.opt_state):
         for path, names in flat_names.items():
-            for size, name in zip(flat_shapes[path].shape, names):
-                axes = axes_of(table.get(name))
+            for size, name, entry in zip(flat_shapes[path].shape, names, spec_for(names, table)):
+                axes = axes_of(entry)
                 ways = math.prod(shape[a] for a in axes)
                 if size % ways:
                     split = "x".join(f"{a}={shape[a]}" for a in axes)

@@ -11,6 +11,9 @@ Each logical name has two entries, following Levanter's split between where a pa
 
 `--zero` picks which state the `dp` axis also splits (on the `embed` dimension, beside
 `fsdp`): 0 nothing (DDP replicas), 1 optimizer state, 2 + gradients, 3 + parameters.
+`ep` splits it too, where a weight is replicated over ep (every weight but the experts':
+ep splits their batch, as dp does; DeepSpeed's and DeepSeek's ZeRO over every data-parallel
+rank); an expert's weight keeps ep on its `experts` dimension.
 In one fused step stages 1 and 2 compile alike: the optimizer only reads its own shard
 of the reduced gradient, so gradients are reduce-scattered straight to it (ZeRO's
 communication volume of reduce-scatter + all-gather), never all-reduced whole.
@@ -28,7 +31,7 @@ from collections.abc import Mapping
 
 import jax
 
-from models.annotate import PREFIX_LAYERS, Storage
+from models.annotate import PREFIX_LAYERS, Storage, spec_of
 from spmd.parallel.mesh import BATCH_AXES
 
 Axes = str | tuple[str, ...] | None
@@ -61,6 +64,11 @@ EXPERT_AXIS = TABLE["experts"][0]
 
 ZERO_STAGES = (0, 1, 2, 3)
 ZERO_SHARDED_DIM = "embed"  # the dimension that ZeRO splits over dp, beside fsdp
+# What ZeRO adds to it, each only where the array does not name it already: dp, and ep,
+# which replicates every weight but the experts'. (Not pp, which replicates the weights
+# outside the stages: an embed dimension seldom divides by dp x ep x pp; DeepSeek-V3's
+# 7168 by 2 x 64 x 16 does not.)
+ZERO_AXES = ("dp", "ep")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,7 +133,7 @@ def make_rules(zero: int, megatron_sp: bool = False, shared_kv_heads: bool = Fal
         if zero >= stage:
             # fsdp major, dp minor: each fsdp shard splits further over dp, so the
             # optimizer's shard lies inside the parameter's (no resharding between them).
-            table[ZERO_SHARDED_DIM] = (*axes_of(table[ZERO_SHARDED_DIM]), "dp")
+            table[ZERO_SHARDED_DIM] = (*axes_of(table[ZERO_SHARDED_DIM]), *ZERO_AXES)
         return table
 
     return Rules(params=with_dp(3), grads=with_dp(1), opt_state=with_dp(1), activations=compute)
@@ -138,8 +146,9 @@ def placed(table: Mapping[str, Axes]) -> dict[str, Axes]:
 
 
 def spec_for(names: tuple[str | None, ...], table: Mapping[str, Axes]) -> jax.sharding.PartitionSpec:
-    """PartitionSpec of one array from the logical names of its dimensions."""
-    return jax.P(*(table.get(n) if n is not None else None for n in names))
+    """PartitionSpec of one array from the logical names of its dimensions (an axis named by
+    two of them stays with the one naming it earliest: models.annotate.spec_of)."""
+    return spec_of(names, table)
 
 
 def axes_of(entry: Axes) -> tuple[str, ...]:

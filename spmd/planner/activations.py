@@ -184,18 +184,19 @@ def expert_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
 
 def expert_copies(cfg, layout: Layout) -> list[Expected]:
     """Expert copies (spmd.parallel.balance.tie): in each MoE layer a device holds, the
-    gradients of the R copy slots and of their homes (2R expert rows, of every expert
-    weight, as the gradients are stored) are gathered from the slots split over ep: each
-    device gathers the rows it holds and the 2R rows are all-reduced over ep."""
+    gradients of the R copy slots (to add to their homes) and then of their homes (to
+    write back to the copies), 2R expert rows of every expert weight as the gradients are
+    stored, one at a time: the device that holds the row picks it, and it is all-reduced
+    over ep."""
     ep = layout.shape["ep"]
     tied = tied_rows_bytes(cfg, layout)
     return [Expected("all-reduce", "ep", 2 * (ep - 1) / ep * tied,
                      "expert copies: the copies' and their homes' gradients")] if tied else []
 
 
-def tied_rows_bytes(cfg, layout: Layout) -> float:
+def tied_rows_bytes(cfg, layout: Layout, rows_of_one_copy: bool = False) -> float:
     """Bytes per device of the 2R expert rows of gradients that expert copies tie (every
-    MoE layer the device holds, at once), or 0 without copies over ep."""
+    MoE layer the device holds, at once; or of one copy's 2 rows), or 0 without copies over ep."""
     ep, slots = layout.shape["ep"], routing(cfg).slots
     if ep == 1 or not slots:
         return 0.0
@@ -208,7 +209,7 @@ def tied_rows_bytes(cfg, layout: Layout) -> float:
         if layout.schedule and p.stacked:  # each stage holds its own layers
             split.add("pp")
         rows += p.numel / slots * p.itemsize / ways(split, layout.shape)
-    return 2 * copies * rows
+    return 2 * rows if rows_of_one_copy else 2 * copies * rows
 
 
 def expert_exchange(cfg, layout: Layout, compute_bytes: int, ragged: bool) -> list[Expected]:
@@ -252,8 +253,9 @@ def pipeline_stages(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
         # other tick), the second chunk's weights exchanged entering and their gradients
         # leaving (float32, as stored: zb-v's half a stage, DualPipe's whole mirrored
         # stage; the weights once a step, the same in every accumulated pass, their
-        # gradients once a pass); rows and targets enter and their gradient leaves as for
-        # 1f1b.
+        # gradients once a pass); the rows move a rank a pair of ticks to where they enter,
+        # and their gradients back home (Conveyor: no copy of them on every stage); the
+        # targets enter as for 1f1b.
         def stored(p_):
             return p_.numel * p_.itemsize / ways(spec_axes(p_.names, layout.rules.params), layout.shape)
         dual = schedule.name == "dualpipe"
@@ -261,10 +263,18 @@ def pipeline_stages(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
         weights = share * sum(stored(p_) for p_ in params(layout, cfg) if p_.stacked)
         gradients = cfg.grad_accum * share * sum(stored(p_) for p_ in params(layout, cfg) if p_.stacked and p_.trained)
         targets = tokens_per_device(cfg, layout.shape) * p * 4
-        return [Expected("collective-permute", "pp", zero_bubble.sends(p, m, dual) * rows / m + weights + gradients,
-                         "chunk outputs and their gradients; the second chunk's weights and gradients"),
-                Expected("all-gather", "pp", leaves * (rows + targets), "rows and targets entering the stages"),
-                Expected("reduce-scatter", "pp", entering * leaves * rows, "the gradient of the rows entering")]
+        # zb-v's MoE statistics leave the stages split over pp, and every device reads them
+        # all: per layer three scalars and, float32, a load per slot and one per expert.
+        # (DualPipe's are added to the mirror stage's before: no gather.)
+        model = layout.skeleton.model_cfg
+        if model.moe and not dual:
+            targets += model.moe_layers_run * (3 + model.moe.experts + (routing(cfg).slots or model.moe.experts)) * 4
+        fed, returned = zero_bubble.conveyed(p, m, dual)
+        moved = (zero_bubble.sends(p, m, dual) + fed + entering * returned) * rows / m
+        return [Expected("collective-permute", "pp", moved + weights + gradients,
+                         "chunk outputs and their gradients; rows to where they enter and their gradients home; "
+                         "the second chunk's weights and gradients"),
+                Expected("all-gather", "pp", leaves * targets, "targets entering the stages; MoE statistics leaving")]
     if head_in_stages(layout):
         # Forward sends in the warm-up and steady ticks, backward ones in the steady and
         # cool-down ticks; where the cool-down is one tick (1f1b, p = 2: vp - 1 ticks) its

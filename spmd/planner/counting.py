@@ -110,6 +110,14 @@ def head_in_stages(layout: Layout) -> bool:
     return layout.schedule is not None and layout.schedule.writes_backward
 
 
+def in_head(layout: Layout, p: Param) -> bool:
+    """Whether `p` is read only by the output head (not a tied table, which the lookup reads too)."""
+    model_cfg = layout.skeleton.model_cfg
+    family = model_class(model_cfg)
+    top = p.path.split(".")[0]
+    return top in family.head_params(model_cfg) and top != family.LOOKUP_TABLE
+
+
 def picks_again(layout: Layout) -> bool:
     """Whether autodiff's backward pass picks each tick's chunk again under the model's
     remat policy (circular: spmd.parallel.pipeline.kit.run_chunk); the written-out backward of

@@ -15,8 +15,8 @@ from spmd.parallel.layout import Layout
 from spmd.parallel.rules import axes_of
 from spmd.parallel.skeleton import DTYPES
 from spmd.planner.activations import tied_rows_bytes
-from spmd.planner.counting import (Param, compute_table, expert_rows, live, params, spec_axes, tokens_per_device, uses,
-                                   ways)
+from spmd.planner.counting import (Param, compute_table, expert_rows, head_in_stages, in_head, live, params, spec_axes,
+                                   tokens_per_device, uses, ways)
 
 
 def memory(cfg, layout: Layout) -> dict[str, float]:
@@ -50,8 +50,15 @@ def memory(cfg, layout: Layout) -> dict[str, float]:
             continue
         if cfg.grad_accum > 1:
             gradients += held(p, compute, 4)
+        elif head_in_stages(layout) and in_head(layout, p):
+            # The head in the stages: its gradient summed over the ticks (float32, as
+            # stored), split as the weight is; ZeRO's axes slice it as the map ends.
+            gradients += held(p, [a for a in spec_axes(p.names, rules.params) if a not in pipeline.MANUAL_AXES], 4)
         elif layout.schedule and p.stacked:
-            gradients += held(p, [a for a in spec_axes(p.names, rules.grads) if a != pipeline.BATCH_AXIS])
+            # (With dp, split as the weights are: ZeRO's other axes slice it after dp's sum,
+            # spmd.planner.theory._gradients.)
+            split = spec_axes(p.names, rules.params if shape[pipeline.BATCH_AXIS] > 1 else rules.grads)
+            gradients += held(p, [a for a in split if a != pipeline.BATCH_AXIS])
         else:
             gradients += held(p, spec_axes(p.names, rules.grads))
     # zb-v and DualPipe run a second chunk on each device, received from the mirror device
@@ -64,9 +71,9 @@ def memory(cfg, layout: Layout) -> dict[str, float]:
                 stored = held(p, spec_axes(p.names, rules.params))
                 gathered += share * stored
                 gradients += share * stored if p.trained else 0
-    # Expert copies tie the 2R rows of a layer's expert gradients, a layer at a time:
-    # gathered and reduced, both alive (spmd.parallel.balance.tie).
-    gradients += 2 * tied_rows_bytes(cfg, layout) * shape["pp"] / model.stacked_layers
+    # Expert copies tie the 2R rows of a layer's expert gradients a row at a time: one
+    # picked and reduced, both alive (spmd.parallel.balance.tie).
+    gradients += tied_rows_bytes(cfg, layout, rows_of_one_copy=True) * shape["pp"] / model.stacked_layers
     # The MoE layers' router state (spmd.parallel.balance), replicated: a few numbers per expert.
     router = sum(s.size * s.dtype.itemsize for s in jax.tree.leaves(layout.skeleton.router_shapes))
     return {
@@ -128,10 +135,15 @@ def activation_bytes(cfg, layout: Layout, compute_bytes: int) -> float:
     # kept_microbatches), on microbatches of p/m of its `tokens`; one tick's (a 1/v chunk
     # of its layers) are built apart before they are filed. The queue holds all its rows;
     # schedules that write their backward pass hold their gradient beside them, and run
-    # the head a microbatch at a time.
+    # the head a microbatch at a time. zb-v's and DualPipe's queue is the rank's own
+    # rows and their gradients (m/p microbatches each), with a microbatch of each in flight
+    # per end where rows enter and one entering and leaving (spmd.parallel.pipeline.kit.Conveyor).
     p, v = schedule.stages, schedule.repeats
     mb = tokens * p / schedule.microbatches
     kept_tokens = mb * schedule.kept_microbatches / p
     queues, head_tokens = (2, mb) if schedule.writes_backward else (1, tokens)
-    return ((kept_tokens * kept + mb * (working + kept / (p * v)) + queues * tokens * p * e) * compute_bytes
+    queued = queues * tokens * p
+    if schedule.name in pipeline.SPLIT_BACKWARD:
+        queued = 2 * tokens + (2 * (2 if schedule.name == "dualpipe" else 1) + 2) * mb
+    return ((kept_tokens * kept + mb * (working + kept / (p * v)) + queued * e) * compute_bytes
             + head_tokens * logits)

@@ -16,7 +16,7 @@ import re
 
 import jax
 
-from spmd.parallel.pipeline.zero_bubble import split_backward
+from spmd.parallel.pipeline.split import split_backward
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute", "ragged-all-to-all")
 REDUCTIONS = ("all-reduce", "reduce-scatter")

@@ -65,8 +65,8 @@ from spmd.parallel import pipeline
 from spmd.parallel.layout import Layout
 from spmd.parallel.skeleton import DTYPES
 from spmd.planner.activations import expert_parallel, pipeline_stages, sequence_parallel, tensor_parallel
-from spmd.planner.counting import (Expected, Param, compute_table, head_in_stages, is_vector, live, params, picks_again,
-                                   spec_axes, stage_overhead, table_scatter_axes, uses, ways)
+from spmd.planner.counting import (Expected, Param, compute_table, head_in_stages, in_head, is_vector, live, params,
+                                   picks_again, spec_axes, stage_overhead, table_scatter_axes, uses, ways)
 
 
 def _backward_gathers(cfg, layout: Layout, stage_runs: float) -> float:
@@ -166,22 +166,29 @@ def _gradients(cfg, layout: Layout, p: Param, token_axes: tuple[str, ...], slice
     # With pipeline stages, accumulation runs whole pipeline passes (rounds), each
     # reducing its gradients as it ends (spmd.parallel.step's _pipeline_rounds).
     rounds = cfg.grad_accum if layout.schedule else 1
-    if layout.schedule and p.stacked:
-        # In the stages: over the automatic axes (fsdp) each tick, as computed; over the
-        # manual ones (dp) once per round, after its ticks are summed.
-        manual = tuple(a for a in token_axes if a == pipeline.BATCH_AXIS)
-        phases = [(tuple(a for a in token_axes if a not in manual), _stage_gradient_runs(cfg, layout, p, stage_runs),
-                   max(widths)),
-                  (manual, rounds, p.itemsize)]
-    elif head_in_stages(layout) and _in_head(layout, p):
-        # 1f1b's head runs in the stages, in a branch of every tick: its gradient is summed
-        # over the automatic token axes (ep, fsdp) there, each tick, as computed; over the
-        # manual ones (pp, dp) once per round, after the ticks are summed.
-        schedule = layout.schedule
-        ticks = cfg.grad_accum * schedule.repeats * schedule.microbatches * stage_overhead(layout)
-        manual = tuple(a for a in token_axes if a in pipeline.MANUAL_AXES)
-        phases = [(tuple(a for a in token_axes if a not in manual), ticks, max(widths)),
-                  (manual, rounds, p.itemsize)]
+    stored_split = live(spec_axes(p.names, layout.rules.grads), layout.shape)
+    scatterable = stored_split
+    if layout.schedule and (p.stacked or (head_in_stages(layout) and in_head(layout, p))):
+        # In the stages: over the automatic axes (fsdp; ep for the head, which 1f1b, zb-v
+        # and DualPipe run in a branch of every tick) each tick, as computed; over the
+        # manual ones (dp; pp for the head) once per round, after its ticks are summed.
+        if p.stacked:
+            manual = tuple(a for a in token_axes if a == pipeline.BATCH_AXIS)
+            runs = _stage_gradient_runs(cfg, layout, p, stage_runs)
+        else:
+            manual = tuple(a for a in token_axes if a in pipeline.MANUAL_AXES)
+            schedule = layout.schedule
+            runs = cfg.grad_accum * schedule.repeats * schedule.microbatches * stage_overhead(layout)
+        automatic = tuple(a for a in token_axes if a not in manual)
+        phases = [(automatic, runs, max(widths)), (manual, rounds, p.itemsize)]
+        # Where the map ends with a manual sum, XLA slices the stored gradient after it:
+        # each tick's gradient is reduce-scattered only over the axes the weights are
+        # gathered over (the gather's transpose; fsdp) and all-reduced over the other
+        # automatic ones (ep, which ZeRO splits the stored gradient over), and the manual
+        # sum is an all-reduce too. (Without one the ticks' sums are reduce-scattered as stored.)
+        gathered = live(spec_axes(p.names, layout.rules.params), layout.shape)
+        if manual and any(a in automatic and a not in gathered for a in stored_split):
+            scatterable = tuple(a for a in stored_split if a in gathered)
     elif _accumulated(cfg, layout):
         # Accumulated (spmd.parallel.step): over the axes inside the per-shard vmap (sp, and ep with
         # split experts) in every microbatch, as computed; over the accumulation axes once,
@@ -195,10 +202,9 @@ def _gradients(cfg, layout: Layout, p: Param, token_axes: tuple[str, ...], slice
         # a device's rows: its gradients are reduced as computed, in the compute dtype.
         summed_first = _accumulated(cfg, layout) or (head_in_stages(layout) and not p.stacked and not p.prefix)
         phases = [(token_axes, rounds, p.itemsize if summed_first else max(widths))]
-    stored_split = live(spec_axes(p.names, layout.rules.grads), layout.shape)
     out, numel = [], slice_numel
     for axes, times, width in phases:
-        scatter = tuple(a for a in stored_split if a in axes)
+        scatter = tuple(a for a in scatterable if a in axes)
         summed = tuple(a for a in axes if a not in scatter)
         k = ways(scatter, layout.shape)
         if scatter:
@@ -233,14 +239,6 @@ def computed_in_b(layout: Layout, p: Param) -> bool:
     the split leaves it to; it is then reduced with the bubble, as the vectors'."""
     stacked_weights = model_class(layout.skeleton.model_cfg).RECOMPUTED_INPUT_WEIGHTS
     return p.stacked and p.path.split(".", 1)[-1] in stacked_weights
-
-
-def _in_head(layout: Layout, p: Param) -> bool:
-    """Whether `p` is read only by the output head (not a tied table, which the lookup reads too)."""
-    model_cfg = layout.skeleton.model_cfg
-    family = model_class(model_cfg)
-    top = p.path.split(".")[0]
-    return top in family.head_params(model_cfg) and top != family.LOOKUP_TABLE
 
 
 def _accumulated(cfg, layout: Layout) -> bool:

@@ -26,7 +26,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from spmd.parallel.mesh import AXES
-from spmd.parallel.rules import TABLE, ZERO_SHARDED_DIM, axes_of
+from spmd.parallel.rules import TABLE, ZERO_AXES, ZERO_SHARDED_DIM, axes_of
 from spmd.planner import hlo
 
 _ELEMENTS = re.compile(r"\b[a-z]+\d*\[([\d,]*)\]")
@@ -231,7 +231,7 @@ def _operand_slice_fractions(module: hlo.HloModule, c: hlo.Collective) -> list[i
 
 
 # How gradients are stored split (spmd.parallel.rules: `embed` at rest, then dp under ZeRO), outer first.
-STORAGE_AXES = (*axes_of(TABLE[ZERO_SHARDED_DIM][0]), "dp")
+STORAGE_AXES = (*axes_of(TABLE[ZERO_SHARDED_DIM][0]), *ZERO_AXES)
 
 
 def _split_all_reduce(axes: str, k: int, mesh_shape: Mapping[str, int]) -> tuple[str, str] | None:

@@ -76,7 +76,7 @@ class TrainConfig:
     scale_lr: bool = _field(False, "linear scaling rule: lr x batch / ref-batch")
     ref_batch: int = _field(256, "reference batch of --scale-lr", at_least=1)
     dtype: str = _field("float32", "compute dtype (master weights stay float32)", choices=DTYPES)
-    zero: int = _field(0, "ZeRO stage over dp: 0 replicas, 1 optimizer state, 2 + gradients, 3 + parameters", choices=(0, 1, 2, 3))
+    zero: int = _field(0, "ZeRO stage over dp (and ep, for every weight but the experts): 0 replicas, 1 optimizer state, 2 + gradients, 3 + parameters", choices=(0, 1, 2, 3))
     grad_accum: int = _field(1, "microbatches per step, accumulated in a scan with one gradient reduction", at_least=1)
     remat: str = _field("none", "activation checkpointing of each block", choices=REMAT)
     attention: str = _field("ring", "attention across the sp axis: K/V blocks passed around a ring, or all-gathered", choices=ATTENTION)

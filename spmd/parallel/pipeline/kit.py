@@ -1,9 +1,11 @@
 """What every schedule's tick is made of: the microbatches' copies into the stages and
-out of stage 0, a chunk run on one microbatch, the statistics summed over ticks, the
-head's loss and gradient on the last stage, and a stage's forward and backward passes as
-two functions joined by arrays."""
+out of stage 0 (or, `Conveyor`, moved to where they enter a rank at a time), a chunk run
+on one microbatch, the statistics summed over ticks, the head's loss and gradient on the
+last stage, and a stage's forward and backward passes as two functions joined by arrays."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -138,3 +140,63 @@ def split_vjp(stage_fn, chunk, example: jax.Array, side_example=None, fixed=None
         return jax.tree.unflatten(tree, [weights[j] if j >= 0 else next(kept) for j in where])(cotangent)
 
     return forward, backward, shapes
+
+
+@dataclasses.dataclass(frozen=True)
+class Conveyor:
+    """The rows entering the stages at one device (`entry`, 0 or p-1), held where they
+    are, not copied to every stage: the microbatches stay split over pp along m (rank j
+    holds [j m/p, (j+1) m/p), as `to_microbatches` lays them out) and move one rank per
+    pair of ticks towards the entry, so that the i-th to enter, microbatch first + step i
+    (those nearest the entry first), reaches it at pair i. Rank j holds the
+    (σ + |j - entry|)-th at pair σ: its own, or what came from the rank beyond it. Their
+    gradients go back the same way, the i-th leaving the entry at pair `lag` + i, each
+    kept by its home rank. Each rank holds its m/p microbatches and their gradients, and
+    one of each in flight."""
+    p: int
+    m: int
+    entry: int
+    first: int
+    step: int  # +1 (entering at 0) or -1 (entering at p-1)
+    count: int
+
+    @property
+    def per_rank(self) -> int:
+        return self.m // self.p
+
+    def microbatch(self, i):
+        """The i-th microbatch to enter here."""
+        return self.first + self.step * i
+
+    @property
+    def reach(self) -> int:
+        """The farthest home from the entry, in ranks."""
+        ends = (self.first, self.microbatch(self.count - 1))
+        return max(abs(k // self.per_rank - self.entry) for k in ends)
+
+    def _distance(self, stage):
+        return jnp.abs(stage - self.entry)
+
+    def _towards(self, sign: int) -> list[tuple[int, int]]:
+        step = -sign if self.entry == 0 else sign
+        return [(j, j + step) for j in range(self.p) if 0 <= j + step < self.p]
+
+    def feed(self, queue: jax.Array, received: jax.Array, pair, stage, send: bool = True):
+        """The microbatch rank `stage` holds at `pair` (the entry's to run), and what it
+        receives for the next pair (nothing after the last: `send` false)."""
+        k = self.microbatch(pair + self._distance(stage))
+        slot = jnp.clip(k - stage * self.per_rank, 0, self.per_rank - 1)
+        item = jnp.where(k // self.per_rank == stage, queue[slot], received)
+        return item, jax.lax.ppermute(item, AXIS, self._towards(1)) if send else received
+
+    def carry_back(self, kept: jax.Array, received: jax.Array, produced: jax.Array, pair, stage, lag: int,
+                   send: bool = True):
+        """Gradients (m/p, ...) kept by rank `stage` after `pair`, given what the entry
+        produced in it, and what it receives for the next pair (`send`, as for `feed`)."""
+        item = jnp.where(stage == self.entry, produced, received)
+        i = pair - lag - self._distance(stage)
+        k = self.microbatch(i)
+        slot = jnp.clip(k - stage * self.per_rank, 0, self.per_rank - 1)
+        mine = (k // self.per_rank == stage) & (i >= 0) & (i < self.count)
+        kept = kept.at[slot].set(jnp.where(mine, item, kept[slot]))
+        return kept, jax.lax.ppermute(item, AXIS, self._towards(-1)) if send else received

@@ -1,6 +1,7 @@
 """The zb-v pipeline schedule (zero bubble, V-shaped placement, after ZB-V and DualPipeV)
-and the split of a stage's backward pass into its input-gradient (B) and weight-gradient
-(W) parts that it needs.
+and DualPipe (`Route`: the same machine with two directions), both with each chunk's
+backward pass split into its input-gradient (B) and weight-gradient (W) parts
+(spmd.parallel.pipeline.split).
 
 Placement: the stacked layers are cut into 2p chunks (virtual stages c = 0 .. 2p-1);
 device d runs chunk d going down and chunk 2p-1-d coming back up, so device 0 holds the
@@ -24,13 +25,6 @@ forwards and as many B's (GPipe's (m + p - 1)/m of the useful ones) and exactly 
 with per-chunk costs f, b, w, executed/useful = 1 + (p-1)(f+b)/(m(f+b+w)), against
 1F1B's 1 + (p-1)/m.
 
-The B/W split (`split_backward`): the backward pass of a chunk, traced to a jaxpr, is
-split by JAX's partial evaluation with the forward residuals that only the weight
-gradients read (the matmuls' inputs) marked unknown: what depends on them (the dW
-matmuls, inside the layer scan too) is staged into W, and W receives from B the values
-of the chain it needs (each matmul output's cotangent). Nothing is computed twice: B's
-and W's dot FLOPs add up to the unsplit backward's.
-
 Under a remat policy (full, dots) the backward pass recomputes the matmuls' inputs from
 what the forward kept, so B would need them itself and W would be empty. There each
 chunk's whole backward runs in its B tick (`Schedule.defers_weights` false): the V
@@ -49,113 +43,11 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-# JAX's own partial evaluation and DCE of jaxprs (with their rules for scan, remat, cond,
-# shard_map) are internal API: a JAX upgrade may move them.
-from jax._src import core
-from jax._src.interpreters import partial_eval as pe
 
-from spmd.parallel.pipeline.kit import (add_statistics, from_stage_0, head_vjp, layer_statistics, micro, no_statistics,
-                                        only_stage_0, split_vjp, stage_copies, stage_statistics, weighted_statistics)
+from spmd.parallel.pipeline.kit import (Conveyor, add_statistics, head_vjp, layer_statistics, micro, no_statistics,
+                                        stage_statistics, weighted_statistics)
 from spmd.parallel.pipeline.schedule import AXIS, BATCH_AXIS, MANUAL_AXES, Schedule, stacked_spec, stage_view
-
-# ------------------------------------------------------------------------- the B/W split
-
-class SplitError(ValueError):
-    pass
-
-
-def split_backward(stage_fn, chunk, example, side_example=None, fixed=None):
-    """A chunk's forward pass and its backward pass in two parts (`fixed`: weights not
-    differentiated, as for spmd.parallel.pipeline._split_vjp):
-    forward(chunk, x, side, fixed) -> ((y, statistics), b_residuals, w_residuals);
-    backward_input(chunk, b_residuals, cotangents, fixed) -> (d_weights, dx, bw_residuals), where
-    d_weights has the gradients of the weights that B computes anyway (vectors such as
-    norm scales, whose gradients read only what the chain reads) and None elsewhere;
-    backward_weight(bw_residuals, w_residuals) -> the other weights' gradients (None for
-    B's). Also returns the shapes of the three residual lists."""
-    forward, backward, res_shapes = split_vjp(stage_fn, chunk, example, side_example, fixed)
-    weights, weights_tree = jax.tree.flatten((chunk, fixed))
-    ct_shapes = jax.eval_shape(stage_fn, chunk, example, side_example, fixed)
-    # nw gradients (of the chunk's weights) out; nk weights (the fixed ones too) in.
-    nw, nk, nr = len(jax.tree.leaves(chunk)), len(weights), len(res_shapes)
-
-    def flat_backward(*args):
-        w, r, c = args[:nk], args[nk:nk + nr], args[nk + nr:]
-        chunk, fixed = jax.tree.unflatten(weights_tree, w)
-        d_chunk, dx = backward(chunk, list(r), jax.tree.unflatten(jax.tree.structure(ct_shapes), c), fixed)
-        return [*jax.tree.leaves(d_chunk), dx]
-
-    shapes = [jax.ShapeDtypeStruct(w.shape, w.dtype) for w in weights] + list(res_shapes) + [
-        jax.ShapeDtypeStruct(s.shape, s.dtype) for s in jax.tree.leaves(ct_shapes)]
-    closed = jax.make_jaxpr(flat_backward)(*shapes)
-    jaxpr = pe.convert_constvars_jaxpr(closed.jaxpr)  # constants lead the inputs
-    consts, nc = list(closed.consts), len(closed.consts)
-    inputs = len(jaxpr.invars)
-    # The forward residuals that the input gradient does not read: only W reads them.
-    _, used_by_dx = pe.dce_jaxpr(jaxpr, [False] * nw + [True])
-    unknown = [False] * inputs
-    for i in range(nc + nk, nc + nk + nr):
-        unknown[i] = not used_by_dx[i]
-    if not any(unknown):
-        raise SplitError("no forward residual is read by the weight gradients alone (a remat policy "
-                         "recomputes the matmuls' inputs in the backward pass)")
-    known, staged, out_unknown, out_inst, n_res = pe.partial_eval_jaxpr_custom(
-        jaxpr, unknown, in_inst=unknown, ensure_out_unknowns=False, ensure_out_inst=False,
-        saveable=lambda *_, **__: True)
-    if out_unknown[-1]:
-        raise SplitError("the input gradient depends on the weight-gradient part")
-    # W: only the unknown outputs, from the residuals it reads. (The staged part may also
-    # hold outputs B computes, e.g. a zero gradient: those are left to B.)
-    assert all(inst for unk, inst in zip(out_unknown, out_inst) if unk)
-    staged, staged_used = pe.dce_jaxpr(staged, [unk for unk, inst in zip(out_unknown, out_inst) if inst])
-    res_used = staged_used[:n_res]
-    w_inputs = [i for i in range(inputs) if unknown[i]]
-    w_inputs = [i for i, used in zip(w_inputs, staged_used[n_res:]) if used]
-    n_known_out = out_unknown.count(False)
-    known, known_used = pe.dce_jaxpr(known, [True] * n_known_out + list(res_used))
-    b_inputs = [i for i in range(inputs) if not unknown[i]]
-    b_inputs = [i for i, used in zip(b_inputs, known_used) if used]
-    b_res = [i - nc - nk for i in b_inputs if nc + nk <= i < nc + nk + nr]
-    w_res = [i - nc - nk for i in w_inputs]
-    assert all(nc + nk <= i < nc + nk + nr for i in w_inputs), "W reads only forward residuals"
-    bw_shapes = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in known.outvars[n_known_out:]]
-
-    def forward_split(chunk, x, side=None, fixed=None):
-        out, residuals = forward(chunk, x, side, fixed)
-        return out, [residuals[i] for i in b_res], [residuals[i] for i in w_res]
-
-    def backward_input(chunk, b_residuals, cotangents, fixed=None):
-        args = consts + jax.tree.leaves((chunk, fixed)) + [None] * nr + jax.tree.leaves(cotangents)
-        for i, r in zip(b_res, b_residuals):
-            args[nc + nk + i] = r
-        outs = core.eval_jaxpr(known, (), *[args[i] for i in b_inputs])
-        known_outs, bw = iter(outs[:n_known_out]), outs[n_known_out:]
-        grads = [None if unk else next(known_outs) for unk in out_unknown]
-        return grads[:nw], grads[nw], bw
-
-    def backward_weight(bw_residuals, w_residuals):
-        outs = iter(core.eval_jaxpr(staged, (), *bw_residuals, *w_residuals))
-        return [next(outs) if unk else None for unk in out_unknown[:nw]]
-
-    return (forward_split, backward_input, backward_weight,
-            ([res_shapes[i] for i in b_res], [res_shapes[i] for i in w_res], bw_shapes))
-
-
-def _whole_backward(stage_fn, chunk, example, side_example=None, fixed=None):
-    """`split_backward`'s functions for a backward pass that is not split: B computes
-    every weight's gradient, W nothing (no W residuals)."""
-    forward, backward, res_shapes = split_vjp(stage_fn, chunk, example, side_example, fixed)
-
-    def forward_split(chunk, x, side=None, fixed=None):
-        out, residuals = forward(chunk, x, side, fixed)
-        return out, residuals, []
-
-    def backward_input(chunk, residuals, cotangents, fixed=None):
-        d_chunk, dx = backward(chunk, residuals, cotangents, fixed)
-        return jax.tree.leaves(d_chunk), dx, []
-
-    return forward_split, backward_input, None, (list(res_shapes), [], [])
-
+from spmd.parallel.pipeline.split import split_backward, whole_backward
 
 # ------------------------------------------------------------------------- the schedule
 
@@ -187,6 +79,14 @@ def sends(p: int, m: int, dual: bool = False) -> int:
     return forward + backward
 
 
+def conveyed(p: int, m: int, dual: bool = False) -> tuple[int, int]:
+    """Microbatches a rank sends moving rows to where they enter, and their gradients back
+    (one collective-permute per pair and Conveyor, in the pairs the timetable gives)."""
+    table, ends = timetable(p, m, dual=dual), len(Route(p, m, dual).conveyors())
+    first, last = table["returns"]
+    return ends * (table["feeds"] - 1), ends * (last - first)  # (none after the last pair of each)
+
+
 def timetable(p: int, m: int, defers_weights: bool = True, dual: bool = False):
     """The static plan of a step: where forwards, B's and W's run (forwards in [0, f_end),
     B's from first_b, W's from w_start, to `ticks`), each device's W's in order (a numpy
@@ -198,6 +98,8 @@ def timetable(p: int, m: int, defers_weights: bool = True, dual: bool = False):
     route = Route(p, m, dual)
     first_b, n = route.first_b, route.per_chunk
     ticks = 2 * route.span + 2 * n - 3
+    # Pairs of ticks that move rows to where they enter, and their gradients back (Conveyor).
+    moves = dict(feeds=n, returns=(first_b, first_b + n - 1 + max(c.reach for c in route.conveyors())))
     f_at, b_at = {}, {}  # (device, chunk, k) -> tick
     for d in range(p):
         for k in range(n):
@@ -207,7 +109,7 @@ def timetable(p: int, m: int, defers_weights: bool = True, dual: bool = False):
     if not defers_weights:
         b_life = max(b_at[key] - f_at[key] for key in f_at)
         return dict(ticks=ticks, f_end=f_end, first_b=first_b, w_start=ticks, w_order=np.zeros((p, 0, 4), np.int32),
-                    slots=(b_life + 1, 0, 0))
+                    slots=(b_life + 1, 0, 0), **moves)
     w_start = ticks - 2 * n
     # Each device's B's in tick order; its i-th W runs in tick w_start + i.
     w_order = np.zeros((p, 2 * n, 4), np.int32)  # chunk, microbatch, forward tick, B tick
@@ -220,7 +122,7 @@ def timetable(p: int, m: int, defers_weights: bool = True, dual: bool = False):
             w_order[d, i] = (c, k, tf, tb)
             b_life, w_life, bw_life = max(b_life, tb - tf), max(w_life, tw - tf), max(bw_life, tw - tb)
     return dict(ticks=ticks, f_end=f_end, first_b=first_b, w_start=w_start, w_order=w_order,
-                slots=(b_life + 1, w_life + 1, bw_life + 1))
+                slots=(b_life + 1, w_life + 1, bw_life + 1), **moves)
 
 
 def executed_over_useful(p: int, m: int, f: float = 1.0, b: float = 1.0, w: float = 1.0, dual: bool = False) -> float:
@@ -264,8 +166,9 @@ class Route:
         return d + c * (self.span - 1 - 2 * d)
 
     def microbatch(self, k, c):
-        """The step's microbatch that is chunk c's k-th."""
-        return k + c * self.per_chunk if self.dual else k
+        """The step's microbatch that is chunk c's k-th (DualPipe's second direction
+        takes the last first: those held nearest device p-1, where they enter)."""
+        return k + c * (self.m - 1 - 2 * k) if self.dual else k
 
     def enters(self, d, c):
         """Whether chunk c on device d reads the embedded rows (else what a neighbour sent)."""
@@ -274,6 +177,13 @@ class Route:
     def leaves(self, d, c):
         """Whether chunk c on device d is a microbatch's last: the head and loss follow."""
         return (d == 0) & (c == 1) | (self.dual & (d == self.p - 1) & (c == 0))
+
+    def conveyors(self) -> list[Conveyor]:
+        """Where the rows enter: device 0 (microbatch k in the even tick 2k) and, DualPipe,
+        device p-1 for the second half; the gradients leave there first_b pairs later."""
+        n = self.per_chunk
+        ends = [Conveyor(self.p, self.m, 0, 0, 1, n)]
+        return ends + [Conveyor(self.p, self.m, self.p - 1, self.m - 1, -1, n)] if self.dual else ends
 
 
 def zb_v(mesh, schedule: Schedule, stage_fn, head_fn, blocks, head, x: jax.Array, targets,
@@ -298,47 +208,59 @@ def zb_v(mesh, schedule: Schedule, stage_fn, head_fn, blocks, head, x: jax.Array
     def run(blocks, head_params, x, targets, side, fixed):
         chunks, fixed_chunks = (jax.tree.map(lambda w: second(stage_view(w, 1 if dual else 2)), tree)
                                 for tree in (blocks, fixed))
-        stage = _VStage.of(schedule, table, stage_fn, head_fn, chunks, fixed_chunks, head_params, x[0], targets, side,
+        stage = _VStage.of(schedule, table, stage_fn, head_fn, chunks, fixed_chunks, head_params, x, targets, side,
                            statistics_weights)
         carry = stage.start(head_params)
-        for (first_kinds, second_kinds), start, n in _runs_of_pairs(table):
-            body = functools.partial(stage.pair, first_kinds=first_kinds, second_kinds=second_kinds)
+        for (first_kinds, second_kinds, feeds, returns), start, n in _runs_of_pairs(table):
+            body = functools.partial(stage.pair, first_kinds=first_kinds, second_kinds=second_kinds, feeds=feeds,
+                                     returns=returns)
             carry, _ = jax.lax.scan(body, carry, start + 2 * jnp.arange(n))
+        # The last gradients on their way home, after the last tick.
+        after, last = (table["ticks"] + 1) // 2, table["returns"][1]
+        if last > after:
+            carry, _ = jax.lax.scan(lambda c, q: (stage.carry_back(c, q), None), carry, jnp.arange(after, last))
+        if last >= after:
+            carry = stage.carry_back(carry, last, send=False)
         d_chunks = [stored(g) for g in carry.d_chunks]
         d_blocks = jax.tree.map(lambda g, w: g.reshape(w.shape), jax.tree.unflatten(jax.tree.structure(blocks), d_chunks),
                                 blocks)
         loss = jax.lax.psum(carry.loss, AXIS) / m
-        # (zb-v's inputs all enter on device 0; DualPipe's where each direction's does.)
-        dx = carry.dx[None] if dual else only_stage_0(carry.dx, stage.stage)
         return (jax.lax.pmean(loss, BATCH_AXIS), jax.lax.psum(d_blocks, BATCH_AXIS),
-                jax.lax.psum(carry.d_head, MANUAL_AXES), dx, stage_statistics(carry.totals, m))
+                jax.lax.psum(carry.d_head, MANUAL_AXES), carry.dx, stage_statistics(carry.totals, m))
 
     stacked = stacked_spec(1 if dual else 2)
-    copies, per_microbatch = jax.P(AXIS, None, BATCH_AXIS), jax.P(None, BATCH_AXIS)
+    # The rows stay split over pp along m (each rank its own microbatches and their
+    # gradients: Conveyor), the targets are every stage's.
+    queue, per_microbatch = jax.P(AXIS, BATCH_AXIS), jax.P(None, BATCH_AXIS)
+    split = jax.NamedSharding(mesh, jax.P(AXIS, *rows))
     loss, d_blocks, d_head, dx, stats = jax.shard_map(
-        run, mesh=mesh, in_specs=(stacked, jax.P(), copies, per_microbatch, per_microbatch, stacked),
-        out_specs=(jax.P(), stacked, jax.P(), copies, jax.P(AXIS)), axis_names=frozenset(MANUAL_AXES),
+        run, mesh=mesh, in_specs=(stacked, jax.P(), queue, per_microbatch, per_microbatch, stacked),
+        out_specs=(jax.P(), stacked, jax.P(), queue, jax.P(AXIS)), axis_names=frozenset(MANUAL_AXES),
         check_vma=False,
-    )(blocks, head, stage_copies(x, mesh, rows), targets, side, fixed or {})
+    )(blocks, head, jax.lax.with_sharding_constraint(x, split), targets, side, fixed or {})
     # Device d's second chunk is stored on device p-1-d: its statistics go there (DualPipe:
     # are added to that stage's own).
     if dual:
         stats = jax.tree.map(lambda x: (x[:, 0] + x[::-1, 1])[:, None], stats)
     else:
         stats = jax.tree.map(lambda x: jnp.stack([x[:, 0], x[::-1, 1]], axis=1), stats)
-    return loss, d_blocks, d_head, from_stage_0(dx, mesh, rows), layer_statistics(stats)
+    return loss, d_blocks, d_head, jax.lax.with_sharding_constraint(dx, split), layer_statistics(stats)
 
 
 def _runs_of_pairs(table: dict) -> list:
     """The ticks in pairs (even, odd), and runs of pairs that do the same kinds of work
-    (forwards, B, W) as [(kinds of the even tick, of the odd one), first tick, pairs]: one
-    scan each."""
+    (forwards, B, W; moving rows in, gradients out) as [(kinds of the even tick, of the odd
+    one, feeds, returns), first tick, pairs]: one scan each. Moving: 0 no, 1 yes, 2 the
+    last time (nothing sent on)."""
     def kinds(t):
         return (t < table["f_end"], table["first_b"] <= t, table["w_start"] <= t)
 
     runs = []
     for t in range(0, table["ticks"] + table["ticks"] % 2, 2):
-        key = (kinds(t), kinds(t + 1) if t + 1 < table["ticks"] else (False, False, False))
+        first, last, pair = *table["returns"], t // 2
+        feeds = 0 if pair >= table["feeds"] else 2 if pair == table["feeds"] - 1 else 1
+        returns = 0 if not first <= pair <= last else 2 if pair == last else 1
+        key = (kinds(t), kinds(t + 1) if t + 1 < table["ticks"] else (False, False, False), feeds, returns)
         if runs and runs[-1][0] == key:
             runs[-1][2] += 1
         else:
@@ -358,8 +280,12 @@ class _VCarry(NamedTuple):
     d_chunks: list  # the gradients of the device's two chunks (flat leaves)
     d_head: dict
     loss: jax.Array
-    dx: jax.Array
     totals: dict
+    fed: list  # per Conveyor: the microbatch received for the next pair
+    entering: jax.Array  # this pair's microbatch entering on this device
+    back: list  # per Conveyor: the gradient received for the next pair
+    d_entry: jax.Array  # the gradient of the rows that entered, produced this pair
+    dx: jax.Array  # the gradients of this rank's microbatches (m/p, ...)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -370,7 +296,7 @@ class _VStage:
     route: Route
     table: dict
     stage: jax.Array
-    x: jax.Array
+    x: jax.Array  # this rank's microbatches (m/p, ...)
     side: object
     chunks: dict
     fixed_chunks: dict
@@ -386,7 +312,7 @@ class _VStage:
         m = schedule.microbatches
         first = lambda tree: jax.tree.map(lambda w: w[0], tree)  # noqa: E731
         seed = 1.0 / (m * jax.lax.psum(1, BATCH_AXIS))
-        *passes, shapes = (split_backward if schedule.defers_weights else _whole_backward)(
+        *passes, shapes = (split_backward if schedule.defers_weights else whole_backward)(
             stage_fn, first(chunks), x[0], micro(side, 0), first(fixed_chunks))
         no_stats = no_statistics(stage_fn, chunks, x[0], micro(side, 0), fixed_chunks)
         route = Route(schedule.stages, m, schedule.name == "dualpipe")
@@ -401,14 +327,39 @@ class _VStage:
         ring = lambda shapes, n: [jnp.zeros((n, *s.shape), s.dtype) for s in shapes]  # noqa: E731
         zero = jnp.zeros_like(self.x[0])
         rings = [ring(shapes, n) for shapes, n in zip(self.shapes, self.table["slots"])]
+        ends = len(self.route.conveyors())
         return _VCarry(zero, zero, zero, zero, *rings, [jnp.zeros_like(w) for w in jax.tree.leaves(self.chunks)],
-                       jax.tree.map(jnp.zeros_like, head_params), jnp.zeros(()), jnp.zeros_like(self.x), self.no_stats)
+                       jax.tree.map(jnp.zeros_like, head_params), jnp.zeros(()), self.no_stats, [zero] * ends, zero,
+                       [zero] * ends, zero, jnp.zeros_like(self.x))
 
-    def pair(self, carry: _VCarry, t, *, first_kinds, second_kinds):
-        """Ticks t (even) and t + 1 (odd), each doing its kinds of work (forwards, B, W)."""
+    def pair(self, carry: _VCarry, t, *, first_kinds, second_kinds, feeds, returns):
+        """Ticks t (even) and t + 1 (odd), each doing its kinds of work (forwards, B, W),
+        with the rows entering in the even one moved there first (`feeds`) and the
+        gradients leaving in it moved on after (`returns`)."""
+        if feeds:
+            carry = self.feed(carry, t // 2, send=feeds == 1)
         for parity, kinds in enumerate((first_kinds, second_kinds)):
             carry = self.tick(carry, t + parity, parity, *kinds)
+        if returns:
+            carry = self.carry_back(carry, t // 2, send=returns == 1)
         return carry, None
+
+    def feed(self, s: _VCarry, pair, send: bool = True) -> _VCarry:
+        """The microbatch entering on this device in `pair` (if any enters here)."""
+        ends = self.route.conveyors()
+        items, fed = zip(*(end.feed(self.x, r, pair, self.stage, send) for end, r in zip(ends, s.fed)))
+        entering = items[0]
+        for end, item in zip(ends[1:], items[1:]):
+            entering = jnp.where(self.stage == end.entry, item, entering)
+        return s._replace(fed=list(fed), entering=entering)
+
+    def carry_back(self, s: _VCarry, pair, send: bool = True) -> _VCarry:
+        """The gradients of the entering rows one rank further home after `pair`."""
+        dx, back = s.dx, []
+        for end, received in zip(self.route.conveyors(), s.back):
+            dx, sent = end.carry_back(dx, received, s.d_entry, pair, self.stage, self.table["first_b"], send)
+            back.append(sent)
+        return s._replace(dx=dx, back=back)
 
     def tick(self, c: _VCarry, t, parity: int, forwards: bool, backwards: bool, weights: bool) -> _VCarry:
         dy = None
@@ -432,7 +383,7 @@ class _VStage:
         c = (t - self.stage) % 2  # chunk 0 on ticks of the device's parity
         _, k, valid = self._microbatch(t - self.route.offset(self.stage, c), c)
         # Otherwise what a neighbour sent, or at the V's turn (device p-1) its own output.
-        inp = jnp.where(self.route.enters(self.stage, c), self.x[k],
+        inp = jnp.where(self.route.enters(self.stage, c), s.entering,
                         jnp.where((c == 1) & (self.stage == p - 1), s.f_own, s.f_in))
         (y, stats), b_res, w_res = self.passes[0](self.pick(c, self.chunks), inp, micro(self.side, k),
                                                   self.pick(c, self.fixed_chunks))
@@ -450,7 +401,7 @@ class _VStage:
         p, slots = self.route.p, self.table["slots"]
         t_b = t - self.table["first_b"]
         c = 1 - (t_b - self.stage) % 2  # chunk 1's B on the device's parity
-        j, k, valid = self._microbatch(t_b - self.route.offset(self.stage, 1 - c), c)
+        j, _, valid = self._microbatch(t_b - self.route.offset(self.stage, 1 - c), c)
         f_tick = 2 * j + self.route.offset(self.stage, c)
         # A microbatch's last chunk gets the head's gradient (computed in this tick's
         # forward), at the V's turn its own B's output, elsewhere what a neighbour sent.
@@ -463,7 +414,7 @@ class _VStage:
             b_in=_send(d_inp, _pairs(p, parity, False)), b_own=d_inp,
             bw_ring=[buf.at[t % slots[2]].set(r) for buf, r in zip(s.bw_ring, bw_res)],
             d_chunks=_accumulate(s.d_chunks, grads, c, valid),
-            dx=s.dx.at[k].set(jnp.where(valid & self.route.enters(self.stage, c), d_inp, s.dx[k])))
+            d_entry=jnp.where(valid & self.route.enters(self.stage, c), d_inp, s.d_entry))
 
     def _backward_weight(self, s: _VCarry, t) -> _VCarry:
         """W of the forward and B the timetable orders at tick t."""
