@@ -68,9 +68,10 @@ def test_mesh_flag_fills_unnamed_axes_and_the_rest():
     # fsdp and sp (whose devices see other tokens, as fsdp's) split the weights' embed.
     (0, ("sp", "fsdp"), ("sp", "fsdp"), ("sp", "fsdp")),
     # In one fused step ZeRO-1 gradients go straight to the optimizer's shards, as ZeRO-2's.
-    (1, ("sp", "fsdp"), ("sp", "fsdp", "dp"), ("sp", "fsdp", "dp")),
-    (2, ("sp", "fsdp"), ("sp", "fsdp", "dp"), ("sp", "fsdp", "dp")),
-    (3, ("sp", "fsdp", "dp"), ("sp", "fsdp", "dp"), ("sp", "fsdp", "dp")),
+    # ep replicates every weight but the experts', as dp does: ZeRO splits over it too.
+    (1, ("sp", "fsdp"), ("sp", "fsdp", "dp", "ep"), ("sp", "fsdp", "dp", "ep")),
+    (2, ("sp", "fsdp"), ("sp", "fsdp", "dp", "ep"), ("sp", "fsdp", "dp", "ep")),
+    (3, ("sp", "fsdp", "dp", "ep"), ("sp", "fsdp", "dp", "ep"), ("sp", "fsdp", "dp", "ep")),
 ])
 def test_zero_stage_selects_what_dp_splits(zero, params, grads, opt):
     rules = make_rules(zero)
@@ -78,6 +79,9 @@ def test_zero_stage_selects_what_dp_splits(zero, params, grads, opt):
     assert spec_for(names, rules.params) == jax.P(params, "tp")
     assert spec_for(names, rules.grads) == jax.P(grads, "tp")
     assert spec_for(names, rules.opt_state) == jax.P(opt, "tp")
+    # An expert's weight names ep on its experts; ZeRO's ep is dropped from its embed.
+    expert = ("experts", "embed", "mlp")
+    assert spec_for(expert, rules.opt_state) == jax.P("ep", tuple(a for a in opt if a != "ep"), "tp")
     assert dict(rules.activation_rules())["batch"] == ("dp", "fsdp", "ep")
 
 

@@ -50,11 +50,14 @@ Schedules:
   residuals live at most 2(vp-1) ticks: a ring of 2vp - 1 chunk residuals, (2vp-1)/v
   microbatches through the stage's layers (1f1b's 2p - 1 at v = 1).
 - zb-v: two chunks per stage in a V, the backward split into input and weight gradients
-  (spmd.parallel.pipeline.zero_bubble).
+  (spmd.parallel.pipeline.zero_bubble); dualpipe: the same machine with stages d and p-1-d
+  on device d and the microbatches entering at both ends. Both keep the rows where they
+  live and move them to where they enter (kit.Conveyor), not a copy on every stage.
 
 The package: `schedule` (Schedule and the map's axes), `kit` (what every schedule's tick is
-made of), and one module per family of schedules: `forward` (gpipe, circular),
-`one_f_one_b` (1f1b, interleaved-1f1b), `zero_bubble` (zb-v).
+made of), `split` (a chunk's backward as B and W), and one module per family of schedules:
+`forward` (gpipe, circular), `one_f_one_b` (1f1b, interleaved-1f1b), `zero_bubble` (zb-v,
+dualpipe).
 """
 
 from spmd.parallel.pipeline.forward import pipeline
