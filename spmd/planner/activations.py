@@ -258,8 +258,7 @@ def pipeline_stages(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
         # targets enter as for 1f1b.
         def stored(p_):
             return p_.numel * p_.itemsize / ways(spec_axes(p_.names, layout.rules.params), layout.shape)
-        dual = schedule.name == "dualpipe"
-        share = 1 if dual else 1 / 2
+        dual, share = schedule.name == "dualpipe", schedule.mirrored_share
         weights = share * sum(stored(p_) for p_ in params(layout, cfg) if p_.stacked)
         gradients = cfg.grad_accum * share * sum(stored(p_) for p_ in params(layout, cfg) if p_.stacked and p_.trained)
         targets = tokens_per_device(cfg, layout.shape) * p * 4

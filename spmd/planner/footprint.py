@@ -64,13 +64,12 @@ def memory(cfg, layout: Layout) -> dict[str, float]:
     # zb-v and DualPipe run a second chunk on each device, received from the mirror device
     # each step (zb-v's half a stage, DualPipe's whole one: its parameters twice), with a
     # gradient of its own summed over the ticks, both as stored (spmd.parallel.pipeline.zero_bubble).
-    if layout.schedule and layout.schedule.name in pipeline.SPLIT_BACKWARD:
-        share = 1 if layout.schedule.name == "dualpipe" else 1 / 2
-        for p in params(layout, cfg):
-            if p.stacked:
-                stored = held(p, spec_axes(p.names, rules.params))
-                gathered += share * stored
-                gradients += share * stored if p.trained else 0
+    share = layout.schedule.mirrored_share if layout.schedule else 0.0
+    for p in params(layout, cfg):
+        if share and p.stacked:
+            stored = held(p, spec_axes(p.names, rules.params))
+            gathered += share * stored
+            gradients += share * stored if p.trained else 0
     # Expert copies tie the 2R rows of a layer's expert gradients a row at a time: one
     # picked and reduced, both alive (spmd.parallel.balance.tie).
     gradients += tied_rows_bytes(cfg, layout, rows_of_one_copy=True) * shape["pp"] / model.stacked_layers

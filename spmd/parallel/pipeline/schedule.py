@@ -44,6 +44,13 @@ class Schedule:
         return self.name in SPLIT_BACKWARD and self.remat == "none"
 
     @property
+    def mirrored_share(self) -> float:
+        """The share of a stage's weights each device receives from its mirror each step
+        (and sends back as gradients): zb-v's second chunk, half a stage; DualPipe's
+        second stage, a whole one; none for the other schedules."""
+        return {"zb-v": 1 / 2, "dualpipe": 1.0}.get(self.name, 0.0)
+
+    @property
     def ticks(self) -> int:
         """Ticks that run a chunk's forward (gpipe, circular, 1f1b, interleaved-1f1b:
         v*m + p - 1; zb-v: 2m + 2p - 2, half a stage each; DualPipe: m + p - 2, a stage each)."""
