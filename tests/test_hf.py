@@ -35,7 +35,7 @@ DRIVER = Path(__file__).with_name("cli_driver.py")
 # Each model on a mesh that splits every kind of its weights: fsdp and tp, and ep for the experts.
 MESHES = {"llama-gqa": "dp=2,fsdp=2,tp=2", "llama-tied-rope": "fsdp=4,tp=2", "mixtral": "fsdp=2,ep=2,tp=2",
           "qwen3": "fsdp=2,tp=4", "qwen2": "fsdp=2,tp=4", "mistral": "fsdp=2,tp=4",  # tp=4: beyond 2 kv heads
-          "qwen3-moe": "fsdp=2,ep=2,tp=2", "gemma3": "fsdp=2,tp=4", "deepseek-v3": "fsdp=2,ep=2,tp=2",
+          "qwen3-moe": "fsdp=2,ep=2,tp=2", "qwen3-moe-dense": "fsdp=2,ep=2,tp=2", "gemma3": "fsdp=2,tp=4", "deepseek-v3": "fsdp=2,ep=2,tp=2",
           "deepseek-v3-q": "fsdp=2,ep=2,tp=2"}
 # The bound. What remains is float32 rounding in another summation order (XLA's
 # against torch's): measured 3e-6 to 5e-6 on these models, on one device and on meshes.
@@ -226,6 +226,7 @@ def _damaged(root: Path) -> dict[str, str]:
     copy("qwen3_windowed", "qwen3", lambda c: c.update(use_sliding_window=True, sliding_window=16))
     copy("qwen3_local_layers", "qwen3", lambda c: c.update(layer_types=["sliding_attention", "full_attention"]))
     copy("qwen3_moe_mlp_only", "qwen3-moe", lambda c: c.update(mlp_only_layers=[1]))
+    copy("qwen3_moe_mlp_only_beyond", "qwen3-moe-dense", lambda c: c.update(mlp_only_layers=[0, 4]))
     copy("qwen2_o_bias", "qwen2", lambda c: c.update(attention_bias=True))
     copy("qwen2_chunked", "qwen2", lambda c: c.update(layer_types=["chunked_attention", "full_attention"]))
     copy("mistral_no_window", "mistral", lambda c: c.update(sliding_window=0))
@@ -253,6 +254,7 @@ def _damaged(root: Path) -> dict[str, str]:
     (root / "corpus.txt").write_text("some text\n" * 50)
     made["corpus"] = str(root / "corpus.txt")
     made["golden"] = str(GOLDENS / "llama-gqa")
+    made["qwen3_moe_dense"] = str(GOLDENS / "qwen3-moe-dense")
     copy("golden_copy", "llama-gqa")
     return made
 
@@ -270,7 +272,12 @@ CASES = {
     "qwen3 sliding window": (["--init-from", "{qwen3_windowed}"], "config.json use_sliding_window: only False"),
     "qwen3 local layers": (["--init-from", "{qwen3_local_layers}"],
                            "config.json layer_types: must hold only full_attention layers"),
-    "qwen3 moe dense layers": (["--init-from", "{qwen3_moe_mlp_only}"], "config.json mlp_only_layers: must be empty"),
+    "qwen3 moe dense layers": (["--init-from", "{qwen3_moe_mlp_only}"],
+                               "config.json mlp_only_layers: is reproduced with MoE in every other layer"),
+    "qwen3 moe dense layer too deep": (["--init-from", "{qwen3_moe_mlp_only_beyond}"],
+                                       "config.json mlp_only_layers: must list layers of 0 to num_hidden_layers - 1"),
+    "qwen3 moe dense layers in stages": (["--init-from", "{qwen3_moe_dense}", "--mesh", "pp=2"],
+                                         "dense layers [0, 2] stand between MoE layers; lay it out without pp"),
     "qwen2 bias on o": (["--init-from", "{qwen2_o_bias}"], "config.json attention_bias: is not a field"),
     "unknown layer type": (["--init-from", "{qwen2_chunked}"],
                            "config.json layer_types: must hold only full_attention layers"),

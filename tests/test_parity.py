@@ -61,11 +61,11 @@ def test_layout_matches_one_device(reference, mesh, devices, overrides):
 # The other families (tests/hf's goldens' shapes and weights): Qwen3's per-head query and
 # key norms, a head size of its own, tied embeddings (tp=4 goes beyond its 2 key/value
 # heads); Qwen2's q/k/v biases split with the heads; Qwen3-MoE's dense and MoE layers
-# with experts over ep; Gemma 3's sliding and global layers over sp (its window of 6 over
+# with experts over ep (every other one, and the layers mlp_only_layers lists); Gemma 3's sliding and global layers over sp (its window of 6 over
 # chunks of 8, so that whole chunk pairs are hidden; Mistral's windows over sp are checked
 # against transformers' loss in test_hf), and in pipeline stages that hold different kinds.
 FAMILY_LAYOUTS = [("qwen3", "dp=2,fsdp=2,tp=2", 8), ("qwen3", "fsdp=2,tp=4", 8), ("qwen2", "fsdp=2,tp=4", 8),
-                  ("qwen3-moe", "ep=2,fsdp=2", 4), ("gemma3", "sp=2,tp=2", 4), ("gemma3", "pp=2,dp=2", 4)]
+                  ("qwen3-moe", "ep=2,fsdp=2", 4), ("qwen3-moe-dense", "ep=2,fsdp=2", 4), ("gemma3", "sp=2,tp=2", 4), ("gemma3", "pp=2,dp=2", 4)]
 
 
 @pytest.mark.parametrize("golden,mesh,devices", FAMILY_LAYOUTS, ids=[f"{g}-{m}" for g, m, _ in FAMILY_LAYOUTS])

@@ -92,6 +92,7 @@ class DeepSeekV3Config(LlamaConfig):
         if m.experts % m.groups or m.top_k > m.experts // m.groups * m.top_groups:
             raise ValueError(f"{m.experts} experts do not split into {m.groups} groups of which {m.top_groups} "
                              f"hold top-{m.top_k}")
+        super().__post_init__()
 
     @classmethod
     def from_dict(cls, d: dict) -> DeepSeekV3Config:
@@ -118,12 +119,8 @@ class DeepSeekV3Config(LlamaConfig):
         return np.float32(1.0) / np.float32(self.rope_theta) ** exponent
 
     @property
-    def moe_layers(self) -> int:
-        return self.layers - self.dense_layers
-
-    @property
-    def stacked_layers(self) -> int:
-        return self.moe_layers + self.empty_layers  # the dense prefix is a stack of its own
+    def dense_positions(self) -> tuple[int, ...]:
+        return tuple(range(self.dense_layers))  # a stack of its own, the prefix
 
     def attention_width(self) -> int:
         return self.head_dim + self.v_dim

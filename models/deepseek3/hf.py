@@ -146,9 +146,8 @@ def supported(cfg: DeepSeekV3Config) -> str | None:
 
 
 def _blocks(cfg: DeepSeekV3Config) -> list[Block]:
-    first = cfg.dense_layers
-    prefix = [Block(("prefix",), first, lambda i: i, False)] if first else []
-    return [*prefix, Block(("blocks",), cfg.moe_layers, lambda i: first + i, True)]
+    layers = cfg.stack_layers("blocks")
+    return [*llama.prefix_block(cfg), Block(("blocks",), len(layers), lambda i: layers[i], True)]
 
 
 def _rotate_half_order(d: int) -> np.ndarray:

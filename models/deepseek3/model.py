@@ -14,9 +14,9 @@ zeros from v_dim to head_dim (the kernels take one size), the padding cut from t
 output. Decoding caches the latent and the rotary key only, kv_rank + rope_dim numbers
 per token and layer, and attends in the order that costs less (`LatentAttention.decode`).
 
-The dense prefix is a stack of its own, run after the embedding (`embed`): pipeline
-stages take the MoE stack, and the prefix runs with the embedding, on rows split over
-every data axis and pp, as the embedding does (see docs/moe.md)."""
+The dense prefix is a stack of its own (Llama's `prefix`), run after the embedding
+(`Llama.embed`): pipeline stages take the MoE stack, and the prefix runs with the embedding,
+on rows split over every data axis and pp, as the embedding does (see docs/moe.md)."""
 
 from __future__ import annotations
 
@@ -30,11 +30,10 @@ from flax import nnx
 from models.annotate import PREFIX_LAYERS, constrain, weight
 from models.attention import Packing, attend, cached_attention
 from models.deepseek3.config import DeepSeekV3Config
-from models.llama.model import REMAT_POLICIES, Block, Decoding, Llama, RMSNorm, normal_param, rotary, with_empty_steps
+from models.llama.model import REMAT_POLICIES, Block, Decoding, Llama, RMSNorm, normal_param, rotary
+from models.llama.stack import stack_of, with_empty_steps
 from models.lora import LoRA
 from models.moe import Routing
-
-PREFIX_AXIS = PREFIX_LAYERS  # the dense prefix's stacked axis: not split over pp (rules table)
 
 
 class LatentAttention(nnx.Module):
@@ -170,48 +169,17 @@ class DeepSeekV3(Llama):
         self.cfg, self.dtype, self.remat = cfg, dtype, remat
         self.embedding = normal_param(rngs, (cfg.vocab, cfg.embed), ("vocab", "embed"), 1.0)
 
-        def stack(count: int, axis: str, routing: Routing | None):
-            @nnx.split_rngs(splits=count)
-            @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: axis})
-            def make(rngs: nnx.Rngs) -> LatentBlock:
-                return LatentBlock(cfg, dtype, rngs, routing)
-            return make(rngs)
-
         if cfg.dense_layers:
-            self.prefix = stack(cfg.dense_layers, PREFIX_AXIS, None)
-        self.blocks = with_empty_steps(stack(cfg.moe_layers, "layers", routing), cfg)
+            self.prefix = stack_of(lambda r: LatentBlock(cfg, dtype, r), rngs, cfg.dense_layers, PREFIX_LAYERS)
+        self.blocks = with_empty_steps(stack_of(lambda r: LatentBlock(cfg, dtype, r, routing), rngs, cfg.moe_layers,
+                                                "layers"), cfg)
         self.final_norm = RMSNorm(cfg.embed, cfg.norm_eps)
         self.head = normal_param(rngs, (cfg.embed, cfg.vocab), ("embed", "vocab"), cfg.embed**-0.5)
-
-    def embed(self, tokens: jax.Array, positions: jax.Array | None = None, packing: Packing | None = None
-              ) -> jax.Array:
-        """The embedding, then the dense prefix: what pipeline stages receive."""
-        x = super().embed(tokens)
-        if not self.cfg.dense_layers:
-            return x
-        positions = np.arange(tokens.shape[1]) if positions is None else positions
-        return self.run_layers(self.prefix, x, positions, packing, axis=PREFIX_AXIS)[0]
 
     @staticmethod
     def cache_layout(cfg: DeepSeekV3Config, batch: int, length: int) -> dict:
         """The latent cache: per layer (prefix first), each token's latent and rotary key."""
         return {"latent": ((cfg.layers, 1, batch, length, cfg.latent_dim), ("layers", None, "batch", None, None))}
-
-    def decode(self, tokens: jax.Array, positions: jax.Array, cache: dict, at: Decoding) -> tuple[jax.Array, dict]:
-        def over(stack, x, cache, first: int, axis: str):
-            @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=nnx.Carry, transform_metadata={nnx.PARTITION_NAME: axis})
-            def step(carry, block: LatentBlock, i: jax.Array):
-                x, cache = carry
-                return block.decode(x, positions, cache, (i, 0), at)
-
-            count = jax.tree.leaves(nnx.state(stack))[0].shape[0]
-            return step((x, cache), stack, first + jnp.arange(count))
-
-        x = super().embed(tokens)
-        if self.cfg.dense_layers:
-            x, cache = over(self.prefix, x, cache, 0, PREFIX_AXIS)
-        x, cache = over(self.filled_blocks(), x, cache, self.cfg.dense_layers, "layers")
-        return self.logits(x), cache
 
     @staticmethod
     def head_params(cfg: DeepSeekV3Config) -> tuple[str, ...]:

@@ -61,6 +61,20 @@ class LlamaConfig:
     # depth that does not divide into them (spmd.run.config's --empty-layers): they have
     # weights, which nothing trains or exports, and stages run them without effect.
     empty_layers: int = 0
+    # In an MoE model with MoE in every layer (moe.every 1): the layers whose feed-forward is
+    # dense (Qwen3-MoE's mlp_only_layers), at any positions. They are a stack of their own
+    # (`dense_positions`), run in the model's order between runs of the MoE stack.
+    mlp_only_layers: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        dense = self.dense_positions
+        if not dense:
+            return
+        if self.moe is None or self.moe.every != 1:
+            raise ValueError("dense layers among MoE ones (mlp_only_layers) need MoE in every other layer (moe.every 1)")
+        if list(dense) != sorted(set(dense)) or not 0 <= dense[0] <= dense[-1] < self.layers or len(dense) == self.layers:
+            raise ValueError(f"the dense layers {list(dense)} must be distinct layers of 0 to {self.layers - 1}, in "
+                             "order, and leave at least one MoE layer")
 
     @classmethod
     def from_dict(cls, d: dict) -> LlamaConfig:
@@ -69,8 +83,9 @@ class LlamaConfig:
         for name, nested in (("rope_scaling", RopeScaling), ("moe", MoEConfig)):
             if values.get(name) is not None:
                 values[name] = nested(**values[name])
-        if values.get("layer_types") is not None:  # saved as a list; a config is hashable
-            values["layer_types"] = tuple(values["layer_types"])
+        for name in ("layer_types", "mlp_only_layers"):  # saved as lists; a config is hashable
+            if values.get(name) is not None:
+                values[name] = tuple(values[name])
         return cls(**values)
 
     def _frequencies(self, theta: float) -> np.ndarray:
@@ -131,15 +146,54 @@ class LlamaConfig:
         return self.layers * sum(size(t) for t in targets) - self.moe_layers * mlp
 
     @property
+    def dense_positions(self) -> tuple[int, ...]:
+        """The layers of an MoE model that are dense and not in the stacked blocks: a stack
+        of their own (`prefix`, run outside pipeline stages). A family may name them otherwise
+        (models.deepseek3: its first `dense_layers`)."""
+        return self.mlp_only_layers
+
+    def layer_runs(self) -> tuple[tuple[str, int, int], ...]:
+        """The model's layers in order, as runs of one stack: (stack, first step, steps), the
+        stack "prefix" (`dense_positions`) or "blocks" (the stacked blocks, less empty steps)."""
+        dense = set(self.dense_positions)
+        if not dense:
+            return (("blocks", 0, self.layer_steps),)
+        runs, taken = [], {"prefix": 0, "blocks": 0}
+        for layer in range(self.layers):
+            stack = "prefix" if layer in dense else "blocks"
+            if runs and runs[-1][0] == stack:
+                runs[-1][2] += 1
+            else:
+                runs.append([stack, taken[stack], 1])
+            taken[stack] += 1
+        return tuple(map(tuple, runs))
+
+    def stack_layers(self, stack: str) -> tuple[int, ...]:
+        """Per step of `stack` ("prefix" or "blocks", less its empty steps), the model's
+        layer it begins with (a step of MoE groups holds moe.every layers)."""
+        dense = self.dense_positions
+        if stack == "prefix":
+            return dense
+        if not dense:
+            return tuple(range(0, self.layer_steps * self.layers_per_step, self.layers_per_step))
+        return tuple(layer for layer in range(self.layers) if layer not in set(dense))
+
+    @property
+    def dense_prefix_only(self) -> bool:
+        """Whether the dense layers (`dense_positions`) all come first: only then can pipeline
+        stages take the stacked blocks, the prefix running before them."""
+        return [stack for stack, _, _ in self.layer_runs()] in (["blocks"], ["prefix", "blocks"])
+
+    @property
     def stacked_layers(self) -> int:
-        """The layers the stacked blocks hold (pipeline stages split them): all of them,
-        and the empty ones."""
-        return self.layers + self.empty_layers
+        """The layers the stacked blocks hold (pipeline stages split them): all but the dense
+        ones of `dense_positions`, and the empty ones."""
+        return self.layers - len(self.dense_positions) + self.empty_layers
 
     @property
     def prefix_layers(self) -> int:
-        """The layers before the stacked ones, which run outside pipeline stages (a
-        family's dense prefix: models.deepseek3)."""
+        """The layers outside the stacked ones, which run outside pipeline stages (the
+        dense layers of `dense_positions`)."""
         return self.layers + self.empty_layers - self.stacked_layers
 
     @property
@@ -179,7 +233,7 @@ class LlamaConfig:
 
     @property
     def moe_layers(self) -> int:
-        return self.layers // self.moe.every if self.moe else 0
+        return self.layers // self.moe.every - len(self.dense_positions) if self.moe else 0
 
     def num_params(self, active: bool = False) -> int:
         """Parameter count from the shapes (matches the built model); `active`: only those

@@ -206,7 +206,7 @@ def supported(cfg: LlamaConfig) -> str | None:
     moe = cfg.moe
     if cfg.window or cfg.qkv_bias or cfg.qk_norm:
         return "LlamaForCausalLM and MixtralForCausalLM have no sliding window, q/k/v biases or q/k norms"
-    if moe and (moe.shared_experts or moe.every != 1 or moe.scoring != "softmax"):
+    if moe and (moe.shared_experts or moe.every != 1 or cfg.mlp_only_layers or moe.scoring != "softmax"):
         return "Mixtral has no shared experts, MoE in every layer and softmax routing"
     if moe and cfg.mlp != moe.expert_mlp:
         return "Mixtral's intermediate_size is the experts' width; the dense width must equal it"
@@ -246,13 +246,19 @@ class Block:
 
 def blocks(cfg: LlamaConfig) -> list[Block]:
     """The blocks of a step: one block per layer; in an MoE model, moe.every - 1 dense
-    blocks then an MoE one (models.llama.MoEGroup)."""
+    blocks then an MoE one (models.llama.MoEGroup), and the dense layers at other positions
+    (`dense_positions`) in a stack of their own."""
     if cfg.moe is None:
         return [Block(("blocks",), cfg.layers, lambda i: i, False)]
-    every = cfg.moe.every
-    steps = cfg.layers // every
-    dense = [Block(("blocks", "dense", j), steps, lambda i, j=j: i * every + j, False) for j in range(every - 1)]
-    return [*dense, Block(("blocks", "moe"), steps, lambda i: i * every + every - 1, True)]
+    every, steps = cfg.moe.every, cfg.stack_layers("blocks")
+    dense = [Block(("blocks", "dense", j), len(steps), lambda i, j=j: steps[i] + j, False) for j in range(every - 1)]
+    return [*prefix_block(cfg), *dense, Block(("blocks", "moe"), len(steps), lambda i: steps[i] + every - 1, True)]
+
+
+def prefix_block(cfg: LlamaConfig) -> list[Block]:
+    """The stack of dense layers among MoE ones (`LlamaConfig.dense_positions`), if any."""
+    dense = cfg.dense_positions
+    return [Block(("prefix",), len(dense), lambda i: dense[i], False)] if dense else []
 
 
 @dataclasses.dataclass(frozen=True)

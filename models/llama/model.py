@@ -22,9 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.annotate import ACTIVATION, assembled, constrain, copies, weight
+from models.annotate import ACTIVATION, PREFIX_LAYERS, assembled, constrain, copies, weight
 from models.attention import Packing, attend, cached_attention
 from models.llama.config import LlamaConfig
+from models.llama.stack import each_stacked, joined, stack_of, steps_of, with_empty_steps
 from models.lora import Adapter, LoRA, current_layer, dropping
 from models.lora import layer as lora_layer
 from models.lora import merged as merged_adapters
@@ -313,21 +314,6 @@ class MoEGroup(nnx.Module):
         return [*self.dense, self.moe]
 
 
-def _each_stacked(stack: nnx.Module, fn) -> nnx.Module:
-    """`stack` (stacked blocks) with fn applied to each of its arrays (steps first)."""
-    graph, state = nnx.split(stack)
-    return nnx.merge(graph, jax.tree.map(fn, state))
-
-
-def with_empty_steps(stack: nnx.Module, cfg: LlamaConfig) -> nnx.Module:
-    """`stack` (the stacked blocks) followed by `cfg.empty_layers` empty ones, all zeros: the
-    layers start as they would without them (the same draws), and the empty ones, which
-    pipeline stages run without effect (`Llama.run_layers`), stay zeros."""
-    if not cfg.empty_layers:
-        return stack
-    return _each_stacked(stack, lambda a: jnp.concatenate([a, jnp.zeros((cfg.empty_steps, *a.shape[1:]), a.dtype)]))
-
-
 class Llama(nnx.Module):
     """Decoder-only transformer: tokens (batch, seq) -> float32 logits (batch, seq, vocab)."""
 
@@ -370,13 +356,13 @@ class Llama(nnx.Module):
         self.embedding = normal_param(rngs, (cfg.vocab, cfg.embed), ("vocab", "embed"),
                                 cfg.embed**-0.5 if cfg.tie_embeddings else 1.0)
 
-        # Stacked along a leading "layers" axis: blocks, or groups of blocks in an MoE model.
-        @nnx.split_rngs(splits=cfg.layer_steps)
-        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def make_blocks(rngs: nnx.Rngs) -> Block | MoEGroup:
-            return MoEGroup(cfg, dtype, rngs, routing, lora) if cfg.moe else Block(cfg, dtype, rngs, lora=lora)
-
-        self.blocks = with_empty_steps(make_blocks(rngs), cfg)
+        # Stacked along a leading "layers" axis: blocks, or groups of blocks in an MoE model;
+        # an MoE model's dense layers at other positions (`dense_positions`) in a stack of their own.
+        make = (lambda r: MoEGroup(cfg, dtype, r, routing, lora)) if cfg.moe else (lambda r: Block(cfg, dtype, r, lora=lora))
+        self.blocks = with_empty_steps(stack_of(make, rngs, cfg.layer_steps, "layers"), cfg)
+        if cfg.dense_positions:
+            self.prefix = stack_of(lambda r: Block(cfg, dtype, r, lora=lora), rngs, len(cfg.dense_positions),
+                                   PREFIX_LAYERS)
         self.final_norm = RMSNorm(cfg.embed, cfg.norm_eps, offset=cfg.norm_offset)
         if not cfg.tie_embeddings:
             self.head = normal_param(rngs, (cfg.embed, cfg.vocab), ("embed", "vocab"), cfg.embed**-0.5)
@@ -395,23 +381,48 @@ class Llama(nnx.Module):
         if positions is None:
             positions = np.arange(tokens.shape[1])  # a constant: kernels can see the order
         x = self.embed(tokens, positions, packing)
-        x, stats = self.run_layers(self.filled_blocks(), x, positions, packing, self.layer_kinds(self.cfg))
-        return self.logits(x), stats
+        runs, stats = self.cfg.layer_runs(), []
+        for stack, first, count in runs[1:] if runs[0][0] == "prefix" else runs:  # (embed ran a leading prefix)
+            x, run_stats = self.run_stack(stack, first, count, x, positions, packing)
+            stats += [run_stats] if stack == "blocks" else []
+        return self.logits(x), joined(stats)
+
+    def run_stack(self, stack: str, first: int, count: int, x: jax.Array, positions: jax.Array,
+                  packing: Packing | None = None) -> tuple[jax.Array, dict]:
+        """Run steps first to first + count of a stack (`LlamaConfig.layer_runs`)."""
+        if stack == "prefix":  # (their adapters' dropout draws come after the stacked blocks')
+            layers = jnp.arange(first, first + count) + self.cfg.stacked_layers if dropping() else None
+            return self.run_layers(steps_of(self.prefix, first, count), x, positions, packing, layers=layers,
+                                   axis=PREFIX_LAYERS)
+        kinds = self.layer_kinds(self.cfg)
+        return self.run_layers(steps_of(self.filled_blocks(), first, count), x, positions, packing,
+                               None if kinds is None else kinds[first:first + count],
+                               jnp.arange(first, first + count) if first else None)
 
     def filled_blocks(self) -> Block | MoEGroup:
         """The stacked blocks less their empty steps (`LlamaConfig.empty_layers`), which
         only pipeline stages of equal depth need."""
         if not self.cfg.empty_layers:
             return self.blocks
-        return _each_stacked(self.blocks, lambda a: a[:self.cfg.layer_steps])
+        return each_stacked(self.blocks, lambda a: a[:self.cfg.layer_steps])
 
     # The three parts of `forward`, for a trainer that runs the layers elsewhere (e.g. in
     # pipeline stages): the embedding, any slice of the stacked layers, the output head.
 
     def embed(self, tokens: jax.Array, positions: jax.Array | None = None, packing: Packing | None = None
               ) -> jax.Array:
-        """What the stacked layers receive (`positions` and `packing` as `forward`'s: a
-        family that runs layers before the stacked ones reads them)."""
+        """What the stacked layers receive: the embedding, then the dense layers before the
+        first stacked one, if any (`LlamaConfig.layer_runs`; pipeline stages take the stacked
+        blocks after it). `positions` and `packing` as `forward`'s."""
+        x = self.lookup(tokens)
+        stack, first, count = self.cfg.layer_runs()[0]
+        if stack != "prefix":
+            return x
+        positions = np.arange(tokens.shape[1]) if positions is None else positions
+        return self.run_stack(stack, first, count, x, positions, packing)[0]
+
+    def lookup(self, tokens: jax.Array) -> jax.Array:
+        """The tokens' embeddings."""
         # A lookup has no FLOPs to save: rows are read (and their gradient summed) in float32.
         x = jnp.take(weight(self.embedding, jnp.float32), tokens, axis=0)
         if self.cfg.pad_token is not None:  # transformers' padding_idx: no gradient to that row from here
@@ -475,17 +486,21 @@ class Llama(nnx.Module):
 
         # The cache is carried through the layers whole and written in place (a slice of it
         # per layer would be copied out and back at every token).
-        @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=nnx.Carry, transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def over_layers(carry: tuple[jax.Array, dict], unit: Block | MoEGroup, i: jax.Array):
-            x, cache = carry
-            kinds = self.layer_kinds(self.cfg)
-            local = None if kinds is None else jnp.asarray(kinds)[i]
-            for j, block in enumerate(unit.blocks if isinstance(unit, MoEGroup) else [unit]):
-                x, cache = block.decode(x, positions, cache, (i, j), at, local)
-            return x, cache
+        cfg, kinds = self.cfg, self.layer_kinds(self.cfg)
+        x = self.lookup(tokens)
+        for stack, first, count in cfg.layer_runs():
+            @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=nnx.Carry,
+                      transform_metadata={nnx.PARTITION_NAME: PREFIX_LAYERS if stack == "prefix" else "layers"})
+            def over_layers(carry: tuple[jax.Array, dict], unit: Block | MoEGroup, i: jax.Array):
+                x, cache = carry
+                local = None if kinds is None else jnp.asarray(kinds)[i]
+                for j, block in enumerate(unit.blocks if isinstance(unit, MoEGroup) else [unit]):
+                    x, cache = block.decode(x, positions, cache, (i, j), at, local)
+                return x, cache
 
-        steps = cache["k"].shape[0]
-        x, cache = over_layers((self.embed(tokens), cache), self.filled_blocks(), jnp.arange(steps))
+            units = steps_of(self.prefix if stack == "prefix" else self.filled_blocks(), first, count)
+            cache_steps = np.array(cfg.stack_layers(stack)[first:first + count]) // cfg.layers_per_step
+            x, cache = over_layers((x, cache), units, jnp.asarray(cache_steps))
         return self.logits(x), cache
 
     def logits(self, x: jax.Array) -> jax.Array:

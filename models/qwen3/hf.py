@@ -4,8 +4,9 @@ Llama's config.json and tensors, and each layer's `self_attn.q_norm` and `self_a
 Qwen3-MoE: `num_experts` experts of width `moe_intermediate_size` (router `mlp.gate`,
 experts `mlp.experts.N.{gate,up,down}_proj`), softmax scores and top-k, renormalized over
 the k when `norm_topk_prob`; every `decoder_sparse_step`-th layer is MoE, the others dense
-of width `intermediate_size`. Layers listed in `mlp_only_layers` (published configs list
-none) and sliding windows (published configs switch them off) are refused."""
+of width `intermediate_size`, and so are the layers listed in `mlp_only_layers` (published
+configs list none; with MoE in every other layer: a stack of their own, models.llama's
+`prefix`). Sliding windows (published configs switch them off) are refused."""
 
 from __future__ import annotations
 
@@ -39,8 +40,13 @@ MOE_RULES = (
          "{num_experts_per_tok} is more than num_experts"),
     Rule("decoder_sparse_step", lambda v: v["num_hidden_layers"] % v["decoder_sparse_step"] == 0,
          "{decoder_sparse_step} does not divide num_hidden_layers {num_hidden_layers}"),
-    Rule("mlp_only_layers", lambda v: not v["mlp_only_layers"],
-         "must be empty (got {mlp_only_layers}): only every decoder_sparse_step-th layer's kind is reproduced"),
+    Rule("mlp_only_layers", lambda v: all(type(i) is int and 0 <= i < v["num_hidden_layers"]
+                                          for i in v["mlp_only_layers"] or ()),
+         "must list layers of 0 to num_hidden_layers - 1 (num_hidden_layers {num_hidden_layers})"),
+    Rule("mlp_only_layers", lambda v: len(set(v["mlp_only_layers"] or ())) < v["num_hidden_layers"],
+         "lists every layer: a model without experts is a Qwen3ForCausalLM"),
+    Rule("mlp_only_layers", lambda v: not v["mlp_only_layers"] or v["decoder_sparse_step"] == 1,
+         "is reproduced with MoE in every other layer (decoder_sparse_step 1), not {decoder_sparse_step}"),
 )
 EXPERTS = ExpertNames("mlp.gate.weight", "mlp.experts.{j}.gate_proj.weight", "mlp.experts.{j}.up_proj.weight",
                       "mlp.experts.{j}.down_proj.weight")
@@ -66,18 +72,19 @@ def config_from_hf(hf: dict) -> Qwen3Config:
         experts=v["num_experts"] or v["num_local_experts"], top_k=v["num_experts_per_tok"],
         expert_mlp=v["moe_intermediate_size"], every=v["decoder_sparse_step"], normalize_top_k=v["norm_topk_prob"],
         balance_loss="pooled", z_loss_weight=0.0,
-        aux_loss_weight=QWEN3_MOE_AUX_LOSS_COEF if coef is None else float(coef)))
+        aux_loss_weight=QWEN3_MOE_AUX_LOSS_COEF if coef is None else float(coef)),
+        mlp_only_layers=tuple(sorted(set(v["mlp_only_layers"] or ()))))
 
 
 def config_to_hf(cfg: Qwen3Config) -> dict:
-    hf = llama.config_to_hf(dataclasses.replace(cfg, moe=None)) | {
+    hf = llama.config_to_hf(dataclasses.replace(cfg, moe=None, mlp_only_layers=())) | {
         "architectures": [DENSE], "model_type": "qwen3", "use_sliding_window": False, "sliding_window": None}
     del hf["mlp_bias"]  # not a Qwen3 field
     if cfg.moe:
         m = cfg.moe
         hf |= {"architectures": [MOE], "model_type": "qwen3_moe", "num_experts": m.experts,
                "num_experts_per_tok": m.top_k, "moe_intermediate_size": m.expert_mlp, "norm_topk_prob": m.normalize_top_k,
-               "decoder_sparse_step": m.every, "mlp_only_layers": [], "router_aux_loss_coef": m.aux_loss_weight}
+               "decoder_sparse_step": m.every, "mlp_only_layers": list(cfg.mlp_only_layers), "router_aux_loss_coef": m.aux_loss_weight}
     return hf
 
 

@@ -122,6 +122,10 @@ def check_pipeline(cfg, shape: Mapping[str, int], model_cfg: LlamaConfig, for_tr
             raise UserError("--pp-schedule, --pp-repeats and --microbatches need a pp axis (e.g. --mesh pp=2,dp=4)")
         return None
     schedule = Schedule.of(cfg, p)
+    if not model_cfg.dense_prefix_only:
+        raise UserError(f"model {cfg.model_name}: pipeline stages take its MoE layers as one stack, after the dense "
+                        f"ones, but dense layers {list(model_cfg.dense_positions)} stand between MoE layers; "
+                        "lay it out without pp")
     layers = model_cfg.stacked_layers  # what the stages split (a prefix of layers runs before them)
     real = layers - model_cfg.empty_layers
     what = (f"{real} layers" if real == model_cfg.layers else

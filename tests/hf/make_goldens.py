@@ -9,7 +9,8 @@ small enough to commit (tens of kB) and has every feature the loader reads: GQA,
 sharded checkpoint with its index, tied embeddings with Llama 3.1 rope scaling (set so
 that all three frequency bands occur within the sequence), a Mixtral MoE, a Qwen3 (query
 and key norms, its own head size, tied), a Qwen2 (q/k/v biases), a Mistral (a sliding
-window), a Qwen3-MoE (dense and MoE layers), a Gemma 3 (sliding and global layers) and two
+window), two Qwen3-MoEs (dense and MoE layers: every other one, and at the
+layers mlp_only_layers lists), a Gemma 3 (sliding and global layers) and two
 DeepSeek-V3s (latent attention with and without a query rank, a dense prefix, grouped
 routing with a selection bias, YaRN).
 
@@ -64,6 +65,10 @@ GOLDENS = {
     "qwen3-moe": (Qwen3MoeForCausalLM, Qwen3MoeConfig(**SHAPE, moe_intermediate_size=32, num_experts=4,
                                                      num_experts_per_tok=2, decoder_sparse_step=2,
                                                      norm_topk_prob=False, rope_theta=1000000.0), None),
+    # Dense layers among MoE ones (mlp_only_layers): dense, MoE, dense, MoE; top-k renormalized.
+    "qwen3-moe-dense": (Qwen3MoeForCausalLM, Qwen3MoeConfig(
+        **(SHAPE | dict(num_hidden_layers=4)), moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+        decoder_sparse_step=1, mlp_only_layers=[0, 2], norm_topk_prob=True, rope_theta=1000000.0), None),
     # Sliding, sliding, global, sliding (pattern 3: pipeline stages of 2 layers hold
     # different kinds); a window of 6; linear rope scaling on the global layer; a query
     # scale that is not the head size.
