@@ -1,4 +1,4 @@
-"""The Gemma 3 family (text): Llama's module with Gemma's choices switched on (`model`),
+"""The Gemma 3 family (text): its config and its parts over Llama's (`model`),
 its Hugging Face layout (`hf`), its named shapes (`presets`)."""
 
 from models.gemma3 import hf

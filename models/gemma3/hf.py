@@ -122,8 +122,7 @@ def _integral(x: float) -> int | float:
 
 def supported(cfg: Gemma3Config) -> str | None:
     """Why our config has no Hugging Face equivalent (None: it has one)."""
-    gemma = (cfg.qk_norm and cfg.norm_offset and cfg.sandwich_norms and cfg.embed_scale
-             and cfg.activation == "gelu_tanh" and cfg.layer_types is not None and cfg.window is not None
+    gemma = (cfg.qk_norm and cfg.layer_types is not None and cfg.window is not None
              and cfg.query_scale is not None and cfg.local_rope_theta is not None)
     if cfg.moe or cfg.qkv_bias or cfg.rope_scaling or not gemma:
         return "Gemma3ForCausalLM is dense, with Gemma's norms, GeGLU, sliding and global layers"

@@ -27,6 +27,12 @@ class RopeScaling:
         return dataclasses.replace(self, factor=factor)
 
 
+# Gemma 3's choices, fields of every family's config before they moved to models.gemma3, at
+# the values that leave them off: a run saved then holds them so.
+GEMMA_FIELDS_OFF = {"layer_types": None, "local_rope_theta": None, "rope_linear_factor": 1.0, "query_scale": None,
+                    "norm_offset": False, "sandwich_norms": False, "activation": "silu", "embed_scale": False}
+
+
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
     vocab: int
@@ -44,15 +50,6 @@ class LlamaConfig:
     qk_norm: bool = False  # RMSNorm of each query and key head before the rotation (Qwen3)
     window: int | None = None  # sliding window of every layer's attention: a query sees this many keys (Mistral)
     qkv_bias: bool = False  # biases on the query, key and value projections, not the output's (Qwen2)
-    # Gemma 3's choices (models/gemma3):
-    layer_types: tuple[str, ...] | None = None  # per layer, "sliding_attention" (the window) or "full_attention"
-    local_rope_theta: float | None = None  # the rope base of the sliding layers (None: rope_theta)
-    rope_linear_factor: float = 1.0  # positions slowed by this on the full-attention layers (linear rope scaling)
-    query_scale: float | None = None  # scores scaled by query_scale ** -0.5 (query_pre_attn_scalar; None: head_dim)
-    norm_offset: bool = False  # RMSNorm scales by 1 + its weight, which starts at 0
-    sandwich_norms: bool = False  # a norm after attention and after the MLP too, before each residual sum
-    activation: str = "silu"  # of the gated MLP: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
-    embed_scale: bool = False  # embeddings times sqrt(embed)
     # config.json's pad_token_id: transformers builds the embedding with padding_idx=pad_token_id,
     # so that row gets no gradient from the lookup (a tied head still trains it); so here.
     pad_token: int | None = None
@@ -61,6 +58,7 @@ class LlamaConfig:
     # depth that does not divide into them (spmd.run.config's --empty-layers): they have
     # weights, which nothing trains or exports, and stages run them without effect.
     empty_layers: int = 0
+    NORMS_PER_BLOCK = 2  # (not a field) before attention and before the MLP; a family's blocks may have more
     # In an MoE model with MoE in every layer (moe.every 1): the layers whose feed-forward is
     # dense (Qwen3-MoE's mlp_only_layers), at any positions. They are a stack of their own
     # (`dense_positions`), run in the model's order between runs of the MoE stack.
@@ -80,12 +78,15 @@ class LlamaConfig:
     def from_dict(cls, d: dict) -> LlamaConfig:
         """The config of `dataclasses.asdict(config)` (as a run saves it)."""
         values = dict(d)
+        names = {f.name for f in dataclasses.fields(cls)}
+        for name, value in GEMMA_FIELDS_OFF.items():  # (a run saved when every family had them)
+            if name not in names and values.get(name, value) == value:
+                values.pop(name, None)
         for name, nested in (("rope_scaling", RopeScaling), ("moe", MoEConfig)):
             if values.get(name) is not None:
                 values[name] = nested(**values[name])
-        for name in ("layer_types", "mlp_only_layers"):  # saved as lists; a config is hashable
-            if values.get(name) is not None:
-                values[name] = tuple(values[name])
+        if values.get("mlp_only_layers") is not None:  # saved as a list; a config is hashable
+            values["mlp_only_layers"] = tuple(values["mlp_only_layers"])
         return cls(**values)
 
     def _frequencies(self, theta: float) -> np.ndarray:
@@ -94,21 +95,15 @@ class LlamaConfig:
         return np.float32(1.0) / np.float32(theta) ** exponent
 
     @property
-    def local_rope_frequencies(self) -> np.ndarray:
-        """The sliding layers' angles per position (they have no scaling)."""
-        return self._frequencies(self.local_rope_theta or self.rope_theta)
-
-    @property
     def local_layers(self) -> np.ndarray | None:
-        """Per layer, whether it is a sliding one (None: every layer alike, windowed if `window`)."""
-        return None if self.layer_types is None else np.array([t == "sliding_attention" for t in self.layer_types])
+        """Per layer, whether it is a sliding one, where layers differ in kind (a family's
+        layer pattern: models.gemma3); None: every layer alike, windowed if `window`."""
+        return None
 
     @property
     def rope_frequencies(self) -> np.ndarray:
         """Angle per position of each rotated pair (head_dim / 2,), float32."""
         freqs = self._frequencies(self.rope_theta)
-        if self.rope_linear_factor != 1.0:
-            freqs = (freqs / np.float32(self.rope_linear_factor)).astype(np.float32)
         r = self.rope_scaling
         if r is None:
             return freqs
@@ -126,7 +121,7 @@ class LlamaConfig:
         w - w^2 / 2 seq under a window w (w for most queries, fewer for the first w)."""
         w = min(self.window or seq, seq)
         windowed = w - w * w / (2 * seq)
-        if self.layer_types is None:
+        if self.local_layers is None:
             return windowed
         local = float(np.mean(self.local_layers))
         return local * windowed + (1 - local) * seq / 2
@@ -241,7 +236,7 @@ class LlamaConfig:
         attn = ((self.embed + self.qkv_bias) * self.head_dim * (self.heads + 2 * self.kv_heads)
                 + self.embed * self.heads * self.head_dim + 2 * self.head_dim * self.qk_norm)
         dense = self.layers - self.moe_layers
-        norms = (4 if self.sandwich_norms else 2) * self.embed
+        norms = self.NORMS_PER_BLOCK * self.embed
         blocks = self.layers * (attn + norms) + dense * 3 * self.embed * self.mlp
         if self.moe:
             per_layer = self.moe.active_per_layer if active else self.moe.params_per_layer

@@ -14,7 +14,6 @@ here knows about meshes, devices or parallel strategies.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import jax
@@ -99,6 +98,8 @@ def rotary(x: jax.Array, positions: jax.Array, freqs: np.ndarray) -> jax.Array:
 
 
 class Attention(nnx.Module):
+    NORM = RMSNorm  # of the query and key heads (a family's blocks may norm otherwise: models.gemma3)
+
     def __init__(self, cfg: LlamaConfig, dtype, rngs: nnx.Rngs, lora: LoRA | None = None):
         e, h, k, d = cfg.embed, cfg.heads, cfg.kv_heads, cfg.head_dim
         # Queries; keys and values in one projection ([:, :, 0] keys, [:, :, 1] values).
@@ -112,8 +113,8 @@ class Attention(nnx.Module):
             self.bq = _zeros((h, d), ("heads", "head_dim"))
             self.bkv = _zeros((k, 2, d), ("kv_heads", None, "head_dim"))
         if cfg.qk_norm:  # one scale per head dimension, shared by every head
-            self.q_norm = RMSNorm(d, cfg.norm_eps, ("head_dim",), cfg.norm_offset)
-            self.k_norm = RMSNorm(d, cfg.norm_eps, ("head_dim",), cfg.norm_offset)
+            self.q_norm = self.NORM(d, cfg.norm_eps, ("head_dim",))
+            self.k_norm = self.NORM(d, cfg.norm_eps, ("head_dim",))
         embed, kv = ((e,), ("embed",)), ((k, d), ("kv_heads", "head_dim"))
         for target, (inputs, in_names), (outputs, out_names) in (
                 ("q_proj", embed, ((h, d), ("heads", "head_dim"))), ("k_proj", embed, kv), ("v_proj", embed, kv),
@@ -126,7 +127,7 @@ class Attention(nnx.Module):
                  local: jax.Array | None = None) -> jax.Array:
         """`positions` (seq,): the columns' order; `packing`: the examples of packed rows
         (their positions are what the rotation reads); `local`: whether this layer is a
-        sliding one, where layers differ (`LlamaConfig.layer_types`)."""
+        sliding one, where layers differ (`LlamaConfig.local_layers`)."""
         segments = None if packing is None else packing.segments
         q, k, v = self._project(x, positions if packing is None else packing.positions, local)
         if local is None:
@@ -193,14 +194,20 @@ class Attention(nnx.Module):
         k, v = (_adapted(self, w, x, target, c) for w, target in ((k, "k_proj"), (v, "v_proj")))
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        freqs = cfg.rope_frequencies if local is None else jnp.where(local, cfg.local_rope_frequencies,
-                                                                     cfg.rope_frequencies)
-        if cfg.query_scale is not None:  # the kernels divide by sqrt(head_dim): the scale asked for, in its place
-            q = q * np.float32(math.sqrt(cfg.head_dim / cfg.query_scale)).astype(q.dtype)
+        freqs = self._frequencies(local)
+        q = self._scaled(q)
         q = constrain(rotary(q, positions, freqs), "batch", "seq", "heads", "head_dim")
         k = constrain(rotary(k, positions, freqs), "batch", "seq", "kv_heads", "head_dim")
         v = constrain(v, "batch", "seq", "kv_heads", "head_dim")
         return q.reshape(b, s, slots, per_slot, cfg.head_dim), k, v
+
+    def _frequencies(self, local: jax.Array | None) -> jax.Array:
+        """The rotation's angle per position of each pair, in a layer of kind `local`."""
+        return self.cfg.rope_frequencies
+
+    def _scaled(self, q: jax.Array) -> jax.Array:
+        """The queries as the kernels take them (they divide the scores by sqrt(head_dim))."""
+        return q
 
     def _output(self, out: jax.Array) -> jax.Array:
         b, s = out.shape[:2]
@@ -219,12 +226,11 @@ def _adapted(module: nnx.Module, y: jax.Array, x: jax.Array, target: str, copies
     return y + (jnp.repeat(delta, copies, axis=2) if copies > 1 else delta)
 
 
-# The gated MLP's activations: SwiGLU's, and GeGLU's with tanh-approximated GELU (Gemma's).
-ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
-
-
 class SwiGLU(nnx.Module):
-    """The gated MLP: act(x gate) * (x up), down (`LlamaConfig.activation`)."""
+    """The gated MLP: act(x gate) * (x up), down; act SiLU (a family may gate otherwise:
+    models.gemma3's GeGLU)."""
+
+    ACTIVATION = staticmethod(jax.nn.silu)
 
     def __init__(self, cfg: LlamaConfig, dtype, rngs: nnx.Rngs, lora: LoRA | None = None):
         e, m = cfg.embed, cfg.mlp
@@ -235,7 +241,7 @@ class SwiGLU(nnx.Module):
         for target, inputs, outputs in (("gate_proj", embed, mlp), ("up_proj", embed, mlp), ("down_proj", mlp, embed)):
             if lora and lora.adapts(target):
                 setattr(self, f"lora_{target}", Adapter(lora, target, *inputs, *outputs, rngs))
-        self.dtype, self.activation = dtype, cfg.activation
+        self.dtype = dtype
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dt = self.dtype
@@ -243,26 +249,26 @@ class SwiGLU(nnx.Module):
         # Split, not indexed: the backward pass joins the two gradients instead of adding zero-padded copies.
         gate, up = (part.squeeze(2) for part in jnp.split(gate_up, 2, axis=2))
         gate, up = _adapted(self, gate, x, "gate_proj"), _adapted(self, up, x, "up_proj")
-        hidden = constrain(ACTIVATIONS[self.activation](gate) * up, "batch", "seq", "mlp")
+        hidden = constrain(self.ACTIVATION(gate) * up, "batch", "seq", "mlp")
         return _adapted(self, jnp.einsum("bsm,me->bse", hidden, weight(self.down, dt)), hidden, "down_proj")
 
 
 
 class Block(nnx.Module):
-    """Attention then a feed-forward layer: SwiGLU, or a mixture of experts (`routing`).
-    With `sandwich_norms` (Gemma 3) each one's output is normed too before it is added."""
+    """Attention then a feed-forward layer: SwiGLU, or a mixture of experts (`routing`),
+    each after a norm. A family whose blocks differ subclasses it and names its parts
+    (models.deepseek3's attention, models.gemma3's norms and MLP)."""
 
-    ATTENTION = Attention  # a family with attention of its own subclasses the block (models.deepseek3)
+    ATTENTION = Attention
+    MLP = SwiGLU
+    NORM = RMSNorm
 
     def __init__(self, cfg: LlamaConfig, dtype, rngs: nnx.Rngs, routing: Routing | None = None,
                  lora: LoRA | None = None):
-        norm = functools.partial(RMSNorm, cfg.embed, cfg.norm_eps, offset=cfg.norm_offset)
-        self.attn_norm = norm()
+        self.attn_norm = self.NORM(cfg.embed, cfg.norm_eps)
         self.attn = self.ATTENTION(cfg, dtype, rngs, lora)
-        self.mlp_norm = norm()
-        self.mlp = SwiGLU(cfg, dtype, rngs, lora) if routing is None else MoE(cfg.embed, cfg.moe, routing, dtype, rngs)
-        if cfg.sandwich_norms:
-            self.post_attn_norm, self.post_mlp_norm = norm(), norm()
+        self.mlp_norm = self.NORM(cfg.embed, cfg.norm_eps)
+        self.mlp = self.MLP(cfg, dtype, rngs, lora) if routing is None else MoE(cfg.embed, cfg.moe, routing, dtype, rngs)
 
     def __call__(self, x: jax.Array, positions: jax.Array, packing: Packing | None = None,
                  local: jax.Array | None = None) -> tuple[jax.Array, dict]:
@@ -289,17 +295,19 @@ class Block(nnx.Module):
         return constrain(x + self._post(y, "post_mlp_norm"), "batch", "seq", "embed"), cache
 
     def _post(self, y: jax.Array, norm: str) -> jax.Array:
-        """A sublayer's output as added to the residual stream (normed, with sandwich norms)."""
-        return getattr(self, norm)(y) if hasattr(self, norm) else y
+        """A sublayer's output as added to the residual stream (`norm`: the norm a block with
+        sandwich norms applies first)."""
+        return y
 
 
 class MoEGroup(nnx.Module):
     """moe.every layers: every-1 dense blocks, then one MoE block (the unit that is stacked
     and scanned in an MoE model, so every scan step has the same structure)."""
 
-    def __init__(self, cfg: LlamaConfig, dtype, rngs: nnx.Rngs, routing: Routing, lora: LoRA | None = None):
-        self.dense = nnx.List([Block(cfg, dtype, rngs, lora=lora) for _ in range(cfg.moe.every - 1)])
-        self.moe = Block(cfg, dtype, rngs, routing, lora)
+    def __init__(self, cfg: LlamaConfig, dtype, rngs: nnx.Rngs, routing: Routing, lora: LoRA | None = None,
+                 block: type[Block] = Block):
+        self.dense = nnx.List([block(cfg, dtype, rngs, lora=lora) for _ in range(cfg.moe.every - 1)])
+        self.moe = block(cfg, dtype, rngs, routing, lora)
 
     def __call__(self, x: jax.Array, positions: jax.Array, packing: Packing | None = None) -> tuple[jax.Array, dict]:
         first = current_layer() * len(self.blocks)  # the group's first layer (for adapters' dropout)
@@ -324,6 +332,9 @@ class Llama(nnx.Module):
     # it (spmd.planner.theory: zb-v's input-gradient pass computes their gradients).
     RECOMPUTED_INPUT_WEIGHTS: tuple[str, ...] = ()
     LOOKUP_TABLE = "embedding"  # read by row lookups (in float32: a lookup has no FLOPs to save)
+    # A family's parts: its block (models.gemma3's), and whether embeddings are scaled by sqrt(embed).
+    BLOCK = Block
+    EMBED_SCALE = False
 
     @staticmethod
     def decays(path: tuple[str, ...]) -> bool:
@@ -358,12 +369,14 @@ class Llama(nnx.Module):
 
         # Stacked along a leading "layers" axis: blocks, or groups of blocks in an MoE model;
         # an MoE model's dense layers at other positions (`dense_positions`) in a stack of their own.
-        make = (lambda r: MoEGroup(cfg, dtype, r, routing, lora)) if cfg.moe else (lambda r: Block(cfg, dtype, r, lora=lora))
+        block = self.BLOCK
+        make = (lambda r: MoEGroup(cfg, dtype, r, routing, lora, block)) if cfg.moe else (
+            lambda r: block(cfg, dtype, r, lora=lora))
         self.blocks = with_empty_steps(stack_of(make, rngs, cfg.layer_steps, "layers"), cfg)
         if cfg.dense_positions:
-            self.prefix = stack_of(lambda r: Block(cfg, dtype, r, lora=lora), rngs, len(cfg.dense_positions),
+            self.prefix = stack_of(lambda r: block(cfg, dtype, r, lora=lora), rngs, len(cfg.dense_positions),
                                    PREFIX_LAYERS)
-        self.final_norm = RMSNorm(cfg.embed, cfg.norm_eps, offset=cfg.norm_offset)
+        self.final_norm = self.BLOCK.NORM(cfg.embed, cfg.norm_eps)
         if not cfg.tie_embeddings:
             self.head = normal_param(rngs, (cfg.embed, cfg.vocab), ("embed", "vocab"), cfg.embed**-0.5)
 
@@ -427,7 +440,7 @@ class Llama(nnx.Module):
         x = jnp.take(weight(self.embedding, jnp.float32), tokens, axis=0)
         if self.cfg.pad_token is not None:  # transformers' padding_idx: no gradient to that row from here
             x = jnp.where((tokens == self.cfg.pad_token)[..., None], jax.lax.stop_gradient(x), x)
-        if self.cfg.embed_scale:
+        if self.EMBED_SCALE:
             x = x * np.float32(math.sqrt(self.cfg.embed))
         return constrain(x.astype(self.dtype), "batch", "residual_seq", "embed")
 
