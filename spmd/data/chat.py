@@ -54,6 +54,9 @@ class ChatTemplate:
             self._template = env.from_string(_counting_loops(env.parse(source)))
         except jinja2.TemplateError as exc:
             raise UserError(f"{where}: the chat template does not compile ({first_line(exc)})") from None
+        except (RecursionError, MemoryError):
+            raise UserError(f"{where}: the chat template does not compile (nested deeper than the compiler "
+                            "goes)") from None
 
     def for_training(self) -> ChatTemplate:
         """The template chat records train through: spmd's training variant of a published
@@ -163,17 +166,105 @@ def _counting_loops(ast):
 
 
 MAX_POWER_BITS = 1 << 16  # of an integer power: templates count; they do not compute
+_WIDTHS = re.compile(r"[0-9]+")  # a printf or format specification's widths and precisions (and any number)
+
+
+def _filter_counted(name: str, func):
+    """A filter (jinja2's, run as plain Python) counted as the sandbox counts a call: its
+    arguments' characters and items read, what it would make refused before it is made
+    (`_made_by`), and an iterator it returns counted item by item as a loop's."""
+    passed = getattr(func, "jinja_pass_arg", None) is not None  # (its first argument the context or environment)
+
+    @functools.wraps(func)  # (keeps that mark)
+    def counted(*args, **kwargs):
+        if (rendering := _RENDERING.get()) is None:
+            # Compiling: jinja2 computes a filter of literals there, where nothing counts
+            # (its output nodes' constants); refused, it is computed while rendering.
+            raise _OverBound("computed while rendering")
+        rendering.step(CALL_STEPS + sum(map(_reading_steps, (*args, *kwargs.values()))))
+        made = _made_by(name, list(args[passed:]), kwargs)
+        if name == "wordwrap":  # (Python's textwrap takes about as many steps a character as the width is short)
+            rendering.step(50 * made)
+        else:
+            rendering.holds(made)
+        value = func(*args, **kwargs)
+        if not isinstance(value, (str, list, tuple, dict)) and hasattr(value, "__next__"):
+            return _counted(value)  # (map, select, reject: made as they are read)
+        return _charged(value)
+    return counted
+
+
+def _reading_steps(value) -> int:
+    """A filter's steps to read `value`: a step per CHARS_PER_STEP characters, an item a step."""
+    if isinstance(value, str):
+        return len(value) // CHARS_PER_STEP
+    return len(value) if isinstance(value, (list, tuple, dict, range, set, frozenset)) else 0
+
+
+def _made_by(name: str, args: list, kwargs: dict) -> int:
+    """At least how many characters (or items) filter `name` makes of `args` (its value
+    first): the filters whose output can outgrow their input by an argument."""
+    def arg(i, key, default=None):
+        return args[i] if len(args) > i else kwargs.get(key, default)
+
+    value = arg(0, "value")
+    size = len(value) if isinstance(value, (str, list, tuple, dict, range)) else 0
+    number = lambda x: x if isinstance(x, int) else len(x) if isinstance(x, str) else 0  # noqa: E731
+    if name == "join":
+        return size * number(arg(1, "d", ""))
+    if name == "center":
+        return number(arg(1, "width", 80))
+    if name == "indent" and isinstance(value, str):
+        return number(arg(1, "width", 4)) * (value.count("\n") + 1)
+    if name in ("batch", "slice"):
+        return number(arg(1, "linecount" if name == "batch" else "slices", 0))
+    if name == "replace" and isinstance(value, str):
+        return _replaced_size(value, arg(1, "old", ""), arg(2, "new", ""))
+    if name == "format" and isinstance(value, str):
+        return max(map(int, _WIDTHS.findall(value)), default=0)
+    if name == "wordwrap":
+        return size // max(number(arg(1, "width", 79)), 1)
+    if name == "tojson":
+        return number(arg(2, "indent", None) or 0) * size
+    return 0
+
+
+def _replaced_size(text: str, old, new) -> int:
+    if not isinstance(old, str) or not isinstance(new, str):
+        return 0
+    return len(text) + (len(text) + 1 if old == "" else text.count(old)) * len(new)
+
+
+def _made_by_method(obj, args: tuple) -> int:
+    """At least how many characters a string method called by the template makes."""
+    text, name = getattr(obj, "__self__", None), getattr(obj, "__name__", "")
+    if not isinstance(text, str):
+        return 0
+    if name == "replace" and len(args) >= 2:
+        return _replaced_size(text, args[0], args[1])
+    if name in ("center", "ljust", "rjust", "zfill") and args and isinstance(args[0], int):
+        return args[0]
+    if name == "join" and args and isinstance(args[0], (list, tuple, range, str)):
+        return len(text) * len(args[0])
+    if name == "expandtabs":
+        return text.count("\t") * (args[0] if args and isinstance(args[0], int) else 8)
+    if name in ("format", "format_map"):
+        return max(map(int, _WIDTHS.findall(text)), default=0)
+    return 0
 
 
 def _bounded_binop(operator: str, left, right) -> None:
-    """A repetition or a power whose result would exceed the rendering's bounds is refused
-    before it is made (`'x' * 10**9`, `2 ** 2 ** 40`: one operation, any time or memory).
-    (The sandbox folds no constant of these operators when it compiles: they are always
-    computed while rendering.)"""
+    """A repetition, a printf-style format or a power whose result would exceed the
+    rendering's bounds is refused before it is made (`'x' * 10**9`, `'%999999999s' % x`,
+    `2 ** 2 ** 40`: one operation, any time or memory). (The environment folds no constant
+    when it compiles: every operation and filter is computed, and counted, while rendering.)"""
     if operator == "*":
         for seq, times in ((left, right), (right, left)):
             if isinstance(seq, (str, list, tuple)) and isinstance(times, int) and (rendering := _RENDERING.get()):
                 rendering.holds(len(seq) * times)
+    elif operator == "%":  # printf-style formatting: its widths and precisions
+        if isinstance(left, str) and (rendering := _RENDERING.get()):
+            rendering.holds(max(map(int, _WIDTHS.findall(left)), default=0))
     elif isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and \
             right * abs(left).bit_length() > MAX_POWER_BITS:
         raise _OverBound(f"computes a power of more than {MAX_POWER_BITS:,} bits ({left} ** {right})")
@@ -200,9 +291,12 @@ def _environment():
         def fromkeys(self, *args, **kwargs):
             return dict.fromkeys(*args, **kwargs)
 
-    env = _bounded_sandbox()(trim_blocks=True, lstrip_blocks=True,
-                                   extensions=[_generation_blocks(), jinja2.ext.loopcontrols])
+    # Not optimized: jinja2's optimizer computes constant expressions as it compiles (a
+    # filter of literals), where nothing is counted; here they are computed while rendering.
+    env = _bounded_sandbox()(trim_blocks=True, lstrip_blocks=True, optimized=False,
+                             extensions=[_generation_blocks(), jinja2.ext.loopcontrols])
     env.filters["tojson"] = tojson
+    env.filters.update({name: _filter_counted(name, f) for name, f in env.filters.items()})
     env.globals.update(raise_exception=raise_exception, dict=Dict(), namespace=_namespace(),
                        strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt))
     return env
@@ -260,7 +354,7 @@ def _bounded_sandbox():
     import jinja2.sandbox
 
     class Bounded(jinja2.sandbox.ImmutableSandboxedEnvironment):
-        intercepted_binops = frozenset({"*", "**"})
+        intercepted_binops = frozenset({"*", "**", "%"})
 
         @staticmethod
         def counted(items):
@@ -268,6 +362,8 @@ def _bounded_sandbox():
 
         def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - the sandbox's names, free for kwargs
             _step(CALL_STEPS)  # before the call: a macro that calls itself is counted on its way down
+            if (rendering := _RENDERING.get()) is not None:
+                rendering.holds(_made_by_method(__obj, args))
             if isinstance(__obj, jinja2.runtime.LoopContext) and args:  # a recursive loop's next level
                 args = (_counted(args[0]), *args[1:])
             return _charged(super().call(__context, __obj, *args, **kwargs))
