@@ -36,6 +36,8 @@ PREFIX = "lora_"  # an adapter's attribute name: lora_<target>, e.g. lora_q_proj
 _DROPOUT: contextvars.ContextVar = contextvars.ContextVar("lora_dropout", default=None)
 _LAYER: contextvars.ContextVar = contextvars.ContextVar("lora_layer", default=0)
 
+MAX_ALPHA = 1e6  # alpha / rank scales the adapters' output: far beyond any used, short of float32's overflow
+
 
 @dataclasses.dataclass(frozen=True)
 class LoRA:

@@ -103,6 +103,8 @@ class Routing:
         """Slots per expert per sequence (None: dropless)."""
         if self.dispatch == "dropless":
             return None
+        if self.capacity_factor * moe.top_k >= moe.experts:  # every token fits (and a huge factor stays a number)
+            return seq
         return min(seq, math.ceil(self.capacity_factor * seq * moe.top_k / moe.experts))
 
 

@@ -27,7 +27,10 @@ from spmd.base.signals import STOPPED
 from spmd.base.signals import serve as serve_signals
 
 # The flags' ranges (a seed has training's; the new tokens, with the prompt, make a sequence: --seq's).
-BOUNDS = {"max_new_tokens": Bounds(at_least=1, at_most=SEQ.at_most), "temperature": Bounds(at_least=0),
+# A temperature is 0 (greedy) or at least MIN_TEMPERATURE: float32 logits divided by less leave the numbers.
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-6, 1e6
+BOUNDS = {"max_new_tokens": Bounds(at_least=1, at_most=SEQ.at_most),
+          "temperature": Bounds(at_least=0, at_most=MAX_TEMPERATURE),
           "top_k": Bounds(at_least=0), "top_p": Bounds(above=0, at_most=1), "batch_size": Bounds(at_least=1),
           "seed": SEED}
 
@@ -72,6 +75,9 @@ def main(argv=None) -> int:
         with one_line_errors():
             args = parser.parse_args(argv)
             check_bounds(args, BOUNDS)
+            if 0 < args.temperature < MIN_TEMPERATURE:
+                raise UserError(f"--temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, "
+                                f"got {args.temperature:g}")
             # The library is imported once signals are served, before numpy starts its threads.
             from spmd.data.records import chat_prompt
             from spmd.data.tokenizer import check_vocab, load_tokenizer, load_tokenizer_directory

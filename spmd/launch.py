@@ -17,6 +17,7 @@ ones already started: one `error:` line, exit code 2.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import signal
 import socket
@@ -93,8 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     def forward(signum, frame):
         signalled.append(signum)
         for p in procs:
-            if p.poll() is None:
-                p.send_signal(signum)
+            _signal_group(p, signum)  # (a shell's children too)
 
     # Installed first: a Ctrl-C while the processes start reaches those started, and no more start.
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -114,7 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not procs:  # a signal came before the first process started
         print(f"error: {_signal_name(signalled[0])} before any process started", file=sys.stderr, flush=True)
         return 128 + signalled[0]
-    return wait(procs, args.grace)
+    return wait(procs, args.grace, signalled)
 
 
 def _why_not_started(exc: OSError, command: list[str], index: int, count: int, started: int) -> str:
@@ -142,16 +142,19 @@ def _signal_group(p: subprocess.Popen, signum: int) -> None:
             os.killpg(p.pid, signum)
 
 
-def wait(procs: list[subprocess.Popen], grace: float) -> int:
-    """Wait for every process; after the first failure, give the rest `grace` seconds."""
+def wait(procs: list[subprocess.Popen], grace: float, signalled: list[int] = ()) -> int:
+    """Wait for every process; after the first failure, or a signal passed on to them
+    (`signalled`), give the rest `grace` seconds."""
     failed: tuple[int, int] | None = None  # (process index, exit code)
     deadline = None
     # Every process is polled each time round (not up to the first one running): a failure
     # behind a process that runs on must start the grace period.
     while [p for p in procs if p.poll() is None]:
+        if signalled and deadline is None:
+            deadline = time.monotonic() + grace
         for i, p in enumerate(procs):
             if failed is None and p.returncode not in (None, 0):
-                failed, deadline = (i, p.returncode), time.monotonic() + grace
+                failed, deadline = (i, p.returncode), min(deadline or math.inf, time.monotonic() + grace)
         if deadline is not None and time.monotonic() > deadline:
             stop(procs, timeout=KILL_AFTER_S)
             break

@@ -19,6 +19,7 @@ import os
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 from helpers import run_cases, snapshot
 
@@ -168,6 +169,16 @@ TEMPLATES = {  # name -> (chat_template.jinja's text, fragment, also refused by 
         "{% macro f(n) %}{% if n > 0 %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}{{ f(60) }}",
         f"takes more than {MAX_STEPS:,} steps", False),
     "makes a value past the bound": ("{{ 'x' * 10**9 }}", "reaches a value of 1,000,000,000 characters", True),
+    # Filters and string methods, run as plain Python: counted, and what they make bounded first.
+    "a filter's work in a loop": ("{% for i in range(100000) %}{{ range(100000)|max }}{% endfor %}",
+                                  f"takes more than {MAX_STEPS:,} steps", True),
+    "a filter of literals past the bound": ("{{ 'x'|center(1000000000) }}",
+                                            "reaches a value of 1,000,000,000 characters", True),
+    "a join past the bound": ("{{ range(3400)|join('x' * 100000) }}", "reaches a value of 340,000,000", True),
+    "a string method past the bound": ("{% set s = 'x' * 10000 %}{{ s.replace('', s) }}", "reaches a value of", True),
+    "a printf width past the bound": ("{{ '%1000000000s' % 'x' }}", "reaches a value of 1,000,000,000", True),
+    "nested past the compiler": ("{{ " + "(" * 1000 + "1" + ")" * 1000 + " }}", "the chat template does not compile",
+                                 True),
     "an integer power past the bound": ("{{ 7 ** 1000000 }}", "", True),
     "renders past --max-record-bytes": ("{% for i in range(1000) %}{{ 'x' * 500 }}{% endfor %}",
                                         f"renders more than {MAX_RECORD_BYTES // 64:,} characters", False),
@@ -260,6 +271,7 @@ ADAPTER_FILES = {  # name -> (file, what it is: bytes, "missing", "directory", "
     f"{WEIGHTS} a header past the file": (WEIGHTS, (1 << 40).to_bytes(8, "little") + b"{}", WEIGHTS),
     f"{WEIGHTS} a header that is no JSON": (WEIGHTS, (4).to_bytes(8, "little") + b"abcd", WEIGHTS),
     f"{WEIGHTS} a tensor missing": (WEIGHTS, "drop", WEIGHTS),
+    f"{WEIGHTS} a tensor of NaN": (WEIGHTS, "nan", "holds values that are not finite"),
     f"{WEIGHTS} a directory": (WEIGHTS, "directory", "is a directory"),
     f"{WEIGHTS} a FIFO": (WEIGHTS, "fifo", "is a FIFO"), f"{WEIGHTS} a broken link": (WEIGHTS, "broken", WEIGHTS),
     f"{CONFIG} missing": (CONFIG, "missing", f"has no {CONFIG}"),
@@ -408,6 +420,8 @@ def _place_cases() -> None:
     slurm = {**GOOD_PLACES["SLURM"], "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_STEP_NODELIST": "localhost"}
     for name, value in (("SLURM_LOCALID", "x"), ("SLURM_JOB_ID", "x"), ("SLURM_STEP_NODELIST", "")):
         place(f"SLURM: {name} {value!r}", {**slurm, name: value}, name, mesh="dp=2")
+    place("SLURM: SLURM_STEP_NODELIST missing", {k: v for k, v in slurm.items() if k != "SLURM_STEP_NODELIST"},
+          "SLURM_STEP_NODELIST", mesh="dp=2")
     for missing in ENV:
         place(f"JAX: {missing} missing", {k: v for k, v in GOOD_PLACES["JAX"].items() if k != missing}, missing)
 
@@ -433,6 +447,18 @@ def _kind(path: Path, what) -> None:
         path.symlink_to(path.with_name("nowhere"))
     else:
         assert what == "missing", what
+
+
+def _safetensors_with_nan(src: Path) -> bytes:
+    """`src` with its first tensor's first float32 a NaN (a valid file, a value not finite)."""
+    data = bytearray(src.read_bytes())
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + size])
+    first = next(v for k, v in header.items() if k != "__metadata__")
+    assert first["dtype"] == "F32", first
+    at = 8 + size + first["data_offsets"][0]
+    data[at:at + 4] = np.float32(np.nan).tobytes()
+    return bytes(data)
 
 
 def _safetensors_without_one(src: Path) -> bytes:
@@ -495,6 +521,8 @@ def _inputs(tmp: Path) -> dict[str, str]:
                 what = (FIXTURES["adapter"] / file).read_bytes()[:what]
             elif what == "drop":
                 what = _safetensors_without_one(FIXTURES["adapter"] / file)
+            elif what == "nan":
+                what = _safetensors_with_nan(FIXTURES["adapter"] / file)
             elif what == "twice":
                 what = (FIXTURES["adapter"] / file).read_bytes().replace(b'"r": 4', b'"r": 4, "r": 4')
             _kind(folder / file, what)

@@ -76,7 +76,7 @@ def generated(parser: argparse.ArgumentParser, required: list[str] = (), tail: l
         elif action.type is integer:
             values |= {"wrong type": "1.5", "not finite": "inf", "other digits": "\u0663"}
         elif action.type is finite:
-            values |= {"wrong type": "abc", "not finite": "nan", "infinite": "-inf"}
+            values |= {"wrong type": "abc", "not finite": "nan", "infinite": "-inf", "beyond float32": "-1e39"}
         elif action.type is byte_size:
             values |= {"wrong type": "5 parsecs", "zero": "0GB", "negative": "-5GB"}
         else:
@@ -204,7 +204,9 @@ COMMANDS = {
     "spmd.export": (export_parser(), {}, ["--checkpoint", "{folder}", "--out", "exported"], []),
     "spmd.corpus": (corpus_parser(), {}, ["--data", "{corpus}", "--out", "tokens.npy"], []),
     "spmd.launch": (launch_parser(), {}, ["--nproc", "2"], ["--", "true"]),
-    "spmd.generate": (generate_parser(), {}, ["--checkpoint", "{folder}", "--prompt", "hi"], []),
+    "spmd.generate": (generate_parser(), {"temperature below the least": (
+        ["--checkpoint", "{folder}", "--prompt", "hi", "--temperature", "1e-45"],
+        "--temperature must be 0 (greedy) or at least 1e-06")}, ["--checkpoint", "{folder}", "--prompt", "hi"], []),
     "spmd.eval": (eval_parser(), {}, ["--checkpoint", "{folder}", "--data", "{corpus}"], []),
 }
 

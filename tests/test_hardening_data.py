@@ -372,3 +372,21 @@ def test_held_out_pre_packed_rows_without_a_target_are_refused():
     rows["loss_mask"][-1] = False
     with pytest.raises(UserError, match="no target tokens in the held-out examples"):
         PackedFileSource(rows, 33, 2, 0, eval_fraction=0.1, name="p.npy", vocab=408)
+
+
+@pytest.mark.parametrize("data", ["text", "records"])
+def test_an_evaluation_reads_no_more_than_the_held_out_data(tmp_path, data):
+    """--eval-batches a million over a few held-out windows (or records): each evaluation
+    reads what is held out, once, and the run ends (it used to take as long as asked)."""
+    if data == "text":
+        (tmp_path / "d.txt").write_text("some words of text, " * 400)
+        flags = ["--data", str(tmp_path / "d.txt")]
+    else:
+        flags = ["--data", str(SFT / "chat.jsonl"), "--init-from", str(SFT / "model")]
+    metrics = tmp_path / "m.jsonl"
+    done = subprocess.run([sys.executable, "-m", "spmd.train", *TRAIN, "--steps", "2", *flags, "--eval-every", "1",
+                           "--eval-batches", "1000000", "--log-every", "1", "--metrics-file", str(metrics)],
+                          capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    losses = [json.loads(line).get("eval_loss") for line in metrics.read_text().splitlines()]
+    assert len(losses) == 2 and all(np.isfinite(loss) for loss in losses), losses

@@ -244,7 +244,8 @@ def test_a_process_environment_out_of_bounds_is_refused_naming_the_variable(envi
 def test_the_flags_bounds_name_the_flags():
     with pytest.raises(UserError, match=r"--process-id 2 is not one of 2 processes \(--num-processes 2\)"):
         processes(TrainConfig(coordinator="h:1", num_processes=2, process_id=2), {})
-    assert processes(TrainConfig(), {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_PROCID": "3"}).index == 3
+    assert processes(TrainConfig(), {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_PROCID": "3",
+                                         "SLURM_STEP_NODELIST": "n[1-4]"}).index == 3
 
 
 def test_the_command_says_so_in_one_line_before_joining(tmp_path):

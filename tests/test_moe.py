@@ -11,6 +11,7 @@ import pytest
 from conftest import assert_params_match, train_run
 from test_parity import LOSS_RTOL
 
+from models.moe import MoEConfig, Routing
 from spmd.parallel import experts
 from spmd.planner.plan import make_plan
 
@@ -139,3 +140,11 @@ def test_ragged_exchange_trains_like_the_padded_one(monkeypatch, moe_reference):
     np.testing.assert_allclose(run.losses, moe_reference.losses, rtol=LOSS_RTOL, atol=0)
     assert_params_match(run.params, moe_reference.params)
     np.testing.assert_allclose(run.metrics["aux_loss"], moe_reference.metrics["aux_loss"], rtol=LOSS_RTOL)
+
+
+def test_a_capacity_factor_past_every_token_keeps_every_token():
+    """Slots per expert stop at the sequence: a factor past experts / top-k (even 1e308,
+    which once overflowed to a traceback) keeps every token, as dropless does."""
+    moe = MoEConfig(experts=8, top_k=2, expert_mlp=16)
+    assert Routing("capacity", 1.0).capacity(32, moe) == 8
+    assert [Routing("capacity", f).capacity(32, moe) for f in (4.0, 1e308)] == [32, 32]

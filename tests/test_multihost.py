@@ -119,7 +119,7 @@ def test_the_processes_come_from_flags_else_the_environment_else_there_is_one():
 
     flags = TrainConfig(coordinator="10.0.0.1:1234", num_processes=4, process_id=3)
     env = {"JAX_COORDINATOR_ADDRESS": "h:99", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1"}
-    slurm = {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "16"}
+    slurm = {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "16", "SLURM_STEP_NODELIST": "n[1-16]"}
     got = processes(flags, env)  # flags win over the environment
     assert (got.count, got.index, got.coordinator, got.found_in) == (4, 3, "10.0.0.1:1234", "flags")
     got = processes(TrainConfig(), env)

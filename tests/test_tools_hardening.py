@@ -244,6 +244,35 @@ def test_launch_that_cannot_start_every_process_stops_those_it_started(tmp_path)
     assert _procs_of(uid) == []  # not one `sleep` left running
 
 
+def test_a_signal_to_launch_reaches_every_process_group_and_ends_within_the_grace(tmp_path):
+    """SIGTERM to the launcher goes to each process's group (a shell's children too), and
+    those that ignore it are killed after --grace: the launch ends, naming the process, and
+    nothing it started runs on (it used to leave the shells' children, or wait forever)."""
+    uid = 40000 + os.getpid() % 20000  # a user of its own, so that what it runs can be found
+    proc = subprocess.Popen(
+        ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=+dac_read_search",
+         "--ambient-caps=+dac_read_search", sys.executable, "-m", "spmd.launch",
+         "--nproc", "2", "--grace", "1", "--", "sh", "-c", "trap '' TERM; sleep 300; true"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while len(_procs_of(uid)) < 5:  # the launcher, two shells, two sleeps
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        start = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+        took = time.monotonic() - start
+    finally:
+        proc.kill()
+    assert proc.returncode == 137 and took < 1 + 2 + 1, (proc.returncode, took, err)  # --grace + 2 s, and a second
+    assert re.fullmatch(r"error: process [01] of 2 failed \(killed by SIGKILL\)", one_error_line(err)), err
+    deadline = time.monotonic() + 5  # (the shells' children, killed with them, are reaped by init)
+    while _procs_of(uid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _procs_of(uid) == []
+
+
 def test_corpus_on_a_full_disk_leaves_no_temporary_and_says_one_line(tmp_path):
     rng = np.random.default_rng(0)
     (tmp_path / "big.txt").write_bytes(rng.choice(list(b"abcdefgh "), 400_000).astype(np.uint8).tobytes())

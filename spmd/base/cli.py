@@ -43,6 +43,9 @@ def integer(text: str) -> int:
     return int(text)
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+
+
 def finite(text: str) -> float:
     try:
         value = float(text)
@@ -50,6 +53,8 @@ def finite(text: str) -> float:
         value = math.nan
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    if abs(value) > FLOAT32_MAX:  # (the step computes in float32, where it would be infinite)
+        raise argparse.ArgumentTypeError(f"{text!r} is beyond float32's range (at most {FLOAT32_MAX:.4g})")
     return value
 
 

@@ -284,7 +284,7 @@ class TokenSource(DataSource):
         self.train_samples, self.eval_samples = held_out_split(
             samples, eval_fraction, f"--data {name}: {stream.size:,} tokens make {samples} sample(s) of {length - 1} "
                                     f"tokens")
-        self.rows_read = 0
+        self.rows_read, self.held_out_rows = 0, self.eval_samples
 
     def describe(self, seq: int) -> str:
         held_out = f", {self.eval_samples:,} held out" if self.eval_samples else ""

@@ -10,6 +10,7 @@ class DataSource:
     packed = False  # rows() gives dicts of tokens, segments and loss masks (spmd.parallel.step)
     finite = False  # a set of examples an evaluation visits once each, in order, up to where has_rows ends
     rows_read = 0  # training rows this process read: the run's last line reports them
+    held_out_rows: int | None = None  # rows of an endless source's held-out split, where it is a set (None: endless)
 
     def rows(self, step: int, start: int, stop: int, length: int, split: str = "train"):
         """Rows [start, stop) of batch `step` of `split` ("train", "eval", or "in order"),

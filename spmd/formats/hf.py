@@ -164,6 +164,9 @@ class TensorFiles:
             parts = [self.files[self.where[name]].read(name).astype(np.float32) for name in t.names(i)]
         except (Damaged, OSError) as exc:
             raise UserError(self._damaged(exc)) from None
+        for name, part in zip(t.names(i), parts):
+            if not np.isfinite(part).all():  # (training would stop at its first loss; generation emit noise)
+                raise UserError(f"{self.what}: tensor {name} holds values that are not finite (NaN or infinity)")
         return t.to_ours(parts)
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from flax import traverse_util
 
 from models import adapter_tensors
-from models.lora import TARGETS, LoRA
+from models.lora import MAX_ALPHA, TARGETS, LoRA
 from spmd.base.errors import UserError, file_kind
 from spmd.base.schema import (ANY, BOOLEAN, INTEGER, MAPPING, NUMBER, REGULAR, STRING, Bounds, Field, Invalid, check,
                               list_of, not_a_file, read_json)
@@ -32,7 +32,7 @@ MAX_CONFIG_BYTES = 1 << 20
 FIELDS = (
     Field("peft_type", STRING, choices=("LORA",)),
     Field("r", INTEGER, Bounds(above=0)),
-    Field("lora_alpha", NUMBER, Bounds(above=0)),
+    Field("lora_alpha", NUMBER, Bounds(above=0, at_most=MAX_ALPHA)),
     Field("target_modules", list_of(STRING, "module names")),
     Field("base_model_name_or_path", STRING, default=None, nullable=True),
     Field("lora_dropout", NUMBER, Bounds(at_least=0, below=1), default=0.0),

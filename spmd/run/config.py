@@ -18,7 +18,7 @@ from pathlib import Path
 import yaml
 
 from models import PRESETS
-from models.lora import ATTENTION_TARGETS, MLP_TARGETS, TARGETS
+from models.lora import ATTENTION_TARGETS, MAX_ALPHA, MLP_TARGETS, TARGETS
 from spmd.base import hardware
 from spmd.base.cli import (DTYPES, LOSS_ON, MAX_RECORD_BYTES, OVERLONG, SEED, SEQ, TOKEN_DTYPES, OneLineErrorParser,
                            finite, flag_of, integer, nonempty)
@@ -119,7 +119,8 @@ class TrainConfig:
     max_record_bytes: int = _field(MAX_RECORD_BYTES, "fine-tuning records: the largest record read, in bytes of its JSONL line and characters of the text it tokenizes (a chat: its rendering); a record is tokenized whole, in tens to hundreds of times its size of memory", at_least=1)
     document_mask: bool = _field(False, "text and token data: documents do not see each other (attention stops at each end-of-text token, positions restart); default: windows of the stream, as in GPT-style pre-training")
     eval_every: int = _field(0, "every N steps, report the loss on held-out data (0: never)", at_least=0)
-    eval_batches: int = _field(4, "batches of held-out data per evaluation", at_least=1)
+    eval_batches: int = _field(4, "batches of held-out data per evaluation (no more than it holds)", at_least=1,
+                               at_most=1_000_000)
     eval_fraction: float = _field(0.05, "share of --data's samples held out for evaluation (when --eval-every is set)", above=0, below=1)
     coordinator: str | None = _field(None, "several processes: process 0's host:port, or 'auto' to let JAX find the cluster (TPU pod, SLURM, Open MPI); default: from the environment, else one process")
     num_processes: int | None = _field(None, "several processes: how many", at_least=1, at_most=MAX_PROCESSES)
@@ -130,7 +131,8 @@ class TrainConfig:
     join_timeout: int = _field(300, "several processes: seconds to wait for all of them to join the run before giving up", at_least=1, at_most=WAIT_S)
     ignore_fit: bool = _field(False, "train even when the plan says the step does not fit the devices' memory")
     lora_rank: int | None = _field(None, "train low-rank adapters (LoRA, as PEFT defines them) of this rank on --lora-targets, the base weights frozen (default: a full fine-tune)", at_least=1)
-    lora_alpha: float = _field(8.0, "LoRA: the adapters' output is scaled by alpha / rank (PEFT's lora_alpha)", above=0)
+    lora_alpha: float = _field(8.0, "LoRA: the adapters' output is scaled by alpha / rank (PEFT's lora_alpha)", above=0,
+                               at_most=MAX_ALPHA)
     lora_targets: str = _field("q_proj,k_proj,v_proj,o_proj", "LoRA: the projections adapted, in Hugging Face names (q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj)")
     lora_dropout: float = _field(0.0, "LoRA: the probability of dropping each element of an adapter's input, in training (PEFT's lora_dropout)", at_least=0, below=1)
     base_dtype: str = _field("float32", "LoRA: the dtype the frozen base weights are stored in", choices=DTYPES)

@@ -71,9 +71,11 @@ def processes(cfg, environ: Mapping[str, str] = os.environ) -> Processes:
         # count and index are read here only to share emulated devices.
         for name in ("SLURM_JOB_ID", "SLURM_LOCALID"):
             _int(environ, name, 0)
-        if not environ.get("SLURM_STEP_NODELIST", "x").strip():
-            raise UserError("environment variable SLURM_STEP_NODELIST is empty: the job step's nodes are unknown")
-        return _placed(Processes(_int(environ, "SLURM_NTASKS"), _int(environ, "SLURM_PROCID", 0), found_in=SLURM))
+        placed = _placed(Processes(_int(environ, "SLURM_NTASKS"), _int(environ, "SLURM_PROCID", 0), found_in=SLURM))
+        if not environ.get("SLURM_STEP_NODELIST", "").strip():  # (where JAX finds the coordinator)
+            raise UserError("environment variable SLURM_STEP_NODELIST is unset or empty: the job step's nodes are "
+                            "unknown")
+        return placed
     return Processes()
 
 

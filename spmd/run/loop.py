@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import json
 import os
 import signal
@@ -273,11 +274,14 @@ class Run:
         emit(who + line)
 
     def evaluate(self, step: int) -> float:
-        """Mean loss over the targets of --eval-batches held-out batches (the same ones every time)."""
-        cfg, layout = self.cfg, self.layout
-        batches = range(cfg.eval_batches)
-        if self.source.finite:  # its held-out examples each at most once
-            batches = [j for j in batches if self.source.has_rows(j * cfg.batch, "eval")]
+        """Mean loss over the targets of --eval-batches held-out batches (the same ones every
+        time), no more than the held-out data holds."""
+        cfg, layout, source = self.cfg, self.layout, self.source
+        if source.finite:  # its held-out examples each at most once
+            batches = itertools.takewhile(lambda j: source.has_rows(j * cfg.batch, "eval"), range(cfg.eval_batches))
+        else:  # a held-out set of windows read once each (the first batch, at least, if it is smaller)
+            held = source.held_out_rows
+            batches = range(cfg.eval_batches if held is None else min(cfg.eval_batches, max(1, held // cfg.batch)))
         results = [self.eval_fn(model_params(self.state),
                                 global_batch(self.source, j, cfg.batch, cfg.seq + 1, layout.batch_sharding, "eval"))
                    for j in batches]
