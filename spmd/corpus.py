@@ -42,6 +42,16 @@ def corpus_parser() -> OneLineErrorParser:
     return parser
 
 
+def _refuse_what_does_not_apply(args, parser, records) -> None:
+    """A flag that the data's kind would ignore, given another value than its default."""
+    flags = ("loss_on", "overlong", "max_record_bytes") if not records else ("text_field",)
+    given = [f for f in flags if getattr(args, f) != parser.get_default(f)]
+    if given:
+        kind = "text (one token stream)" if not records else "fine-tuning records (read by their format)"
+        applies = "fine-tuning records" if not records else "text data"
+        raise UserError(f"--{given[0].replace('_', '-')} applies to {applies}; --data {args.data} holds {kind}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m spmd.corpus --data DIR --out tokens.npy`: tokenize once, train from the file."""
     serve_signals("stopped; nothing was written", STOPPED)  # first, before any thread: a signal ends in one line
@@ -59,7 +69,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     {"--data": args.data, **tokenizer_inputs(args.tokenizer, "--tokenizer")})["--out"]
         if out.stream is None and not args.out.endswith(".npy"):  # a file to train from, named as one
             raise UserError("--out must name a .npy file")
-        if fine_tuning_format(args.data, args.max_record_bytes):  # (JSONL, Parquet or a datasets folder)
+        records = fine_tuning_format(args.data, args.max_record_bytes)  # (JSONL, Parquet or a datasets folder)
+        _refuse_what_does_not_apply(args, parser, records)
+        if records:
             array, wrote = _packed(args)
         elif data_files(args.data)[0] == "tokens":
             raise UserError(f"--data {args.data} holds token files already")

@@ -234,6 +234,11 @@ def _template_cases() -> None:
 
 
 _template_cases()
+# A flag that the data's kind would ignore.
+case("corpus: --loss-on for text", "spmd.corpus", ["--data", "{text}", "--out", "t.npy", "--loss-on", "all"],
+     "--loss-on applies to fine-tuning records")
+case("corpus: --text-field for records", "spmd.corpus",
+     ["--data", "{chat}", "--tokenizer", "{model}", *PACK, "--text-field", "body"], "--text-field applies to text data")
 
 
 # ------------------------------------------------------------------------------ adapters
@@ -412,7 +417,7 @@ def _place_cases() -> None:
                 place(f"{name} {kind}", {**good, name: value}, name)
         index = [n for n in good if n.endswith("ID") and "JOB" not in n][0]
         place(f"{source}: the index past the count", {**good, index: "2"}, index, "not one of 2 processes")
-    for address in ("", "h", "h:", ":1", "h:0", "h:65536", "h:1\u0661", "h:-1"):
+    for address in ("", "h", "h:", ":1", "h:0", "h:65536", "h:1\u0661", "h:-1", " h:1234", "h:1234:5", "h/x:1234"):
         place(f"JAX_COORDINATOR_ADDRESS {address!r}", {**GOOD_PLACES["JAX"], "JAX_COORDINATOR_ADDRESS": address},
               "coordinator", "JAX_COORDINATOR_ADDRESS")
     # A SLURM step of two tasks as JAX's SLURM cluster reads it (jax._src.clusters.slurm_cluster), one

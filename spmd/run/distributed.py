@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import re
 import sys
 import threading
 import time
@@ -95,11 +96,15 @@ def _int(environ: Mapping[str, str], name: str, default: int | None = None) -> i
     return int(value)
 
 
+HOST = re.compile(r"[A-Za-z0-9._-]+|\[[0-9A-Fa-f:.]+\]")  # a name or IPv4 address, or [an IPv6 address]
+
+
 def _checked(coordinator: str, count: int, index: int, found_in: str) -> Processes:
     host, _, port = coordinator.rpartition(":")
-    if not host or not port.isascii() or not port.isdigit() or not 1 <= int(port) <= 65535:
+    if not HOST.fullmatch(host) or not port.isascii() or not port.isdigit() or not 1 <= int(port) <= 65535:
         given = f"{ENV[0]}={coordinator!r}" if found_in == "environment" else f"--coordinator {coordinator!r}"
-        raise UserError(f"coordinator {given} is not host:port (a port from 1 to 65535)")
+        raise UserError(f"coordinator {given} is not host:port (a host name, an IPv4 address or a bracketed IPv6 "
+                        "one; a port from 1 to 65535)")
     return _placed(Processes(count, index, coordinator, found_in))
 
 
