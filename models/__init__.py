@@ -10,7 +10,8 @@ from models.llama import Llama, LlamaConfig, RopeScaling
 # remat policies, the decoding state, a Hugging Face tensor's description, config.json's size bound
 # and the names PEFT gives LoRA adapters' tensors (every family's projections are Llama's).
 from models.llama.hf import MAX_CONFIG_BYTES, Tensor, adapter_tensors
-from models.llama.model import REMAT_POLICIES, Decoding
+from models.llama.layers import Decoding
+from models.llama.model import REMAT_POLICIES
 from models.mistral import MistralConfig
 from models.moe import MoEConfig, Routing
 from models.qwen2 import Qwen2Config

@@ -30,7 +30,8 @@ from flax import nnx
 from models.annotate import PREFIX_LAYERS, constrain, weight
 from models.attention import Packing, attend, cached_attention
 from models.deepseek3.config import DeepSeekV3Config
-from models.llama.model import REMAT_POLICIES, Block, Decoding, Llama, RMSNorm, normal_param, rotary
+from models.llama.layers import Decoding, RMSNorm, normal_param, rotary
+from models.llama.model import REMAT_POLICIES, Block, Llama
 from models.llama.stack import stack_of, with_empty_steps
 from models.lora import LoRA
 from models.moe import Routing

@@ -23,7 +23,8 @@ import numpy as np
 from flax import nnx
 
 from models.llama.config import LlamaConfig
-from models.llama.model import Attention, Block, Llama, RMSNorm, SwiGLU
+from models.llama.layers import RMSNorm
+from models.llama.model import Attention, Block, Llama, SwiGLU
 from models.lora import LoRA
 from models.moe import Routing
 

@@ -4,7 +4,8 @@ and Mixtral (Llama blocks whose MLP is a mixture of experts). `model` is the Fla
 
 from models.llama import hf
 from models.llama.config import LlamaConfig, RopeScaling
-from models.llama.model import REMAT_POLICIES, Decoding, Llama
+from models.llama.layers import Decoding
+from models.llama.model import REMAT_POLICIES, Llama
 from models.llama.presets import PRESETS
 
 __all__ = ["PRESETS", "REMAT_POLICIES", "Decoding", "Llama", "LlamaConfig", "RopeScaling", "hf"]

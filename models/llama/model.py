@@ -13,7 +13,6 @@ here knows about meshes, devices or parallel strategies.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import jax
@@ -24,6 +23,7 @@ from flax import nnx
 from models.annotate import ACTIVATION, PREFIX_LAYERS, assembled, constrain, copies, weight
 from models.attention import Packing, attend, cached_attention
 from models.llama.config import LlamaConfig
+from models.llama.layers import Decoding, RMSNorm, normal_param, rotary, zeros_param
 from models.llama.stack import each_stacked, joined, stack_of, steps_of, with_empty_steps
 from models.lora import Adapter, LoRA, current_layer, dropping
 from models.lora import layer as lora_layer
@@ -43,60 +43,6 @@ REMAT_POLICIES = {
 }
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Decoding:
-    """Where new tokens go in a key/value cache: the same slots for every row, from `slot`
-    on; `valid` (batch, cache length) marks the slots that hold a row's tokens (a row's
-    left padding does not)."""
-
-    slot: jax.Array  # int32 scalar
-    valid: jax.Array  # bool (batch, cache length)
-
-    def slots(self, n: int) -> jax.Array:
-        return self.slot + jnp.arange(n)
-
-
-def normal_param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...], std: float) -> nnx.Param:
-    value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
-    # Sharding is applied by whoever builds the model (jit out_shardings), not here.
-    return nnx.Param(value, out_sharding=names, eager_sharding=False)
-
-
-def _ones(shape: tuple[int, ...], names: tuple[str, ...]) -> nnx.Param:
-    return nnx.Param(jnp.ones(shape, jnp.float32), out_sharding=names, eager_sharding=False)
-
-
-def _zeros(shape: tuple[int, ...], names: tuple[str, ...]) -> nnx.Param:
-    return nnx.Param(jnp.zeros(shape, jnp.float32), out_sharding=names, eager_sharding=False)
-
-
-class RMSNorm(nnx.Module):
-    """`offset`: scaled by 1 + its weight, which starts at 0 (Gemma's form)."""
-
-    def __init__(self, dim: int, eps: float, names: tuple[str, ...] = ("embed",), offset: bool = False):
-        self.scale = _zeros((dim,), names) if offset else _ones((dim,), names)
-        self.eps, self.offset = eps, offset
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        scale = weight(self.scale, jnp.float32)
-        return (normed * (1.0 + scale if self.offset else scale)).astype(x.dtype)
-
-
-def rotary(x: jax.Array, positions: jax.Array, freqs: np.ndarray) -> jax.Array:
-    """Rotate pairs (i, i + d/2) of the last dimension by position x frequency. `positions`:
-    (seq,) for every row, or (batch, seq)."""
-    angles = positions[..., None].astype(jnp.float32) * freqs  # (seq, half) or (batch, seq, half)
-    angles = angles if angles.ndim == 3 else angles[None]
-    cos = jnp.cos(angles)[:, :, None, :]
-    sin = jnp.sin(angles)[:, :, None, :]
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
-
-
 class Attention(nnx.Module):
     NORM = RMSNorm  # of the query and key heads (a family's blocks may norm otherwise: models.gemma3)
 
@@ -110,8 +56,8 @@ class Attention(nnx.Module):
         self.wkv = normal_param(rngs, (e, k, 2, d), ("embed", "kv_heads", None, "head_dim"), e**-0.5)
         self.wo = normal_param(rngs, (h, d, e), ("heads", "head_dim", "embed"), (h * d) ** -0.5)
         if cfg.qkv_bias:  # laid out as wq and wkv are
-            self.bq = _zeros((h, d), ("heads", "head_dim"))
-            self.bkv = _zeros((k, 2, d), ("kv_heads", None, "head_dim"))
+            self.bq = zeros_param((h, d), ("heads", "head_dim"))
+            self.bkv = zeros_param((k, 2, d), ("kv_heads", None, "head_dim"))
         if cfg.qk_norm:  # one scale per head dimension, shared by every head
             self.q_norm = self.NORM(d, cfg.norm_eps, ("head_dim",))
             self.k_norm = self.NORM(d, cfg.norm_eps, ("head_dim",))
