@@ -273,7 +273,7 @@ CASES = {
     "qwen3 local layers": (["--init-from", "{qwen3_local_layers}"],
                            "config.json layer_types: must hold only full_attention layers"),
     "qwen3 moe dense layers": (["--init-from", "{qwen3_moe_mlp_only}"],
-                               "config.json mlp_only_layers: is reproduced with MoE in every other layer"),
+                               "config.json mlp_only_layers: is reproduced with MoE in each of the other layers"),
     "qwen3 moe dense layer too deep": (["--init-from", "{qwen3_moe_mlp_only_beyond}"],
                                        "config.json mlp_only_layers: must list layers of 0 to num_hidden_layers - 1"),
     "qwen3 moe dense layers in stages": (["--init-from", "{qwen3_moe_dense}", "--mesh", "pp=2"],

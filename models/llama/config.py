@@ -69,8 +69,8 @@ class LlamaConfig:
         if not dense:
             return
         if self.moe is None or self.moe.every != 1:
-            raise ValueError("dense layers among MoE ones (mlp_only_layers) need MoE in every other layer (moe.every 1)")
-        if list(dense) != sorted(set(dense)) or not 0 <= dense[0] <= dense[-1] < self.layers or len(dense) == self.layers:
+            raise ValueError("dense layers among MoE ones (mlp_only_layers) need MoE in each of the others (moe.every 1)")
+        if list(dense) != sorted(set(dense)) or dense[0] < 0 or dense[-1] >= self.layers or len(dense) == self.layers:
             raise ValueError(f"the dense layers {list(dense)} must be distinct layers of 0 to {self.layers - 1}, in "
                              "order, and leave at least one MoE layer")
 
@@ -171,7 +171,7 @@ class LlamaConfig:
             return dense
         if not dense:
             return tuple(range(0, self.layer_steps * self.layers_per_step, self.layers_per_step))
-        return tuple(layer for layer in range(self.layers) if layer not in set(dense))
+        return tuple(sorted(set(range(self.layers)) - set(dense)))
 
     @property
     def dense_prefix_only(self) -> bool:

@@ -5,7 +5,7 @@ Qwen3-MoE: `num_experts` experts of width `moe_intermediate_size` (router `mlp.g
 experts `mlp.experts.N.{gate,up,down}_proj`), softmax scores and top-k, renormalized over
 the k when `norm_topk_prob`; every `decoder_sparse_step`-th layer is MoE, the others dense
 of width `intermediate_size`, and so are the layers listed in `mlp_only_layers` (published
-configs list none; with MoE in every other layer: a stack of their own, models.llama's
+configs list none; with MoE in every layer otherwise: a stack of their own, models.llama's
 `prefix`). Sliding windows (published configs switch them off) are refused."""
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ MOE_RULES = (
     Rule("mlp_only_layers", lambda v: len(set(v["mlp_only_layers"] or ())) < v["num_hidden_layers"],
          "lists every layer: a model without experts is a Qwen3ForCausalLM"),
     Rule("mlp_only_layers", lambda v: not v["mlp_only_layers"] or v["decoder_sparse_step"] == 1,
-         "is reproduced with MoE in every other layer (decoder_sparse_step 1), not {decoder_sparse_step}"),
+         "is reproduced with MoE in each of the other layers (decoder_sparse_step 1), not {decoder_sparse_step}"),
 )
 EXPERTS = ExpertNames("mlp.gate.weight", "mlp.experts.{j}.gate_proj.weight", "mlp.experts.{j}.up_proj.weight",
                       "mlp.experts.{j}.down_proj.weight")
