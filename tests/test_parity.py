@@ -63,15 +63,20 @@ def test_layout_matches_one_device(reference, mesh, devices, overrides):
 # heads); Qwen2's q/k/v biases split with the heads; Qwen3-MoE's dense and MoE layers
 # with experts over ep (every other one, and the layers mlp_only_layers lists); Gemma 3's sliding and global layers over sp (its window of 6 over
 # chunks of 8, so that whole chunk pairs are hidden; Mistral's windows over sp are checked
-# against transformers' loss in test_hf), and in pipeline stages that hold different kinds.
-FAMILY_LAYOUTS = [("qwen3", "dp=2,fsdp=2,tp=2", 8), ("qwen3", "fsdp=2,tp=4", 8), ("qwen2", "fsdp=2,tp=4", 8),
-                  ("qwen3-moe", "ep=2,fsdp=2", 4), ("qwen3-moe-dense", "ep=2,fsdp=2", 4), ("gemma3", "sp=2,tp=2", 4), ("gemma3", "pp=2,dp=2", 4)]
+# against transformers' loss in test_hf), and in pipeline stages that hold different kinds
+# (each chunk's layers' kinds read beside it: GPipe's, and DualPipe's, where device d also
+# runs the mirrored stage p-1-d, received with its kinds).
+DUALPIPE = {"pp_schedule": "dualpipe", "microbatches": 4}
+FAMILY_LAYOUTS = [("qwen3", "dp=2,fsdp=2,tp=2", 8, {}), ("qwen3", "fsdp=2,tp=4", 8, {}), ("qwen2", "fsdp=2,tp=4", 8, {}),
+                  ("qwen3-moe", "ep=2,fsdp=2", 4, {}), ("qwen3-moe-dense", "ep=2,fsdp=2", 4, {}),
+                  ("gemma3", "sp=2,tp=2", 4, {}), ("gemma3", "pp=2,dp=2", 4, {}), ("gemma3", "pp=2", 2, DUALPIPE)]
 
 
-@pytest.mark.parametrize("golden,mesh,devices", FAMILY_LAYOUTS, ids=[f"{g}-{m}" for g, m, _ in FAMILY_LAYOUTS])
-def test_family_layout_matches_one_device(golden, mesh, devices):
+@pytest.mark.parametrize("golden,mesh,devices,options", FAMILY_LAYOUTS,
+                         ids=[f"{g}-{m}" + "".join(f"-{v}" for v in o.values()) for g, m, _, o in FAMILY_LAYOUTS])
+def test_family_layout_matches_one_device(golden, mesh, devices, options):
     family = {"model": None, "init_from": str(Path(__file__).with_name("hf") / golden)}
-    reference, run = train_run("", 1, **family), train_run(mesh, devices, **family)
+    reference, run = train_run("", 1, **family), train_run(mesh, devices, **family, **options)
     assert reference.losses[-1] < reference.losses[0] - 0.05
     np.testing.assert_allclose(run.losses, reference.losses, rtol=LOSS_RTOL, atol=0)
     assert_params_match(*(_without_key_bias(r.params) for r in (run, reference)))

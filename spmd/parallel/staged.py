@@ -31,7 +31,9 @@ class StageParts(NamedTuple):
     columns: Columns  # the batch as the model reads it
     blocks: dict  # what the stages take: the stacked weights (and router state)
     stage: object  # stage(chunk, x, packing=None, fixed=None) -> (y, statistics)
-    fixed: dict | None = None  # the stacked weights the stages read but do not differentiate
+    # What the stages read but do not differentiate, stored as the blocks are: a frozen
+    # base's stacked weights and the layers' structure (LAYER_STRUCTURE); None if neither.
+    fixed: dict | None = None
 
     def embedded(self) -> jax.Array:
         return self.model_of(self.outer).embed(self.columns.inputs, self.columns.positions, self.columns.packing)
@@ -43,9 +45,11 @@ class StageParts(NamedTuple):
         return None if packing is None else jax.tree.map(lambda a: to_microbatches(a, shards, schedule), packing)
 
 
-LAYER_KINDS = "layer_kinds"  # the key of the layers' kinds among the blocks a pipeline takes
-LAYER_INDICES = "layer_indices"  # and of their indices, which adapters' dropout reads
-LAYER_FILLED = "layer_filled"  # and of whether each is a layer or an empty one (LlamaConfig.empty_layers)
+# The layers' structure, as int32 arrays beside the stacked weights (one entry per stored
+# layer) in what the stages read: each layer's kind (Gemma 3's sliding 1, global 0), its
+# index (which adapters' dropout reads) and whether it is a layer (1) or an empty one
+# (LlamaConfig.empty_layers). Keys, in the order the model's run_layers takes them.
+LAYER_STRUCTURE = ("layer_kinds", "layer_indices", "layer_filled")
 
 
 def stage_parts(graphdef, params, rows, in_stage, stacked: str, order: np.ndarray | None,
@@ -60,13 +64,13 @@ def stage_parts(graphdef, params, rows, in_stage, stacked: str, order: np.ndarra
     The blocks are the stacked weights, with the MoE layers' router state if the model
     keeps one (spmd.parallel.balance): the schedules differentiate whole chunks, so it rides in them
     as float32 (exact for slot numbers), with a zero gradient (it only chooses experts);
-    `_weights_of` takes it out of their gradients. A model whose layers differ in kind
-    (`layer_kinds`: Gemma 3's sliding and global layers) has each layer's kind ride in them
-    the same way (`LAYER_KINDS`), so that every schedule's chunks carry their own.
+    `_weights_of` takes it out of their gradients.
 
-    `frozen`: parameters that are not trained (a LoRA run's base, `params` being the
-    adapters); their stacked part is the stages' `fixed` weights, which the schedules pass
-    beside each chunk without differentiating them."""
+    What the stages read and no one differentiates is `fixed`, which every schedule slices
+    as it slices the blocks and passes beside each chunk: the stacked part of `frozen`
+    (parameters that are not trained: a LoRA run's base, `params` being the adapters), and
+    the layers' structure where they differ (`LAYER_STRUCTURE`: Gemma 3's kinds, empty
+    layers, dropout's indices), so that each chunk runs its own layers' pattern."""
     columns = model_columns(rows, order)
     positions = columns.positions  # a constant (numpy), which the stages' map may close over
     every = params if frozen is None else joined(frozen, params)
@@ -80,27 +84,34 @@ def stage_parts(graphdef, params, rows, in_stage, stacked: str, order: np.ndarra
     model_of = lambda outer: nnx.merge(graphdef, joined(outer, {stacked: no_blocks}))  # noqa: E731
     model = model_of(outer)
     blocks_graph = nnx.split(getattr(model, stacked))[0]
-    kinds, filled = model.layer_kinds(model.cfg), model.cfg.filled_steps()
-    stored = (repeats, -1) if repeats > 1 else (-1,)  # as the stacked layers are stored
-    if kinds is not None:  # each chunk's layer kinds ride with its weights, as float32 (exact for 0 and 1)
-        kinds = kinds if filled is None else np.concatenate([kinds, np.zeros(len(filled) - len(kinds), bool)])
-        blocks = {**blocks, LAYER_KINDS: jnp.asarray(kinds, jnp.float32).reshape(stored)}
-    if filled is not None:  # and whether they are empty, the same way
-        blocks = {**blocks, LAYER_FILLED: jnp.asarray(filled, jnp.float32).reshape(stored)}
-    if dropping():  # and their indices (exact in float32)
-        steps = jax.tree.leaves(no_blocks)[0].shape[:len(stored)]
-        blocks = {**blocks, LAYER_INDICES: jnp.arange(math.prod(steps), dtype=jnp.float32).reshape(stored)}
+    structure = _layer_structure(model, jax.tree.leaves(no_blocks)[0].shape[:2 if repeats > 1 else 1])
+    fixed = joined(fixed or {}, structure) or None
 
     def stage(chunk, x, packing=None, fixed=None):
         chunk = joined(fixed or {}, chunk)
-        local, indices, filled = (chunk.pop(key, None) for key in (LAYER_KINDS, LAYER_INDICES, LAYER_FILLED))
+        local, indices, filled = (chunk.pop(key, None) for key in LAYER_STRUCTURE)
         with in_stage():
             return model_of(outer).run_layers(nnx.merge(blocks_graph, chunk), x, positions, packing,
-                                              None if local is None else local > 0.5,
-                                              None if indices is None else indices.astype(jnp.int32),
-                                              filled=None if filled is None else filled > 0.5)
+                                              None if local is None else local == 1, indices,
+                                              filled=None if filled is None else filled == 1)
 
     return StageParts(model_of, outer, columns, blocks, stage, fixed)
+
+
+def _layer_structure(model, stored: tuple[int, ...]) -> dict:
+    """The `LAYER_STRUCTURE` arrays the model's layers need, shaped `stored` (as the stacked
+    layers are stored: (layers,), or circular's (repeats, layers / repeats)); none where
+    every layer is alike."""
+    kinds, filled = model.layer_kinds(model.cfg), model.cfg.filled_steps()
+    kind_key, index_key, filled_key = LAYER_STRUCTURE
+    out = {}
+    if kinds is not None:  # empty layers, stored last, take the kind 0: they run nothing
+        out[kind_key] = np.concatenate([kinds, np.zeros(math.prod(stored) - len(kinds), bool)])
+    if filled is not None:
+        out[filled_key] = filled
+    if dropping():
+        out[index_key] = np.arange(math.prod(stored))
+    return {key: jnp.asarray(value, jnp.int32).reshape(stored) for key, value in out.items()}
 
 
 def _weights_of(tree: dict, weights: dict) -> dict:
@@ -123,7 +134,7 @@ def pipelined_loss(graphdef, params, rows, layout: Layout, in_stage, order, aux:
     model, columns = parts.model_of(parts.outer), parts.columns
     x = to_microbatches(parts.embedded(), shards, schedule)
     out, stats = pipeline(layout.mesh, schedule, parts.stage, parts.blocks, x, _row_spec(layout),
-                          REMAT_POLICIES[model.remat], parts.side(shards, schedule))
+                          REMAT_POLICIES[model.remat], parts.side(shards, schedule), parts.fixed)
     logits = model.logits(from_microbatches(out, shards, schedule))
     return objective(logits, columns.targets, _of_layers(stats, model.cfg), aux, columns.weights, denominator)
 

@@ -10,27 +10,30 @@ from spmd.parallel.pipeline.kit import (add_statistics, from_stage_0, layer_stat
 from spmd.parallel.pipeline.schedule import AXIS, BATCH_AXIS, MANUAL_AXES, Schedule, stacked_spec, stage_view
 
 
-def pipeline(mesh, schedule: Schedule, stage_fn, blocks, x: jax.Array, rows: jax.P, policy=None, side=None):
+def pipeline(mesh, schedule: Schedule, stage_fn, blocks, x: jax.Array, rows: jax.P, policy=None, side=None,
+             fixed=None):
     """Run microbatches x (m, mb, ...), split over pp along m, through the stages;
     differentiable by `jax.grad`. `stage_fn(chunk, x, side) -> (y, statistics)` runs one
     chunk of stacked layers (leading axis: the chunk's layers) on one microbatch (with its
     `side` inputs, or None) and reports per-layer statistics (MoE layers'; a dict of arrays
     with a leading layer axis, empty for dense layers); `rows`: one microbatch's spec;
     `policy`: the model's remat policy; `side`: the microbatches' side inputs (module
-    docstring), or None. Returns the outputs, laid out like x, and the statistics of every
+    docstring), or None; `fixed`: what the stages read but do not differentiate, stored as
+    `blocks` are (as for `one_f_one_b`), or None. Returns the outputs, laid out like x, and the statistics of every
     layer, each a mean over the microbatches (`layer_statistics`)."""
     p, m, v = schedule.stages, schedule.microbatches, schedule.repeats
 
-    def run(blocks, x, side):
+    def run(blocks, x, side, fixed):
         stage, x = jax.lax.axis_index(AXIS), x[0]
-        chunks = jax.tree.map(lambda w: stage_view(w, v), blocks)
+        chunks, fixed_chunks = (jax.tree.map(lambda w: stage_view(w, v), tree) for tree in (blocks, fixed))
 
         def tick(carry, t):
             queue, arrived, totals = carry
             i = t - stage  # this stage's iteration: repeat i // m, microbatch i % m
             repeat = jnp.clip(i // m, 0, v - 1)
             inp = jnp.where(stage == 0, queue[t % m], arrived)
-            out, stats = run_chunk(stage_fn, policy, chunks, repeat, inp, micro(side, jnp.clip(i, 0, v * m - 1) % m))
+            out, stats = run_chunk(stage_fn, policy, chunks, repeat, inp, micro(side, jnp.clip(i, 0, v * m - 1) % m),
+                                   fixed_chunks)
             totals = add_statistics(stats, (i >= 0) & (i < v * m), repeat, totals)
             arrived = jax.lax.ppermute(out, AXIS, ring_pairs(p, 1))
             # Stage 0 files what the last stage finished into its queue (that microbatch's
@@ -41,12 +44,13 @@ def pipeline(mesh, schedule: Schedule, stage_fn, blocks, x: jax.Array, rows: jax
             queue = queue.at[slot].set(jnp.where(filed, arrived, queue[slot]))
             return (queue, arrived, totals), None
 
-        start = (x, jnp.zeros_like(x[0]), no_statistics(stage_fn, chunks, x[0], micro(side, 0)))
+        start = (x, jnp.zeros_like(x[0]), no_statistics(stage_fn, chunks, x[0], micro(side, 0), fixed_chunks))
         (queue, _, totals), _ = jax.lax.scan(tick, start, jnp.arange(schedule.ticks))
         return only_stage_0(queue, stage), stage_statistics(totals, m)
 
     copies = jax.P(AXIS, None, BATCH_AXIS)
-    out, stats = jax.shard_map(run, mesh=mesh, in_specs=(stacked_spec(v), copies, jax.P(None, BATCH_AXIS)),
+    out, stats = jax.shard_map(run, mesh=mesh, in_specs=(stacked_spec(v), copies, jax.P(None, BATCH_AXIS),
+                                                         stacked_spec(v)),
                                out_specs=(copies, jax.P(AXIS)), axis_names=frozenset(MANUAL_AXES),
-                               check_vma=False)(blocks, stage_copies(x, mesh, rows), side)
+                               check_vma=False)(blocks, stage_copies(x, mesh, rows), side, fixed or {})
     return from_stage_0(out, mesh, rows), layer_statistics(stats)

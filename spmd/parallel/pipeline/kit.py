@@ -64,8 +64,10 @@ def micro(side, k):
     return jax.tree.map(lambda s: s[k], side)
 
 
-def run_chunk(stage_fn, policy, chunks, repeat, x, side):
-    """stage_fn on chunk `repeat` of the stage's layers (chunks: (v, layers, ...)).
+def run_chunk(stage_fn, policy, chunks, repeat, x, side, fixed=None):
+    """stage_fn on chunk `repeat` of the stage's layers (chunks: (v, layers, ...)), with
+    that chunk's part of `fixed` (what the stages read but do not differentiate, stored
+    as the chunks are).
 
     Autodiff of the tick loop keeps what the stage computes from its weights each tick:
     with one chunk (v = 1) the weights are the same every tick and nothing is copied; with
@@ -73,12 +75,13 @@ def run_chunk(stage_fn, policy, chunks, repeat, x, side):
     the model's remat `policy` (a picked chunk is neither a matmul output nor a named
     activation: the backward pass picks it again). Under remat "full" that runs the
     tick's forward once more in the backward pass."""
-    if jax.tree.leaves(chunks)[0].shape[0] == 1:
-        return stage_fn(jax.tree.map(lambda w: w[0], chunks), x, side)
+    def run(chunks, fixed, repeat, x, side):
+        chunk, fixed_chunk = jax.tree.map(lambda w: w[repeat], (chunks, fixed))
+        return stage_fn(chunk, x, side, fixed_chunk)
 
-    def run(chunks, repeat, x, side):
-        return stage_fn(jax.tree.map(lambda w: w[repeat], chunks), x, side)
-    return jax.checkpoint(run, policy=policy)(chunks, repeat, x, side)
+    if jax.tree.leaves(chunks)[0].shape[0] == 1:
+        return run(chunks, fixed, 0, x, side)
+    return jax.checkpoint(run, policy=policy)(chunks, fixed, repeat, x, side)
 
 
 def no_statistics(stage_fn, chunks, x, side, fixed=None) -> dict:
