@@ -29,7 +29,7 @@ import jax  # noqa: E402
 jax.config.update("jax_num_cpu_devices", 64)
 
 from models import PRESETS, MoEConfig  # noqa: E402
-from spmd.config import TrainConfig, model_config, validate  # noqa: E402
+from spmd.config import TrainConfig, validate  # noqa: E402
 from spmd.parallel.layout import make_layout  # noqa: E402
 from spmd.planner.plan import make_plan  # noqa: E402
 from spmd.base.console import human_bytes  # noqa: E402

@@ -40,7 +40,7 @@ def write_checkpoint(directory: Path) -> tuple[int, int]:
     entries = [(name, shape) for t in tensors(cfg) for i in range(cfg.layers if t.stacked else 1)
                for name, shape in zip(t.names(i), t.shapes)]
     sizes = [int(np.prod(shape)) * 2 for _, shape in entries]
-    files, per_file = 5, sum(sizes) // 5 + 1
+    per_file = sum(sizes) // 5 + 1  # five files
     rng = np.random.default_rng(0)
     groups, size = [[]], 0
     for entry, nbytes in zip(entries, sizes):

@@ -177,6 +177,10 @@ def main(argv: list[str] | None = None) -> None:
     stats = None if on_cpu else device.memory_stats()
     if stats and "peak_bytes_in_use" in stats:
         print(f"peak device memory {stats['peak_bytes_in_use'] / 2**30:.1f} GiB of {stats.get('bytes_limit', 0) / 2**30:.1f}")
+    if (xla := step.memory_analysis()) is not None:  # what the compiler planned, beside what the device held
+        planned = xla.argument_size_in_bytes + xla.output_size_in_bytes - xla.alias_size_in_bytes + xla.temp_size_in_bytes
+        print(f"XLA's own peak for the step {planned / 2**30:.1f} GiB (arguments + outputs - aliased + "
+              f"temporaries {xla.temp_size_in_bytes / 2**30:.1f} GiB)")
     if not math.isfinite(float(metrics["loss"])):
         print(f"warning: the loss is {float(metrics['loss'])}")
     if on_cpu:

@@ -13,7 +13,6 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from conftest import train_run
 from test_parity import LOSS_RTOL
