@@ -66,12 +66,12 @@ def test_mesh_flag_fills_unnamed_axes_and_the_rest():
 
 @pytest.mark.parametrize("zero,params,grads,opt", [
     # fsdp and sp (whose devices see other tokens, as fsdp's) split the weights' embed.
-    (0, ("sp", "fsdp"), ("sp", "fsdp"), ("sp", "fsdp")),
+    (0, ("fsdp", "sp"), ("fsdp", "sp"), ("fsdp", "sp")),
     # In one fused step ZeRO-1 gradients go straight to the optimizer's shards, as ZeRO-2's.
     # ep replicates every weight but the experts', as dp does: ZeRO splits over it too.
-    (1, ("sp", "fsdp"), ("sp", "fsdp", "dp", "ep"), ("sp", "fsdp", "dp", "ep")),
-    (2, ("sp", "fsdp"), ("sp", "fsdp", "dp", "ep"), ("sp", "fsdp", "dp", "ep")),
-    (3, ("sp", "fsdp", "dp", "ep"), ("sp", "fsdp", "dp", "ep"), ("sp", "fsdp", "dp", "ep")),
+    (1, ("fsdp", "sp"), ("fsdp", "sp", "dp", "ep"), ("fsdp", "sp", "dp", "ep")),
+    (2, ("fsdp", "sp"), ("fsdp", "sp", "dp", "ep"), ("fsdp", "sp", "dp", "ep")),
+    (3, ("fsdp", "sp", "dp", "ep"), ("fsdp", "sp", "dp", "ep"), ("fsdp", "sp", "dp", "ep")),
 ])
 def test_zero_stage_selects_what_dp_splits(zero, params, grads, opt):
     rules = make_rules(zero)
@@ -83,6 +83,9 @@ def test_zero_stage_selects_what_dp_splits(zero, params, grads, opt):
     expert = ("experts", "embed", "mlp")
     assert spec_for(expert, rules.opt_state) == jax.P("ep", tuple(a for a in opt if a != "ep"), "tp")
     assert dict(rules.activation_rules())["batch"] == ("dp", "fsdp", "ep")
+    # Accumulation stores embed sp major (spmd.parallel.rules.ACCUMULATED_EMBED), each ZeRO axis after.
+    accumulating = make_rules(zero, accumulating=True)
+    assert spec_for(names, accumulating.grads) == jax.P(("sp", "fsdp", *grads[2:]), "tp")
 
 
 def test_scale_lr_applies_the_linear_scaling_rule():

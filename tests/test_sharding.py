@@ -44,17 +44,17 @@ def _born_sharded(mesh: str, **overrides) -> dict:
 def test_initializer_creates_state_already_sharded():
     state = _born_sharded("dp=2,fsdp=2,tp=2")
     wkv = state["params"]["blocks"]["attn"]["wkv"]  # (layers, embed, kv_heads, 2, head_dim)
-    assert wkv.sharding.spec == jax.P("pp", ("sp", "fsdp"), "tp", None, None)  # pp and sp have size 1 here
+    assert wkv.sharding.spec == jax.P("pp", ("fsdp", "sp"), "tp", None, None)  # pp and sp have size 1 here
     assert {s.data.shape for s in wkv.addressable_shards} == {(2, 32, 2, 2, 8)}
     mu = state["opt_state"][1][0].mu["blocks"]["mlp"]["down"]  # (layers, mlp, embed)
-    assert mu.sharding.spec == jax.P("pp", "tp", ("sp", "fsdp"))
+    assert mu.sharding.spec == jax.P("pp", "tp", ("fsdp", "sp"))
 
 
 def test_experts_are_stored_split_over_ep():
     cfg = validate(TrainConfig(model="moe-tiny", mesh="ep=2,fsdp=2,tp=2"))
     state = build_program(cfg, make_layout(cfg)).abstract_state  # what init is jitted to produce
     gate_up = state["params"]["blocks"]["moe"]["mlp"]["gate_up"]  # (groups, experts, embed, 2, expert_mlp)
-    assert gate_up.sharding.spec == jax.P("pp", "ep", ("sp", "fsdp"), None, "tp")
+    assert gate_up.sharding.spec == jax.P("pp", "ep", ("fsdp", "sp"), None, "tp")
     assert gate_up.sharding.shard_shape(gate_up.shape) == (1, 4, 32, 2, 32)
 
 
@@ -69,10 +69,10 @@ def test_zero_splits_the_state_over_every_axis_that_replicates_a_weight():
     specs = {name: leaf.sharding.spec for name, leaf in (
         ("embedding", mu["embedding"]), ("attention", mu["blocks"]["moe"]["attn"]["wo"]),
         ("experts", mu["blocks"]["moe"]["mlp"]["gate_up"]))}
-    assert specs == {"embedding": jax.P("tp", ("sp", "fsdp", "dp", "ep")),
-                     "attention": jax.P("pp", "tp", None, ("sp", "fsdp", "dp", "ep")),
-                     "experts": jax.P("pp", "ep", ("sp", "fsdp", "dp"), None, "tp")}
-    assert state["params"]["embedding"].sharding.spec == jax.P("tp", ("sp", "fsdp"))
+    assert specs == {"embedding": jax.P("tp", ("fsdp", "sp", "dp", "ep")),
+                     "attention": jax.P("pp", "tp", None, ("fsdp", "sp", "dp", "ep")),
+                     "experts": jax.P("pp", "ep", ("fsdp", "sp", "dp"), None, "tp")}
+    assert state["params"]["embedding"].sharding.spec == jax.P("tp", ("fsdp", "sp"))
     # Each mesh axis splits an array once, whatever the rules name it on.
     for leaf in jax.tree.leaves(state):
         axes = [a for entry in leaf.sharding.spec for a in ((entry,) if isinstance(entry, str) else entry or ())]

@@ -60,7 +60,7 @@ def check_layout(cfg, shape: Mapping[str, int], for_training: bool = True):
     """Every check of a mesh shape against the run, without devices. -> (rules, skeleton, schedule)"""
     skeleton = skeleton_for(cfg)
     check_combination(cfg, shape, skeleton.model_cfg)
-    rules = make_rules(cfg.zero, cfg.megatron_sp, shared_kv_heads(cfg, shape, skeleton.model_cfg))
+    rules = make_rules(cfg.zero, cfg.megatron_sp, shared_kv_heads(cfg, shape, skeleton.model_cfg), cfg.grad_accum > 1)
     check_expert_slots(cfg, shape, skeleton.model_cfg)
     schedule = check_pipeline(cfg, shape, skeleton.model_cfg, for_training)
     if schedule and schedule.repeats > 1:

@@ -41,10 +41,11 @@ TABLE: dict[str, tuple[Axes, Axes]] = {
     "batch": (None, BATCH_AXES),
     "seq": (None, "sp"),
     "residual_seq": (None, "sp"),  # the residual stream's sequence; Megatron-SP adds tp
-    # FSDP over the context axis too (as MaxText: sp splits no weight else), sp major: the
-    # order accumulation's sums arrive in (sp's reduction in each microbatch, fsdp's once),
-    # which fsdp major made XLA permute every step.
-    "embed": (("sp", "fsdp"), None),
+    # FSDP over the context axis too (as MaxText: sp splits no weight else); fsdp major, in
+    # the mesh's order, which XLA:GPU reduce-scatters the gradient in (sp major: it
+    # all-reduced 20 GiB a step of llama3-8b-32k-8xh100's 14 GiB reduce-scatter). Under
+    # accumulation, ACCUMULATED_EMBED.
+    "embed": (("fsdp", "sp"), None),
     "heads": ("tp", "tp"),
     "kv_heads": ("tp", "tp"),
     "head_dim": (None, None),
@@ -119,10 +120,19 @@ MEGATRON_SP = {"residual_seq": ("sp", "tp")}  # norms and residuals split along 
 SHARED_KV_HEADS = {"kv_heads": (None, jax.P.UNCONSTRAINED)}
 
 
-def make_rules(zero: int, megatron_sp: bool = False, shared_kv_heads: bool = False) -> Rules:
+# With gradient accumulation, embed is stored sp major: the order the sums arrive in (sp's
+# reduction in each microbatch, fsdp's once), which fsdp major made XLA permute every step,
+# a copy of the parameters (XLA:CPU and XLA:GPU alike).
+ACCUMULATED_EMBED = ("sp", "fsdp")
+
+
+def make_rules(zero: int, megatron_sp: bool = False, shared_kv_heads: bool = False,
+               accumulating: bool = False) -> Rules:
     if zero not in ZERO_STAGES:
         raise ValueError(f"zero stage must be one of {ZERO_STAGES}")
     table = TABLE | (SHARED_KV_HEADS if shared_kv_heads else {})
+    if accumulating:
+        table["embed"] = (ACCUMULATED_EMBED, table["embed"][1])
     at_rest = {name: entry[0] for name, entry in table.items()}
     compute = {name: entry[1] for name, entry in table.items()}
     if megatron_sp:
