@@ -112,7 +112,7 @@ def main() -> int:
             continue
         ratios = matrix.ratios(plan)
         if kind is not None:
-            off_peak = f"  XLA's peak {plan.xla['peak'] / 2**20:.1f} MiB, theory's {sum(plan.theory_memory.values()) / 2**20:.1f}"
+            off_peak = f"  XLA's peak {plan.xla['peak'] / 2**20:.1f} MiB, theory's {plan.theory_peak / 2**20:.1f}"
         else:
             off_peak = ""
         rows += len(ratios)

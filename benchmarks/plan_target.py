@@ -61,7 +61,7 @@ def main(names: list[str]) -> int:
 
 def report(name: str, target: str, plan: dict, wall: float) -> dict:
     per = plan["per_device"]
-    theory_peak = sum(per["theory"].values())
+    theory_peak = per["theory_peak_bytes"]
     xla_peak = per["xla"]["peak_bytes"] if per["xla"] else None
     gib = 2 ** 30
     print(f"\n{name} on {target} ({plan['mesh']}): compiled in {plan['compile_s']:.0f} s; "

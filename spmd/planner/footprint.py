@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from models import flash
+from models import flash, model_class
 from spmd.parallel import pipeline
 from spmd.parallel.layout import Layout
 from spmd.parallel.rules import axes_of
@@ -33,15 +33,18 @@ def memory(cfg, layout: Layout) -> dict[str, float]:
         return sum(held(p, spec_axes(p.names, table)) for p in params(layout, cfg) if p.trained or not trained_only)
 
     model = layout.skeleton.model_cfg
-    gathered = gradients = 0.0
+    gathered = gathered_head = gradients = 0.0
     for p in params(layout, cfg):
         compute = spec_axes(p.names, used_table)
         if live(set(spec_axes(p.names, rules.params)) - set(compute), shape):
-            used = held(p, compute, sum(uses(p, model, compute_bytes)))
             # Stacked weights are gathered a layer at a time (two alive: this one and the
-            # next, of the device's layers); a prefix's too.
-            gathered += used * (2 * shape["pp"] / model.stacked_layers if p.stacked
-                                else min(1, 2 / p.prefix) if p.prefix else 1)
+            # next, of the device's layers); a prefix's too. Of the rest, the output head
+            # (a tied table in the compute dtype) is what the loss holds gathered.
+            if p.stacked or p.prefix:
+                used = held(p, compute, sum(uses(p, model, compute_bytes)))
+                gathered += used * (2 * shape["pp"] / model.stacked_layers if p.stacked else min(1, 2 / p.prefix))
+            elif in_head(layout, p) or (model.tie_embeddings and p.path == model_class(model).LOOKUP_TABLE):
+                gathered_head += held(p, compute, compute_bytes)
         # With accumulation each device sums its own microbatches' gradients (laid out as
         # computed, float32) and reduces once; so does each dp shard of pipeline stages
         # over the ticks (reduced over fsdp each tick); otherwise the reduced gradient is
@@ -56,9 +59,15 @@ def memory(cfg, layout: Layout) -> dict[str, float]:
             gradients += held(p, [a for a in spec_axes(p.names, rules.params) if a not in pipeline.MANUAL_AXES], 4)
         elif layout.schedule and p.stacked:
             # (With dp, split as the weights are: ZeRO's other axes slice it after dp's sum,
-            # spmd.planner.theory._gradients.)
+            # spmd.planner.theory._gradients.) Beside the sum: under autodiff (gpipe,
+            # circular) a copy of it; under a written-out backward pass the tick's chunk
+            # gradient being added (1/v of it), and with dp the sum over dp as the map ends
+            # (XLA:GPU's buffers of llama3-70b-128xh100-3d under each schedule: within 4%).
             split = spec_axes(p.names, rules.params if shape[pipeline.BATCH_AXIS] > 1 else rules.grads)
-            gradients += held(p, [a for a in split if a != pipeline.BATCH_AXIS])
+            schedule = layout.schedule
+            copies = (1 + 1 / schedule.repeats + (shape[pipeline.BATCH_AXIS] > 1) if schedule.writes_backward
+                      else 2)
+            gradients += copies * held(p, [a for a in split if a != pipeline.BATCH_AXIS])
         else:
             gradients += held(p, spec_axes(p.names, rules.grads))
     # zb-v and DualPipe run a second chunk on each device, received from the mirror device
@@ -80,14 +89,33 @@ def memory(cfg, layout: Layout) -> dict[str, float]:
         "opt_state": 2 * total(rules.opt_state, trained_only=True),  # Adam's mu and nu, float32 like the parameters
         "gradients": gradients,
         "gathered_weights": gathered,
-        "activations": activation_bytes(cfg, layout, compute_bytes),
+        "gathered_head": gathered_head,
+        **activation_bytes(cfg, layout, compute_bytes),
     }
 
 
-def activation_bytes(cfg, layout: Layout, compute_bytes: int) -> float:
-    """Activations kept for the backward pass, by remat policy (models.llama), plus the
-    float32 logits (logits, their softmax and its gradient) and, in pipeline stages, the
-    queue of microbatches entering them."""
+def peak(cfg, layout: Layout, memory: dict[str, float]) -> float:
+    """The step's peak per device from `memory`'s parts, by what lives when. Without
+    pipeline stages the step has two high points, and the peak is the higher: the loss
+    (the kept activations, the logits, the gathered head) and the layers' backward pass
+    (the kept activations, the gradients being written, one layer's working set, its
+    gathered weights and as much again of their gradients before they are reduced); an
+    accumulated gradient lives through both. Pipeline stages run forwards and backwards
+    in the same ticks: every part at once."""
+    state = memory["params"] + memory["opt_state"]
+    if layout.schedule is not None:
+        return sum(memory.values())
+    kept, gradients = memory["activations"], memory["gradients"]
+    loss = kept + memory["logits"] + memory["gathered_head"] + (gradients if cfg.grad_accum > 1 else 0)
+    layers = kept + gradients + memory["working"] + 2 * memory["gathered_weights"]
+    return state + max(loss, layers)
+
+
+def activation_bytes(cfg, layout: Layout, compute_bytes: int) -> dict[str, float]:
+    """What the step computes and keeps, in three parts: `activations`, kept for the
+    backward pass by remat policy (models.llama) and, in pipeline stages, the queue of
+    microbatches entering them; `working`, one layer's recomputed activations and its
+    attention blocks' scores; `logits`, the logits and their gradient."""
     m, t = layout.skeleton.model_cfg, layout.shape["tp"]
     # Keys and values per kv slot: a kv head, or each copy of one where tp shares it.
     e, qkv, heads = m.embed, (m.heads + 2 * m.kv_heads * layout.kv_copies) * m.head_dim, m.heads * m.head_dim
@@ -125,10 +153,13 @@ def activation_bytes(cfg, layout: Layout, compute_bytes: int) -> float:
         kept += m.moe_layers_run * {"none": moe, "dots": 3 * e + qkv / t + rows * 2 * m.moe.expert_mlp / t, "full": e}[cfg.remat]
         working = max(working, 0 if cfg.remat == "none" else moe)
     vocab_split = ways(axes_of(layout.rules.activations["vocab"]), layout.shape)
-    logits = 3 * m.vocab / vocab_split * 4  # per token
+    # Per token: the float32 logits, which the loss's backward pass reads and overwrites
+    # with their gradient (one buffer, as XLA:GPU assigns them for the presets).
+    logits = m.vocab / vocab_split * 4
     schedule = layout.schedule
     if schedule is None:
-        return tokens * (kept + working) * compute_bytes + block_scores + tokens * logits
+        return {"activations": tokens * kept * compute_bytes, "working": tokens * working * compute_bytes + block_scores,
+                "logits": tokens * logits}
     # A device keeps its 1/p of the layers for every tick (gpipe, circular), or for the
     # residual ring's (2vp - 1)/v microbatches (1f1b, interleaved-1f1b: Schedule.
     # kept_microbatches), on microbatches of p/m of its `tokens`; one tick's (a 1/v chunk
@@ -144,5 +175,5 @@ def activation_bytes(cfg, layout: Layout, compute_bytes: int) -> float:
     queued = queues * tokens * p
     if schedule.name in pipeline.SPLIT_BACKWARD:
         queued = 2 * tokens + (2 * (2 if schedule.name == "dualpipe" else 1) + 2) * mb
-    return ((kept_tokens * kept + mb * (working + kept / (p * v)) + queued * e) * compute_bytes
-            + head_tokens * logits)
+    return {"activations": (kept_tokens * kept + mb * kept / (p * v) + queued * e) * compute_bytes,
+            "working": mb * working * compute_bytes, "logits": head_tokens * logits}

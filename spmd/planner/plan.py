@@ -89,8 +89,12 @@ class Plan:
         return "xla"
 
     @property
+    def theory_peak(self) -> float:
+        return footprint.peak(self.cfg, self.layout, self.theory_memory)
+
+    @property
     def peak(self) -> float:
-        return self.xla["peak"] if self.fit_basis == "xla" else sum(self.theory_memory.values())
+        return self.xla["peak"] if self.fit_basis == "xla" else self.theory_peak
 
     @property
     def usable(self) -> float | None:
@@ -118,6 +122,7 @@ class Plan:
                 "full_fine_tune_state_bytes": None if self.full_state is None else round(self.full_state),
                 "measured_state_bytes": self.measured_state,
                 "theory": {k: round(v) for k, v in self.theory_memory.items()},
+                "theory_peak_bytes": round(self.theory_peak),
                 "xla": {f"{k}_bytes": v for k, v in self.xla.items()} if self.xla else None,
                 "peak_bytes": round(self.peak),
                 "peak_from": self.fit_basis,
@@ -244,7 +249,7 @@ def auto(cfg, devices, hardware, planned_on: str) -> tuple[list[Plan], str]:
         except UserError:
             indivisible += 1
             continue
-        if sum(footprint.memory(c, layout).values()) > hardware.memory_bytes(len(devices)):
+        if footprint.peak(c, layout, footprint.memory(c, layout)) > hardware.memory_bytes(len(devices)):
             too_big += 1
             continue
         expected = [(e.op, e.axes, e.bytes_per_device) for e in theory.collectives(c, layout)]

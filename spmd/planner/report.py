@@ -37,7 +37,9 @@ def _trained(skeleton) -> str:
 # ----------------------------------------------------------------------------- spmd.plan
 
 _MEMORY_ROWS = (("params", "parameters"), ("opt_state", "optimizer state"), ("gradients", "gradients"),
-                ("gathered_weights", "gathered weights"), ("activations", "activations"))
+                ("gathered_weights", "gathered layers"), ("gathered_head", "gathered head"),
+                ("activations", "activations kept"), ("working", "a layer's working set"),
+                ("logits", "logits"))
 _XLA_ROWS = (("argument", "arguments"), ("output", "outputs"), ("alias", "  of which aliased"),
              ("temp", "temporaries"))
 _ALL_REDUCE_NOTE = ("* compiled as all-reduce + dynamic-slice (XLA:CPU, and XLA:TPU's optimized HLO); the "
@@ -66,8 +68,12 @@ def plan_table(plan) -> list[str]:
     if plan.xla:
         for key, label in _XLA_ROWS:
             lines.append(f"  {label:26}{'':>12}{human_bytes(plan.xla[key]):>12}")
-    lines.append(f"  {'peak':26}{human_bytes(sum(plan.theory_memory.values())):>12}"
+    lines.append(f"  {'peak':26}{human_bytes(plan.theory_peak):>12}"
                  f"{human_bytes(plan.xla['peak']) if plan.xla else '-':>12}")
+    lines.append("    theory's: the state and every part at once (pipeline stages run forwards and backwards "
+                 "together)" if plan.layout.schedule else "    theory's: the state and the higher of the loss (kept, "
+                 "logits, head) and the layers' backward pass (kept, gradients, a layer's working set, its gathered "
+                 "weights and their unreduced gradients)")
     lines.append(verdict(plan))
     overlap = plan.asynchronous  # the compiler scheduled each collective's start and done: show what runs under compute
     lines += ["", f"{'communication per step':30}{'count':>7}{'per device':>13}{'theory':>13}{'ratio':>11}"

@@ -144,7 +144,7 @@ def check_fit(plan) -> None:
     CPU devices share the host's), rather than run into an out-of-memory error. Their
     peak is XLA's for them; `--hardware` plans for other devices and decides nothing here."""
     memory = device_memory(plan.layout.mesh.local_devices)
-    peak = plan.xla["peak"] if plan.xla else sum(plan.theory_memory.values())
+    peak = plan.xla["peak"] if plan.xla else plan.theory_peak
     if memory is not None and peak > memory[0]:
         raise UserError(f"the step needs {human_bytes(peak)} per device at its peak, more than the "
                         f"{human_bytes(memory[0])} of {memory[1]}; use more devices, a smaller --batch or --seq, "
