@@ -102,9 +102,9 @@ def peak(cfg, layout: Layout, memory: dict[str, float]) -> float:
     gathered weights and as much again of their gradients before they are reduced); an
     accumulated gradient lives through both. Pipeline stages run forwards and backwards
     in the same ticks: every part at once."""
-    state = memory["params"] + memory["opt_state"]
     if layout.schedule is not None:
         return sum(memory.values())
+    state = memory["params"] + memory["opt_state"]
     kept, gradients = memory["activations"], memory["gradients"]
     loss = kept + memory["logits"] + memory["gathered_head"] + (gradients if cfg.grad_accum > 1 else 0)
     layers = kept + gradients + memory["working"] + 2 * memory["gathered_weights"]
@@ -115,7 +115,7 @@ def activation_bytes(cfg, layout: Layout, compute_bytes: int) -> dict[str, float
     """What the step computes and keeps, in three parts: `activations`, kept for the
     backward pass by remat policy (models.llama) and, in pipeline stages, the queue of
     microbatches entering them; `working`, one layer's recomputed activations and its
-    attention blocks' scores; `logits`, the logits and their gradient."""
+    attention blocks' scores; `logits`, the float32 logits, which their gradient overwrites."""
     m, t = layout.skeleton.model_cfg, layout.shape["tp"]
     # Keys and values per kv slot: a kv head, or each copy of one where tp shares it.
     e, qkv, heads = m.embed, (m.heads + 2 * m.kv_heads * layout.kv_copies) * m.head_dim, m.heads * m.head_dim
