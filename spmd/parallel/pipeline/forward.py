@@ -13,14 +13,15 @@ from spmd.parallel.pipeline.schedule import AXIS, BATCH_AXIS, MANUAL_AXES, Sched
 def pipeline(mesh, schedule: Schedule, stage_fn, blocks, x: jax.Array, rows: jax.P, policy=None, side=None,
              fixed=None):
     """Run microbatches x (m, mb, ...), split over pp along m, through the stages;
-    differentiable by `jax.grad`. `stage_fn(chunk, x, side) -> (y, statistics)` runs one
-    chunk of stacked layers (leading axis: the chunk's layers) on one microbatch (with its
-    `side` inputs, or None) and reports per-layer statistics (MoE layers'; a dict of arrays
-    with a leading layer axis, empty for dense layers); `rows`: one microbatch's spec;
-    `policy`: the model's remat policy; `side`: the microbatches' side inputs (module
-    docstring), or None; `fixed`: what the stages read but do not differentiate, stored as
-    `blocks` are (as for `one_f_one_b`), or None. Returns the outputs, laid out like x, and the statistics of every
-    layer, each a mean over the microbatches (`layer_statistics`)."""
+    differentiable by `jax.grad`. `stage_fn(chunk, x, side, fixed) -> (y, statistics)` runs
+    one chunk of stacked layers (leading axis: the chunk's layers) on one microbatch (with
+    its `side` inputs, or None, and its part of `fixed`) and reports per-layer statistics
+    (MoE layers'; a dict of arrays with a leading layer axis, empty for dense layers);
+    `rows`: one microbatch's spec; `policy`: the model's remat policy; `side`: the
+    microbatches' side inputs (module docstring), or None; `fixed`: what the stages read
+    but do not differentiate, stored as `blocks` are (as for `one_f_one_b`), or None.
+    Returns the outputs, laid out like x, and the statistics of every layer, each a mean
+    over the microbatches (`layer_statistics`)."""
     p, m, v = schedule.stages, schedule.microbatches, schedule.repeats
 
     def run(blocks, x, side, fixed):
