@@ -78,3 +78,38 @@ def test_replica_groups_over_part_of_an_axis_are_read():
     shape = {"fsdp": 2, "tp": 8}
     assert traffic.axes_of_groups(traffic.device_groups(mesh % (4, 2), 16), shape) == "tp:inner2"
     assert traffic.axes_of_groups(traffic.device_groups(mesh % (1, 4), 16), shape) == "tp:outer4"
+
+
+def test_branches_that_say_how_often_they_run_are_weighed_so():
+    """A loop of 4 trips whose switch takes branch 0 three times and branch 1 once
+    (`counted_switch`, as the split-backward pipelines' pairs of ticks): branch 0's matmul
+    and all-reduce count 3 times a step, branch 1's once, where a branch that said
+    nothing would count every trip (or, in the FLOPs, not at all). A conditional nested
+    in a counted branch has the outer scope in its names but says nothing itself: its
+    branches stay out of the loops' FLOPs."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from spmd.parallel.pipeline.kit import counted_switch
+
+    mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
+    a, b = np.ones((8, 8), np.float32), np.ones((8, 16), np.float32)
+
+    def often(x, t):
+        return jax.lax.psum(x @ a, "x")
+
+    def once(x, t):
+        y = (x @ b) @ b.T
+        return jax.lax.cond(t > 100, lambda y: y @ a, lambda y: y, y)
+
+    def step(x):
+        body = counted_switch([0, 0, 0, 1], [often, once])
+        return jax.lax.scan(lambda c, s: (body(c, s), None), x, (jnp.arange(4), jnp.asarray([0, 0, 0, 1])))[0]
+
+    mapped = jax.shard_map(step, mesh=mesh, in_specs=jax.P(), out_specs=jax.P(), check_vma=False)
+    module = hlo.parse(jax.jit(mapped).lower(jnp.ones((4, 8), jnp.float32)).compile().as_text())
+    matmul = 2 * 4 * 8 * 8
+    assert hlo.loop_dot_flops(module) == 3 * matmul + 1 * 2 * 2 * 4 * 8 * 16
+    runs = module.runs_per_step()
+    [reduce] = module.collectives_where(("all-reduce",))
+    assert runs[reduce.computation] == 3

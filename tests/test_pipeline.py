@@ -137,9 +137,9 @@ def test_split_backward_executes_its_formula(deep_reference, layout):
     or n = m/2, s = p (DualPipe), f, b, w a chunk's dot FLOPs counted as the step's are
     (its attention kernel's causal branches aside). Here f = b = w (the layers' matmuls,
     each once per pass), so zb-v's is 1 + 2(p-1)/(3m) = 7/6 at p=2, m=4, against 1F1B's
-    5/4; DualPipe's 1 + 2(p-2)/(3m): no bubble at all on p=2, 7/6 on p=4, m=8. (Two layers
-    a chunk: a chunk's layer scan stays a loop in every tick; one-layer scans in one-pair
-    runs of ticks are unrolled by XLA and fall out of the loop count.)"""
+    5/4; DualPipe's 1 + 2(p-2)/(3m): no bubble at all on p=2, 7/6 on p=4, m=8. The pairs
+    of ticks run in one loop whose switch says how often each kind of pair runs
+    (`counted_switch`): the planner weighs each branch's FLOPs by it."""
     run, program = _run(IDS.index(layout)), deep_reference.program
     schedule = run.layout.schedule
     p, m, dual = schedule.stages, schedule.microbatches, schedule.name == "dualpipe"

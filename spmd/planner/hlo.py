@@ -16,6 +16,7 @@ import re
 
 import jax
 
+from spmd.parallel.pipeline.kit import RUNS_SCOPE
 from spmd.parallel.pipeline.split import split_backward
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute", "ragged-all-to-all")
@@ -35,6 +36,9 @@ _CUSTOM_CALL_TARGET = re.compile(r'custom_call_target="([^"]+)"')
 _CONDITION = re.compile(r"\bcondition=%?([\w.\-]+)")
 _DIRECTION = re.compile(r"\bdirection=(\w+)")
 _TUPLE_INDEX = re.compile(r"\bindex=(\d+)")
+_OP_NAME = re.compile(r'\bop_name="([^"]*)"')
+_BRANCH_SCOPE = re.compile(r"branch_\d+_fun")  # JAX's name for a `switch`'s i-th branch
+_DECLARED_RUNS = re.compile(RUNS_SCOPE.format(r"(\d+)", r"(\d+)"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,14 +94,16 @@ class HloModule:
         """How many times each computation runs in one execution of the entry computation.
 
         A loop whose trip count is neither written nor readable from its condition is
-        counted once (the train step's scans all have one). The branches of a
-        conditional that move the same collectives (a layer that runs one of two kinds of
-        attention, each over sp) share its runs: one of them runs each time."""
+        counted once (the train step's scans all have one). A conditional's branches
+        share its runs where that is known: as each branch says (a pipeline's pairs of
+        ticks, `spmd.parallel.pipeline.kit.counted_switch`), or evenly where they move the
+        same collectives (a layer that runs one of two kinds of attention, each over sp):
+        one of them runs each time."""
         runs = {self.entry: 1}
         todo = [self.entry]
         while todo:
             comp = todo.pop()
-            shares = self._shared_branches(comp)
+            shares = self._branch_shares(comp)
             for callee in self.calls.get(comp, ()):
                 times = runs[comp] * self.trip_counts.get(callee, 1) * shares.get(callee, 1)
                 if runs.get(callee, 0) < times:
@@ -105,21 +111,44 @@ class HloModule:
                     todo.append(callee)
         return runs
 
-    def _shared_branches(self, computation: str) -> dict[str, float]:
-        """The branches of `computation`'s conditionals whose collectives are alike, each
-        with its share (1 / branches) of the conditional's runs; branches that differ run
-        as often as the conditional, as any of them might."""
+    def _branch_shares(self, computation: str) -> dict[str, float]:
+        """The branches of `computation`'s conditionals with their share of its runs: the
+        share each says it has (`declared_share`), else 1 / branches for branches whose
+        collectives are alike; branches that differ and say nothing run as often as the
+        conditional, as any of them might."""
         shares = {}
         for instr in self.instructions.get(computation, {}).values():
             if instr.op != "conditional":
                 continue
             branches = [c for c in self.calls.get(computation, ())
                         if re.search(rf"(?<![\w.\-]){re.escape(c)}(?![\w.\-])", instr.attributes)]
+            declared = [self.declared_share(b) for b in branches]
+            if branches and None not in declared:
+                shares |= dict(zip(branches, declared))
+                continue
             reached = [self.reachable({b}) for b in branches]
             moved = [sorted((c.op, c.operand_bytes) for c in self.collectives if c.computation in r) for r in reached]
             if len(branches) > 1 and moved[0] and all(m == moved[0] for m in moved):
                 shares |= dict.fromkeys(branches, 1 / len(branches))
         return shares
+
+    def declared_share(self, branch: str) -> float | None:
+        """The share of its conditional's runs a branch computation says it takes: the
+        name scope its instructions were traced under (`RUNS_SCOPE`, runs of trips),
+        which the compiler keeps in their metadata; None where none says."""
+        said = set()
+        for instr in self.instructions.get(branch, {}).values():
+            found = _OP_NAME.search(instr.attributes)
+            # The scope right inside the innermost branch: a conditional nested in a
+            # counted branch has the outer scope in its names too, and says nothing itself.
+            scopes = found.group(1).split("/") if found else []
+            inner = max((i for i, scope in enumerate(scopes) if _BRANCH_SCOPE.fullmatch(scope)), default=None)
+            if inner is not None and inner + 1 < len(scopes) and _DECLARED_RUNS.fullmatch(scopes[inner + 1]):
+                said.add(_DECLARED_RUNS.fullmatch(scopes[inner + 1]).groups())
+        if len(said) != 1:
+            return None
+        runs, trips = said.pop()
+        return int(runs) / int(trips)
 
     def users(self, computation: str, name: str) -> list[Instruction]:
         return [i for i in self.instructions[computation].values() if name in i.operands]
@@ -291,12 +320,14 @@ def _dims(type_text: str) -> list[int]:
 
 
 def branch_computations(module: HloModule) -> set[str]:
-    """Computations that run only in some branch of a `conditional` (and what they call)."""
+    """Computations that run only in some branch of a `conditional` (and what they call),
+    but for branches that say how often they run (`HloModule.declared_share`)."""
     roots = set()
     for table in module.instructions.values():
         for instr in table.values():
             if instr.op == "conditional":
-                roots |= {c for c in module.calls[instr.computation] if c in instr.attributes}
+                roots |= {c for c in module.calls[instr.computation]
+                          if c in instr.attributes and module.declared_share(c) is None}
     return module.reachable(roots)
 
 

@@ -59,6 +59,23 @@ def only_stage_0(x: jax.Array, stage: jax.Array) -> jax.Array:
 
 
 
+RUNS_SCOPE = "runs_{}_of_{}"  # a branch's name scope: how often it runs (spmd.planner.hlo reads it)
+
+
+def counted_switch(which: list[int], branches: list):
+    """A scan body (carry, (t, i)) -> branches[i](carry, t), for a scan over
+    `len(which)` steps whose i-th runs branch which[i]. Each branch runs under a name
+    scope saying how many of the loop's trips take it, which the compiled program keeps
+    in its metadata: the planner weighs the branch's collectives and FLOPs by it."""
+    def counted(branch, runs):
+        def run(carry, t):
+            with jax.named_scope(RUNS_SCOPE.format(runs, len(which))):
+                return branch(carry, t)
+        return run
+    counted_branches = [counted(b, which.count(i)) for i, b in enumerate(branches)]
+    return lambda carry, step: jax.lax.switch(step[1], counted_branches, carry, step[0])
+
+
 def micro(side, k):
     """Microbatch k's side inputs (None: none)."""
     return jax.tree.map(lambda s: s[k], side)
