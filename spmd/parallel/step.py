@@ -83,12 +83,15 @@ def model_context(layout: Layout, attention: str = "ring", local_axes: tuple[str
     and experts across the batch shards. `local_axes`:
     axes the values are local to (a vmap over batch shards, a map manual over them);
     `data_axes`: what splits the batch (default: the layout's)."""
-    rules = layout.rules
+    rules, data_axes = layout.rules, data_axes or layout.data_axes
     stack = contextlib.ExitStack()
-    stack.enter_context(nnx.logical_axis_rules(rules.activation_rules(local_axes, data_axes or layout.data_axes)))
+    stack.enter_context(nnx.logical_axis_rules(rules.activation_rules(local_axes, data_axes)))
     stack.enter_context(storage(rules.storage(local_axes)))
     stack.enter_context(computed_copies({"kv_heads": layout.kv_copies}))
-    batch_axes = tuple(a for a in BATCH_AXES if a not in local_axes)
+    # The maps' rows: split as the batch is (outside pipeline stages over pp too, where a
+    # dense prefix runs: a map over the batch axes alone gathered its rows over pp, and
+    # each pp rank attended to all of them).
+    batch_axes = tuple(a for a in data_axes if a not in local_axes)
     if layout.shape["sp"] > 1:
         stack.enter_context(attention_implementation(make_attention(layout.mesh, attention, batch_axes, KERNELS[kernel])))
         stack.enter_context(slots_implementation(make_capacity_slots(layout.mesh, batch_axes)))

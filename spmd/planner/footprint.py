@@ -101,9 +101,12 @@ def peak(cfg, layout: Layout, memory: dict[str, float]) -> float:
     (the kept activations, the gradients being written, one layer's working set, its
     gathered weights and as much again of their gradients before they are reduced); an
     accumulated gradient lives through both. Pipeline stages run forwards and backwards
-    in the same ticks: every part at once."""
+    in the same ticks: every part at once, but for a layer's working set and the loss's
+    logits (with the head), which a tick holds one after the other (the head runs
+    between the last chunk's forward and its backward)."""
     if layout.schedule is not None:
-        return sum(memory.values())
+        apart = {"working": memory["working"], "loss": memory["logits"] + memory["gathered_head"]}
+        return sum(memory.values()) - sum(apart.values()) + max(apart.values())
     state = memory["params"] + memory["opt_state"]
     kept, gradients = memory["activations"], memory["gradients"]
     loss = kept + memory["logits"] + memory["gathered_head"] + (gradients if cfg.grad_accum > 1 else 0)
