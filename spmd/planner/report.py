@@ -71,9 +71,10 @@ def plan_table(plan) -> list[str]:
     lines.append(f"  {'peak':26}{human_bytes(plan.theory_peak):>12}"
                  f"{human_bytes(plan.xla['peak']) if plan.xla else '-':>12}")
     lines.append("    theory's: the state and every part at once (pipeline stages run forwards and backwards "
-                 "together), but the higher of a layer's working set and the logits" if plan.layout.schedule else "    theory's: the state and the higher of the loss (kept, "
-                 "logits, head) and the layers' backward pass (kept, gradients, a layer's working set, its gathered "
-                 "weights and their unreduced gradients)")
+                 "together), but the higher of a layer's working set and the logits" if plan.layout.schedule
+                 else "    theory's: the state and the higher of the loss (kept, logits, head) and the layers' "
+                 "backward pass (kept, gradients, a layer's working set, its gathered weights and their unreduced "
+                 "gradients)")
     lines.append(verdict(plan))
     overlap = plan.asynchronous  # the compiler scheduled each collective's start and done: show what runs under compute
     lines += ["", f"{'communication per step':30}{'count':>7}{'per device':>13}{'theory':>13}{'ratio':>11}"

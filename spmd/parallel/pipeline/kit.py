@@ -58,7 +58,6 @@ def only_stage_0(x: jax.Array, stage: jax.Array) -> jax.Array:
     return jnp.where(stage == 0, x, jnp.zeros_like(x))[None]
 
 
-
 RUNS_SCOPE = "runs_{}_of_{}"  # a branch's name scope: how often it runs (spmd.planner.hlo reads it)
 
 
