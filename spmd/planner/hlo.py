@@ -120,8 +120,7 @@ class HloModule:
         for instr in self.instructions.get(computation, {}).values():
             if instr.op != "conditional":
                 continue
-            branches = [c for c in self.calls.get(computation, ())
-                        if re.search(rf"(?<![\w.\-]){re.escape(c)}(?![\w.\-])", instr.attributes)]
+            branches = self.branches(instr)
             declared = [self.declared_share(b) for b in branches]
             if branches and None not in declared:
                 shares |= dict(zip(branches, declared))
@@ -131,6 +130,11 @@ class HloModule:
             if len(branches) > 1 and moved[0] and all(m == moved[0] for m in moved):
                 shares |= dict.fromkeys(branches, 1 / len(branches))
         return shares
+
+    def branches(self, conditional: Instruction) -> list[str]:
+        """The computations a `conditional` instruction branches to."""
+        return [c for c in self.calls.get(conditional.computation, ())
+                if re.search(rf"(?<![\w.\-]){re.escape(c)}(?![\w.\-])", conditional.attributes)]
 
     def declared_share(self, branch: str) -> float | None:
         """The share of its conditional's runs a branch computation says it takes: the
@@ -326,8 +330,7 @@ def branch_computations(module: HloModule) -> set[str]:
     for table in module.instructions.values():
         for instr in table.values():
             if instr.op == "conditional":
-                roots |= {c for c in module.calls[instr.computation]
-                          if c in instr.attributes and module.declared_share(c) is None}
+                roots |= {c for c in module.branches(instr) if module.declared_share(c) is None}
     return module.reachable(roots)
 
 
