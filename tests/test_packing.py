@@ -13,7 +13,7 @@ from conftest import assert_params_match, init_config, initial_state
 
 from spmd.config import TrainConfig, validate
 from spmd.parallel.layout import make_layout
-from spmd.parallel.step import build_program, target_count
+from spmd.parallel.step import build_program, target_counts
 
 SEQ = 32
 VOCAB = 256
@@ -76,7 +76,7 @@ def _params(program):
 
 def _loss_and_grads(program, rows: dict):
     def loss_and_grads(params, rows):
-        metrics, grads = program._loss_and_grads(params, rows, None, target_count(rows))
+        metrics, grads = program._loss_and_grads(params, rows, None, target_counts(rows))
         return metrics["loss"], grads
 
     with jax.set_mesh(program.layout.mesh):

@@ -74,6 +74,9 @@ class DeepSeekV3Config(LlamaConfig):
     q_rank: int | None = None
     dense_layers: int = 0
     yarn: Yarn | None = None
+    # Multi-token prediction (models.deepseek3.mtp): modules after the model, the k-th
+    # predicting the token k + 1 ahead of the next; trained, never exported or served.
+    mtp_depth: int = 0
     norm_eps: float = 1e-6
     family: str = "deepseek_v3"
 
@@ -88,6 +91,8 @@ class DeepSeekV3Config(LlamaConfig):
         if self.moe is None or self.moe.every != 1 or not 0 <= self.dense_layers < self.layers:
             raise ValueError(f"DeepSeek-V3 has MoE in every layer after its {self.dense_layers} dense ones, and at "
                              f"least one: {self.layers} layers")
+        if self.mtp_depth < 0:
+            raise ValueError(f"mtp_depth ({self.mtp_depth}) must be 0 or more")
         m = self.moe
         if m.experts % m.groups or m.top_k > m.experts // m.groups * m.top_groups:
             raise ValueError(f"{m.experts} experts do not split into {m.groups} groups of which {m.top_groups} "
@@ -143,4 +148,8 @@ class DeepSeekV3Config(LlamaConfig):
         per_layer = self.moe.active_per_layer if active else self.moe.params_per_layer
         blocks = (self.layers * (self.attention_params() + 2 * self.embed)
                   + self.dense_layers * 3 * self.embed * self.mlp + self.moe_layers * per_layer(self.embed))
-        return 2 * self.vocab * self.embed + blocks + self.embed
+        # Each prediction module: its join of two normed inputs, an MoE block, its norm (the
+        # embedding and head are the model's).
+        mtp = self.mtp_depth * (2 * self.embed * self.embed + 5 * self.embed + self.attention_params()
+                                + per_layer(self.embed))
+        return 2 * self.vocab * self.embed + blocks + self.embed + mtp

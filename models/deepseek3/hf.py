@@ -7,9 +7,10 @@ DeepSeek stores each rotary part interleaved (pairs (x0, x1), (x2, x3), ...; tra
 rope_interleave, its default): its rows of q_b_proj (or q_proj) and kv_a_proj_with_mqa are
 read here into rotate-half order (evens, then odds) and written back, so that our rotation
 is Llama's and every score is unchanged. Multi-token-prediction layers (layer
-num_hidden_layers on, num_nextn_predict_layers of them) are not in the model: transformers
-drops them on load, and so does this loader; an FP8 checkpoint (quantization_config) is
-refused."""
+num_hidden_layers on, num_nextn_predict_layers of them) are not read: transformers drops
+them on load, and so does this loader; a run's own (mtp_depth, models.deepseek3.model's
+PredictionModule) start fresh and are never written. An FP8 checkpoint
+(quantization_config) is refused."""
 
 from __future__ import annotations
 

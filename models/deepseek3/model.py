@@ -20,6 +20,7 @@ on rows split over every data axis and pp, as the embedding does (see docs/moe.m
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -155,6 +156,34 @@ class LatentBlock(Block):
     ATTENTION = LatentAttention
 
 
+class PredictionModule(nnx.Module):
+    """One depth k of multi-token prediction (the DeepSeek-V3 report, section 2.2). At
+    column i it reads the previous depth's hidden state there (depth 1: the model's last
+    layer's output, before the final norm) and the embedding of the input k columns on,
+    each through an RMSNorm; a projection joins them (DeepSeek's `eh_proj`, the embedding's
+    half first, as its released code concatenates them), one block runs on the result, and
+    the model's head, through this module's own norm, predicts the token k + 1 after
+    column i's target. The block is the model's MoE block; its router keeps no state (no
+    selection bias learned, no expert copies) and adds no balance loss: the prediction
+    loss alone trains it."""
+
+    def __init__(self, cfg: DeepSeekV3Config, dtype, rngs: nnx.Rngs, routing: Routing):
+        e = cfg.embed
+        self.embedding_norm = RMSNorm(e, cfg.norm_eps)
+        self.hidden_norm = RMSNorm(e, cfg.norm_eps)
+        self.join = normal_param(rngs, (2, e, e), (None, "embed", None), (2 * e) ** -0.5)
+        self.block = LatentBlock(cfg, dtype, rngs, dataclasses.replace(routing, balanced=False, slots=None))
+        self.norm = RMSNorm(e, cfg.norm_eps)
+        self.dtype = dtype
+
+    def __call__(self, hidden: jax.Array, embedded: jax.Array, positions: jax.Array,
+                 packing: Packing | None = None) -> jax.Array:
+        join = weight(self.join, self.dtype)
+        x = (jnp.einsum("bse,ef->bsf", self.embedding_norm(embedded), join[0])
+             + jnp.einsum("bse,ef->bsf", self.hidden_norm(hidden), join[1]))
+        return self.block(constrain(x, "batch", "residual_seq", "embed"), positions, packing)[0]
+
+
 class DeepSeekV3(Llama):
     """Tokens (batch, seq) -> float32 logits (batch, seq, vocab); see the module's doc."""
 
@@ -176,6 +205,23 @@ class DeepSeekV3(Llama):
                                                 "layers"), cfg)
         self.final_norm = RMSNorm(cfg.embed, cfg.norm_eps)
         self.head = normal_param(rngs, (cfg.embed, cfg.vocab), ("embed", "vocab"), cfg.embed**-0.5)
+        if cfg.mtp_depth:
+            self.mtp = nnx.List([PredictionModule(cfg, dtype, rngs, routing) for _ in range(cfg.mtp_depth)])
+
+    def predictions(self, hidden: jax.Array, later_inputs: jax.Array, positions: jax.Array,
+                    packing: Packing | None = None) -> list[jax.Array]:
+        """Multi-token prediction: per depth k = 1..mtp_depth, float32 logits (batch, seq,
+        vocab) of the token k + 1 after each column's target, from `hidden` (the model's
+        last layer's output) and `later_inputs` (batch, seq, mtp_depth): for each column,
+        the input k columns on in its row ([..., k - 1]; spmd.parallel.objective lays them
+        out, in the columns' order). Columns whose k-th later input is past the row's end
+        (or its example's) predict nothing that counts."""
+        run = nnx.remat(lambda module, *args: module(*args), policy=REMAT_POLICIES[self.remat])
+        logits = []
+        for k, module in enumerate(self.mtp):
+            hidden = run(module, hidden, self.lookup(later_inputs[..., k]), positions, packing)
+            logits.append(self.logits(hidden, module.norm))
+        return logits
 
     @staticmethod
     def cache_layout(cfg: DeepSeekV3Config, batch: int, length: int) -> dict:
@@ -184,4 +230,5 @@ class DeepSeekV3(Llama):
 
     @staticmethod
     def head_params(cfg: DeepSeekV3Config) -> tuple[str, ...]:
-        return ("final_norm", "head")
+        # Multi-token prediction runs where the head does, with the table it looks up.
+        return ("final_norm", "head") + (("embedding", "mtp") if cfg.mtp_depth else ())

@@ -337,6 +337,12 @@ class Llama(nnx.Module):
                 ) -> tuple[jax.Array, dict]:
         """Logits, and the MoE layers' statistics stacked along a leading layer axis
         (`models.moe`; empty for a dense model)."""
+        x, stats = self.hidden(tokens, positions, packing)
+        return self.logits(x), stats
+
+    def hidden(self, tokens: jax.Array, positions: jax.Array | None = None, packing: Packing | None = None
+               ) -> tuple[jax.Array, dict]:
+        """`forward`'s last layer's output (batch, seq, embed), before the final norm."""
         if positions is None:
             positions = np.arange(tokens.shape[1])  # a constant: kernels can see the order
         x = self.embed(tokens, positions, packing)
@@ -344,7 +350,7 @@ class Llama(nnx.Module):
         for stack, first, count in runs[1:] if runs[0][0] == "prefix" else runs:  # (embed ran a leading prefix)
             x, run_stats = self.run_stack(stack, first, count, x, positions, packing)
             stats += [run_stats] if stack == "blocks" else []
-        return self.logits(x), joined(stats)
+        return x, joined(stats)
 
     def run_stack(self, stack: str, first: int, count: int, x: jax.Array, positions: jax.Array,
                   packing: Packing | None = None) -> tuple[jax.Array, dict]:
@@ -462,10 +468,11 @@ class Llama(nnx.Module):
             x, cache = over_layers((x, cache), units, jnp.asarray(cache_steps))
         return self.logits(x), cache
 
-    def logits(self, x: jax.Array) -> jax.Array:
-        """float32 logits (batch, seq, vocab) of the last layer's output."""
+    def logits(self, x: jax.Array, norm: RMSNorm | None = None) -> jax.Array:
+        """float32 logits (batch, seq, vocab) of the last layer's output, through the final
+        norm (or `norm`: a module that shares the head, models.deepseek3's multi-token prediction)."""
         cfg, dt = self.cfg, self.dtype
-        x = constrain(self.final_norm(x), "batch", "seq", "embed")
+        x = constrain((norm or self.final_norm)(x), "batch", "seq", "embed")
         if cfg.tie_embeddings:
             head = weight(self.embedding, dt).T
         else:

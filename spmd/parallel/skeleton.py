@@ -25,6 +25,11 @@ def model_config(cfg):
     """The model: --init-from's, or the preset with the run's overrides (depth, number of
     experts, top-k)."""
     empty = {"empty_layers": cfg.empty_layers} if cfg.empty_layers else {}
+    if cfg.mtp_depth:
+        base = cfg.architecture or PRESETS[cfg.model or "tiny"]
+        if not hasattr(base, "mtp_depth"):
+            raise UserError(f"--mtp-depth: multi-token prediction is DeepSeek-V3's; {cfg.model_name} has none")
+        empty["mtp_depth"] = cfg.mtp_depth
     if cfg.architecture is not None:
         return dataclasses.replace(cfg.architecture, **empty)
     model_cfg = dataclasses.replace(PRESETS[cfg.model or "tiny"], **empty)

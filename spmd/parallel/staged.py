@@ -19,7 +19,8 @@ from models.attention import Packing
 from models.lora import dropping, joined
 from spmd.parallel.layout import Layout
 from spmd.parallel.mesh import BATCH_AXES
-from spmd.parallel.objective import AuxLosses, Columns, aux_weights_per_layer, model_columns, moe_metrics, objective
+from spmd.parallel.objective import (AuxLosses, Columns, aux_weights_per_layer, model_columns, moe_metrics, objective,
+                                     predicted_further, prediction_depth)
 from spmd.parallel.pipeline import SPLIT_BACKWARD, from_microbatches, one_f_one_b, pipeline, to_microbatches
 from spmd.parallel.rules import spec_for
 from spmd.parallel.pipeline.zero_bubble import zb_v
@@ -53,13 +54,13 @@ LAYER_STRUCTURE = ("layer_kinds", "layer_indices", "layer_filled")
 
 
 def stage_parts(graphdef, params, rows, in_stage, stacked: str, order: np.ndarray | None,
-                 router=None, repeats: int = 1, frozen=None) -> StageParts:
+                 router=None, repeats: int = 1, frozen=None, depth: int = 0) -> StageParts:
     """What a pipelined step is made of: the model less its stages' weights (a model of
     their shapes holds their place; `model_of(outer)`), the non-stacked parameters, the
     batch's columns (in the order sp lays them out), the stages' input `blocks`, and
     `stage(chunk, x, packing)`, which runs a chunk of them on one microbatch (of packed
     rows: with its examples) under the rules inside the stages and returns its output and
-    its layers' statistics (MoE layers').
+    its layers' statistics (MoE layers'). `depth`: multi-token prediction's columns (0: none).
 
     The blocks are the stacked weights, with the MoE layers' router state if the model
     keeps one (spmd.parallel.balance): the schedules differentiate whole chunks, so it rides in them
@@ -71,7 +72,7 @@ def stage_parts(graphdef, params, rows, in_stage, stacked: str, order: np.ndarra
     (parameters that are not trained: a LoRA run's base, `params` being the adapters), and
     the layers' structure where they differ (`LAYER_STRUCTURE`: Gemma 3's kinds, empty
     layers, dropout's indices), so that each chunk runs its own layers' pattern."""
-    columns = model_columns(rows, order)
+    columns = model_columns(rows, order, depth)
     positions = columns.positions  # a constant (numpy), which the stages' map may close over
     every = params if frozen is None else joined(frozen, params)
     outer = {name: value for name, value in every.items() if name != stacked}
@@ -129,14 +130,18 @@ def pipelined_loss(graphdef, params, rows, layout: Layout, in_stage, order, aux:
     """`model_loss` with the stacked layers run as pipeline stages (spmd.parallel.pipeline); the
     embedding, head and loss run outside, on rows split over the data axes and pp."""
     schedule, shards = layout.schedule, layout.batch_shards
-    stacked = model_class(layout.skeleton.model_cfg).STACKED
-    parts = stage_parts(graphdef, params, rows, in_stage, stacked, order, router, layout.repeats)
+    model_cfg = layout.skeleton.model_cfg
+    depth = 0 if aux.mtp_weight is None else prediction_depth(model_cfg)
+    parts = stage_parts(graphdef, params, rows, in_stage, model_class(model_cfg).STACKED, order, router,
+                        layout.repeats, depth=depth)
     model, columns = parts.model_of(parts.outer), parts.columns
     x = to_microbatches(parts.embedded(), shards, schedule)
     out, stats = pipeline(layout.mesh, schedule, parts.stage, parts.blocks, x, _row_spec(layout),
                           REMAT_POLICIES[model.remat], parts.side(shards, schedule), parts.fixed)
-    logits = model.logits(from_microbatches(out, shards, schedule))
-    return objective(logits, columns.targets, _of_layers(stats, model.cfg), aux, columns.weights, denominator)
+    hidden = from_microbatches(out, shards, schedule)
+    loss, metrics = objective(model.logits(hidden), columns.targets, _of_layers(stats, model.cfg), aux,
+                              columns.weights, denominator)
+    return predicted_further(model, hidden, columns, aux, loss, metrics, denominator)
 
 
 def one_f_one_b_grads(graphdef, params, rows, layout: Layout, in_stage, order, aux: AuxLosses, router=None,
@@ -146,7 +151,9 @@ def one_f_one_b_grads(graphdef, params, rows, layout: Layout, in_stage, order, a
     Gradients of `params` only, not of the `frozen` rest (a LoRA run's base)."""
     schedule, shards = layout.schedule, layout.batch_shards
     family = model_class(layout.skeleton.model_cfg)
-    parts = stage_parts(graphdef, params, rows, in_stage, family.STACKED, order, router, layout.repeats, frozen)
+    depth = 0 if aux.mtp_weight is None else prediction_depth(layout.skeleton.model_cfg)
+    parts = stage_parts(graphdef, params, rows, in_stage, family.STACKED, order, router, layout.repeats, frozen,
+                        depth)
     model_of, outer, columns = parts.model_of, parts.outer, parts.columns
     trained = {name: value for name, value in params.items() if name != family.STACKED}  # of the outer ones
     head_names = [name for name in family.head_params(layout.skeleton.model_cfg) if name in trained]
@@ -155,15 +162,21 @@ def one_f_one_b_grads(graphdef, params, rows, layout: Layout, in_stage, order, a
     part = None if denominator is None else denominator / (schedule.microbatches * layout.shape["dp"])
 
     def head(head_params, y, labels):
-        targets, weights = labels
+        """One microbatch's loss to minimize and its metrics (the MoE layers' terms come
+        through their statistics' weights instead), on the last stage."""
+        targets, weights, later, packing = labels
         with in_stage():
-            return objective(model_of({**outer, **head_params}).logits(y), targets, {}, AuxLosses(), weights, part)[0]
+            model = model_of({**outer, **head_params})
+            loss, metrics = objective(model.logits(y), targets, {}, AuxLosses(), weights, part)
+            mb_columns = Columns(None, targets, columns.positions, packing, weights, later)
+            return predicted_further(model, y, mb_columns, aux, loss, metrics, part)
 
     x, embed_vjp = jax.vjp(lambda t: to_microbatches(parts._replace(outer={**outer, **t}).embedded(), shards, schedule),
                            trained)
     run = zb_v if schedule.name in SPLIT_BACKWARD else one_f_one_b
-    labels = jax.tree.map(lambda a: to_microbatches(a, shards, schedule), (columns.targets, columns.weights))
-    loss, d_blocks, d_head, dx, stats = run(
+    labels = jax.tree.map(lambda a: to_microbatches(a, shards, schedule),
+                          (columns.targets, columns.weights, columns.later, columns.packing))
+    head_metrics, d_blocks, d_head, dx, stats = run(
         layout.mesh, schedule, parts.stage, head, parts.blocks, {name: outer[name] for name in head_names}, x,
         labels, _row_spec(layout), aux_weights_per_layer(aux, layout.skeleton.model_cfg.moe_layers),
         parts.side(shards, schedule), parts.fixed)
@@ -171,7 +184,7 @@ def one_f_one_b_grads(graphdef, params, rows, layout: Layout, in_stage, order, a
     grads = grads | {name: jax.tree.map(jnp.add, grads[name], d_head[name]) for name in head_names}
     d_blocks = _weights_of(d_blocks, params[family.STACKED])
     metrics = moe_metrics(_of_layers(stats, layout.skeleton.model_cfg), aux.balance) if stats else {}
-    return {"loss": loss} | metrics, grads | {family.STACKED: d_blocks}
+    return head_metrics | metrics, grads | {family.STACKED: d_blocks}
 
 
 def _of_layers(stats: dict, model_cfg) -> dict:

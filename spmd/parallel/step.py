@@ -37,7 +37,8 @@ from spmd.parallel.kernels import make_kernel
 from spmd.parallel.kernels import resolve as resolve_kernel
 from spmd.parallel.layout import Layout
 from spmd.parallel.mesh import BATCH_AXES
-from spmd.parallel.objective import AuxLosses, aux_losses, model_loss, target_count
+from spmd.parallel.objective import (AuxLosses, aux_losses, model_loss, prediction_depth, target_count,
+                                     target_counts)
 from spmd.parallel.optim import applied_updates, make_optimizer, schedule
 from spmd.parallel.pipeline import MANUAL_AXES
 from spmd.parallel.rules import spec_for
@@ -219,14 +220,16 @@ class Program:
         LoRA run), for one global batch, whatever accumulates or pipelines them."""
         params, router, frozen = state["params"], state.get("routing"), state.get("frozen")
         # Packed rows: the loss is a mean over the step's counted targets, wherever they are.
-        denominator = target_count(rows) if self.packed else None
+        depth = prediction_depth(self.layout.skeleton.model_cfg)
+        denominator = target_counts(rows, depth) if self.packed else None
+        aux = aux_losses(self.cfg, state["step"])  # (multi-token prediction's weight changes with the step)
         # Adapters' dropout: masks drawn anew each step (and each microbatch of it).
         with lora_dropout(self.cfg.lora_dropout, jax.random.fold_in(jax.random.key(self.cfg.seed), state["step"])):
             if self.cfg.grad_accum == 1:
-                return self._loss_and_grads(params, rows, router, denominator, frozen)
+                return self._loss_and_grads(params, rows, router, denominator, frozen, aux)
             if self.layout.schedule:
-                return self._pipeline_rounds(params, rows, router, denominator, frozen)
-            return self._accumulated(params, rows, router, denominator, frozen)
+                return self._pipeline_rounds(params, rows, router, denominator, frozen, aux)
+            return self._accumulated(params, rows, router, denominator, frozen, aux)
 
     def _train_step(self, state, rows):
         cfg, params, router, frozen = self.cfg, state["params"], state.get("routing"), state.get("frozen")
@@ -281,7 +284,7 @@ class Program:
         it is the mean of (so that means over batches can be weighted exactly)."""
         count = target_count(rows)
         with self._annotated():
-            return {"loss": self._loss(params, rows, router, count if self.packed else None)[1]["loss"],
+            return {"loss": self._loss(params, rows, router, count[None] if self.packed else None)[1]["loss"],
                     "tokens": count}
 
     # ------------------------------------------------------------ their parts
@@ -293,30 +296,28 @@ class Program:
         # Inside a stage the map is manual over pp and dp (spmd.parallel.pipeline): neither splits `batch` there.
         return self._annotated(MANUAL_AXES, BATCH_AXES)
 
-    @property
-    def _aux_losses(self) -> AuxLosses:
-        return aux_losses(self.cfg)
-
-    def _loss(self, params, rows, router=None, denominator=None, frozen=None):
-        """The loss of `params` (the trained ones, with the `frozen` rest if any)."""
+    def _loss(self, params, rows, router=None, denominator=None, frozen=None, aux: AuxLosses | None = None):
+        """The loss of `params` (the trained ones, with the `frozen` rest if any); `aux`: what
+        is added to it (default: the run's, without multi-token prediction, as evaluated)."""
         params = params if frozen is None else joined(frozen, params)
+        aux = aux or aux_losses(self.cfg)
         if self.layout.schedule:
-            return pipelined_loss(self.graphdef, params, rows, self.layout, self._in_stage, self.order,
-                                   self._aux_losses, router, denominator)
-        return model_loss(self.graphdef, params, rows, self.order, self._aux_losses, router, denominator)
+            return pipelined_loss(self.graphdef, params, rows, self.layout, self._in_stage, self.order, aux, router,
+                                  denominator)
+        return model_loss(self.graphdef, params, rows, self.order, aux, router, denominator)
 
-    def _loss_and_grads(self, params, rows, router=None, denominator=None, frozen=None):
+    def _loss_and_grads(self, params, rows, router=None, denominator=None, frozen=None, aux: AuxLosses | None = None):
         """Metrics, and the gradients of the trained `params` (not of the `frozen` rest)."""
         schedule = self.layout.schedule
         with self._annotated():
             if schedule and schedule.writes_backward:
                 return one_f_one_b_grads(self.graphdef, params, rows, self.layout, self._in_stage, self.order,
-                                          self._aux_losses, router, denominator, frozen)
+                                          aux or aux_losses(self.cfg), router, denominator, frozen)
             (_, metrics), grads = jax.value_and_grad(self._loss, has_aux=True)(params, rows, router, denominator,
-                                                                               frozen)
+                                                                               frozen, aux)
             return metrics, grads
 
-    def _accumulated(self, params, rows, router=None, denominator=None, frozen=None):
+    def _accumulated(self, params, rows, router=None, denominator=None, frozen=None, aux: AuxLosses | None = None):
         """Gradient accumulation: each shard of the accumulation axes sums its own
         microbatches' gradients (a vmap over those shards), and the shards are summed
         once after the scan. Inside the vmap, the other axes (sp, tp, and ep with split
@@ -337,7 +338,7 @@ class Program:
         def shard_grads(p, shard_rows):
             with self._annotated(local_axes=axes):
                 (_, metrics), grads = jax.value_and_grad(self._loss, has_aux=True)(p, shard_rows, router, part,
-                                                                                   frozen)
+                                                                                   frozen, aux)
                 return metrics, grads
 
         per_shard = jax.vmap(shard_grads, in_axes=(None, 0), spmd_axis_name=axes)
@@ -361,7 +362,8 @@ class Program:
         return (jax.tree.map(lambda m: jnp.sum(m, axis=0) * scale, metrics),
                 jax.tree.map(lambda g: jnp.sum(g, axis=0) * scale, grads))
 
-    def _pipeline_rounds(self, params, rows, router=None, denominator=None, frozen=None):
+    def _pipeline_rounds(self, params, rows, router=None, denominator=None, frozen=None,
+                         aux: AuxLosses | None = None):
         """Accumulation with pipeline stages: one full pipeline pass per round (each
         reduces its gradients over dp as it ends), summed in a scan."""
         layout = self.layout
@@ -373,10 +375,11 @@ class Program:
         def body(total, round_rows):
             round_rows, i = round_rows
             with folded(i):
-                return jax.tree.map(jnp.add, total, self._loss_and_grads(params, round_rows, router, part, frozen)), None
+                return jax.tree.map(jnp.add, total, self._loss_and_grads(params, round_rows, router, part, frozen,
+                                                                         aux)), None
 
-        shapes = jax.eval_shape(self._loss_and_grads, params, jax.tree.map(lambda r: r[0], rounds), router, part,
-                                frozen)
+        shapes = jax.eval_shape(lambda p, r: self._loss_and_grads(p, r, router, part, frozen, aux), params,
+                                jax.tree.map(lambda r: r[0], rounds))
         total, _ = jax.lax.scan(body, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), (rounds, jnp.arange(k)))
         return jax.tree.map(lambda x: x / k, total)
 

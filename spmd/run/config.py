@@ -97,6 +97,9 @@ class TrainConfig:
     balance_loss: str | None = _field(None, "MoE models: the load-balancing loss per sequence (spmd's presets), or pooled over the batch and all MoE layers (transformers' Mixtral and Qwen-MoE); default: the model's (pooled for an imported model)", choices=BALANCE_LOSSES)
     aux_loss_weight: float | None = _field(None, "MoE models: weight of the load-balancing loss (default: the model's: 0.01 for presets, config.json's router_aux_loss_coef for an imported model)", at_least=0)
     z_loss_weight: float | None = _field(None, "MoE models: weight of the router z-loss (default: the model's: 0.001 for presets, 0 for an imported model, which has none)", at_least=0)
+    mtp_depth: int = _field(0, "DeepSeek-V3: multi-token prediction modules after the model (the report's D; DeepSeek trained 1), the k-th predicting the token k + 1 beyond the next; trained with the main loss, left out of exported models", at_least=0, at_most=MODEL_SIZE)
+    mtp_weight: float = _field(0.3, "multi-token prediction: the weight of its loss, the mean over its depths (the report's λ)", at_least=0)
+    mtp_weight_later: str | None = _field(None, "multi-token prediction: STEP:WEIGHT, its weight from that optimizer step on (DeepSeek-V3: 0.3, then 0.1 for its last 4.8T of 14.8T tokens)")
     log_every: int = _field(10, "print a log line every N steps (metrics are fetched from devices only then)", at_least=1)
     profile_steps: str | None = _field(None, "capture a profiler trace of steps A to B (A:B, numbered as in the log line, both included)")
     profile_dir: str = _field("profile", "directory of the --profile-steps trace (TensorBoard's profile plugin, xprof, Perfetto)")
@@ -179,6 +182,16 @@ class TrainConfig:
             raise UserError(f"--profile-steps {self.profile_steps} goes beyond --steps {self.steps}")
         return first, last
 
+    @functools.cached_property
+    def mtp_switch(self) -> tuple[int, float] | None:
+        """--mtp-weight-later STEP:WEIGHT as (step, weight)."""
+        if self.mtp_weight_later is None:
+            return None
+        match = re.fullmatch(r"([0-9]+):([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)", self.mtp_weight_later)
+        if not match:
+            raise UserError(f"--mtp-weight-later must be STEP:WEIGHT (e.g. 5000:0.1), got {self.mtp_weight_later!r}")
+        return int(match[1]), float(match[2])
+
     @property
     def microbatch(self) -> int:
         return self.batch // self.grad_accum
@@ -195,7 +208,8 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "parallelism": ("mesh", "dcn", "cpu_devices", "zero", "megatron_sp", "attention", "pp_schedule", "pp_repeats",
                     "microbatches", "hardware", "ignore_fit"),
     "moe": ("experts", "top_k", "moe_dispatch", "capacity_factor", "router_bias_rate", "redundant_experts",
-            "rebalance_every", "balance_loss", "aux_loss_weight", "z_loss_weight"),
+            "rebalance_every", "balance_loss", "aux_loss_weight", "z_loss_weight", "mtp_depth", "mtp_weight",
+            "mtp_weight_later"),
     "lora": ("lora_rank", "lora_alpha", "lora_targets", "lora_dropout", "base_dtype", "adapter"),
     "data": ("data", "tokenizer", "text_field", "token_dtype", "loss_on", "overlong", "data_workers",
              "max_record_bytes", "document_mask", "eval_every", "eval_batches", "eval_fraction"),
@@ -398,6 +412,7 @@ def check(cfg: TrainConfig) -> TrainConfig:
     _validate_pipeline(cfg)
     _validate_lora(cfg, cfg.model_cfg)
     cfg.profile_range  # noqa: B018  (parsed here: a bad range is refused before anything runs)
+    _validate_mtp(cfg)
     if cfg.save_every and not cfg.out:
         raise UserError("--save-every needs --out DIR")
     if cfg.hardware is not None:
@@ -442,6 +457,15 @@ def _validate_moe(cfg: TrainConfig, model_cfg) -> None:
 
 LORA_FLAGS = {"lora_alpha": 8.0, "lora_targets": ",".join(ATTENTION_TARGETS), "lora_dropout": 0.0,
               "base_dtype": "float32", "adapter": None}
+
+
+def _validate_mtp(cfg: TrainConfig) -> None:
+    cfg.mtp_switch  # noqa: B018  (parsed here)
+    if cfg.mtp_depth and cfg.redundant_experts:
+        raise UserError("--mtp-depth with --redundant-experts: the prediction modules' experts have no copies; "
+                        "give one of them")
+    if cfg.mtp_depth >= cfg.seq:
+        raise UserError(f"--mtp-depth {cfg.mtp_depth} predicts beyond --seq {cfg.seq}: give a longer --seq")
 
 
 def _validate_lora(cfg: TrainConfig, model_cfg) -> None:

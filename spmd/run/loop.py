@@ -305,7 +305,7 @@ class Run:
             }
             if peak:
                 record["mfu"] = record["tflops_per_device"] / peak
-            record |= {name: float(m[name]) for name in MOE_METRICS if name in m}
+            record |= {name: float(m[name]) for name in MODEL_METRICS if name in m}
             window.append(record)
         return window
 
@@ -328,9 +328,10 @@ class Run:
                 self.checkpoints.wait()
 
 
-# Metrics of MoE models (spmd.parallel.step): load-balancing and z-loss, share of dropped choices,
-# expert load imbalance (max / mean tokens per expert) and, with ep > 1, per device.
-MOE_METRICS = ("aux_loss", "z_loss", "dropped", "imbalance", "device_imbalance")
+# Metrics of the model (spmd.parallel.step): of MoE models: load-balancing and z-loss, share of dropped choices,
+# expert load imbalance (max / mean tokens per expert) and, with ep > 1, per device; and
+# multi-token prediction's loss (models.deepseek3).
+MODEL_METRICS = ("aux_loss", "z_loss", "dropped", "imbalance", "device_imbalance", "mtp_loss")
 
 
 def log_line(r: dict, steps: int, window_loss: float, skipped: int) -> str:
@@ -344,6 +345,8 @@ def log_line(r: dict, steps: int, window_loss: float, skipped: int) -> str:
            if "aux_loss" in r else "")
     if "device_imbalance" in r:
         moe += f" (devices {r['device_imbalance']:.2f})"
+    if "mtp_loss" in r:
+        moe += f"  mtp {r['mtp_loss']:.4f}"
     return (f"[{done:>{len(str(steps))}}/{steps} {done / steps:4.0%}] loss {window_loss:.4f}  "
             f"grad_norm {r['grad_norm']:.3f}  lr {r['lr']:.2e}  {r['tokens_per_sec']:,.0f} tok/s  "
             f"{r['step_time_s'] * 1e3:.1f} ms/step  {r['tflops_per_device']:.3f} TFLOP/s/device{mfu}{peak}{moe}"

@@ -115,19 +115,34 @@ def weighted_statistics(no_stats: dict, statistics_weights, seed: float) -> dict
     return weights if statistics_weights is None else jax.tree.map(lambda w: seed * w, statistics_weights(weights))
 
 
-def head_vjp(head_fn, head_params, targets, seed: float):
-    """head(y, k, here) -> (loss, d_head, dy): microbatch k's loss from the last chunk's
-    output y and its gradients (seeded with `seed`), on the device where `here`; zeros
-    elsewhere. `targets`: the microbatches' (m, mb, ...) arrays, or a tree of them."""
+def head_vjp(head_fn, head_params, targets, seed: float, example: jax.Array):
+    """head(y, k, here) -> (metrics, d_head, dy): microbatch k's metrics from the last
+    chunk's output y (`head_fn(head, y, targets) -> (loss to minimize, metrics)`) and the
+    gradients of what it minimizes (seeded with `seed`), on the device where `here`; zeros
+    elsewhere. `targets`: the microbatches' (m, mb, ...) arrays, or a tree of them;
+    `example`: an output y. Also returns the metrics' zeros, to sum them from."""
     def on_this_device(y, k):
-        loss, vjp = jax.vjp(lambda h, y: head_fn(h, y, micro(targets, k)), head_params, y)
-        d_head, dy = vjp(jnp.asarray(seed, loss.dtype))
-        return loss, d_head, dy
+        _, vjp, metrics = jax.vjp(lambda h, y: head_fn(h, y, micro(targets, k)), head_params, y, has_aux=True)
+        d_head, dy = vjp(jnp.asarray(seed, jnp.float32))
+        return metrics, d_head, dy
+
+    no_metrics = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(on_this_device, example, 0)[0])
 
     def elsewhere(y, k):
-        return jnp.zeros(()), jax.tree.map(jnp.zeros_like, head_params), jnp.zeros_like(y)
+        return no_metrics, jax.tree.map(jnp.zeros_like, head_params), jnp.zeros_like(y)
 
-    return lambda y, k, here: jax.lax.cond(here, on_this_device, elsewhere, y, k)
+    return (lambda y, k, here: jax.lax.cond(here, on_this_device, elsewhere, y, k)), no_metrics
+
+
+def add_metrics(totals: dict, metrics: dict, keep) -> dict:
+    """The head's metrics summed over the microbatches it ran on (`keep`)."""
+    return jax.tree.map(lambda total, x: total + jnp.where(keep, x, 0.0), totals, metrics)
+
+
+def mean_metrics(totals: dict, m: int) -> dict:
+    """The summed metrics (on the last stage or stages, zeros elsewhere) as means over the
+    m microbatches and the dp shards."""
+    return jax.tree.map(lambda total: jax.lax.pmean(jax.lax.psum(total, AXIS) / m, BATCH_AXIS), totals)
 
 
 def split_vjp(stage_fn, chunk, example: jax.Array, side_example=None, fixed=None):

@@ -10,7 +10,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from spmd.parallel.pipeline.kit import (add_statistics, from_stage_0, head_vjp, layer_statistics, micro, no_statistics,
+from spmd.parallel.pipeline.kit import (add_metrics, add_statistics, from_stage_0, head_vjp, mean_metrics, layer_statistics, micro, no_statistics,
                                         only_stage_0, ring_pairs, split_vjp, stage_copies, stage_statistics,
                                         weighted_statistics)
 from spmd.parallel.pipeline.schedule import AXIS, BATCH_AXIS, MANUAL_AXES, Schedule, stacked_spec, stage_view
@@ -33,8 +33,8 @@ def one_f_one_b(mesh, schedule: Schedule, stage_fn, head_fn, blocks, head, x: ja
 
     `stage_fn(chunk, x, side) -> (y, statistics)` runs a chunk of the stage's layers on one
     microbatch (statistics and side inputs as for `pipeline`); `head_fn(head, y, targets) ->
-    loss` is the loss of one microbatch from the last stage's output (its mean, or its
-    share of the step's: the schedule averages them), `head` the parameters it uses
+    (loss, metrics)` is the loss of one microbatch from the last stage's output (its mean,
+    or its share of the step's: the schedule averages them) and its metrics, `head` the parameters it uses
     (replicated over pp). `statistics_weights(statistics) -> weights`: how much
     each statistic adds to what is minimized, per microbatch of the whole batch (e.g. an
     MoE balance loss's weight over the number of MoE layers); None: nothing.
@@ -42,7 +42,7 @@ def one_f_one_b(mesh, schedule: Schedule, stage_fn, head_fn, blocks, head, x: ja
     a tree of such arrays; `rows`: one microbatch's spec; `side`: the microbatches' side inputs;
     `fixed`: stacked weights stored as `blocks` are, which the stages read but which are not
     differentiated (a frozen base), passed to `stage_fn(chunk, x, side, fixed_chunk)`.
-    Returns (loss, d_blocks, d_head, dx, statistics): the mean loss, the gradients of the
+    Returns (metrics, d_blocks, d_head, dx, statistics): the head's mean metrics, the gradients of the
     stacked layers (split over pp) and of `head`, dx, the gradient of x (laid out like x),
     from which the embedding's follows, and the layers' statistics (`layer_statistics`)."""
     p, m, v = schedule.stages, schedule.microbatches, schedule.repeats
@@ -58,19 +58,18 @@ def one_f_one_b(mesh, schedule: Schedule, stage_fn, head_fn, blocks, head, x: ja
             body = functools.partial(stage.tick, forwards=forwards, backwards=backwards)
             carry, _ = jax.lax.scan(body, carry, start + jnp.arange(length))
         d_blocks = jax.tree.map(lambda g, w: g.reshape(w.shape), carry.d_chunks, blocks)
-        loss = jax.lax.psum(carry.loss, AXIS) / m
-        return (jax.lax.pmean(loss, BATCH_AXIS), jax.lax.psum(d_blocks, BATCH_AXIS),
+        return (mean_metrics(carry.metrics, m), jax.lax.psum(d_blocks, BATCH_AXIS),
                 jax.lax.psum(carry.d_head, MANUAL_AXES), only_stage_0(carry.dx, stage.stage),
                 stage_statistics(carry.totals, m))
 
     copies = jax.P(AXIS, None, BATCH_AXIS)
     per_microbatch = jax.P(None, BATCH_AXIS)
-    loss, d_blocks, d_head, dx, stats = jax.shard_map(
+    metrics, d_blocks, d_head, dx, stats = jax.shard_map(
         run, mesh=mesh, in_specs=(stacked_spec(v), jax.P(), copies, per_microbatch, per_microbatch, stacked_spec(v)),
         out_specs=(jax.P(), stacked_spec(v), jax.P(), copies, jax.P(AXIS)), axis_names=frozenset(MANUAL_AXES),
         check_vma=False,
     )(blocks, head, stage_copies(x, mesh, rows), targets, side, fixed or {})
-    return loss, d_blocks, d_head, from_stage_0(dx, mesh, rows), layer_statistics(stats)
+    return metrics, d_blocks, d_head, from_stage_0(dx, mesh, rows), layer_statistics(stats)
 
 
 class _Carry(NamedTuple):
@@ -80,7 +79,7 @@ class _Carry(NamedTuple):
     ring: list  # the residuals of forwards whose backward has not run (residual_slots of them)
     d_chunks: dict  # the gradients of the stage's chunks, summed over ticks
     d_head: dict  # the head's, summed over the last stage's final rounds
-    loss: jax.Array
+    metrics: dict  # the head's, summed likewise
     dx: jax.Array  # the gradient of each microbatch's input (stage 0's)
     totals: dict  # the chunks' statistics, summed over ticks
 
@@ -107,6 +106,7 @@ class _Stage:
     no_stats: dict
     stats_weights: dict
     head: object
+    no_metrics: dict
 
     @classmethod
     def of(cls, schedule: Schedule, stage_fn, head_fn, blocks, head_params, x, targets, side, fixed,
@@ -120,7 +120,7 @@ class _Stage:
         return cls(p, m, v, schedule.residual_slots, v * p - 1, jax.lax.axis_index(AXIS), x, side, chunks,
                    fixed_chunks, forward, backward, shapes, no_stats,
                    weighted_statistics(no_stats, statistics_weights, seed),
-                   head_vjp(head_fn, head_params, targets, seed))
+                   *head_vjp(head_fn, head_params, targets, seed, x[0]))
 
     def pick(self, r, tree):
         """Chunk `r` of the stage's `tree` (with one chunk, the same weights every tick)."""
@@ -130,7 +130,7 @@ class _Stage:
         zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)  # noqa: E731
         return _Carry(jnp.zeros_like(self.x[0]), jnp.zeros_like(self.x[0]),
                       [jnp.zeros((self.slots, *s.shape), s.dtype) for s in self.shapes], zeros(self.chunks),
-                      zeros(head_params), jnp.zeros(()), jnp.zeros_like(self.x), self.no_stats)
+                      zeros(head_params), self.no_metrics, jnp.zeros_like(self.x), self.no_stats)
 
     def tick(self, carry: _Carry, t, *, forwards: bool, backwards: bool):
         dy = None
@@ -154,13 +154,13 @@ class _Stage:
         (y, stats), residuals = self.forward(self.pick(r, self.chunks), inp, micro(self.side, k),
                                              self.pick(r, self.fixed_chunks))
         final = last & (r == v - 1)
-        head_loss, head_grads, dy = self.head(y, k, final)
+        head_metrics, head_grads, dy = self.head(y, k, final)
         keep = valid & final
         return c._replace(
             arrived=jax.lax.ppermute(y, AXIS, ring_pairs(p, 1)),
             ring=[buf.at[i % self.slots].set(res) for buf, res in zip(c.ring, residuals)],
             d_head=jax.tree.map(lambda acc, g: acc + jnp.where(keep, g, 0), c.d_head, head_grads),
-            loss=c.loss + jnp.where(keep, head_loss, 0.0),
+            metrics=add_metrics(c.metrics, head_metrics, keep),
             totals=add_statistics(stats, valid, r, c.totals)), dy
 
     def _backward(self, c: _Carry, t, dy) -> _Carry:

@@ -44,8 +44,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spmd.parallel.pipeline.kit import (Conveyor, add_statistics, counted_switch, head_vjp, layer_statistics, micro,
-                                        no_statistics, stage_statistics, weighted_statistics)
+from spmd.parallel.pipeline.kit import (Conveyor, add_metrics, add_statistics, counted_switch, head_vjp,
+                                        layer_statistics, mean_metrics, micro, no_statistics, stage_statistics,
+                                        weighted_statistics)
 from spmd.parallel.pipeline.schedule import AXIS, BATCH_AXIS, MANUAL_AXES, Schedule, stacked_spec, stage_view
 from spmd.parallel.pipeline.split import split_backward, whole_backward
 
@@ -228,8 +229,7 @@ def zb_v(mesh, schedule: Schedule, stage_fn, head_fn, blocks, head, x: jax.Array
         d_chunks = [stored(g) for g in carry.d_chunks]
         d_blocks = jax.tree.map(lambda g, w: g.reshape(w.shape), jax.tree.unflatten(jax.tree.structure(blocks), d_chunks),
                                 blocks)
-        loss = jax.lax.psum(carry.loss, AXIS) / m
-        return (jax.lax.pmean(loss, BATCH_AXIS), jax.lax.psum(d_blocks, BATCH_AXIS),
+        return (mean_metrics(carry.metrics, m), jax.lax.psum(d_blocks, BATCH_AXIS),
                 jax.lax.psum(carry.d_head, MANUAL_AXES), carry.dx, stage_statistics(carry.totals, m))
 
     stacked = stacked_spec(1 if dual else 2)
@@ -237,7 +237,7 @@ def zb_v(mesh, schedule: Schedule, stage_fn, head_fn, blocks, head, x: jax.Array
     # gradients: Conveyor), the targets are every stage's.
     queue, per_microbatch = jax.P(AXIS, BATCH_AXIS), jax.P(None, BATCH_AXIS)
     split = jax.NamedSharding(mesh, jax.P(AXIS, *rows))
-    loss, d_blocks, d_head, dx, stats = jax.shard_map(
+    metrics, d_blocks, d_head, dx, stats = jax.shard_map(
         run, mesh=mesh, in_specs=(stacked, jax.P(), queue, per_microbatch, per_microbatch, stacked),
         out_specs=(jax.P(), stacked, jax.P(), queue, jax.P(AXIS)), axis_names=frozenset(MANUAL_AXES),
         check_vma=False,
@@ -248,7 +248,7 @@ def zb_v(mesh, schedule: Schedule, stage_fn, head_fn, blocks, head, x: jax.Array
         stats = jax.tree.map(lambda x: (x[:, 0] + x[::-1, 1])[:, None], stats)
     else:
         stats = jax.tree.map(lambda x: jnp.stack([x[:, 0], x[::-1, 1]], axis=1), stats)
-    return loss, d_blocks, d_head, jax.lax.with_sharding_constraint(dx, split), layer_statistics(stats)
+    return metrics, d_blocks, d_head, jax.lax.with_sharding_constraint(dx, split), layer_statistics(stats)
 
 
 def _kinds_of_pairs(table: dict) -> tuple[list, list[int]]:
@@ -293,7 +293,7 @@ class _VCarry(NamedTuple):
     bw_ring: list
     d_chunks: list  # the gradients of the device's two chunks (flat leaves)
     d_head: dict
-    loss: jax.Array
+    metrics: dict  # the head's, summed
     totals: dict
     fed: list  # per Conveyor: the microbatch received for the next pair
     entering: jax.Array  # this pair's microbatch entering on this device
@@ -319,6 +319,7 @@ class _VStage:
     no_stats: dict
     stats_weights: dict
     head: object
+    no_metrics: dict
 
     @classmethod
     def of(cls, schedule: Schedule, table: dict, stage_fn, head_fn, chunks, fixed_chunks, head_params, x, targets,
@@ -332,7 +333,7 @@ class _VStage:
         route = Route(schedule.stages, m, schedule.name == "dualpipe")
         return cls(route, table, jax.lax.axis_index(AXIS), x, side, chunks, fixed_chunks, tuple(passes),
                    shapes, no_stats, weighted_statistics(no_stats, statistics_weights, seed),
-                   head_vjp(head_fn, head_params, targets, seed))
+                   *head_vjp(head_fn, head_params, targets, seed, x[0]))
 
     def pick(self, c, tree):
         return jax.tree.map(lambda w: w[c], tree)
@@ -343,7 +344,7 @@ class _VStage:
         rings = [ring(shapes, n) for shapes, n in zip(self.shapes, self.table["slots"])]
         ends = len(self.route.conveyors())
         return _VCarry(zero, zero, zero, zero, *rings, [jnp.zeros_like(w) for w in jax.tree.leaves(self.chunks)],
-                       jax.tree.map(jnp.zeros_like, head_params), jnp.zeros(()), self.no_stats, [zero] * ends, zero,
+                       jax.tree.map(jnp.zeros_like, head_params), self.no_metrics, self.no_stats, [zero] * ends, zero,
                        [zero] * ends, zero, jnp.zeros_like(self.x))
 
     def pair(self, carry: _VCarry, t, *, first_kinds, second_kinds, feeds, returns):
@@ -402,14 +403,14 @@ class _VStage:
         (y, stats), b_res, w_res = self.passes[0](self.pick(c, self.chunks), inp, micro(self.side, k),
                                                   self.pick(c, self.fixed_chunks))
         final = self.route.leaves(self.stage, c)
-        head_loss, head_grads, dy = self.head(y, k, final)
+        head_metrics, head_grads, dy = self.head(y, k, final)
         keep = valid & final
         return s._replace(
             f_in=_send(y, _pairs(p, parity, True)), f_own=y,
             b_ring=[buf.at[t % slots[0]].set(r) for buf, r in zip(s.b_ring, b_res)],
             w_ring=[buf.at[t % slots[1]].set(r) for buf, r in zip(s.w_ring, w_res)],
             d_head=jax.tree.map(lambda acc, g: acc + jnp.where(keep, g, 0), s.d_head, head_grads),
-            loss=s.loss + jnp.where(keep, head_loss, 0.0), totals=add_statistics(stats, valid, c, s.totals)), dy
+            metrics=add_metrics(s.metrics, head_metrics, keep), totals=add_statistics(stats, valid, c, s.totals)), dy
 
     def _backward_input(self, s: _VCarry, t, parity: int, dy) -> _VCarry:
         p, slots = self.route.p, self.table["slots"]

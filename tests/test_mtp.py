@@ -1,0 +1,150 @@
+"""Multi-token prediction (DeepSeek-V3's, `--mtp-depth`): the loss against a reference
+written from the report's equations (section 2.2), on plain and packed rows; the same
+numbers on the layouts that move it (the head's stage under DualPipe and 1F1B, sp's column
+order, accumulation); the weight's switch; and left out of what is exported."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import assert_params_match, train_run
+from flax import nnx
+
+from models import PRESETS, Routing, hf_layout
+from spmd.formats.hf import Directory, write_hf
+from spmd.formats.safetensors import SafeTensors
+from spmd.parallel.objective import AuxLosses, aux_losses, model_loss
+from spmd.parallel.skeleton import build_model
+from spmd.run.config import TrainConfig
+
+CFG = dataclasses.replace(PRESETS["deepseek-v3-tiny"], mtp_depth=2, layers=3)  # 2 dense layers, 1 MoE
+WEIGHT = 0.3
+
+
+def _rms(x, scale, eps):
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * scale
+
+
+def _cross_entropy(logits, targets):
+    return jax.nn.logsumexp(logits, axis=-1) - jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+
+
+def _reference(model, example: np.ndarray, counted: np.ndarray):
+    """One example's (tokens t_1..t_{T+1}) summed losses and counts: the next token's, and
+    per depth k the report's: h'_i = M_k [RMSNorm(Emb(t_{i+k})); RMSNorm(h_i^{k-1})] (the
+    halves in DeepSeek's released order), h^k_{1:T-k} = TRM_k(h'_{1:T-k}), each predicting
+    t_{i+k+1} through the shared head. `counted[j]`: whether token j is a target."""
+    cfg, embedding, head = model.cfg, model.embedding[...], model.head[...]
+    n = len(example) - 1
+    h, _ = model.hidden(jnp.asarray(example[None, :-1]))
+    mask = jnp.asarray(counted[1:], jnp.float32)
+    logits = _rms(h, model.final_norm.scale[...], cfg.norm_eps) @ head
+    sums, counts = [jnp.sum(_cross_entropy(logits[0], jnp.asarray(example[1:])) * mask)], [jnp.sum(mask)]
+    for k, module in enumerate(model.mtp, start=1):
+        rows = n - k
+        if rows <= 0:
+            sums.append(0.0), counts.append(0.0)
+            continue
+        emb = embedding[jnp.asarray(example[k:k + rows])][None]
+        join = module.join[...]
+        joined = (_rms(emb, module.embedding_norm.scale[...], cfg.norm_eps) @ join[0]
+                  + _rms(h[:, :rows], module.hidden_norm.scale[...], cfg.norm_eps) @ join[1])
+        h, _ = module.block(joined, np.arange(rows))
+        logits = _rms(h, module.norm.scale[...], cfg.norm_eps) @ head
+        mask = jnp.asarray(counted[k + 1:k + 1 + rows], jnp.float32)
+        sums.append(jnp.sum(_cross_entropy(logits[0], jnp.asarray(example[k + 1:k + 1 + rows])) * mask))
+        counts.append(jnp.sum(mask))
+    return jnp.stack(sums), jnp.stack(counts)
+
+
+def _loss_from_sums(sums, counts):
+    means = sums / counts
+    mtp = jnp.mean(means[1:])
+    return means[0] + WEIGHT * mtp, mtp
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
+def test_the_loss_and_its_gradients_are_the_reports_equations(packed):
+    """Rolled columns whose wrapped ends are masked (as the model computes them, so that
+    the sequence keeps its length and its split) give the loss and gradients of the
+    report's truncated sequences; packed examples are each their own sequence."""
+    model = build_model(CFG, "float32", "none", Routing(), None, nnx.Rngs(3))
+    graphdef, params = nnx.split(model)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, CFG.vocab, (2, 17), dtype=np.int32)
+    if packed:
+        segments = np.array([[1] * 7 + [2] * 6 + [0] * 4, [1] * 17], np.int32)
+        mask = rng.random((2, 17)) > 0.2
+        rows = {"tokens": tokens, "segments": segments, "loss_mask": mask}
+        examples = [(tokens[r, segments[r] == s], mask[r, segments[r] == s]) for r in range(2) for s in (1, 2)
+                    if np.any(segments[r] == s)]
+    else:
+        rows, examples = tokens, [(row, np.ones(len(row), bool)) for row in tokens]
+
+    def ours(params):
+        loss, metrics = model_loss(graphdef, params, rows, None, AuxLosses(mtp_weight=WEIGHT))
+        return loss, metrics["mtp_loss"]
+
+    def reference(params):
+        model = nnx.merge(graphdef, params)
+        sums, counts = (sum(parts) for parts in zip(*(_reference(model, e, c) for e, c in examples)))
+        return _loss_from_sums(sums, counts)
+
+    # Gradients on packed rows (the costlier compile), where every mask is at work.
+    differentiated = (lambda f: jax.value_and_grad(f, has_aux=True)) if packed else (lambda f: lambda p: (f(p), None))
+    (loss, mtp), grads = jax.jit(differentiated(ours))(params)
+    (want_loss, want_mtp), want_grads = jax.jit(differentiated(reference))(params)
+    # float32 sums of a few hundred terms in another order (measured: within 3e-7 relative).
+    np.testing.assert_allclose([loss, mtp], [want_loss, want_mtp], rtol=2e-6)
+    assert float(mtp) > 1.0  # an untrained model's loss, far from 0
+    if not packed:
+        return
+    flat, want = (jax.tree.leaves(nnx.to_pure_dict(g)) for g in (grads, want_grads))
+    scale = max(float(jnp.max(jnp.abs(g))) for g in want)
+    for got, expected in zip(flat, want):  # within float32 rounding of the largest gradient
+        np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5 * scale)
+    mtp_grads = nnx.to_pure_dict(grads)["mtp"]
+    assert all(float(jnp.max(jnp.abs(g))) > 0 for g in jax.tree.leaves(mtp_grads[1]["join"]))
+
+
+def test_the_weight_switches_at_its_step():
+    cfg = TrainConfig(model="deepseek-v3-tiny", mtp_depth=1, mtp_weight_later="5:0.1")
+    weights = [float(aux_losses(cfg, jnp.int32(step)).mtp_weight) for step in (0, 4, 5, 9)]
+    np.testing.assert_allclose(weights, [0.3, 0.3, 0.1, 0.1], rtol=1e-7)
+    assert aux_losses(cfg).mtp_weight is None  # evaluation: the model's loss alone
+
+
+MTP = dict(model="deepseek-v3-tiny", mtp_depth=1)
+
+
+@pytest.mark.parametrize("mesh,devices,overrides", [
+    # The head and the prediction module on both ends of DualPipe's stages, experts over ep.
+    ("pp=2,ep=2", 4, dict(pp_schedule="dualpipe", microbatches=4)),
+    # 1F1B's head on the last stage, ZeRO-1 over dp.
+    ("pp=2,dp=2", 4, dict(pp_schedule="1f1b", microbatches=2, zero=1)),
+    # sp's column order (the later columns are laid out before it), accumulation's shards.
+    ("sp=2,tp=2", 4, dict(grad_accum=2)),
+], ids=["pp=2,ep=2-dualpipe", "pp=2,dp=2-1f1b", "sp=2,tp=2-accum"])
+@pytest.mark.xdist_group("deepseek")  # one worker: they share the reference run (conftest)
+def test_layout_matches_one_device(mesh, devices, overrides):
+    reference = train_run("", 1, **MTP)
+    run = train_run(mesh, devices, **MTP, **overrides)
+    for name in ("loss", "mtp_loss"):
+        np.testing.assert_allclose(run.metrics[name], reference.metrics[name], rtol=1e-5)  # test_parity's
+    assert reference.metrics["mtp_loss"][-1] < reference.metrics["mtp_loss"][0] - 0.05  # it trains
+    assert_params_match(run.params, reference.params)
+    assert "mtp" in run.params
+
+
+def test_the_prediction_modules_stay_out_of_the_export(tmp_path):
+    """transformers' DeepseekV3 has no prediction modules: the export writes the model's
+    tensors alone, and config.json says the model without them."""
+    model = build_model(CFG, "float32", "none", Routing(), None, nnx.Rngs(0))
+    written = write_hf(tmp_path, nnx.to_pure_dict(nnx.state(model, nnx.Param)), CFG, "float32", 10**9, {})
+    without = dataclasses.replace(CFG, mtp_depth=0)
+    assert Directory(tmp_path).cfg == without
+    names = SafeTensors(tmp_path / written[0]).names()
+    assert sorted(names) == sorted(n for t in hf_layout(without).tensors(without) for i in range(t.stacked or 1)
+                                   for n in t.names(i))
