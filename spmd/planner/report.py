@@ -6,6 +6,7 @@ import jax
 
 from spmd.base.console import human_bytes
 from spmd.parallel import kernels
+from spmd.parallel.objective import prediction_depth
 from spmd.planner.roofline import crosses_nodes
 
 
@@ -93,6 +94,9 @@ def plan_table(plan) -> list[str]:
     if overlap:
         lines.append("  under compute: of the bytes, those of collectives with compute scheduled between their start "
                      "and done")
+    if prediction_depth(plan.layout.skeleton.model_cfg):
+        lines.append("  theory: leaves out multi-token prediction (--mtp-depth): its gradients, its block's "
+                     "collectives, its memory (docs/deepseek.md)")
     if plan.kernels:
         lines.append("fused kernels in the step: " + ", ".join(f"{n} {t}" for t, n in sorted(plan.kernels.items())))
     if plan.prediction:
