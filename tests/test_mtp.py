@@ -16,7 +16,7 @@ from models import PRESETS, Routing, hf_layout
 from spmd.formats.hf import Directory, write_hf
 from spmd.formats.safetensors import SafeTensors
 from spmd.parallel.objective import AuxLosses, aux_losses, model_loss
-from spmd.parallel.skeleton import build_model
+from spmd.parallel.skeleton import build_model, model_skeleton
 from spmd.run.config import TrainConfig
 
 CFG = dataclasses.replace(PRESETS["deepseek-v3-tiny"], mtp_depth=2, layers=3)  # 2 dense layers, 1 MoE
@@ -31,30 +31,26 @@ def _cross_entropy(logits, targets):
     return jax.nn.logsumexp(logits, axis=-1) - jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
 
 
-def _reference(model, example: np.ndarray, counted: np.ndarray):
-    """One example's (tokens t_1..t_{T+1}) summed losses and counts: the next token's, and
-    per depth k the report's: h'_i = M_k [RMSNorm(Emb(t_{i+k})); RMSNorm(h_i^{k-1})] (the
-    halves in DeepSeek's released order), h^k_{1:T-k} = TRM_k(h'_{1:T-k}), each predicting
-    t_{i+k+1} through the shared head. `counted[j]`: whether token j is a target."""
+def _reference(model, examples: np.ndarray, counted: np.ndarray):
+    """Examples' (each its own sequence t_1..t_{T+1}, all of one length) summed losses and
+    counts: the next token's, and per depth k the report's: h'_i = M_k [RMSNorm(Emb(t_{i+k}));
+    RMSNorm(h_i^{k-1})] (the halves in DeepSeek's released order), h^k_{1:T-k} =
+    TRM_k(h'_{1:T-k}), each predicting t_{i+k+1} through the shared head.
+    `counted[:, j]`: whether token j is a target."""
     cfg, embedding, head = model.cfg, model.embedding[...], model.head[...]
-    n = len(example) - 1
-    h, _ = model.hidden(jnp.asarray(example[None, :-1]))
-    mask = jnp.asarray(counted[1:], jnp.float32)
+    examples, counted = jnp.asarray(examples), jnp.asarray(counted, jnp.float32)
+    n = examples.shape[1] - 1
+    h, _ = model.hidden(examples[:, :-1])
     logits = _rms(h, model.final_norm.scale[...], cfg.norm_eps) @ head
-    sums, counts = [jnp.sum(_cross_entropy(logits[0], jnp.asarray(example[1:])) * mask)], [jnp.sum(mask)]
+    sums, counts = [jnp.sum(_cross_entropy(logits, examples[:, 1:]) * counted[:, 1:])], [jnp.sum(counted[:, 1:])]
     for k, module in enumerate(model.mtp, start=1):
-        rows = n - k
-        if rows <= 0:
-            sums.append(0.0), counts.append(0.0)
-            continue
-        emb = embedding[jnp.asarray(example[k:k + rows])][None]
-        join = module.join[...]
-        joined = (_rms(emb, module.embedding_norm.scale[...], cfg.norm_eps) @ join[0]
+        rows, join = n - k, module.join[...]
+        joined = (_rms(embedding[examples[:, k:k + rows]], module.embedding_norm.scale[...], cfg.norm_eps) @ join[0]
                   + _rms(h[:, :rows], module.hidden_norm.scale[...], cfg.norm_eps) @ join[1])
         h, _ = module.block(joined, np.arange(rows))
         logits = _rms(h, module.norm.scale[...], cfg.norm_eps) @ head
-        mask = jnp.asarray(counted[k + 1:k + 1 + rows], jnp.float32)
-        sums.append(jnp.sum(_cross_entropy(logits[0], jnp.asarray(example[k + 1:k + 1 + rows])) * mask))
+        mask = counted[:, k + 1:k + 1 + rows]
+        sums.append(jnp.sum(_cross_entropy(logits, examples[:, k + 1:k + 1 + rows]) * mask))
         counts.append(jnp.sum(mask))
     return jnp.stack(sums), jnp.stack(counts)
 
@@ -74,23 +70,20 @@ def test_the_loss_and_its_gradients_are_the_reports_equations(packed):
     graphdef, params = nnx.split(model)
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, CFG.vocab, (2, 17), dtype=np.int32)
-    if packed:
-        segments = np.array([[1] * 7 + [2] * 6 + [0] * 4, [1] * 17], np.int32)
+    if packed:  # two examples of 8 tokens a row (the reference runs them as one batch), then padding
+        segments = np.array([[1] * 8 + [2] * 8 + [0]] * 2, np.int32)
         mask = rng.random((2, 17)) > 0.2
         rows = {"tokens": tokens, "segments": segments, "loss_mask": mask}
-        examples = [(tokens[r, segments[r] == s], mask[r, segments[r] == s]) for r in range(2) for s in (1, 2)
-                    if np.any(segments[r] == s)]
+        examples = (tokens[:, :16].reshape(4, 8), mask[:, :16].reshape(4, 8))
     else:
-        rows, examples = tokens, [(row, np.ones(len(row), bool)) for row in tokens]
+        rows, examples = tokens, (tokens, np.ones(tokens.shape, bool))
 
     def ours(params):
         loss, metrics = model_loss(graphdef, params, rows, None, AuxLosses(mtp_weight=WEIGHT))
         return loss, metrics["mtp_loss"]
 
     def reference(params):
-        model = nnx.merge(graphdef, params)
-        sums, counts = (sum(parts) for parts in zip(*(_reference(model, e, c) for e, c in examples)))
-        return _loss_from_sums(sums, counts)
+        return _loss_from_sums(*_reference(nnx.merge(graphdef, params), *examples))
 
     # Gradients on packed rows (the costlier compile), where every mask is at work.
     differentiated = (lambda f: jax.value_and_grad(f, has_aux=True)) if packed else (lambda f: lambda p: (f(p), None))
@@ -141,8 +134,9 @@ def test_layout_matches_one_device(mesh, devices, overrides):
 def test_the_prediction_modules_stay_out_of_the_export(tmp_path):
     """transformers' DeepseekV3 has no prediction modules: the export writes the model's
     tensors alone, and config.json says the model without them."""
-    model = build_model(CFG, "float32", "none", Routing(), None, nnx.Rngs(0))
-    written = write_hf(tmp_path, nnx.to_pure_dict(nnx.state(model, nnx.Param)), CFG, "float32", 10**9, {})
+    params = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), model_skeleton(CFG).shapes)
+    assert "mtp" in params
+    written = write_hf(tmp_path, params, CFG, "float32", 10**9, {})
     without = dataclasses.replace(CFG, mtp_depth=0)
     assert Directory(tmp_path).cfg == without
     names = SafeTensors(tmp_path / written[0]).names()
