@@ -81,6 +81,11 @@ REFUSED = {
     "train: --layers": ("spmd.train", ["--layers", "1000000000"], "--layers must be at least 1 and at most 65536"),
     "train: --experts": ("spmd.train", ["--model", "moe-tiny", "--experts", "1000000"],
                          "--experts must be at least 1 and at most 65536"),
+    "train: --mtp-depth on a model without it": ("spmd.train", ["--mtp-depth", "1"],
+                                                 "--mtp-depth: multi-token prediction is DeepSeek-V3's; tiny has none"),
+    "train: --mtp-weight-later": ("spmd.train", ["--model", "deepseek-v3-tiny", "--mtp-depth", "1",
+                                                 "--mtp-weight-later", "0.1@5000"],
+                                  "--mtp-weight-later must be STEP:WEIGHT (e.g. 5000:0.1), got '0.1@5000'"),
     "train: --join-timeout": ("spmd.train", ["--join-timeout", "1000000000000"],
                               "--join-timeout must be at least 1 and at most 604800"),
     "train: a float sliding window": (

@@ -120,7 +120,7 @@ MTP = dict(model="deepseek-v3-tiny", mtp_depth=1)
     # sp's column order (the later columns are laid out before it), accumulation's shards.
     ("sp=2,tp=2", 4, dict(grad_accum=2)),
 ], ids=["pp=2,ep=2-dualpipe", "pp=2,dp=2-1f1b", "sp=2,tp=2-accum"])
-@pytest.mark.xdist_group("deepseek")  # one worker: they share the reference run (conftest)
+@pytest.mark.xdist_group("mtp")  # one worker: they share the reference run (conftest)
 def test_layout_matches_one_device(mesh, devices, overrides):
     reference = train_run("", 1, **MTP)
     run = train_run(mesh, devices, **MTP, **overrides)

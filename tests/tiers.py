@@ -282,7 +282,8 @@ UNIT_SECONDS = {
     "group:generate": 470, "group:layouts": 470, "group:composition": 450, "group:multihost": 420,
     "group:moe": 380, "group:pipeline": 360, "test_deepseek": 340, "group:readme": 330, "group:presets": 320,
     "group:balance-stages": 280, "group:balance": 190, "test_notebooks": 160, "group:hf": 130,
-    "group:deepseek": 270, "test_packing": 90, "test_faults": 80, "test_checkpoint": 50, "test_objective": 40,
+    "group:mtp": 210, "group:deepseek": 120, "test_packing": 90, "test_faults": 80, "test_checkpoint": 50,
+    "test_objective": 40,
     "test_preemption": 30, "test_finetune": 30, "test_model": 30, "test_hlo": 20,
     "test_observe": 20,
 }

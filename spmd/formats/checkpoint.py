@@ -272,7 +272,8 @@ def check_compatible(meta: dict, cfg, params_shapes, where: Path) -> None:
 # value does, and its value in a run that did not give it (a record older than the option).
 SHAPING = {"redundant_experts": ("whose expert slots differ", 0),  # experts + R slots hold the experts
            "lora_targets": ("whose adapters are on other projections", ",".join(ATTENTION_TARGETS)),
-           "empty_layers": ("whose stacked layers differ", 0)}
+           "empty_layers": ("whose stacked layers differ", 0),
+           "mtp_depth": ("whose multi-token prediction modules differ", 0)}
 
 
 def _check_shaping_options(saved: dict, ours: dict, where: Path) -> None:
