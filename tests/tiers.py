@@ -254,8 +254,10 @@ def is_slow(item) -> bool:
 
 def unit(item) -> str:
     """What a slice keeps together: the tests of one xdist group (they share fixtures that
-    are paid once per run), else of one module."""
+    are paid once per run; each test of a group in SPLIT_GROUPS alone), else of one module."""
     group = item.get_closest_marker("xdist_group")
+    if group and group.args[0] in SPLIT_GROUPS:
+        return f"group:{group.args[0]}:{item.nodeid}"
     return f"group:{group.args[0]}" if group else item.module.__name__
 
 
@@ -276,20 +278,26 @@ def slices(tests: list[tuple[str, object]], n: int) -> list[list]:
 
 
 # Seconds of test time each unit of the slow tier took on this machine (2 cores, two workers
-# sharing them; the whole suite's durations, 2026-12-04), to balance the slices; a unit not
+# sharing them; the slow tier's durations alone, 2026-12-06), to balance the slices; a unit not
 # listed is guessed at 20 s a test. Rough is enough.
 UNIT_SECONDS = {
-    "group:generate": 470, "group:layouts": 470, "group:composition": 450, "group:multihost": 420,
-    "group:moe": 380, "group:pipeline": 360, "test_deepseek": 340, "group:readme": 580, "group:presets": 320,
-    "group:balance-stages": 280, "group:balance": 190, "test_notebooks": 160, "group:hf": 130,
-    "group:mtp": 210, "group:deepseek": 120, "test_packing": 90, "test_faults": 80, "test_checkpoint": 50,
-    "test_objective": 40,
-    "test_preemption": 30, "test_finetune": 30, "test_model": 30, "test_hlo": 20,
-    "test_observe": 20,
+    "group:layouts": 320, "group:pipeline": 280, "group:multihost": 270, "test_deepseek": 170, "group:moe": 165,
+    "group:generate": 150, "group:composition": 140, "group:hf": 140, "group:mtp": 140, "group:balance-stages": 125,
+    "group:presets": 105, "group:balance": 90, "group:deepseek": 85, "test_notebooks": 80, "test_packing": 80,
+    "test_checkpoint": 55, "test_mtp": 25, "test_objective": 20, "test_targets": 20, "test_faults": 20,
+    "test_model": 20, "test_preemption": 20, "test_hlo": 20, "test_observe": 10, "test_finetune": 10,
 }
+# Groups whose tests share nothing costly (the README's commands share one driver's imports,
+# seconds): a slice takes their tests one by one, at these seconds a test (313 s for 33
+# commands), so that the group's minutes spread over the slices.
+SPLIT_GROUPS = {"readme": 10}
 
 
 def unit_cost(name: str, tests: int) -> float:
+    kind, _, rest = name.partition(":")
+    group, _, test = rest.partition(":")
+    if kind == "group" and test and group in SPLIT_GROUPS:
+        return SPLIT_GROUPS[group] * tests
     return UNIT_SECONDS.get(name, 20.0 * tests)
 
 
