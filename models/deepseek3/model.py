@@ -160,8 +160,10 @@ class PredictionModule(nnx.Module):
     """One depth k of multi-token prediction (the DeepSeek-V3 report, section 2.2). At
     column i it reads the previous depth's hidden state there (depth 1: the model's last
     layer's output, before the final norm) and the embedding of the input k columns on,
-    each through an RMSNorm; a projection joins them (DeepSeek's `eh_proj`, the embedding's
-    half first, as its released code concatenates them), one block runs on the result, and
+    each through an RMSNorm; a projection joins them (DeepSeek's `eh_proj`, whose first
+    half reads the embedding, as its released code concatenates them: here its two halves,
+    each a matrix of its own, so that each half's gradient is reduce-scattered as it is
+    stored, where XLA all-reduces a stacked pair), one block runs on the result, and
     the model's head, through this module's own norm, predicts the token k + 1 after
     column i's target. The block is the model's MoE block; its router keeps no state (no
     selection bias learned, no expert copies) and adds no balance loss: the prediction
@@ -171,16 +173,16 @@ class PredictionModule(nnx.Module):
         e = cfg.embed
         self.embedding_norm = RMSNorm(e, cfg.norm_eps)
         self.hidden_norm = RMSNorm(e, cfg.norm_eps)
-        self.join = normal_param(rngs, (2, e, e), (None, "embed", None), (2 * e) ** -0.5)
+        self.join_embedded = normal_param(rngs, (e, e), ("embed", None), (2 * e) ** -0.5)
+        self.join_hidden = normal_param(rngs, (e, e), ("embed", None), (2 * e) ** -0.5)
         self.block = LatentBlock(cfg, dtype, rngs, dataclasses.replace(routing, balanced=False, slots=None))
         self.norm = RMSNorm(e, cfg.norm_eps)
         self.dtype = dtype
 
     def __call__(self, hidden: jax.Array, embedded: jax.Array, positions: jax.Array,
                  packing: Packing | None = None) -> jax.Array:
-        join = weight(self.join, self.dtype)
-        x = (jnp.einsum("bse,ef->bsf", self.embedding_norm(embedded), join[0])
-             + jnp.einsum("bse,ef->bsf", self.hidden_norm(hidden), join[1]))
+        x = (jnp.einsum("bse,ef->bsf", self.embedding_norm(embedded), weight(self.join_embedded, self.dtype))
+             + jnp.einsum("bse,ef->bsf", self.hidden_norm(hidden), weight(self.join_hidden, self.dtype)))
         return self.block(constrain(x, "batch", "residual_seq", "embed"), positions, packing)[0]
 
 

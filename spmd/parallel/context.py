@@ -64,7 +64,8 @@ def make_attention(mesh: jax.sharding.Mesh, mode: str, batch_axes: tuple[str, ..
         del positions  # each rank knows its own: they follow from the layout
         return jax.shard_map(functools.partial(body, window=window), mesh=inside_map(mesh),
                              in_specs=(split, split, split, split), out_specs=split,
-                             axis_names=still_automatic({AXIS, *BATCH_AXES}), check_vma=False)(q, k, v, segments)
+                             axis_names=still_automatic({AXIS, *BATCH_AXES, *batch_axes}), check_vma=False
+                             )(q, k, v, segments)
 
     return attention
 
@@ -94,7 +95,8 @@ def make_capacity_slots(mesh: jax.sharding.Mesh, batch_axes: tuple[str, ...] = B
     def capacity_slots(expert, positions, experts: int):
         del positions  # each rank knows its chunks: they follow from the layout
         return jax.shard_map(functools.partial(ranks, experts=experts), mesh=inside_map(mesh), in_specs=(split,),
-                             out_specs=split, axis_names=still_automatic({AXIS, *BATCH_AXES}), check_vma=False)(expert)
+                             out_specs=split, axis_names=still_automatic({AXIS, *BATCH_AXES, *batch_axes}),
+                             check_vma=False)(expert)
 
     return capacity_slots
 

@@ -68,7 +68,8 @@ def make_experts(mesh: jax.sharding.Mesh, batch_axes: tuple[str, ...] = BATCH_AX
     replicas = tuple(a for a in batch_axes if a != AXIS) + (SEQUENCE_AXIS,)
     copies = math.prod(mesh.shape[a] for a in replicas)
     # ep taken by a surrounding vmap (accumulation takes it where it does not split the
-    # experts: ep is 1) is the vmap's to name, not this map's.
+    # experts: ep is 1) is the vmap's to name, not this map's. Outside pipeline stages the
+    # rows are split over pp too (multi-token prediction after GPipe's): manual here.
     tokens, experts = jax.P(batch_axes or None, SEQUENCE_AXIS), jax.P(replicas, AXIS if AXIS in batch_axes else None)
 
     def implementation(x, choice: Choice, gate_up, down, capacity: int | None):
@@ -81,7 +82,7 @@ def make_experts(mesh: jax.sharding.Mesh, batch_axes: tuple[str, ...] = BATCH_AX
         per_copy = lambda w: jnp.broadcast_to(w, (copies, *w.shape))  # noqa: E731
         return jax.shard_map(lambda x, e, s, g, gu, d: body(x, e, s, g, gu[0], d[0]), mesh=inside_map(mesh),
                              in_specs=(tokens, tokens, tokens, tokens, experts, experts), out_specs=tokens,
-                             axis_names=still_automatic((*BATCH_AXES, SEQUENCE_AXIS)), check_vma=False
+                             axis_names=still_automatic((*BATCH_AXES, *batch_axes, SEQUENCE_AXIS)), check_vma=False
                              )(x, choice.expert, choice.slot, choice.gate, per_copy(gate_up), per_copy(down))
 
     return implementation

@@ -12,8 +12,10 @@ from spmd.parallel.layout import Layout
 from spmd.parallel.mesh import BATCH_AXES
 from spmd.parallel.rules import axes_of
 from spmd.parallel.skeleton import routing
-from spmd.planner.counting import (SMALL_BYTES, Expected, expert_rows, head_in_stages, live, params, picks_again, spec_axes,
-                                   stage_overhead, table_scatter_axes, tokens_per_device, ways)
+from spmd.parallel.objective import prediction_depth
+from spmd.planner.counting import (SMALL_BYTES, Expected, expert_rows, head_in_stages, head_runs, live, params,
+                                   picks_again, prediction_layers, spec_axes, stage_overhead, table_scatter_axes,
+                                   tokens_per_device, ways)
 
 
 def adapters_over_tp(cfg, layout: Layout, token_bytes: float, per_layer: float) -> list[Expected]:
@@ -52,15 +54,14 @@ def tensor_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
     model = layout.skeleton.model_cfg
     tokens = tokens_per_device(cfg, layout.shape)
     activation = tokens * model.embed * compute_bytes  # outside pipeline stages: the head's input
-    # 1f1b runs the head on the last stage, per microbatch: in a branch that every device's
-    # program holds in each of its v*m + p - 1 forward ticks (taken there on the last stage
-    # only, by interleaved-1f1b only in a microbatch's last round), so the compiled step
-    # counts it once per tick, on a microbatch of its pp group's rows.
-    head_tokens = tokens * (layout.shape["pp"] * layout.schedule.repeats * stage_overhead(layout)
-                            if head_in_stages(layout) else 1)
+    # 1f1b runs the head on the last stage, per microbatch, in a branch of every tick
+    # (counting.head_runs); multi-token prediction runs it once more per depth, with the
+    # lookup of the later inputs.
+    predicted = 1 + prediction_depth(model)
+    head_tokens = tokens * head_runs(layout) * predicted
     head_input = head_tokens * model.embed * compute_bytes
     per_layer = stage_overhead(layout)  # the layers' activations, in pipeline stages, bubble ticks included
-    lookup = tokens * model.embed * 4  # float32 rows (the model's LOOKUP_TABLE)
+    lookup = predicted * tokens * model.embed * 4  # float32 rows (the model's LOOKUP_TABLE)
     vocab_split = "tp" in axes_of(layout.rules.activations["vocab"])
     out = []
 
@@ -76,11 +77,11 @@ def tensor_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
     # Per layer: the attention and MLP outputs forward, their input gradients backward. An
     # MoE layer's experts reduce their rows instead (and its shared expert the tokens). A
     # prefix of layers before the stacked ones (models.deepseek3's dense layers) runs
-    # outside pipeline stages, once.
-    moe_layers, prefix = model.moe_layers_run, model.prefix_layers
-    shared = moe_layers if model.moe and model.moe.shared_experts else 0
-    layer_runs = per_layer * model.stacked_layers + prefix
-    mlp_runs = per_layer * (model.stacked_layers - moe_layers + shared) + prefix
+    # outside pipeline stages, once; multi-token prediction's MoE blocks where the head runs.
+    moe_layers, prefix, mtp = model.moe_layers_run, model.prefix_layers, prediction_layers(layout)
+    shared = model.moe is not None and model.moe.shared_experts > 0  # a shared expert reduces as an MLP does
+    layer_runs = per_layer * model.stacked_layers + prefix + mtp
+    mlp_runs = per_layer * (model.stacked_layers - moe_layers + moe_layers * shared) + prefix + mtp * shared
     reduced(activation, layer_runs + 2 * mlp_runs, "Megatron: block outputs forward, the MLPs' input gradients backward")
     # (Under Megatron-SP, the gathered input's, reduce-scattered back into the residual stream.)
     width = model.embed if cfg.megatron_sp else model.attention_input_gradient()
@@ -90,7 +91,7 @@ def tensor_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
     out += adapters_over_tp(cfg, layout, tokens * compute_bytes, per_layer)
     if moe_layers:
         rows = expert_rows(cfg, layout) * model.embed * compute_bytes
-        out.append(Expected("all-reduce", "tp", per_layer * moe_layers * 2 * 2 * (t - 1) / t * rows,
+        out.append(Expected("all-reduce", "tp", (per_layer * moe_layers + mtp) * 2 * 2 * (t - 1) / t * rows,
                             "experts: their outputs forward, their input gradients backward"))
     if cfg.remat == "full":
         # The forward is recomputed up to the MLP (its output is not needed for gradients).
@@ -135,7 +136,8 @@ def sequence_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]
     recomputed = cfg.remat != "none"  # "none" keeps the received blocks; the others fetch them again
     # In pipeline stages a device runs 1/pp of the layers, in every tick (bubbles included).
     # A prefix of layers outside the stages runs on a device's rows, which pp splits too.
-    layers = (model.stacked_layers * stage_overhead(layout) + model.prefix_layers) / shape["pp"]
+    layers = (model.stacked_layers * stage_overhead(layout) + model.prefix_layers
+              + prediction_layers(layout)) / shape["pp"]
     if cfg.attention == "ring":
         # K and V: n - 1 hops forward [and again, recomputed], n - 1 again backward, beside
         # their float32 gradients' n hops (spmd.parallel.context's ring-level backward pass).
@@ -165,7 +167,7 @@ def expert_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
         # Each rank's two chunks' choices counted per expert (int32), gathered from the
         # others (spmd.parallel.context.make_capacity_slots); XLA runs the gather twice per layer.
         counts = sequences * 2 * model.moe.experts * 4
-        out.append(Expected("all-gather", "sp", model.moe_layers_run * stage_overhead(layout) * 2 * (sp - 1) * counts,
+        out.append(Expected("all-gather", "sp", moe_runs(layout) * 2 * (sp - 1) * counts,
                             "capacity: each chunk's choices per expert, to rank them in the sequence"))
     tokens = live((*layout.data_axes, "sp"), layout.shape)
     if model.moe.balance_loss == "pooled" and tokens and not layout.schedule:
@@ -180,6 +182,12 @@ def expert_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
     out += expert_copies(cfg, layout)
     return out + expert_exchange(cfg, layout, compute_bytes, ragged=cfg.moe_dispatch == "dropless"
                                  and ragged_exchange(layout.mesh) is not None)
+
+
+def moe_runs(layout: Layout) -> float:
+    """MoE layers a device runs on `tokens_per_device` rows: the model's (in pipeline
+    stages 1/p of them each tick, bubbles included) and multi-token prediction's."""
+    return layout.skeleton.model_cfg.moe_layers_run * stage_overhead(layout) + prediction_layers(layout)
 
 
 def expert_copies(cfg, layout: Layout) -> list[Expected]:
@@ -228,7 +236,28 @@ def expert_exchange(cfg, layout: Layout, compute_bytes: int, ragged: bool) -> li
     kind = "ragged dropless rows" if ragged else "padded dropless blocks" if dropless else "capacity buffers"
     # In pipeline stages every tick runs the stage's layers, bubbles included.
     return [Expected("ragged-all-to-all" if ragged else "all-to-all", "ep",
-                     model.moe_layers_run * stage_overhead(layout) * per_layer, f"experts: routed tokens, {kind}")]
+                     moe_runs(layout) * per_layer, f"experts: routed tokens, {kind}")]
+
+
+def prediction_lookups(cfg, layout: Layout) -> list[Expected]:
+    """Multi-token prediction looks its later inputs up where the head runs: in the stages
+    (1f1b, zb-v, DualPipe) the table there is replicated over ep, and XLA gathers each
+    microbatch's ids (int32) over ep forward and the looked-up rows' gradients (float32)
+    backward, where outside the stages it reduces the table's gradient (measured on
+    `pp=2,ep=2`)."""
+    ep, model = layout.shape["ep"], layout.skeleton.model_cfg
+    if not (prediction_depth(model) and head_in_stages(layout) and ep > 1):
+        return []
+    own = prediction_layers(layout) * tokens_per_device(cfg, layout.shape)
+    return [Expected("all-gather", "ep", (ep - 1) * own * (model.embed * 4 + 4),
+                     "multi-token prediction: later inputs looked up in the stages' head, their rows' gradients")]
+
+
+def entering_targets(cfg, layout: Layout) -> float:
+    """Bytes of a device's pp group's targets (int32) that enter stages holding the head,
+    with multi-token prediction's later inputs and targets (int32) per depth."""
+    depth = prediction_depth(layout.skeleton.model_cfg)
+    return tokens_per_device(cfg, layout.shape) * layout.schedule.stages * 4 * (1 + 2 * depth)
 
 
 def pipeline_stages(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
@@ -261,7 +290,7 @@ def pipeline_stages(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
         dual, share = schedule.name == "dualpipe", schedule.mirrored_share
         weights = share * sum(stored(p_) for p_ in params(layout, cfg) if p_.stacked)
         gradients = cfg.grad_accum * share * sum(stored(p_) for p_ in params(layout, cfg) if p_.stacked and p_.trained)
-        targets = tokens_per_device(cfg, layout.shape) * p * 4
+        targets = entering_targets(cfg, layout)
         # zb-v's MoE statistics leave the stages split over pp, and every device reads them
         # all: per layer three scalars and, float32, a load per slot and one per expert.
         # (DualPipe's are added to the mirror stage's before: no gather.)
@@ -280,7 +309,7 @@ def pipeline_stages(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
         # unused send is dropped. Only x enters (with the targets, int32) and only its
         # gradient leaves.
         sends = 2 * ticks - (1 if v * p == 2 else 0)
-        targets = tokens_per_device(cfg, layout.shape) * p * 4
+        targets = entering_targets(cfg, layout)
         return [Expected("collective-permute", "pp", sends * rows / m, "stage outputs forward, their gradients back"),
                 Expected("all-gather", "pp", leaves * (rows + targets), "rows and targets entering the stages"),
                 Expected("reduce-scatter", "pp", entering * leaves * rows, "the gradient of the rows entering")]

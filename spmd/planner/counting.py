@@ -18,10 +18,12 @@ from models.annotate import LAYERS, PREFIX_LAYERS
 from models.lora import is_adapter
 from spmd.parallel.layout import Layout
 from spmd.parallel.mesh import AXES, BATCH_AXES
+from spmd.parallel.objective import prediction_depth
 from spmd.parallel.rules import axes_of, spec_for
 from spmd.parallel.skeleton import DTYPES, is_names, routing
 
 
+PREDICTION_MODULES = "mtp"  # models.deepseek3's multi-token prediction modules, after the model
 SMALL_BYTES = 1024  # collectives moving less each time are scalars (loss, norms, MoE statistics): listed, not flagged
 
 
@@ -43,15 +45,21 @@ class Param:
     trained: bool = True  # False: a LoRA run's frozen base (no gradient, no optimizer state)
     adapter: bool = False  # a LoRA adapter's matrix (models.lora)
     prefix: int = 0  # one slice per layer of a prefix run by a scan of its own before the stacked layers: how many
+    predicts: bool = False  # of a multi-token prediction module (models.deepseek3's `mtp`)
 
 
 def uses(p: Param, model_cfg, compute_bytes: int) -> tuple[int, ...]:
     """Bytes per element of each use of a parameter, as models.llama computes with it:
     vectors (norm scales), what is added per element without multiplying the residual
     stream (biases, which have no embed dimension) and the lookup table in float32,
-    matrices (adapters' too) in the compute dtype, and a tied embedding also as the output head."""
+    matrices (adapters' too) in the compute dtype, and a tied embedding also as the output
+    head. Multi-token prediction (models.deepseek3) looks the table up and runs the head
+    (models.llama's `head`) once more per depth."""
+    again = 1 + prediction_depth(model_cfg)
     if p.path == model_class(model_cfg).LOOKUP_TABLE:  # its rows are read in float32
-        return (4, compute_bytes) if model_cfg.tie_embeddings else (4,)
+        return (4,) * again + ((compute_bytes,) * again if model_cfg.tie_embeddings else ())
+    if p.path == "head":
+        return (compute_bytes,) * again
     return (4,) if not p.adapter and (is_vector(p) or "embed" not in p.names) else (compute_bytes,)
 
 
@@ -75,7 +83,7 @@ def params(layout: Layout, cfg=None) -> list[Param]:
         prefix = shapes[path].shape[0] if names[path][:1] == (PREFIX_LAYERS,) else 0
         found.append(Param(".".join(map(str, path)), math.prod(shapes[path].shape),
                            jnp.dtype(shapes[path].dtype).itemsize if trained else base_bytes, names[path],
-                           LAYERS in names[path], trained, lora and trained, prefix))
+                           LAYERS in names[path], trained, lora and trained, prefix, path[0] == PREDICTION_MODULES))
     return found
 
 
@@ -108,6 +116,22 @@ def stage_overhead(layout: Layout) -> float:
 
 def head_in_stages(layout: Layout) -> bool:
     return layout.schedule is not None and layout.schedule.writes_backward
+
+
+def head_runs(layout: Layout) -> float:
+    """How often the compiled step runs the output head on `tokens_per_device` rows: once
+    outside pipeline stages; in them (1f1b, zb-v, DualPipe) in a branch that every device's
+    program holds in each of its v*m + p - 1 forward ticks (taken on the last stage only),
+    on a microbatch of its pp group's rows: once per tick, as the compiled step counts it."""
+    if not head_in_stages(layout):
+        return 1.0
+    return layout.shape["pp"] * layout.schedule.repeats * stage_overhead(layout)
+
+
+def prediction_layers(layout: Layout) -> float:
+    """Multi-token prediction's blocks (models.deepseek3), in runs of one layer on
+    `tokens_per_device` rows: one per depth, where the head runs (`head_runs`)."""
+    return prediction_depth(layout.skeleton.model_cfg) * head_runs(layout)
 
 
 def in_head(layout: Layout, p: Param) -> bool:

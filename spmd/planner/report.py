@@ -95,8 +95,8 @@ def plan_table(plan) -> list[str]:
         lines.append("  under compute: of the bytes, those of collectives with compute scheduled between their start "
                      "and done")
     if prediction_depth(plan.layout.skeleton.model_cfg):
-        lines.append("  theory: leaves out multi-token prediction (--mtp-depth): its gradients, its block's "
-                     "collectives, its memory (docs/deepseek.md)")
+        lines.append("  theory: counts multi-token prediction's (--mtp-depth) weights and collectives, not its "
+                     "activations (its blocks', its logits: docs/deepseek.md)")
     if plan.kernels:
         lines.append("fused kernels in the step: " + ", ".join(f"{n} {t}" for t, n in sorted(plan.kernels.items())))
     if plan.prediction:

@@ -51,6 +51,11 @@ whose input the backward pass recomputes from what B reads, a model's
 `RECOMPUTED_INPUT_WEIGHTS` (DeepSeek-V3's latent up-projections), has its gradient in B.)
 Under a remat policy zb-v does not split (B computes every gradient, with the bubble).
 
+Multi-token prediction (models.deepseek3's modules) runs where the head does: each depth
+is one more MoE layer on the head's rows, its weights gathered again in the backward pass
+like a prefix's, and the head and the table are used once more per depth
+(spmd.planner.activations.prediction_lookups for the lookups in pipeline stages).
+
 Expert copies (spmd.parallel.balance.tie) add one all-reduce over ep, per MoE layer a
 device holds, of 2R expert rows of gradients (the R copy slots' and their homes'): in
 the number of copies R, not of experts.
@@ -64,7 +69,8 @@ from models import model_class
 from spmd.parallel import pipeline
 from spmd.parallel.layout import Layout
 from spmd.parallel.skeleton import DTYPES
-from spmd.planner.activations import expert_parallel, pipeline_stages, sequence_parallel, tensor_parallel
+from spmd.planner.activations import (expert_parallel, pipeline_stages, prediction_lookups, sequence_parallel,
+                                      tensor_parallel)
 from spmd.planner.counting import (Expected, Param, compute_table, head_in_stages, in_head, is_vector, live, params,
                                    picks_again, spec_axes, stage_overhead, table_scatter_axes, uses, ways)
 
@@ -128,9 +134,11 @@ def collectives(cfg, layout: Layout) -> list[Expected]:
             n = ways(gathered, shape)
             # Stacked weights are gathered in the layer scans of every microbatch (every
             # tick of a pipeline), and again in backward; a prefix's in its scan, outside
-            # the stages, and again in backward; the others once.
+            # the stages, and again in backward, as are multi-token prediction's (in the stages'
+            # head, in every tick that runs it); the others once.
             times = ((stage_runs + _backward_gathers(cfg, layout, stage_runs)) if p.stacked
-                     else 2 * cfg.grad_accum if p.prefix else 1)
+                     else 2 * _head_ticks(cfg, layout) if p.predicts and head_in_stages(layout)
+                     else 2 * cfg.grad_accum if p.prefix or p.predicts else 1)
             out.append(Expected("all-gather", "+".join(gathered), times * (n - 1) / n * slice_numel * sum(widths),
                                 "weights gathered where used" + (", again in backward" if p.stacked else "")))
         fused = table_scatter_axes(cfg, layout) if p.path == model_class(model_cfg).LOOKUP_TABLE else ()
@@ -140,9 +148,14 @@ def collectives(cfg, layout: Layout) -> list[Expected]:
         # computed (models.annotate.weight reduces each use's gradient where it is taken).
         if not p.trained:  # a frozen weight is only read
             continue
-        per_use = [(w,) for w in widths] if len(widths) > 1 and not _accumulated(cfg, layout) else [widths]
-        for use in per_use:
-            out += _gradients(cfg, layout, p, token_axes, grad_numel, use, stage_runs)
+        # (Multi-token prediction's lookups in the stages' head are summed over the ticks and
+        # added to the lookup's gradient outside them: one reduction.)
+        merged = (p.path == model_class(model_cfg).LOOKUP_TABLE and head_in_stages(layout)
+                  and not model_cfg.tie_embeddings)
+        apart = len(widths) > 1 and not _accumulated(cfg, layout) and not merged
+        per_use = [(w,) for w in widths] if apart else [widths]
+        for i, use in enumerate(per_use):
+            out += _gradients(cfg, layout, p, token_axes, grad_numel, use, stage_runs, tick_sum=i <= 1)
         out += _shared_kv_heads(cfg, layout, p, max(widths), stage_runs)
         regather = live(set(spec_axes(p.names, rules.opt_state)) - set(at_rest), shape)
         if regather:
@@ -153,12 +166,13 @@ def collectives(cfg, layout: Layout) -> list[Expected]:
     out += tensor_parallel(cfg, layout, compute_bytes)
     out += sequence_parallel(cfg, layout, compute_bytes)
     out += expert_parallel(cfg, layout, compute_bytes)
+    out += prediction_lookups(cfg, layout)
     out += [e for e in pipeline_stages(cfg, layout, compute_bytes) if e.bytes_per_device]
     return out
 
 
 def _gradients(cfg, layout: Layout, p: Param, token_axes: tuple[str, ...], slice_numel: float,
-               widths: tuple[int, ...], stage_runs: float) -> list[Expected]:
+               widths: tuple[int, ...], stage_runs: float, tick_sum: bool = True) -> list[Expected]:
     """A parameter's gradient, summed over `token_axes`: reduce-scattered over the axes it
     is stored split over, all-reduced over the rest. It is summed in the widest dtype of
     its uses, or in float32 (the accumulators' dtype) when summed over microbatches (or
@@ -177,10 +191,12 @@ def _gradients(cfg, layout: Layout, p: Param, token_axes: tuple[str, ...], slice
             runs = _stage_gradient_runs(cfg, layout, p, stage_runs)
         else:
             manual = tuple(a for a in token_axes if a in pipeline.MANUAL_AXES)
-            schedule = layout.schedule
-            runs = cfg.grad_accum * schedule.repeats * schedule.microbatches * stage_overhead(layout)
+            runs = _head_ticks(cfg, layout)
         automatic = tuple(a for a in token_axes if a not in manual)
-        phases = [(automatic, runs, max(widths)), (manual, rounds, p.itemsize)]
+        # (The head's uses are each reduced where taken over the automatic axes; over the
+        # manual ones, the model's use has its sum over the ticks and multi-token
+        # prediction's depths share one: `tick_sum` is false for the depths after the first.)
+        phases = [(automatic, runs, max(widths))] + ([(manual, rounds, p.itemsize)] if tick_sum else [])
         # Where the map ends with a manual sum, XLA slices the stored gradient after it:
         # each tick's gradient is reduce-scattered only over the axes the weights are
         # gathered over (the gather's transpose; fsdp) and all-reduced over the other
@@ -215,6 +231,13 @@ def _gradients(cfg, layout: Layout, p: Param, token_axes: tuple[str, ...], slice
                                 "gradients"))
         numel /= k
     return out
+
+
+def _head_ticks(cfg, layout: Layout) -> float:
+    """How often the compiled step runs the head in the stages (1f1b, zb-v, DualPipe): in
+    a branch of every tick, in every accumulated round."""
+    schedule = layout.schedule
+    return cfg.grad_accum * schedule.repeats * schedule.microbatches * stage_overhead(layout)
 
 
 def _stage_gradient_runs(cfg, layout: Layout, p: Param, stage_runs: float) -> float:
