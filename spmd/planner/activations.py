@@ -160,7 +160,8 @@ def expert_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
     per_sequence = sequences * model.moe.experts * 4
     if sp > 1 and model.moe.balance_loss == "sequence" and per_sequence >= SMALL_BYTES:  # (less: listed as scalars)
         # The sequence-wise balance loss: each sequence's share of choices and mean score
-        # per expert, and its choices per token, summed over its chunks (float32).
+        # per expert, and its choices per token, summed over its chunks (float32). The model's
+        # layers only: multi-token prediction's router adds no balance loss (not `moe_runs`).
         out.append(Expected("all-reduce", "sp", model.moe_layers_run * stage_overhead(layout) * 3 * per_sequence
                             * 2 * (sp - 1) / sp, "MoE statistics per sequence"))
     if sp > 1 and cfg.moe_dispatch == "capacity":
