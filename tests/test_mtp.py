@@ -4,22 +4,31 @@ numbers on the layouts that move it (the head's stage under DualPipe and 1F1B, s
 order, accumulation); the weight's switch; and left out of what is exported."""
 
 import dataclasses
+import shutil
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import assert_params_match, train_run
-from flax import nnx
+from flax import nnx, traverse_util
 
 from models import PRESETS, Routing, hf_layout
+from spmd.base.errors import UserError
 from spmd.formats.hf import Directory, write_hf
-from spmd.formats.safetensors import SafeTensors
+from spmd.formats.safetensors import SafeTensors, Writer
+from spmd.hf import from_pretrained
+from spmd.parallel.layout import make_layout
 from spmd.parallel.objective import AuxLosses, aux_losses, model_loss
 from spmd.parallel.skeleton import build_model, model_skeleton
+from spmd.parallel.step import build_program, initial_params
 from spmd.run.config import TrainConfig
+from spmd.run.resolve import validate
+from spmd.run.trainer import fresh_state
 
 CFG = dataclasses.replace(PRESETS["deepseek-v3-tiny"], mtp_depth=2, layers=3)  # 2 dense layers, 1 MoE
+GOLDEN = Path(__file__).with_name("hf") / "deepseek-v3"  # 4 layers: its prediction layer would be layer 4
 WEIGHT = 0.3
 
 
@@ -171,3 +180,81 @@ def test_the_plan_counts_the_prediction_modules(mesh, overrides):
             for r in plan.rows if r.measured >= SMALL_BYTES * r.count or r.theory >= SMALL_BYTES * max(r.count, 1)}
     assert len(rows) >= 3, rows
     assert {row: ratio for row, ratio in rows.items() if not 0.95 <= ratio <= 1.05} == {}
+
+
+def _with_prediction_layer(root: Path, edit=lambda tensors: None) -> Path:
+    """The DeepSeek golden with a prediction layer as DeepSeek's checkpoint holds one (its
+    layer 61, here layer 4): the decoder layer a copy of the model's last (layer 3), the
+    norms and the join drawn, the embedding and the head copied; `edit` changes the tensors."""
+    directory = root / "deepseek-v3-mtp"
+    shutil.copytree(GOLDEN, directory)
+    files = SafeTensors(directory / "model.safetensors")
+    tensors = {name: files.read(name) for name in files.names()}
+    e, rng = 32, np.random.default_rng(0)
+    tensors |= {name.replace(".3.", ".4.", 1): w for name, w in tensors.items() if name.startswith("model.layers.3.")}
+    tensors |= {f"model.layers.4.{name}": (1 + 0.5 * rng.standard_normal(e)).astype(np.float32)
+                for name in ("enorm.weight", "hnorm.weight", "shared_head.norm.weight")}
+    tensors |= {"model.layers.4.eh_proj.weight": (rng.standard_normal((e, 2 * e)) * (2 * e) ** -0.5).astype(np.float32),
+                "model.layers.4.embed_tokens.weight": tensors["model.embed_tokens.weight"],
+                "model.layers.4.shared_head.head.weight": tensors["lm_head.weight"]}
+    edit(tensors)
+    writer = Writer(directory / "model.safetensors", [(name, w.shape) for name, w in tensors.items()], np.float32)
+    for name, w in tensors.items():
+        writer.write(name, w)
+    writer.close()
+    return directory
+
+
+def test_deepseeks_prediction_layer_is_read_into_the_first_module(tmp_path):
+    """`--init-from` DeepSeek's checkpoint with `--mtp-depth 2`: depth 1 is its prediction
+    layer. Its logits are the report's equations on the published tensors (eh_proj
+    reading [enorm(embedding); hnorm(hidden)], shared_head.norm before the head), its
+    decoder layer read as the model's layers are; depth 2, which the files lack, is what
+    a fresh run draws. Without `--mtp-depth` the layer is dropped, as transformers drops it."""
+    directory = _with_prediction_layer(tmp_path)
+    cfg = validate(TrainConfig(init_from=str(directory), mtp_depth=2, mesh="", batch=2, seq=16, steps=1))
+    layout, said = make_layout(cfg, jax.devices()[:1]), []
+    state = fresh_state(cfg, build_program(cfg, layout), log=said.append)  # (what spmd.train starts from)
+    assert f"multi-token prediction: 1 of the 2 modules read from {directory}'s prediction layers (layer 4 on), " \
+           "the rest fresh" in said
+    params = jax.device_get(state["params"])
+    stack = traverse_util.flatten_dict(params["blocks"])  # the MoE layers 2 and 3
+    for path, w in traverse_util.flatten_dict(params["mtp"][0]["block"]).items():
+        np.testing.assert_array_equal(w, stack[path][1], err_msg=str(path))
+    fresh = jax.device_get(initial_params(cfg, layout)(jax.random.key(cfg.seed))["mtp"][1])
+    jax.tree.map(np.testing.assert_array_equal, params["mtp"][1], fresh)
+
+    published = {name: f.read(name) for f in [SafeTensors(directory / "model.safetensors")] for name in f.names()}
+    layer = lambda name: published[f"model.layers.4.{name}"]  # noqa: E731
+    tokens = np.load(GOLDEN / "tokens.npy")
+    rows = tokens.shape[1] - 2
+
+    @nnx.jit
+    def depth_one(model):  # (ours, the equations') logits
+        eps, positions, later = model.cfg.norm_eps, np.arange(rows), tokens[:, 1:1 + rows]
+        hidden, _ = model.hidden(tokens[:, :rows])
+        got = model.predictions(hidden, np.stack([later, tokens[:, 2:2 + rows]], -1), positions)[0]
+        joined = jnp.concatenate([_rms(published["model.embed_tokens.weight"][later], layer("enorm.weight"), eps),
+                                  _rms(hidden, layer("hnorm.weight"), eps)], -1) @ layer("eh_proj.weight").T
+        out, _ = model.mtp[0].block(joined, positions)
+        return got, _rms(out, layer("shared_head.norm.weight"), eps) @ published["lm_head.weight"].T
+
+    got, want = depth_one(nnx.merge(layout.skeleton.graphdef, params))
+    # float32: the join's 64-term sums taken as two halves of 32 here
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * float(jnp.max(jnp.abs(want))))
+
+    dropped, golden = (np.asarray(from_pretrained(d)(tokens)) for d in (directory, GOLDEN))
+    np.testing.assert_array_equal(dropped, golden)
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda t: t.update({"model.layers.4.embed_tokens.weight": t["model.embed_tokens.weight"] + 1}),
+     "tensor model.layers.4.embed_tokens.weight differs from model.embed_tokens.weight, which DeepSeek's "
+     "multi-token prediction module shares"),
+    (lambda t: t.pop("model.layers.4.hnorm.weight"), "tensor model.layers.4.hnorm.weight is not in model.safetensors"),
+    (lambda t: t.update({"model.layers.5.enorm.weight": t["model.layers.4.enorm.weight"]}),
+     "model.safetensors holds tensor model.layers.5.enorm.weight, which the model of config.json has no place for"),
+], ids=["a copy that differs", "a layer in part", "a layer without its join"])
+def test_a_prediction_layer_is_whole_or_refused(tmp_path, edit, message):
+    with pytest.raises(UserError, match="^--init-from .*: " + message.replace(".", r"\.")):
+        Directory(_with_prediction_layer(tmp_path, edit))

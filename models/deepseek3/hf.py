@@ -6,14 +6,20 @@ under `model.layers.N.` (the first first_k_dense_replace dense, the rest MoE wit
 DeepSeek stores each rotary part interleaved (pairs (x0, x1), (x2, x3), ...; transformers'
 rope_interleave, its default): its rows of q_b_proj (or q_proj) and kv_a_proj_with_mqa are
 read here into rotate-half order (evens, then odds) and written back, so that our rotation
-is Llama's and every score is unchanged. Multi-token-prediction layers (layer
-num_hidden_layers on, num_nextn_predict_layers of them) are not read: transformers drops
-them on load, and so does this loader; a run's own (mtp_depth, models.deepseek3.model's
-PredictionModule) start fresh and are never written. An FP8 checkpoint
-(quantization_config) is refused."""
+is Llama's and every score is unchanged. An FP8 checkpoint (quantization_config) is refused.
+
+DeepSeek's own checkpoint also holds its multi-token prediction module as one more layer
+(`model.layers.61.`, num_hidden_layers on; the report's D of them): `enorm` and `hnorm`
+(the embedding's and the hidden state's norms), `eh_proj` (their join, reading the
+concatenation embedding first), a decoder layer named as the others, `shared_head.norm`,
+and copies of the embedding and the head (`embed_tokens`, `shared_head.head`). A run with
+`--mtp-depth` reads its modules from them (models.deepseek3.model's PredictionModule; those
+the files do not hold start fresh); any other run drops them, as transformers does. They
+are never written: transformers has no place for them."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
 
 import numpy as np
 
@@ -51,7 +57,7 @@ CONFIG = (
     Field("scoring_func", STRING, default="sigmoid", choices=("sigmoid",)),
     Field("topk_method", STRING, default="noaux_tc", choices=("noaux_tc",)),
     Field("quantization_config", ANY, default=None, choices=(None,)),  # FP8 blocks: dequantize to bf16 first
-    # Read past: multi-token prediction (dropped, as transformers drops it) and training-only settings.
+    # Read past: the prediction layers' count (the files say which they hold) and training-only settings.
     *(Field(name, ANY, default=None) for name in (
         "num_nextn_predict_layers", "aux_loss_alpha", "seq_aux", "ep_size", "auto_map")),
 )
@@ -232,5 +238,38 @@ def tensor_count(cfg: DeepSeekV3Config) -> tuple[int, str]:
     return count, f"num_hidden_layers {cfg.layers}, n_routed_experts {cfg.moe.experts}"
 
 
-def copies(cfg: DeepSeekV3Config) -> dict[str, str]:
+def copies(cfg: DeepSeekV3Config) -> dict[str, tuple[str, str]]:
     return {}
+
+
+def prediction_layers(cfg: DeepSeekV3Config, held: Collection[str]) -> list[list[Tensor]]:
+    """The tensors of each multi-token prediction layer the files hold, depth 1 first
+    (models.deepseek3.model's `mtp`): layer num_hidden_layers + k - 1 is depth k's when it
+    has an eh_proj."""
+    layers = []
+    while f"model.layers.{cfg.layers + len(layers)}.eh_proj.weight" in held:
+        k, e = len(layers), cfg.embed
+        ours, block = ("mtp", k), Block(("mtp", k, "block"), 0, lambda i, n=cfg.layers + k: n, True)
+        join = block.names("eh_proj.weight")
+        layers.append([
+            Tensor((*ours, "embedding_norm", "scale"), 0, block.names("enorm.weight"), [(e,)], only, _unwritten),
+            Tensor((*ours, "hidden_norm", "scale"), 0, block.names("hnorm.weight"), [(e,)], only, _unwritten),
+            # (e, 2e) as torch's Linear stores it: the input is [embedding; hidden]
+            Tensor((*ours, "join_embedded"), 0, join, [(e, 2 * e)], lambda t: t[0][:, :e].T, _unwritten),
+            Tensor((*ours, "join_hidden"), 0, join, [(e, 2 * e)], lambda t: t[0][:, e:].T, _unwritten),
+            *_attention(cfg, block), *_moe(cfg, block),
+            Tensor((*ours, "norm", "scale"), 0, block.names("shared_head.norm.weight"), [(e,)], only, _unwritten),
+        ])
+    return layers
+
+
+def prediction_copies(cfg: DeepSeekV3Config, depth: int) -> dict[str, tuple[str, str]]:
+    """The embedding and head that each prediction layer holds again (DeepSeek's modules share the model's)."""
+    shared = "DeepSeek's multi-token prediction module shares (the report's section 2.2)"
+    return {name: (of, shared) for k in range(depth) for name, of in (
+        (f"model.layers.{cfg.layers + k}.embed_tokens.weight", "model.embed_tokens.weight"),
+        (f"model.layers.{cfg.layers + k}.shared_head.head.weight", "lm_head.weight"))}
+
+
+def _unwritten(w: np.ndarray) -> list[np.ndarray]:
+    raise AssertionError("the prediction layers are read, never written")

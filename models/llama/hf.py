@@ -373,11 +373,15 @@ def tensor_count(cfg: LlamaConfig) -> tuple[int, str]:
     return count, fields
 
 
-def copies(cfg: LlamaConfig) -> dict[str, str]:
-    """Published tensors a checkpoint may hold beside the one they copy: a tied model's
-    lm_head.weight (Qwen3-0.6B ships one). Accepted when equal, as transformers'
-    tie_weights re-ties an equal copy; one that differs is a head the tied config would drop."""
-    return {"lm_head.weight": "model.embed_tokens.weight"} if cfg.tie_embeddings else {}
+TIED_HEAD = "config.json ties it to (tie_word_embeddings true); set it false to use this head"
+
+
+def copies(cfg: LlamaConfig) -> dict[str, tuple[str, str]]:
+    """Published tensors a checkpoint may hold beside the one they copy (name -> the
+    tensor copied, and what ties them, said if they differ): a tied model's lm_head.weight
+    (Qwen3-0.6B ships one). Accepted when equal, as transformers' tie_weights re-ties an
+    equal copy; one that differs is a head the tied config would drop."""
+    return {"lm_head.weight": ("model.embed_tokens.weight", TIED_HEAD)} if cfg.tie_embeddings else {}
 
 
 def only(t: list[np.ndarray]) -> np.ndarray:

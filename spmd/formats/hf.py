@@ -109,6 +109,10 @@ class TensorFiles:
     described_by: str = "the model of config.json"
     shaped_by: str = "config.json"
     indexed: bool = False
+    # DeepSeek's multi-token prediction layers the files hold, depth 1 first (each a list
+    # of tensors): read into a run's own modules (`--mtp-depth`), or dropped, as
+    # transformers drops them.
+    predictions: tuple = ()
 
     def _open(self, file: str, holds: str) -> SafeTensors:
         kind = file_kind(self.path / file)
@@ -128,27 +132,30 @@ class TensorFiles:
         """The message of a damaged file, named inside the directory (the directory is named first)."""
         return f"{self.what}: " + str(exc).removeprefix(f"{self.path}/")
 
-    def _locate(self, held: dict[str, str], copies: dict[str, str]) -> dict[str, str]:
+    def every_tensor(self) -> list[Tensor]:
+        """The model's tensors and those of the prediction layers the files hold."""
+        return [*self.tensors, *(t for layer in self.predictions for t in layer)]
+
+    def _locate(self, held: dict[str, str], copies: dict[str, tuple[str, str]]) -> dict[str, str]:
         """Where each tensor the model needs is; refused: one the files lack, and one the
         model has no place for (a copy only if it differs from what it copies)."""
-        needed = [name for t in self.tensors for i in range(t.stacked or 1) for name in t.names(i)]
+        needed = [name for t in self.every_tensor() for i in range(t.stacked or 1) for name in t.names(i)]
         for name in needed:
             if name not in held:
                 raise UserError(f"{self.what}: " + (f"{INDEX} does not list tensor {name}" if self.indexed else
                                                     f"tensor {name} is not in {self.single}"))
         known = set(needed)
         for name in (name for name in held if name not in known):
-            of = copies.get(name)
-            if of is None:
+            if name not in copies:
                 raise UserError(f"{self.what}: {held[name]} holds tensor {name}, which {self.described_by} "
                                 "has no place for")
+            of, tie = copies[name]
             if not self.files[held[name]].same(name, self.files[held[of]], of):
-                raise UserError(f"{self.what}: tensor {name} differs from {of}, which config.json ties it to "
-                                "(tie_word_embeddings true); set it false to use this head")
+                raise UserError(f"{self.what}: tensor {name} differs from {of}, which {tie}")
         return {name: held[name] for name in needed}
 
     def _check_shapes(self) -> None:
-        for t in self.tensors:
+        for t in self.every_tensor():
             for i in range(t.stacked or 1):
                 for name, shape in zip(t.names(i), t.shapes):
                     file = self.files[self.where[name]]
@@ -183,7 +190,12 @@ class Directory(TensorFiles):
         layout = hf_layout(self.cfg)
         held = self._held()  # published name -> file
         count, fields = layout.tensor_count(self.cfg)
-        copies = {name: of for name, of in layout.copies(self.cfg).items() if name in held}
+        copies = layout.copies(self.cfg)
+        predicting = getattr(layout, "prediction_layers", None)
+        if predicting:
+            self.predictions = predicting(self.cfg, held)
+            copies |= layout.prediction_copies(self.cfg, len(self.predictions))
+        copies = {name: of for name, of in copies.items() if name in held}
         if count > len(held) - len(copies):
             raise UserError(f"{self.what}: config.json describes {count} tensors ({fields}); the files hold "
                             f"{len(held) - len(copies)}")
@@ -281,7 +293,8 @@ def load_params(directory: TensorFiles, layout, router: dict | None = None) -> d
     shapes = traverse_util.flatten_dict(layout.skeleton.shapes)
     router_shapes = traverse_util.flatten_dict(layout.skeleton.router_shapes)
     placed = {}
-    for t in directory.tensors:
+    depth = getattr(layout.skeleton.model_cfg, "mtp_depth", 0)  # the run's prediction modules, from the files' layers
+    for t in [*directory.tensors, *(t for layer in directory.predictions[:depth] for t in layer)]:
         if t.ours not in shapes and t.ours in router_shapes and router is not None:
             layers = np.stack([directory.layer(t, i) for i in range(t.stacked or 1)])
             shape = router_shapes[t.ours].shape  # (and empty layers after them: LlamaConfig.empty_layers)

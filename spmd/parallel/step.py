@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import nnx
+from flax import nnx, traverse_util
 
 from models.annotate import computed_copies, storage
 from models.attention import KERNELS, attention_implementation
@@ -120,6 +120,21 @@ def initial_params(cfg, layout: Layout):
     """key -> a fresh model's parameters (a jitted function), born in `layout`'s shardings."""
     return jax.jit(functools.partial(_fresh_params, cfg, layout), out_shardings=layout.shardings(layout.rules.params),
                    compiler_options=init_compiler_options(layout))
+
+
+def with_fresh_predictions(cfg, layout: Layout, params: dict, key) -> dict:
+    """A Hugging Face directory's parameters (`params`) with the multi-token prediction
+    modules it did not hold (`--mtp-depth` beyond its prediction layers) drawn as a fresh
+    model's from `key`: the initializer is compiled for them alone (XLA drops the rest)."""
+    shapes = traverse_util.flatten_dict(layout.skeleton.shapes)
+    held = traverse_util.flatten_dict(params)
+    missing = [path for path in shapes if path[0] == "mtp" and path not in held]
+    if not missing:
+        return params
+    shardings = traverse_util.flatten_dict(layout.shardings(layout.rules.params))
+    fresh = jax.jit(lambda k: [traverse_util.flatten_dict(_fresh_params(cfg, layout, k))[p] for p in missing],
+                    out_shardings=[shardings[p] for p in missing], compiler_options=init_compiler_options(layout))
+    return traverse_util.unflatten_dict(held | dict(zip(missing, fresh(key))))
 
 
 def init_compiler_options(layout: Layout) -> dict:

@@ -29,7 +29,7 @@ from spmd.formats.hf import Directory, load_params
 from spmd.formats.peft import AdapterFiles
 from spmd.parallel.balance import initial
 from spmd.parallel.defaults import mesh_flag
-from spmd.parallel.step import build_program
+from spmd.parallel.step import build_program, with_fresh_predictions
 from spmd.planner.plan import default_hardware, make_plan
 from spmd.run.config import TrainConfig, check_empty_layers
 from spmd.run.loop import Run
@@ -83,14 +83,14 @@ def prepare(cfg: TrainConfig, layout, log=print):
             source.close()
         if layout.skeleton.lora:  # the checkpoint holds the adapters; the base is read again
             base = cfg.init_from or meta["config"].get("init_from")
-            state["frozen"] = _fresh_state(dataclasses.replace(cfg, init_from=base, adapter=None), program)["frozen"]
+            state["frozen"] = fresh_state(dataclasses.replace(cfg, init_from=base, adapter=None), program)["frozen"]
         log(f"resumed from {source_dir / str(step)} (written on mesh {meta['config']['mesh']})")
         later = [s for s in finalized_steps(source_dir) if s > step]
         if later and cfg.out and Path(cfg.out).resolve() == source_dir.resolve():
             log(f"the later checkpoints of {source_dir} ({', '.join(map(str, later))}) are replaced as this run "
                 "reaches their steps")
     else:
-        state = _fresh_state(cfg, program)
+        state = fresh_state(cfg, program, log)
         if cfg.init_from:
             log(f"started from {cfg.init_from}" + (f" with the adapter {cfg.adapter}" if cfg.adapter else ""))
     eval_fn = program.compile_eval() if cfg.eval_every else None
@@ -107,15 +107,23 @@ def prepare(cfg: TrainConfig, layout, log=print):
                rebalance=program.rebalance if program.copies else None)
 
 
-def _fresh_state(cfg, program) -> dict:
+def fresh_state(cfg, program, log=print) -> dict:
     """The state a run starts from: --init-from's weights (with LoRA: and fresh adapters, or
-    those of --adapter), or the model initialized from --seed."""
+    those of --adapter; with --mtp-depth: the directory's prediction layers, and fresh
+    modules where it holds none), or the model initialized from --seed."""
     layout = program.layout
     with jax.set_mesh(layout.mesh):
         if not cfg.init_from:
             return program.init(jax.random.key(cfg.seed))
         router = {}  # a selection bias the checkpoint has, which the run's router state takes
-        params = load_params(Directory(cfg.init_from), layout, router)
+        directory = Directory(cfg.init_from)
+        params = load_params(directory, layout, router)
+        if cfg.mtp_depth:
+            params = with_fresh_predictions(cfg, layout, params, jax.random.key(cfg.seed))
+            read = min(cfg.mtp_depth, len(directory.predictions))
+            rest = ", the rest fresh" if read < cfg.mtp_depth else ""
+            log(f"multi-token prediction: {read} of the {cfg.mtp_depth} modules read from {cfg.init_from}'s "
+                f"prediction layers (layer {directory.cfg.layers} on){rest}")
         if layout.skeleton.lora:
             adapters = (load_params(AdapterFiles(cfg.adapter, layout.skeleton.model_cfg, layout.skeleton.lora), layout)
                         if cfg.adapter else program.new_adapters(jax.random.key(cfg.seed)))
