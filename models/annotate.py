@@ -17,6 +17,7 @@ from flax.core import spmd as flax_spmd
 from jax.ad_checkpoint import checkpoint_name
 
 ACTIVATION = "activation"  # checkpoint name of `constrain`'s result, for remat policies
+UP_PROJECTED = "up_projected"  # MLA's per-head queries, keys and values (models.deepseek3), which remat "mla" recomputes
 # The logical names of stacked layers' leading axis: the layers pipeline stages split, and
 # a prefix of layers run before them (models.deepseek3's dense ones), each run by a scan.
 LAYERS, PREFIX_LAYERS = "layers", "prefix_layers"
@@ -24,10 +25,10 @@ _STORAGE: contextvars.ContextVar = contextvars.ContextVar("storage", default=Non
 _COPIES: contextvars.ContextVar = contextvars.ContextVar("copies", default={})
 
 
-def constrain(x: jax.Array, *names: str | None) -> jax.Array:
+def constrain(x: jax.Array, *names: str | None, saved_as: str = ACTIVATION) -> jax.Array:
     """Ask XLA to lay `x` out as the active rules map `names` (one per dimension); the
-    result is named as an activation, which remat policies may keep."""
-    return checkpoint_name(_lay_out(x, names, dict(flax_spmd.get_logical_axis_rules())), ACTIVATION)
+    result is named as an activation (or `saved_as`), which remat policies may keep."""
+    return checkpoint_name(_lay_out(x, names, dict(flax_spmd.get_logical_axis_rules())), saved_as)
 
 
 def weight(param, dtype, lay_out: bool = True) -> jax.Array:

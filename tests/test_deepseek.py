@@ -4,16 +4,21 @@ over sp and tp, and group-limited routing with its selection bias over ep; the p
 have the published sizes. (Its logits, generation and round trip against transformers are
 in test_hf.py and test_generate.py, with the other families' goldens.)"""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import assert_params_match, train_run
+from flax import nnx
+from jax.ad_checkpoint import print_saved_residuals
 
 from models import PRESETS
+from models.deepseek3.model import DeepSeekV3
 from spmd.formats.hf import Directory
 from spmd.formats.safetensors import SafeTensors
 from spmd.run.pretrained import from_pretrained
@@ -110,3 +115,32 @@ def test_every_tensor_goes_in_and_back_out_bit_for_bit(name):
             published = [directory.files[directory.where[n]].read(n) for n in t.names(i)]
             back = t.to_hf(t.to_ours(published))
             assert all(np.array_equal(a.view(np.uint32), b.view(np.uint32)) for a, b in zip(back, published, strict=True))
+
+
+def test_deepseeks_recomputation_keeps_the_latents_not_the_heads(capsys):
+    """`--remat mla`, the report's recomputation (section 3.2.3): the gradients of remat
+    "none", and of the residuals the backward pass reads, none per head (queries, keys,
+    values: (..., heads, head_dim)), where "none" keeps them; the latents they are made
+    from (q_rank, kv_rank + rope_dim numbers a token) are kept instead."""
+    cfg = PRESETS["deepseek-v3-tiny"]
+    tokens = jax.random.randint(jax.random.key(2), (2, 16), 0, cfg.vocab)
+
+    def residuals_and_gradients(remat):
+        make = lambda: DeepSeekV3(cfg, remat=remat, rngs=nnx.Rngs(params=jax.random.key(0)))  # noqa: E731
+        graphdef = nnx.graphdef(nnx.eval_shape(make))
+        params = jax.jit(lambda: nnx.state(make()), compiler_options={"xla_backend_optimization_level": 0})()
+        loss = lambda p: jnp.mean(nnx.merge(graphdef, p)(tokens) ** 2)  # noqa: E731
+        capsys.readouterr()
+        print_saved_residuals(loss, params)
+        printed = capsys.readouterr().out
+        shapes = [tuple(int(n) for n in dims.split(",")) for dims in re.findall(r"^f32\[([0-9,]+)\]", printed, re.MULTILINE)]
+        return shapes, jax.tree.leaves(jax.jit(jax.grad(loss))(params))
+
+    (mla, got), (none, want) = residuals_and_gradients("mla"), residuals_and_gradients("none")
+    rows = tokens.shape  # (batch, seq): an activation's leading dimensions, after the layers'
+    per_head = lambda shapes: [s for s in shapes if s[-4:] == (*rows, cfg.heads, cfg.head_dim)]  # noqa: E731
+    latents = lambda shapes: [s for s in shapes if s[-3:] in ((*rows, cfg.q_rank), (*rows, cfg.latent_dim))]  # noqa: E731
+    assert per_head(none) and not per_head(mla)
+    assert len(latents(mla)) >= 2  # (the query's and the keys' and values')
+    for a, b in zip(got, want, strict=True):  # recomputing repeats the same float32 operations (test_model's bound)
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)

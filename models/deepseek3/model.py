@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.annotate import PREFIX_LAYERS, constrain, weight
+from models.annotate import ACTIVATION, PREFIX_LAYERS, UP_PROJECTED, constrain, weight
 from models.attention import Packing, attend, cached_attention
 from models.deepseek3.config import DeepSeekV3Config
 from models.llama.layers import Decoding, RMSNorm, normal_param, rotary
@@ -87,7 +87,7 @@ class LatentAttention(nnx.Module):
         q = jnp.concatenate([q[..., :cfg.nope_dim], q_rotary], axis=-1)
         if yarn and yarn.softmax_scale != 1.0:
             q = q * np.float32(yarn.softmax_scale).astype(q.dtype)
-        return constrain(q, "batch", "seq", "heads", "head_dim"), latent, rotary_key
+        return constrain(q, "batch", "seq", "heads", "head_dim", saved_as=UP_PROJECTED), latent, rotary_key
 
     def _keys_values(self, latent: jax.Array, rotary_key: jax.Array, heads_first: bool = False):
         """Each head's keys (batch, seq, heads, head_dim) and values, zero-padded to head_dim
@@ -100,7 +100,8 @@ class LatentAttention(nnx.Module):
         v = jnp.pad(kv[..., cfg.nope_dim:], [(0, 0)] * 3 + [(0, cfg.head_dim - cfg.v_dim)])
         if heads_first:
             return k, v
-        return (constrain(k, "batch", "seq", "kv_heads", "head_dim"), constrain(v, "batch", "seq", "kv_heads", "head_dim"))
+        names = ("batch", "seq", "kv_heads", "head_dim")
+        return constrain(k, *names, saved_as=UP_PROJECTED), constrain(v, *names, saved_as=UP_PROJECTED)
 
     def _output(self, out: jax.Array) -> jax.Array:
         out = constrain(out, "batch", "seq", "heads", "head_dim")
@@ -152,6 +153,29 @@ class LatentAttention(nnx.Module):
         return self._output(out), cache
 
 
+RECOMPUTE_UP = "mla"  # --remat mla: DeepSeek-V3's recomputation (`recompute_up_projections`)
+
+
+def recompute_up_projections(cfg: DeepSeekV3Config):
+    """DeepSeek-V3's own checkpoint policy (the report, section 3.2.3): what remat "none"
+    keeps, but for MLA's up-projections, which the backward pass computes again from
+    their latents (q_rank and kv_rank numbers a token, where the per-head queries, keys
+    and values they make are heads x head_dim each), and the RMSNorms, which "none"
+    recomputes already. An up-projection is a matmul of a latent with a (rank, heads,
+    per head) weight: the policy keeps every other matmul's output."""
+    ranks = {cfg.kv_rank, cfg.q_rank} - {None}
+    named = jax.checkpoint_policies.save_only_these_names(ACTIVATION)  # not UP_PROJECTED
+
+    def policy(prim, *avals, **params) -> bool:
+        if prim is jax.lax.dot_general_p:
+            (_, contracted), _ = params["dimension_numbers"]
+            w = avals[1]
+            return not (w.ndim == 3 and tuple(contracted) == (0,) and w.shape[0] in ranks and w.shape[1] == cfg.heads)
+        return named(prim, *avals, **params)
+
+    return policy
+
+
 class LatentBlock(Block):
     ATTENTION = LatentAttention
 
@@ -189,13 +213,14 @@ class PredictionModule(nnx.Module):
 class DeepSeekV3(Llama):
     """Tokens (batch, seq) -> float32 logits (batch, seq, vocab); see the module's doc."""
 
+    REMAT = (*REMAT_POLICIES, RECOMPUTE_UP)
     # The latent up-projections read their latent through its norm, which is not named.
     RECOMPUTED_INPUT_WEIGHTS = ("attn.wq_b", "attn.wkv_b")
 
     def __init__(self, cfg: DeepSeekV3Config, *, dtype=jnp.float32, remat: str = "none",
                  routing: Routing = Routing(), lora: LoRA | None = None, rngs: nnx.Rngs):
-        if remat not in REMAT_POLICIES:
-            raise ValueError(f"remat must be one of {sorted(REMAT_POLICIES)}, got {remat!r}")
+        if remat not in self.REMAT:
+            raise ValueError(f"remat must be one of {self.REMAT}, got {remat!r}")
         if lora is not None:
             raise ValueError("LoRA adapts Llama's projections (q_proj, ...); DeepSeek-V3's latent attention has none")
         self.cfg, self.dtype, self.remat = cfg, dtype, remat
@@ -218,12 +243,15 @@ class DeepSeekV3(Llama):
         the input k columns on in its row ([..., k - 1]; spmd.parallel.objective lays them
         out, in the columns' order). Columns whose k-th later input is past the row's end
         (or its example's) predict nothing that counts."""
-        run = nnx.remat(lambda module, *args: module(*args), policy=REMAT_POLICIES[self.remat])
+        run = nnx.remat(lambda module, *args: module(*args), policy=self.remat_policy())
         logits = []
         for k, module in enumerate(self.mtp):
             hidden = run(module, hidden, self.lookup(later_inputs[..., k]), positions, packing)
             logits.append(self.logits(hidden, module.norm))
         return logits
+
+    def remat_policy(self):
+        return recompute_up_projections(self.cfg) if self.remat == RECOMPUTE_UP else super().remat_policy()
 
     @staticmethod
     def cache_layout(cfg: DeepSeekV3Config, batch: int, length: int) -> dict:

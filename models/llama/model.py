@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.annotate import ACTIVATION, PREFIX_LAYERS, assembled, constrain, copies, weight
+from models.annotate import ACTIVATION, PREFIX_LAYERS, UP_PROJECTED, assembled, constrain, copies, weight
 from models.attention import Packing, attend, cached_attention
 from models.llama.config import LlamaConfig
 from models.llama.layers import Decoding, RMSNorm, normal_param, rotary, zeros_param
@@ -37,7 +37,7 @@ from models.moe import MoE, Routing
 # annotated activation, and recomputes only elementwise ops.
 REMAT_POLICIES = {
     "none": jax.checkpoint_policies.save_from_both_policies(
-        jax.checkpoint_policies.dots_saveable, jax.checkpoint_policies.save_only_these_names(ACTIVATION)),
+        jax.checkpoint_policies.dots_saveable, jax.checkpoint_policies.save_only_these_names(ACTIVATION, UP_PROJECTED)),
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
@@ -299,6 +299,12 @@ class Llama(nnx.Module):
         inputs = {target: len(shapes[0]) for target, shapes in cfg.projection_shapes().items()}
         return merged_adapters(params, lora, cls.FUSED, inputs)
 
+    REMAT = tuple(REMAT_POLICIES)  # the `remat` policies it takes
+
+    def remat_policy(self):
+        """The blocks' checkpoint policy, by `remat` (a family may add its own: models.deepseek3)."""
+        return REMAT_POLICIES[self.remat]
+
     @staticmethod
     def head_params(cfg: LlamaConfig) -> tuple[str, ...]:
         """The top-level parameters that `logits` reads (a tied model's head is its table)."""
@@ -412,7 +418,7 @@ class Llama(nnx.Module):
                 return y, stats
             return jnp.where(filled, y, x), jax.tree.map(lambda s: jnp.where(filled, s, jnp.zeros_like(s)), stats)
 
-        run_block = nnx.remat(run_block, policy=REMAT_POLICIES[self.remat])
+        run_block = nnx.remat(run_block, policy=self.remat_policy())
 
         @nnx.scan(in_axes=(nnx.Carry, 0, 0, 0, 0), out_axes=(nnx.Carry, 0),
                   transform_metadata={nnx.PARTITION_NAME: axis})

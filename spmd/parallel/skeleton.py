@@ -11,22 +11,25 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, traverse_util
 
-from models import FAMILIES, PRESETS, REMAT_POLICIES, LlamaConfig, Routing, model_class
+from models import FAMILIES, PRESETS, LlamaConfig, Routing, model_class
 from models.lora import LoRA
 from models.lora import split as lora_split
 from models.moe import RouterState
 from spmd.base.errors import UserError
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-REMAT = tuple(REMAT_POLICIES)  # --remat's choices: none, full, dots
+# --remat's choices: none, full, dots, and those of a family's own (DeepSeek-V3's "mla")
+REMAT = tuple(dict.fromkeys(policy for family in FAMILIES.values() for policy in family.REMAT))
 
 
 def model_config(cfg):
     """The model: --init-from's, or the preset with the run's overrides (depth, number of
     experts, top-k)."""
     empty = {"empty_layers": cfg.empty_layers} if cfg.empty_layers else {}
+    base = cfg.architecture or PRESETS[cfg.model or "tiny"]
+    if cfg.remat not in model_class(base).REMAT:
+        raise UserError(f"--remat {cfg.remat} is not one of {cfg.model_name}'s: {', '.join(model_class(base).REMAT)}")
     if cfg.mtp_depth:
-        base = cfg.architecture or PRESETS[cfg.model or "tiny"]
         if not hasattr(base, "mtp_depth"):
             raise UserError(f"--mtp-depth: multi-token prediction is DeepSeek-V3's; {cfg.model_name} has none")
         empty["mtp_depth"] = cfg.mtp_depth

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models import REMAT_POLICIES, model_class
+from models import model_class
 from models.attention import Packing
 from models.lora import dropping, joined
 from spmd.parallel.layout import Layout
@@ -137,7 +137,7 @@ def pipelined_loss(graphdef, params, rows, layout: Layout, in_stage, order, aux:
     model, columns = parts.model_of(parts.outer), parts.columns
     x = to_microbatches(parts.embedded(), shards, schedule)
     out, stats = pipeline(layout.mesh, schedule, parts.stage, parts.blocks, x, _row_spec(layout),
-                          REMAT_POLICIES[model.remat], parts.side(shards, schedule), parts.fixed)
+                          model.remat_policy(), parts.side(shards, schedule), parts.fixed)
     hidden = from_microbatches(out, shards, schedule)
     loss, metrics = objective(model.logits(hidden), columns.targets, _of_layers(stats, model.cfg), aux,
                               columns.weights, denominator)

@@ -105,11 +105,12 @@ def peak(cfg, layout: Layout, memory: dict[str, float]) -> float:
     logits (with the head), which a tick holds one after the other (the head runs
     between the last chunk's forward and its backward)."""
     if layout.schedule is not None:
-        apart = {"working": memory["working"], "loss": memory["logits"] + memory["gathered_head"]}
+        apart = {"working": memory["working"], "loss": memory["logits"] + memory["predictions"] + memory["gathered_head"]}
         return sum(memory.values()) - sum(apart.values()) + max(apart.values())
     state = memory["params"] + memory["opt_state"]
     kept, gradients = memory["activations"], memory["gradients"]
-    loss = kept + memory["logits"] + memory["gathered_head"] + (gradients if cfg.grad_accum > 1 else 0)
+    loss = (kept + memory["logits"] + memory["predictions"] + memory["gathered_head"]
+            + (gradients if cfg.grad_accum > 1 else 0))
     layers = kept + gradients + memory["working"] + 2 * memory["gathered_weights"]
     return state + max(loss, layers)
 
@@ -142,8 +143,11 @@ def activation_bytes(cfg, layout: Layout, compute_bytes: int) -> dict[str, float
     block = min(flash.default_block(length), length)
     block_scores = 0 if kept_scores else 3 * 4 * m.heads / t * block * block * tokens / cfg.seq
     everything = attention + 3 * m.mlp / t
-    per_layer = {"none": everything, "dots": 3 * e + (qkv + 2 * m.mlp) / t, "full": e}[cfg.remat]
-    working = 0 if cfg.remat == "none" else everything
+    # "mla" (DeepSeek-V3's): as "none", but the up-projections and the per-head queries,
+    # keys and values they make are kept as their latents, and made again a layer at a time.
+    up = 2 * qkv / t - ((getattr(m, "q_rank", 0) or 0) + getattr(m, "latent_dim", 0))
+    per_layer = {"none": everything, "dots": 3 * e + (qkv + 2 * m.mlp) / t, "full": e, "mla": everything - up}[cfg.remat]
+    working = {"none": 0, "mla": 2 * qkv / t}.get(cfg.remat, everything)
     dense_layers = m.stacked_layers + m.prefix_layers - m.moe_layers_run  # (empty ones too: stages run them)
     kept = dense_layers * per_layer
     if m.moe_layers:
@@ -153,16 +157,25 @@ def activation_bytes(cfg, layout: Layout, compute_bytes: int) -> dict[str, float
         rows = expert_rows(cfg, layout) / tokens
         moe = (attention + m.moe.experts + rows * (3 * e + 2 * m.moe.expert_mlp / t)
                + 3 * m.moe.shared_experts * m.moe.expert_mlp / t)
-        kept += m.moe_layers_run * {"none": moe, "dots": 3 * e + qkv / t + rows * 2 * m.moe.expert_mlp / t, "full": e}[cfg.remat]
-        working = max(working, 0 if cfg.remat == "none" else moe)
+        moe_kept = {"none": moe, "dots": 3 * e + qkv / t + rows * 2 * m.moe.expert_mlp / t, "full": e,
+                    "mla": moe - up}[cfg.remat]
+        kept += m.moe_layers_run * moe_kept
+        working = max(working, {"none": 0, "mla": 2 * qkv / t}.get(cfg.remat, moe))
     vocab_split = ways(axes_of(layout.rules.activations["vocab"]), layout.shape)
     # Per token: the float32 logits, which the loss's backward pass reads and overwrites
     # with their gradient (one buffer, as XLA:GPU assigns them for the presets).
     logits = m.vocab / vocab_split * 4
+    # Multi-token prediction (models.deepseek3's modules, where the head runs): per depth
+    # an MoE block kept as the model's are and float32 logits of its own; under remat one
+    # block's working set at a time. Held while the head runs: the modules' backward pass
+    # ends before the layers' begins.
+    depth = getattr(m, "mtp_depth", 0)
+    predictions = (depth * (moe_kept * compute_bytes + logits) + (moe * compute_bytes if cfg.remat in ("dots", "full")
+                                                                   else 0) if depth else 0)
     schedule = layout.schedule
     if schedule is None:
         return {"activations": tokens * kept * compute_bytes, "working": tokens * working * compute_bytes + block_scores,
-                "logits": tokens * logits}
+                "logits": tokens * logits, "predictions": tokens * predictions}
     # A device keeps its 1/p of the layers for every tick (gpipe, circular), or for the
     # residual ring's (2vp - 1)/v microbatches (1f1b, interleaved-1f1b: Schedule.
     # kept_microbatches), on microbatches of p/m of its `tokens`; one tick's (a 1/v chunk
@@ -179,4 +192,5 @@ def activation_bytes(cfg, layout: Layout, compute_bytes: int) -> dict[str, float
     if schedule.name in pipeline.SPLIT_BACKWARD:
         queued = 2 * tokens + (2 * (2 if schedule.name == "dualpipe" else 1) + 2) * mb
     return {"activations": (kept_tokens * kept + mb * kept / (p * v) + queued * e) * compute_bytes,
-            "working": mb * working * compute_bytes, "logits": head_tokens * logits}
+            "working": mb * working * compute_bytes, "logits": head_tokens * logits,
+            "predictions": head_tokens * predictions}

@@ -6,7 +6,6 @@ import jax
 
 from spmd.base.console import human_bytes
 from spmd.parallel import kernels
-from spmd.parallel.objective import prediction_depth
 from spmd.planner.roofline import crosses_nodes
 
 
@@ -40,7 +39,7 @@ def _trained(skeleton) -> str:
 _MEMORY_ROWS = (("params", "parameters"), ("opt_state", "optimizer state"), ("gradients", "gradients"),
                 ("gathered_weights", "gathered layers"), ("gathered_head", "gathered head"),
                 ("activations", "activations kept"), ("working", "a layer's working set"),
-                ("logits", "logits"))
+                ("logits", "logits"), ("predictions", "multi-token prediction"))
 _XLA_ROWS = (("argument", "arguments"), ("output", "outputs"), ("alias", "  of which aliased"),
              ("temp", "temporaries"))
 _ALL_REDUCE_NOTE = ("* compiled as all-reduce + dynamic-slice (XLA:CPU, and XLA:TPU's optimized HLO); the "
@@ -60,6 +59,8 @@ def plan_table(plan) -> list[str]:
              f"remat {cfg.remat}, grad-accum {cfg.grad_accum}", "",
              f"{'memory per device':28}{'theory':>12}{'XLA':>12}"]
     for key, label in _MEMORY_ROWS:
+        if key == "predictions" and not plan.theory_memory[key]:
+            continue
         lines.append(f"  {label:26}{human_bytes(plan.theory_memory[key]):>12}")
     measured = human_bytes(plan.measured_state) if plan.measured_state is not None else "-"
     lines.append(f"  {'state (params + optimizer)':26}{human_bytes(plan.theory_state):>12}{measured:>12}")
@@ -94,9 +95,6 @@ def plan_table(plan) -> list[str]:
     if overlap:
         lines.append("  under compute: of the bytes, those of collectives with compute scheduled between their start "
                      "and done")
-    if prediction_depth(plan.layout.skeleton.model_cfg):
-        lines.append("  theory: counts multi-token prediction's (--mtp-depth) weights and collectives, not its "
-                     "activations (its blocks', its logits: docs/deepseek.md)")
     if plan.kernels:
         lines.append("fused kernels in the step: " + ", ".join(f"{n} {t}" for t, n in sorted(plan.kernels.items())))
     if plan.prediction:

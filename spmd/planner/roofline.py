@@ -55,8 +55,14 @@ def executed_flops_per_step(cfg, model_cfg) -> tuple[float, float]:
     model = per_token * cfg.batch * cfg.seq
     attention = (6.0 * model_cfg.layers * model_cfg.heads * model_cfg.attention_width()
                  * model_cfg.attended_keys(cfg.seq) * cfg.batch * cfg.seq)
-    recomputed = {"none": 0.0, "dots": attention / 3, "full": model / 3}[cfg.remat]  # forward = 1/3 of training
+    recomputed = {"none": 0.0, "dots": attention / 3, "full": model / 3,  # forward = 1/3 of training
+                  "mla": up_projection_flops(model_cfg) * cfg.batch * cfg.seq if cfg.remat == "mla" else 0.0}[cfg.remat]
     return model, model + recomputed
+
+
+def up_projection_flops(m) -> float:
+    """FLOPs a token's latent attention spends in its up-projections (models.deepseek3), every layer."""
+    return 2.0 * m.layers * m.heads * ((m.q_rank or 0) * m.head_dim + m.kv_rank * (m.nope_dim + m.v_dim))
 
 
 def crosses_nodes(axes: str, shape: Mapping[str, int], devices_per_node: int) -> bool:

@@ -78,7 +78,7 @@ class TrainConfig:
     dtype: str = _field("float32", "compute dtype (master weights stay float32)", choices=DTYPES)
     zero: int = _field(0, "ZeRO stage over dp (and ep, for every weight but the experts): 0 replicas, 1 optimizer state, 2 + gradients, 3 + parameters", choices=(0, 1, 2, 3))
     grad_accum: int = _field(1, "microbatches per step, accumulated in a scan with one gradient reduction", at_least=1)
-    remat: str = _field("none", "activation checkpointing of each block", choices=REMAT)
+    remat: str = _field("none", "activation checkpointing of each block: none keeps every matmul output, dots those without batch dimensions, full only the block's input; DeepSeek-V3's mla is none but for latent attention's up-projections, made again from their latents", choices=REMAT)
     attention: str = _field("ring", "attention across the sp axis: K/V blocks passed around a ring, or all-gathered", choices=ATTENTION)
     attention_kernel: str = _field("auto", "attention's kernel: auto (cudnn on NVIDIA GPUs, splash on TPU, chunked elsewhere), xla (scores materialized), cudnn (fused flash attention), splash (Pallas, TPU), chunked (flash-style in plain JAX: memory linear in the sequence)", choices=ATTENTION_KERNELS)
     megatron_sp: bool = _field(False, "Megatron sequence parallelism: norms and residuals split along the sequence over tp too")
