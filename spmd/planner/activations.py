@@ -240,17 +240,17 @@ def expert_exchange(cfg, layout: Layout, compute_bytes: int, ragged: bool) -> li
                      moe_runs(layout) * per_layer, f"experts: routed tokens, {kind}")]
 
 
-def prediction_lookups(cfg, layout: Layout) -> list[Expected]:
+def prediction_lookups(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
     """Multi-token prediction looks its later inputs up where the head runs: in the stages
     (1f1b, zb-v, DualPipe) the table there is replicated over ep, and XLA gathers each
-    microbatch's ids (int32) over ep forward and the looked-up rows' gradients (float32)
-    backward, where outside the stages it reduces the table's gradient (measured on
-    `pp=2,ep=2`)."""
+    microbatch's ids (int32) over ep forward and the looked-up rows' gradients (in the
+    compute dtype) backward, where outside the stages it reduces the table's gradient
+    (measured on `pp=2,ep=2` and, in bfloat16, `pp=4,ep=2`)."""
     ep, model = layout.shape["ep"], layout.skeleton.model_cfg
     if not (prediction_depth(model) and head_in_stages(layout) and ep > 1):
         return []
     own = prediction_layers(layout) * tokens_per_device(cfg, layout.shape)
-    return [Expected("all-gather", "ep", (ep - 1) * own * (model.embed * 4 + 4),
+    return [Expected("all-gather", "ep", (ep - 1) * own * (model.embed * compute_bytes + 4),
                      "multi-token prediction: later inputs looked up in the stages' head, their rows' gradients")]
 
 
@@ -294,15 +294,19 @@ def pipeline_stages(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
         targets = entering_targets(cfg, layout)
         # zb-v's MoE statistics leave the stages split over pp, and every device reads them
         # all: per layer three scalars and, float32, a load per slot and one per expert.
-        # (DualPipe's are added to the mirror stage's before: no gather.)
+        # DualPipe's second stage's are sent to the mirror stage and added to its own there.
         model = layout.skeleton.model_cfg
-        if model.moe and not dual:
-            targets += model.moe_layers_run * (3 + model.moe.experts + (routing(cfg).slots or model.moe.experts)) * 4
+        statistics = model.moe_layers_run * (3 + model.moe.experts + (routing(cfg).slots or model.moe.experts)) * 4 \
+            if model.moe else 0
+        if dual:
+            weights += statistics / (2 * p)
+        else:
+            targets += statistics
         fed, returned = zero_bubble.conveyed(p, m, dual)
         moved = (zero_bubble.sends(p, m, dual) + fed + entering * returned) * rows / m
         return [Expected("collective-permute", "pp", moved + weights + gradients,
                          "chunk outputs and their gradients; rows to where they enter and their gradients home; "
-                         "the second chunk's weights and gradients"),
+                         "the second chunk's weights, gradients (and DualPipe's MoE statistics)"),
                 Expected("all-gather", "pp", leaves * targets, "targets entering the stages; MoE statistics leaving")]
     if head_in_stages(layout):
         # Forward sends in the warm-up and steady ticks, backward ones in the steady and

@@ -166,7 +166,7 @@ def collectives(cfg, layout: Layout) -> list[Expected]:
     out += tensor_parallel(cfg, layout, compute_bytes)
     out += sequence_parallel(cfg, layout, compute_bytes)
     out += expert_parallel(cfg, layout, compute_bytes)
-    out += prediction_lookups(cfg, layout)
+    out += prediction_lookups(cfg, layout, compute_bytes)
     out += [e for e in pipeline_stages(cfg, layout, compute_bytes) if e.bytes_per_device]
     return out
 

@@ -229,8 +229,11 @@ def zb_v(mesh, schedule: Schedule, stage_fn, head_fn, blocks, head, x: jax.Array
         d_chunks = [stored(g) for g in carry.d_chunks]
         d_blocks = jax.tree.map(lambda g, w: g.reshape(w.shape), jax.tree.unflatten(jax.tree.structure(blocks), d_chunks),
                                 blocks)
+        stats = stage_statistics(carry.totals, m)
+        if dual:  # the mirror stage's added to the stage's own, as its gradients are
+            stats = jax.tree.map(lambda s: stored(s[0])[None], stats)
         return (mean_metrics(carry.metrics, m), jax.lax.psum(d_blocks, BATCH_AXIS),
-                jax.lax.psum(carry.d_head, MANUAL_AXES), carry.dx, stage_statistics(carry.totals, m))
+                jax.lax.psum(carry.d_head, MANUAL_AXES), carry.dx, stats)
 
     stacked = stacked_spec(1 if dual else 2)
     # The rows stay split over pp along m (each rank its own microbatches and their
@@ -242,11 +245,8 @@ def zb_v(mesh, schedule: Schedule, stage_fn, head_fn, blocks, head, x: jax.Array
         out_specs=(jax.P(), stacked, jax.P(), queue, jax.P(AXIS)), axis_names=frozenset(MANUAL_AXES),
         check_vma=False,
     )(blocks, head, jax.lax.with_sharding_constraint(x, split), targets, side, fixed or {})
-    # Device d's second chunk is stored on device p-1-d: its statistics go there (DualPipe:
-    # are added to that stage's own).
-    if dual:
-        stats = jax.tree.map(lambda x: (x[:, 0] + x[::-1, 1])[:, None], stats)
-    else:
+    # zb-v: device d's second chunk is stored on device p-1-d, and its statistics go there.
+    if not dual:
         stats = jax.tree.map(lambda x: jnp.stack([x[:, 0], x[::-1, 1]], axis=1), stats)
     return metrics, d_blocks, d_head, jax.lax.with_sharding_constraint(dx, split), layer_statistics(stats)
 
