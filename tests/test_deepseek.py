@@ -59,11 +59,17 @@ def test_empty_layers_even_out_the_stages_without_changing_the_numbers():
     """3 MoE layers as zb-v's 2 x pp = 4 chunks: one empty layer after them, which passes
     its input on, adds nothing to the balance loss or the metrics, and stays zeros; the
     layers train as one device's without it, from the same initial values."""
-    reference = train_run("", 1, **MODEL, layers=5)
-    run = train_run("pp=2,ep=2", 4, **MODEL, layers=5, empty_layers=1, microbatches=4, pp_schedule="zb-v")
+    reference = train_run("", 1, **BIASED, layers=5)
+    run = train_run("pp=2,ep=2", 4, **BIASED, layers=5, empty_layers=1, microbatches=4, pp_schedule="zb-v")
     np.testing.assert_allclose(run.losses, reference.losses, rtol=LOSS_RTOL, atol=0)
     for name in ("aux_loss", "imbalance"):  # means over the 3 MoE layers, not 4
         np.testing.assert_allclose(run.metrics[name], reference.metrics[name], rtol=LOSS_RTOL)
+    assert min(run.metrics["device_imbalance"]) >= 1  # (max over mean per layer: 3/4 of it if the empty one counted)
+    # The selection bias moves on the MoE layers as one device's; the empty layer's (an even load) stays zero.
+    bias, want = (r.router["blocks"]["mlp"]["bias"] for r in (run, reference))
+    bias = bias.reshape(-1, bias.shape[-1])
+    assert np.abs(want).max() > 0 and not np.any(bias[3])
+    np.testing.assert_allclose(bias[:3], want, rtol=0, atol=1e-6)  # test_layout_matches_one_device's bound
     blocks = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), run.params.pop("blocks"))  # zb-v's (2, 2, ...)
     assert all(not np.any(leaf[3]) for leaf in jax.tree.leaves(blocks))
     assert_params_match(run.params | {"blocks": jax.tree.map(lambda a: a[:3], blocks)}, reference.params)

@@ -181,11 +181,12 @@ def states(tree) -> list[dict]:
     return found
 
 
-def device_imbalance(slot_load: jax.Array, ep: int) -> jax.Array:
+def device_imbalance(slot_load: jax.Array, ep: int, layers: int) -> jax.Array:
     """Max over mean of the choices each ep device's slots take (slots split evenly, in
-    order), averaged over MoE layers. slot_load: (layers, slots) shares."""
+    order), averaged over the `layers` MoE layers. slot_load: (layers, slots) shares (and
+    empty layers' zeros after them)."""
     per_device = slot_load.reshape(slot_load.shape[0], ep, -1).sum(-1)
-    return jnp.mean(jnp.max(per_device, axis=-1) * ep)
+    return jnp.sum(jnp.max(per_device, axis=-1) * ep) / layers
 
 
 # ------------------------------------------------------------------------------ placement

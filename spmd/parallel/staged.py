@@ -141,7 +141,7 @@ def pipelined_loss(graphdef, params, rows, layout: Layout, in_stage, order, aux:
     hidden = from_microbatches(out, shards, schedule)
     loss, metrics = objective(model.logits(hidden), columns.targets, _of_layers(stats, model.cfg), aux,
                               columns.weights, denominator)
-    return predicted_further(model, hidden, columns, aux, loss, metrics, denominator)
+    return predicted_further(model, hidden, columns, aux, loss, metrics | _stacked_loads(stats), denominator)
 
 
 def one_f_one_b_grads(graphdef, params, rows, layout: Layout, in_stage, order, aux: AuxLosses, router=None,
@@ -183,8 +183,15 @@ def one_f_one_b_grads(graphdef, params, rows, layout: Layout, in_stage, order, a
     (grads,) = embed_vjp(dx)
     grads = grads | {name: jax.tree.map(jnp.add, grads[name], d_head[name]) for name in head_names}
     d_blocks = _weights_of(d_blocks, params[family.STACKED])
-    metrics = moe_metrics(_of_layers(stats, layout.skeleton.model_cfg), aux.balance) if stats else {}
+    metrics = moe_metrics(_of_layers(stats, layout.skeleton.model_cfg), aux.balance) | _stacked_loads(stats) if stats else {}
     return head_metrics | metrics, grads | {family.STACKED: d_blocks}
+
+
+def _stacked_loads(stats: dict) -> dict:
+    """The experts' loads of every stacked layer, the empty ones' zeros, laid out over pp as
+    the stages are (spmd.parallel.step reads them so): cut to the MoE layers, XLA moved
+    them over pp to put the empty ones back (an all-to-all)."""
+    return {name: stats[name] for name in ("expert_load", "slot_load") if name in stats}
 
 
 def _of_layers(stats: dict, model_cfg) -> dict:

@@ -54,25 +54,29 @@ def _split_locally(rows: jax.Array, shards: int, k: int) -> jax.Array:
 
 
 def _with_empty_layers(expert_load: jax.Array, model_cfg) -> jax.Array:
-    """The MoE layers' loads (layers, experts), and an even load for each empty layer
-    after them (LlamaConfig.empty_layers), which leaves its router state as it is."""
+    """The MoE layers' loads (layers, experts), with an even load for each empty layer
+    after them (LlamaConfig.empty_layers), which leaves its router state as it is: in
+    place of the empty layers' zeros where pipeline stages give every stacked layer's
+    (spmd.parallel.staged), added after the MoE layers' where the model gives those."""
     if not model_cfg.empty_layers:
         return expert_load
-    even = jnp.full((model_cfg.empty_steps, expert_load.shape[-1]), 1.0 / expert_load.shape[-1])
-    return jnp.concatenate([expert_load, even.astype(expert_load.dtype)])
+    even = jnp.asarray(1.0 / expert_load.shape[-1], expert_load.dtype)
+    if len(expert_load) > model_cfg.layer_steps:
+        return jnp.where(jnp.arange(len(expert_load))[:, None] < model_cfg.layer_steps, expert_load, even)
+    return jnp.concatenate([expert_load, jnp.full((model_cfg.empty_steps, expert_load.shape[-1]), even)])
 
 
-def _step_metrics(metrics: dict, ep: int) -> dict:
+def _step_metrics(metrics: dict, ep: int, layers: int) -> dict:
     """Expert loads (layers, experts), each a share of all choices, become the load
-    imbalance: max over mean tokens per expert, averaged over MoE layers; and with ep > 1,
-    the same over the ep devices, of what their slots took (experts split in order, or
-    their copies as placed)."""
+    imbalance: max over mean tokens per expert, averaged over the `layers` MoE layers
+    (empty ones, with no load, add nothing); and with ep > 1, the same over the ep
+    devices, of what their slots took (experts split in order, or their copies as placed)."""
     metrics = dict(metrics)
     load, slot_load = metrics.pop("expert_load", None), metrics.pop("slot_load", None)
     if load is not None:
-        metrics["imbalance"] = jnp.mean(jnp.max(load, axis=-1) * load.shape[-1])
+        metrics["imbalance"] = jnp.sum(jnp.max(load, axis=-1) * load.shape[-1]) / layers
         if ep > 1:
-            metrics["device_imbalance"] = balance.device_imbalance(load if slot_load is None else slot_load, ep)
+            metrics["device_imbalance"] = balance.device_imbalance(load if slot_load is None else slot_load, ep, layers)
     return metrics
 
 
@@ -273,7 +277,7 @@ class Program:
         if router is not None:
             load = _with_empty_layers(metrics["expert_load"], self.layout.skeleton.model_cfg)
             new_state["routing"] = keep_if_finite(balance.updated(router, load, cfg.router_bias_rate), router)
-        metrics = _step_metrics(metrics, self.layout.shape["ep"]) | {
+        metrics = _step_metrics(metrics, self.layout.shape["ep"], self.layout.skeleton.model_cfg.layer_steps) | {
             "grad_norm": grad_norm, "lr": self.lr_at(applied_updates(state["opt_state"])), "skipped": ~finite}
         return new_state, metrics
 

@@ -97,13 +97,14 @@ def memory(cfg, layout: Layout) -> dict[str, float]:
 def peak(cfg, layout: Layout, memory: dict[str, float]) -> float:
     """The step's peak per device from `memory`'s parts, by what lives when. Without
     pipeline stages the step has two high points, and the peak is the higher: the loss
-    (the kept activations, the logits, the gathered head) and the layers' backward pass
-    (the kept activations, the gradients being written, one layer's working set, its
-    gathered weights and as much again of their gradients before they are reduced); an
-    accumulated gradient lives through both. Pipeline stages run forwards and backwards
-    in the same ticks: every part at once, but for a layer's working set and the loss's
-    logits (with the head), which a tick holds one after the other (the head runs
-    between the last chunk's forward and its backward)."""
+    (the kept activations, the logits and multi-token prediction's, the gathered head) and
+    the layers' backward pass (the kept activations, the gradients being written, one
+    layer's working set, its gathered weights and as much again of their gradients before
+    they are reduced); an accumulated gradient lives through both. Pipeline stages run
+    forwards and backwards in the same ticks: every part at once, but for a layer's
+    working set and the loss's (the logits, multi-token prediction's, the head), which a
+    tick holds one after the other (the head runs between the last chunk's forward and
+    its backward)."""
     if layout.schedule is not None:
         apart = {"working": memory["working"], "loss": memory["logits"] + memory["predictions"] + memory["gathered_head"]}
         return sum(memory.values()) - sum(apart.values()) + max(apart.values())
@@ -116,10 +117,11 @@ def peak(cfg, layout: Layout, memory: dict[str, float]) -> float:
 
 
 def activation_bytes(cfg, layout: Layout, compute_bytes: int) -> dict[str, float]:
-    """What the step computes and keeps, in three parts: `activations`, kept for the
+    """What the step computes and keeps, in four parts: `activations`, kept for the
     backward pass by remat policy (models.llama) and, in pipeline stages, the queue of
     microbatches entering them; `working`, one layer's recomputed activations and its
-    attention blocks' scores; `logits`, the float32 logits, which their gradient overwrites."""
+    attention blocks' scores; `logits`, the float32 logits, which their gradient
+    overwrites; `predictions`, multi-token prediction's (its blocks' and logits)."""
     m, t = layout.skeleton.model_cfg, layout.shape["tp"]
     # Keys and values per kv slot: a kv head, or each copy of one where tp shares it.
     e, qkv, heads = m.embed, (m.heads + 2 * m.kv_heads * layout.kv_copies) * m.head_dim, m.heads * m.head_dim
@@ -169,9 +171,10 @@ def activation_bytes(cfg, layout: Layout, compute_bytes: int) -> dict[str, float
     # an MoE block kept as the model's are and float32 logits of its own; under remat one
     # block's working set at a time. Held while the head runs: the modules' backward pass
     # ends before the layers' begins.
-    depth = getattr(m, "mtp_depth", 0)
-    predictions = (depth * (moe_kept * compute_bytes + logits) + (moe * compute_bytes if cfg.remat in ("dots", "full")
-                                                                   else 0) if depth else 0)
+    depth, predictions = getattr(m, "mtp_depth", 0), 0.0
+    if depth:
+        recomputed = moe if cfg.remat in ("dots", "full") else 0
+        predictions = depth * (moe_kept * compute_bytes + logits) + recomputed * compute_bytes
     schedule = layout.schedule
     if schedule is None:
         return {"activations": tokens * kept * compute_bytes, "working": tokens * working * compute_bytes + block_scores,
