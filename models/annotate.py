@@ -17,6 +17,8 @@ from flax.core import spmd as flax_spmd
 from jax.ad_checkpoint import checkpoint_name
 
 ACTIVATION = "activation"  # checkpoint name of `constrain`'s result, for remat policies
+# The top-level parameter holding a model's multi-token prediction modules (models.deepseek3's `mtp`).
+PREDICTIONS = "mtp"
 UP_PROJECTED = "up_projected"  # MLA's per-head queries, keys and values (models.deepseek3), which remat "mla" recomputes
 # The logical names of stacked layers' leading axis: the layers pipeline stages split, and
 # a prefix of layers run before them (models.deepseek3's dense ones), each run by a scan.

@@ -5,6 +5,8 @@ order, accumulation); the weight's switch; and left out of what is exported."""
 
 import dataclasses
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -129,7 +131,9 @@ MTP = dict(model="deepseek-v3-tiny", mtp_depth=1)
     ("pp=2,dp=2", 4, dict(pp_schedule="1f1b", microbatches=2, zero=1)),
     # sp's column order (the later columns are laid out before it), accumulation's shards.
     ("sp=2,tp=2", 4, dict(grad_accum=2)),
-], ids=["pp=2,ep=2-dualpipe", "pp=2,dp=2-1f1b", "sp=2,tp=2-accum"])
+    # Expert copies in the model's layers, moved every 2 steps; the module's experts have none.
+    ("pp=2,ep=2", 4, dict(pp_schedule="dualpipe", microbatches=4, redundant_experts=2, rebalance_every=2)),
+], ids=["pp=2,ep=2-dualpipe", "pp=2,dp=2-1f1b", "sp=2,tp=2-accum", "pp=2,ep=2-dualpipe-copies"])
 @pytest.mark.xdist_group("mtp")  # one worker: they share the reference run (conftest)
 def test_layout_matches_one_device(mesh, devices, overrides):
     reference = train_run("", 1, **MTP)
@@ -137,7 +141,8 @@ def test_layout_matches_one_device(mesh, devices, overrides):
     for name in ("loss", "mtp_loss"):
         np.testing.assert_allclose(run.metrics[name], reference.metrics[name], rtol=1e-5)  # test_parity's
     assert reference.metrics["mtp_loss"][-1] < reference.metrics["mtp_loss"][0] - 0.05  # it trains
-    assert_params_match(run.params, reference.params)
+    copies = "redundant_experts" in overrides  # (the layers' experts as slots: test_balance compares those)
+    assert_params_match(*({"mtp": r.params["mtp"]} if copies else r.params for r in (run, reference)))
     assert "mtp" in run.params
 
 
@@ -160,6 +165,9 @@ def test_the_prediction_modules_stay_out_of_the_export(tmp_path):
     ("fsdp=2,tp=2", dict(mtp_depth=2)),
     ("sp=2,ep=2", dict(mtp_depth=1, moe_dispatch="capacity")),
     ("pp=2,dp=2", dict(mtp_depth=1, pp_schedule="1f1b", microbatches=4, zero=1)),
+    # The layers' experts with copies, the module's without: capacity buffers of each size.
+    ("pp=2,ep=2", dict(mtp_depth=1, pp_schedule="dualpipe", microbatches=4, redundant_experts=2,
+                       moe_dispatch="capacity")),
 ], ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}{x}" for k, x in v.items()))
 def test_the_plan_counts_the_prediction_modules(mesh, overrides):
     """Every collective row of a layout with multi-token prediction within 0.95-1.05 of
@@ -258,3 +266,22 @@ def test_deepseeks_prediction_layer_is_read_into_the_first_module(tmp_path):
 def test_a_prediction_layer_is_whole_or_refused(tmp_path, edit, message):
     with pytest.raises(UserError, match="^--init-from .*: " + message.replace(".", r"\.")):
         Directory(_with_prediction_layer(tmp_path, edit))
+
+
+def test_a_run_with_expert_copies_and_prediction_exports_the_model(tmp_path):
+    """DeepSeek-V3 trained with expert copies and a prediction module, its selection bias
+    kept in the router state (no --router-bias-rate): the export is the model of one
+    expert each, with the bias as a weight and no module (it crashed: the served model's
+    bias was left in the router state)."""
+    run, out = tmp_path / "run", tmp_path / "hf"
+    for argv in (["spmd.train", "--model", "deepseek-v3-tiny", "--mesh", "ep=2", "--cpu-devices", "2",
+                  "--redundant-experts", "2", "--mtp-depth", "1", "--steps", "2", "--batch", "8", "--seq", "32",
+                  "--out", str(run)],
+                 ["spmd.export", "--checkpoint", str(run), "--format", "hf", "--out", str(out)]):
+        done = subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+    cfg = Directory(out).cfg
+    assert cfg.mtp_depth == 0 and cfg.moe.experts == PRESETS["deepseek-v3-tiny"].moe.experts
+    names = SafeTensors(out / "model.safetensors").names()
+    assert sorted(names) == sorted(n for t in hf_layout(cfg).tensors(cfg) for i in range(t.stacked or 1)
+                                   for n in t.names(i))

@@ -77,8 +77,8 @@ def test_preset_plans_cleanly_and_fits(plans, preset):
 @pytest.mark.parametrize("preset", sorted(PLAN_ONLY), ids=lambda p: p.stem)
 def test_plan_only_preset_passes_every_check_before_compiling(preset):
     """Its layout divides (DeepSeek-V3's 58 MoE layers and 6 empty ones into DualPipe's 16
-    stages, the batch into 128 microbatches x 128 batch shards, 256 experts and 64 copies
-    over ep=64, the embed dimension for ZeRO-1 over dp x ep), as `spmd.plan` checks it
+    stages, the batch into 128 microbatches x 128 batch shards, 256 experts over ep=64,
+    the embed dimension for ZeRO-1 over dp x ep), as `spmd.plan` checks it
     before compiling."""
     cfg = parse_args(["--config", str(preset)])
     shape = cfg.mesh_spec.resolve(cfg.mesh_spec.devices)

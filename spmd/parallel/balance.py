@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from models.annotate import PREDICTIONS
 from models.moe import initial_placement
 from spmd.parallel.rules import STAGE_AXIS
 from spmd.parallel.skeleton import is_names
@@ -35,8 +36,10 @@ LOAD_DECAY = 0.9  # the measured load is a moving average: each step weighs 1 - 
 
 
 def expert_dims(names) -> dict:
-    """For each parameter, the position of its experts' dimension (-1: none)."""
-    return jax.tree.map(lambda n: n.index(EXPERTS) if EXPERTS in n else -1, names, is_leaf=is_names)
+    """For each parameter, the position of its experts' dimension, where its experts have
+    copies (-1: none; the multi-token prediction modules' experts have no copies)."""
+    return {name: jax.tree.map(lambda n: n.index(EXPERTS) if EXPERTS in n and name != PREDICTIONS else -1, tree,
+                               is_leaf=is_names) for name, tree in names.items()}
 
 
 def _per_layer(fn, leaf, dim: int, placement):

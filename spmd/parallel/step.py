@@ -25,7 +25,7 @@ import numpy as np
 import optax
 from flax import nnx, traverse_util
 
-from models.annotate import computed_copies, storage
+from models.annotate import PREDICTIONS, computed_copies, storage
 from models.attention import KERNELS, attention_implementation
 from models.lora import dropout as lora_dropout
 from models.lora import folded, joined
@@ -132,7 +132,7 @@ def with_fresh_predictions(cfg, layout: Layout, params: dict, key) -> dict:
     model's from `key`: the initializer is compiled for them alone (XLA drops the rest)."""
     shapes = traverse_util.flatten_dict(layout.skeleton.shapes)
     held = traverse_util.flatten_dict(params)
-    missing = [path for path in shapes if path[0] == "mtp" and path not in held]
+    missing = [path for path in shapes if path[0] == PREDICTIONS and path not in held]
     if not missing:
         return params
     shardings = traverse_util.flatten_dict(layout.shardings(layout.rules.params))

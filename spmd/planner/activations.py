@@ -212,7 +212,7 @@ def tied_rows_bytes(cfg, layout: Layout, rows_of_one_copy: bool = False) -> floa
     copies = slots - layout.skeleton.model_cfg.moe.experts
     rows = 0.0
     for p in params(layout, cfg):
-        if "experts" not in p.names or not p.trained:
+        if "experts" not in p.names or not p.trained or p.predicts:  # (the prediction modules' have no copies)
             continue
         split = set(live(spec_axes(p.names, layout.rules.grads), layout.shape)) - {"ep"}
         if layout.schedule and p.stacked:  # each stage holds its own layers
@@ -228,16 +228,20 @@ def expert_exchange(cfg, layout: Layout, compute_bytes: int, ragged: bool) -> li
     figure follows the router)."""
     ep, model = layout.shape["ep"], layout.skeleton.model_cfg
     leaves = (ep - 1) / ep
-    rows = tokens_per_device(cfg, layout.shape) * model.moe.top_k if ragged else expert_rows(cfg, layout)
     dropless = cfg.moe_dispatch == "dropless"
-    exchange = rows * model.embed * compute_bytes * leaves
-    indices = rows * 4 * leaves if dropless else 0  # each row's expert, forward only
     recomputed = cfg.remat != "none"  # the others run the forward exchanges again
-    per_layer = (3 if recomputed else 2) * 2 * exchange + (2 if recomputed else 1) * indices
+
+    def per_layer(copies: bool) -> float:
+        rows = tokens_per_device(cfg, layout.shape) * model.moe.top_k if ragged else expert_rows(cfg, layout, copies)
+        exchange = rows * model.embed * compute_bytes * leaves
+        indices = rows * 4 * leaves if dropless else 0  # each row's expert, forward only
+        return (3 if recomputed else 2) * 2 * exchange + (2 if recomputed else 1) * indices
     kind = "ragged dropless rows" if ragged else "padded dropless blocks" if dropless else "capacity buffers"
-    # In pipeline stages every tick runs the stage's layers, bubbles included.
+    # In pipeline stages every tick runs the stage's layers, bubbles included; the
+    # prediction modules' experts have no copies.
+    layers = model.moe_layers_run * stage_overhead(layout) * per_layer(True)
     return [Expected("ragged-all-to-all" if ragged else "all-to-all", "ep",
-                     moe_runs(layout) * per_layer, f"experts: routed tokens, {kind}")]
+                     layers + prediction_layers(layout) * per_layer(False), f"experts: routed tokens, {kind}")]
 
 
 def prediction_lookups(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import traverse_util
 
 from models import model_class
-from models.annotate import LAYERS, PREFIX_LAYERS
+from models.annotate import LAYERS, PREDICTIONS, PREFIX_LAYERS
 from models.lora import is_adapter
 from spmd.parallel.layout import Layout
 from spmd.parallel.mesh import AXES, BATCH_AXES
@@ -23,7 +23,6 @@ from spmd.parallel.rules import axes_of, spec_for
 from spmd.parallel.skeleton import DTYPES, is_names, routing
 
 
-PREDICTION_MODULES = "mtp"  # models.deepseek3's multi-token prediction modules, after the model
 SMALL_BYTES = 1024  # collectives moving less each time are scalars (loss, norms, MoE statistics): listed, not flagged
 
 
@@ -83,7 +82,7 @@ def params(layout: Layout, cfg=None) -> list[Param]:
         prefix = shapes[path].shape[0] if names[path][:1] == (PREFIX_LAYERS,) else 0
         found.append(Param(".".join(map(str, path)), math.prod(shapes[path].shape),
                            jnp.dtype(shapes[path].dtype).itemsize if trained else base_bytes, names[path],
-                           LAYERS in names[path], trained, lora and trained, prefix, path[0] == PREDICTION_MODULES))
+                           LAYERS in names[path], trained, lora and trained, prefix, path[0] == PREDICTIONS))
     return found
 
 
@@ -170,13 +169,15 @@ def table_scatter_axes(cfg, layout: Layout) -> tuple[str, ...]:
     return live((["dp"] if "dp" not in fused else []) + fused, shape)
 
 
-def expert_rows(cfg, layout: Layout) -> int:
+def expert_rows(cfg, layout: Layout, copies: bool = True) -> int:
     """Rows of tokens each device runs through its experts per MoE layer (spmd.parallel.experts):
-    capacity mode's buffers, or the dropless choices (padded per destination over ep)."""
+    capacity mode's buffers, or the dropless choices (padded per destination over ep).
+    `copies`: in a layer with the run's expert copies (the prediction modules' have none)."""
     moe, ep, sp = layout.skeleton.model_cfg.moe, layout.shape["ep"], layout.shape["sp"]
     tokens = tokens_per_device(cfg, layout.shape)
     capacity = routing(cfg).capacity(cfg.seq, moe)
-    slots = routing(cfg).slots or moe.experts  # with copies (spmd.parallel.balance), each slot is an expert here
+    # with copies (spmd.parallel.balance), each slot is an expert here
+    slots = (routing(cfg).slots if copies else None) or moe.experts
     if capacity is not None:  # per sequence; a device's chunk of c tokens fills at most c slots
         chunk = cfg.seq // sp
         return tokens // chunk * slots * min(capacity, chunk)

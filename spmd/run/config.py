@@ -461,9 +461,6 @@ LORA_FLAGS = {"lora_alpha": 8.0, "lora_targets": ",".join(ATTENTION_TARGETS), "l
 
 def _validate_mtp(cfg: TrainConfig) -> None:
     cfg.mtp_switch  # noqa: B018  (parsed here)
-    if cfg.mtp_depth and cfg.redundant_experts:
-        raise UserError("--mtp-depth with --redundant-experts: the prediction modules' experts have no copies; "
-                        "give one of them")
     if cfg.mtp_depth >= cfg.seq:
         raise UserError(f"--mtp-depth {cfg.mtp_depth} predicts beyond --seq {cfg.seq}: give a longer --seq")
 

@@ -174,7 +174,8 @@ def _served(trained, layout, params: dict, router: dict) -> dict:
     if trained.redundant_experts:
         dims = balance.expert_dims(skeleton_for(trained).names)
         params = balance.first_copies(params, dims, state["placement"], layout.skeleton.model_cfg.moe.experts)
-    if not layout.skeleton.model_cfg.moe or not trained.router_bias_rate:
+    moe = layout.skeleton.model_cfg.moe
+    if not moe or not (trained.router_bias_rate or moe.selection_bias):  # (DeepSeek's router has one, moved or not)
         return params
     return balance.with_bias(params, router)
 
