@@ -167,14 +167,7 @@ def activation_bytes(cfg, layout: Layout, compute_bytes: int) -> dict[str, float
     # Per token: the float32 logits, which the loss's backward pass reads and overwrites
     # with their gradient (one buffer, as XLA:GPU assigns them for the presets).
     logits = m.vocab / vocab_split * 4
-    # Multi-token prediction (models.deepseek3's modules, where the head runs): per depth
-    # an MoE block kept as the model's are and float32 logits of its own; under remat one
-    # block's working set at a time. Held while the head runs: the modules' backward pass
-    # ends before the layers' begins.
-    depth, predictions = getattr(m, "mtp_depth", 0), 0.0
-    if depth:
-        recomputed = moe if cfg.remat in ("dots", "full") else 0
-        predictions = depth * (moe_kept * compute_bytes + logits) + recomputed * compute_bytes
+    predictions = _prediction_bytes(cfg, m, moe_kept, moe, logits, compute_bytes) if getattr(m, "mtp_depth", 0) else 0
     schedule = layout.schedule
     if schedule is None:
         return {"activations": tokens * kept * compute_bytes, "working": tokens * working * compute_bytes + block_scores,
@@ -197,3 +190,12 @@ def activation_bytes(cfg, layout: Layout, compute_bytes: int) -> dict[str, float
     return {"activations": (kept_tokens * kept + mb * kept / (p * v) + queued * e) * compute_bytes,
             "working": mb * working * compute_bytes, "logits": head_tokens * logits,
             "predictions": head_tokens * predictions}
+
+
+def _prediction_bytes(cfg, m, moe_kept: float, moe: float, logits: float, compute_bytes: int) -> float:
+    """Per token where the head runs, multi-token prediction's (models.deepseek3's modules):
+    per depth an MoE block kept as the model's are (`moe_kept`) and float32 logits of its
+    own; under remat one block's working set (`moe`) at a time. Held while the head runs:
+    the modules' backward pass ends before the layers' begins."""
+    recomputed = moe if cfg.remat in ("dots", "full") else 0
+    return m.mtp_depth * (moe_kept * compute_bytes + logits) + recomputed * compute_bytes
