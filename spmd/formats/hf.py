@@ -132,9 +132,10 @@ class TensorFiles:
         """The message of a damaged file, named inside the directory (the directory is named first)."""
         return f"{self.what}: " + str(exc).removeprefix(f"{self.path}/")
 
-    def every_tensor(self) -> list[Tensor]:
-        """The model's tensors and those of the prediction layers the files hold."""
-        return [*self.tensors, *(t for layer in self.predictions for t in layer)]
+    def every_tensor(self, depth: int | None = None) -> list[Tensor]:
+        """The model's tensors and those of the prediction layers the files hold (the
+        first `depth` of them: a run's modules)."""
+        return [*self.tensors, *(t for layer in self.predictions[:depth] for t in layer)]
 
     def _locate(self, held: dict[str, str], copies: dict[str, tuple[str, str]]) -> dict[str, str]:
         """Where each tensor the model needs is; refused: one the files lack, and one the
@@ -294,7 +295,7 @@ def load_params(directory: TensorFiles, layout, router: dict | None = None) -> d
     router_shapes = traverse_util.flatten_dict(layout.skeleton.router_shapes)
     placed = {}
     depth = getattr(layout.skeleton.model_cfg, "mtp_depth", 0)  # the run's prediction modules, from the files' layers
-    for t in [*directory.tensors, *(t for layer in directory.predictions[:depth] for t in layer)]:
+    for t in directory.every_tensor(depth):
         if t.ours not in shapes and t.ours in router_shapes and router is not None:
             layers = np.stack([directory.layer(t, i) for i in range(t.stacked or 1)])
             shape = router_shapes[t.ours].shape  # (and empty layers after them: LlamaConfig.empty_layers)

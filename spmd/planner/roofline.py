@@ -55,8 +55,10 @@ def executed_flops_per_step(cfg, model_cfg) -> tuple[float, float]:
     model = per_token * cfg.batch * cfg.seq
     attention = (6.0 * model_cfg.layers * model_cfg.heads * model_cfg.attention_width()
                  * model_cfg.attended_keys(cfg.seq) * cfg.batch * cfg.seq)
-    recomputed = {"none": 0.0, "dots": attention / 3, "full": model / 3,  # forward = 1/3 of training
-                  "mla": up_projection_flops(model_cfg) * cfg.batch * cfg.seq if cfg.remat == "mla" else 0.0}[cfg.remat]
+    if cfg.remat == "mla":  # DeepSeek-V3's: the up-projections again
+        recomputed = up_projection_flops(model_cfg) * cfg.batch * cfg.seq
+    else:
+        recomputed = {"none": 0.0, "dots": attention / 3, "full": model / 3}[cfg.remat]  # forward = 1/3 of training
     return model, model + recomputed
 
 
