@@ -47,7 +47,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from models.annotate import ACTIVATION, constrain, weight
-from models.ragged import MATMUL, ragged_dot
+from models.ragged import MATMUL, inverse_permutation, permute_rows, ragged_dot
 from models.swap import Swappable
 
 SCORING = ("softmax", "sigmoid")
@@ -258,21 +258,27 @@ def swiglu_experts(tokens: jax.Array, gate_up: jax.Array, down: jax.Array) -> ja
     return jnp.einsum("ntm,nme->nte", jax.nn.silu(both[:, :, 0]) * both[:, :, 1], down)
 
 
-def grouped_experts(tokens: jax.Array, expert: jax.Array, gate_up: jax.Array, down: jax.Array) -> jax.Array:
+def grouped_experts(tokens: jax.Array, expert: jax.Array, gate_up: jax.Array, down: jax.Array,
+                    rows: int | None = None) -> jax.Array:
     """Each row of `tokens` (t, embed) through the expert `expert` (t,) names; an index
     equal to the number of experts marks padding (output zero). Rows are sorted by expert
-    and run as one grouped matmul, then put back in their order."""
+    and run as one grouped matmul, then put back in their order. `rows`: an expert's rows
+    under even routing (default t / experts), the size of the pieces GPUs run it in
+    (models.ragged.by_pieces)."""
     n = gate_up.shape[0]
+    rows = rows or -(-tokens.shape[0] // n)
     order = jnp.argsort(expert, stable=True)
+    inverse = inverse_permutation(order)
     sizes = jnp.bincount(expert, length=n + 1)[:n].astype(jnp.int32)  # padding sorts last, outside every group
     _, e, _, m = gate_up.shape
     # One contracting dimension each way, as libtpu's grouped matmul requires (the input's
     # gradient would contract gate/up and m): gate and up interleaved along the output, so
     # that m split over tp stays a split of the merged axis.
-    both = ragged_dot(MATMUL, tokens[order], gate_up.swapaxes(2, 3).reshape(n, e, m * 2), sizes).reshape(-1, m, 2)
+    interleaved = gate_up.swapaxes(2, 3).reshape(n, e, m * 2)
+    both = ragged_dot(MATMUL, permute_rows(tokens, order, inverse), interleaved, sizes, rows).reshape(-1, m, 2)
     hidden = jax.nn.silu(both[..., 0]) * both[..., 1]
-    out = ragged_dot(MATMUL, hidden, down, sizes)
-    return jnp.zeros_like(out).at[order].set(out)
+    out = ragged_dot(MATMUL, hidden, down, sizes, rows)
+    return permute_rows(out, inverse, order)
 
 
 def to_buffers(x: jax.Array, choice: Choice, experts: int, capacity: int) -> jax.Array:

@@ -113,3 +113,20 @@ def test_branches_that_say_how_often_they_run_are_weighed_so():
     runs = module.runs_per_step()
     [reduce] = module.collectives_where(("all-reduce",))
     assert runs[reduce.computation] == 3
+
+
+def test_a_ragged_exchange_is_the_size_of_its_result():
+    """XLA:GPU's asynchronous ragged all-to-all returns its operands with its result; the
+    exchange is the result's (the dropless exchange back: 128 MiB of rows from a 1 GiB
+    buffer, counted as 1 GiB until this was read)."""
+    line = ("%start = ((bf16[262144,2048]{1,0}, bf16[32768,2048]{1,0}, s64[8]{0}, s64[8]{0}, s64[8]{0}, "
+            "/*index=5*/s64[8]{0}), bf16[32768,2048]{1,0}) ragged-all-to-all-start(%a, %b, %c, %d, %e, %f), "
+            "replica_groups={{0,1}}")
+    ops = "\n".join(f"  %{n} = {t} parameter({i})" for i, (n, t) in enumerate(
+        [("a", "bf16[262144,2048]"), ("b", "bf16[32768,2048]")] + [(n, "s64[8]") for n in "cdef"]))
+    module = hlo.parse(f"ENTRY %main {{\n{ops}\n  {line}\n  ROOT %done = bf16[32768,2048]{{1,0}} "
+                       "ragged-all-to-all-done(%start)\n}\n")
+    (exchange,) = module.collectives
+    assert exchange.result_bytes == 32768 * 2048 * 2
+    (row,) = traffic.step_traffic(module, {"ep": 2})
+    assert row.bytes_per_device == 32768 * 2048 * 2 / 2  # the half that leaves, under even routing

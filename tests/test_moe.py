@@ -148,3 +148,50 @@ def test_a_capacity_factor_past_every_token_keeps_every_token():
     moe = MoEConfig(experts=8, top_k=2, expert_mlp=16)
     assert Routing("capacity", 1.0).capacity(32, moe) == 8
     assert [Routing("capacity", f).capacity(32, moe) for f in (4.0, 1e308)] == [32, 32]
+
+
+@pytest.mark.parametrize("sizes", [(10, 0, 17, 6), (33, 0, 0, 0), (0, 0, 0, 37), (0, 0, 0, 0)])
+@pytest.mark.parametrize("rows", [1, 4, 64])
+def test_the_grouped_matmul_by_pieces_is_the_ragged_dot(sizes, rows):
+    """GPUs run the experts' grouped matmul in pieces of one expert's rows (models.ragged.by_pieces):
+    the same values and gradients as jax.lax.ragged_dot, with empty groups, a group of many
+    pieces, rows past the groups (zeros), and pieces longer than every row. Float32; a
+    piece's matmul sums its rows' products as the ragged dot does, but XLA:CPU blocks
+    them otherwise: the few float32 ulps of 1e-5."""
+    import jax.numpy as jnp
+
+    from models.ragged import by_pieces
+
+    x = jax.random.normal(jax.random.key(0), (37, 8))
+    w = jax.random.normal(jax.random.key(1), (4, 8, 5))
+    sizes = jnp.array(sizes, jnp.int32)
+
+    def both(product):
+        value = product(x, w)
+        grads = jax.grad(lambda x, w: jnp.sum(jnp.sin(product(x, w))), argnums=(0, 1))(x, w)
+        return value, *grads
+
+    pieces = both(lambda x, w: by_pieces(x, w, sizes, rows))
+    for got, want in zip(pieces, both(lambda x, w: jax.lax.ragged_dot(x, w, sizes))):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert not np.any(pieces[0][int(sizes.sum()):])
+
+
+def test_the_experts_grouped_matmul_for_gpus_is_no_ragged_dot():
+    """XLA:GPU expands a ragged dot into a dense matmul over every expert (G times the
+    FLOPs, a (G, rows, embed) buffer: 16 GiB a matmul on the Qwen3-30B-A3B preset, whose
+    step held 98.3 GiB). Lowered for CUDA, the experts' forward and backward hold none,
+    but the pieces' loop; for TPUs libtpu's ragged dot stays."""
+    import jax.numpy as jnp
+
+    from models.moe import grouped_experts
+
+    def step(tokens, expert, gate_up, down):
+        loss = lambda *w: jnp.sum(grouped_experts(w[0], expert, *w[1:]))  # noqa: E731
+        return jax.grad(loss, argnums=(0, 1, 2))(tokens, gate_up, down)
+
+    shapes = [jax.ShapeDtypeStruct(s, d) for s, d in (((64, 16), "bfloat16"), ((64,), "int32"),
+                                                      ((4, 16, 2, 8), "bfloat16"), ((4, 8, 16), "bfloat16"))]
+    lowered = {p: jax.export.export(jax.jit(step), platforms=[p])(*shapes).mlir_module() for p in ("cuda", "tpu")}
+    assert "chlo.ragged_dot" not in lowered["cuda"] and "stablehlo.while" in lowered["cuda"]
+    assert "chlo.ragged_dot" in lowered["tpu"]

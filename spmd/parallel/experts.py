@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from models.annotate import ACTIVATION
+from models.ragged import inverse_permutation, permute_rows
 from models.moe import Choice, from_buffers, grouped_experts, single_device_experts, swiglu_experts, to_buffers
 from spmd.parallel.mesh import BATCH_AXES, inside_map, still_automatic
 from spmd.parallel.rules import EXPERT_AXIS, SEQUENCE_AXIS
@@ -154,14 +155,17 @@ def _dropless_ragged(x, expert, slot, gate, gate_up, down, *, ep: int, ragged):
     ids = expert.reshape(-1)
     rank, local_id = ids // local, ids % local
     order = jnp.argsort(rank, stable=True)  # the choices grouped by destination, in order
+    inverse = inverse_permutation(order)
     plan = _RaggedPlan.of(jnp.bincount(rank, length=ep).astype(jnp.int32))
     size = ep * b * s * min(k, local)  # the most a device can receive: every source's worst case
-    received = ragged(rows[order], jnp.zeros((size, rows.shape[-1]), rows.dtype), *plan.there, axis_name=AXIS)
+    sent = permute_rows(rows, order, inverse)
+    received = ragged(sent, jnp.zeros((size, rows.shape[-1]), rows.dtype), *plan.there, axis_name=AXIS)
     received_ids = ragged(local_id[order], jnp.full((size,), local, jnp.int32), *plan.there, axis_name=AXIS)
     received = checkpoint_name(received, ACTIVATION)  # kept like the padded path's blocks
-    out = grouped_experts(received, received_ids, gate_up, down)  # `local` (padding): zero rows
+    # `local` (padding): zero rows. A device receives b * s * k rows under even routing.
+    out = grouped_experts(received, received_ids, gate_up, down, rows=-(-b * s * k // local))
     back = ragged(out, jnp.zeros(rows.shape, out.dtype), *plan.back, axis_name=AXIS)
-    mine = jnp.zeros_like(back).at[order].set(back).reshape(b, s, k, -1)
+    mine = permute_rows(back, inverse, order).reshape(b, s, k, -1)
     return jnp.einsum("bske,bsk->bse", mine, gate.astype(mine.dtype))
 
 

@@ -176,6 +176,19 @@ def shape_bytes(type_text: str) -> int:
                for dt, dims in _SHAPE.findall(type_text))
 
 
+def _collective_result(op: str, result_type: str) -> str:
+    """The type of what a collective produces: XLA:GPU's ragged-all-to-all-start returns
+    ((its operands), the result), of which only the last is the exchange's."""
+    if not (op == "ragged-all-to-all-start" and result_type.startswith("((")):
+        return result_type
+    depth = 0
+    for i, char in enumerate(result_type):
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if depth == 1 and char == ")":  # the operands' tuple closed
+            return result_type[i + 1:].lstrip(", ").rstrip(")")
+    return result_type
+
+
 def _split_operands(rest: str) -> tuple[tuple[str, ...], str]:
     """`a, %b), attrs...` (the text after the op's opening parenthesis) -> operand names, attrs."""
     depth, end = 1, len(rest)
@@ -232,8 +245,8 @@ def parse(text: str) -> HloModule:
         if base in COLLECTIVES:
             table = instructions[current]
             operand_bytes = tuple(shape_bytes(table[o].result_type) if o in table else 0 for o in operands)
-            collectives.append(Collective(base, name, current, shape_bytes(result_type), operand_bytes,
-                                          attributes, line.strip()))
+            collectives.append(Collective(base, name, current, shape_bytes(_collective_result(op, result_type)),
+                                          operand_bytes, attributes, line.strip()))
     for loop, bodies in unknown:
         trip = trip_from_condition(loop, instructions, roots)
         for body in bodies:
