@@ -1,6 +1,7 @@
 """Dropless experts with `jax.lax.ragged_all_to_all` (what GPUs and TPUs run) against the
 padded all-to-all (what XLA:CPU runs), on the devices there are, ep = their count:
-forward outputs and gradients, and the ragged all-to-alls of the compiled program.
+forward outputs and gradients, and the ragged all-to-alls of the compiled program; and the
+experts' grouped matmul in pieces (what GPUs run) against jax.lax.ragged_dot.
 
     python benchmarks/ragged_check.py   # on a GPU or TPU: the op itself (one GPU: ep=1)
     JAX_PLATFORMS=cpu python benchmarks/ragged_check.py --devices 4   # the op's model (XLA:CPU lacks it)
@@ -76,10 +77,37 @@ def main() -> int:
         worst = max(worst, diff)
         print(f"{label:>10}: largest difference {diff:.2e} of the largest value")
     print(f"loss: ragged {float(got_loss):.6f}, padded {float(want_loss):.6f}")
+    worst = max(worst, pieces_against_ragged_dot(x.reshape(-1, embed)[:200], gate_up.reshape(n_experts, embed, -1)))
     # Float32: the same products, summed in another order (rows arrive compacted, not padded).
     ok = worst < 1e-5
     print(f"ragged vs padded: {'equal to float32 rounding' if ok else 'DIFFERENT'} (worst {worst:.2e})")
     return 0 if ok else 1
+
+
+def pieces_against_ragged_dot(rows, weights) -> float:
+    """The experts' grouped matmul as GPUs run it (models.ragged.by_pieces, pieces of one
+    expert's rows) against jax.lax.ragged_dot (XLA:GPU: a dense matmul over every expert),
+    values and gradients, with an empty group and rows past the groups."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from models.ragged import by_pieces
+
+    groups = weights.shape[0]
+    sizes = np.full(groups, (rows.shape[0] - 7) // groups)
+    sizes[1], sizes[0] = 0, sizes[0] + sizes[1]
+
+    def both(product):
+        f = lambda x, w: jnp.sum(jnp.sin(product(x, w)))  # noqa: E731
+        return (product(rows, weights), *jax.jit(jax.grad(f, argnums=(0, 1)))(rows, weights))
+
+    got = both(lambda x, w: by_pieces(x, w, jnp.asarray(sizes, jnp.int32), 16))
+    want = both(lambda x, w: jax.lax.ragged_dot(x, w, jnp.asarray(sizes, jnp.int32)))
+    worst = max(float(np.max(np.abs(np.asarray(g) - np.asarray(w))) / (np.max(np.abs(np.asarray(w))) or 1.0))
+                for g, w in zip(got, want))
+    print(f"grouped matmul in pieces vs jax.lax.ragged_dot: largest difference {worst:.2e} of the largest value")
+    return worst
 
 
 if __name__ == "__main__":

@@ -91,7 +91,8 @@ def by_pieces(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array, rows: int) -> ja
     dtype = jnp.result_type(lhs.dtype, rhs.dtype)
 
     def piece(out, group, at, mine):
-        y = jnp.dot(_window(lhs, at, mine.shape[0]), rhs[group], preferred_element_type=jnp.float32)
+        y = jnp.dot(_window(lhs, at, mine.shape[0]), jax.lax.dynamic_index_in_dim(rhs, group, keepdims=False),
+                    preferred_element_type=jnp.float32)
         window = _window(out, at, mine.shape[0])
         return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(mine[:, None], y.astype(dtype), window), at, 0)
 
