@@ -37,8 +37,8 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from models.annotate import ACTIVATION
-from models.ragged import inverse_permutation, permute_rows
 from models.moe import Choice, from_buffers, grouped_experts, single_device_experts, swiglu_experts, to_buffers
+from models.ragged import inverse_permutation, permute_rows
 from spmd.parallel.mesh import BATCH_AXES, inside_map, still_automatic
 from spmd.parallel.rules import EXPERT_AXIS, SEQUENCE_AXIS
 
