@@ -130,3 +130,28 @@ def test_a_ragged_exchange_is_the_size_of_its_result():
     assert exchange.result_bytes == 32768 * 2048 * 2
     (row,) = traffic.step_traffic(module, {"ep": 2})
     assert row.bytes_per_device == 32768 * 2048 * 2 / 2  # the half that leaves, under even routing
+
+
+@pytest.mark.parametrize("kept_by, scattered", [(("pp", "dp"), True), (("dp", "ep"), False)])
+def test_a_sum_sliced_is_a_reduce_scatter_only_where_each_device_keeps_its_own_slice(kept_by, scattered):
+    """An all-reduce over pp+dp whose result each device slices to a quarter: by its place
+    in the group (pp, dp) it is a reduce-scatter; by dp and ep, as ZeRO-1 shards DualPipe's
+    head gradient, both pp ranks of a group keep the same quarter, and XLA:GPU keeps the
+    all-reduce. Read by shape alone, XLA:CPU's was counted a reduce-scatter (half the
+    bytes, a row the theory did not expect)."""
+    import jax.numpy as jnp
+
+    mesh = jax.make_mesh((2, 2, 2), ("pp", "dp", "ep"), devices=jax.devices()[:8])
+
+    def step(x):
+        total = jax.lax.psum(x, ("pp", "dp"))
+        quarter = 2 * jax.lax.axis_index(kept_by[0]) + jax.lax.axis_index(kept_by[1])
+        return jax.lax.dynamic_slice_in_dim(total, quarter * 64, 64)
+
+    mapped = jax.shard_map(step, mesh=mesh, in_specs=jax.P(), out_specs=jax.P(("pp", "dp", "ep")))
+    module = hlo.parse(jax.jit(mapped).lower(jnp.ones((256,), jnp.float32)).compile().as_text())
+    rows = {(row.op, row.axes): row.bytes_per_device for row in traffic.step_traffic(
+        module, {"pp": 2, "dp": 2, "ep": 2})}
+    whole = 256 * 4
+    assert rows == ({("reduce-scatter", "pp+dp"): 3 / 4 * whole} if scattered
+                    else {("all-reduce", "pp+dp"): 2 * 3 / 4 * whole})

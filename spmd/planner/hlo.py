@@ -331,7 +331,7 @@ def _constant(instr: Instruction | None) -> int | None:
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
 
 
-def _dims(type_text: str) -> list[int]:
+def dims_of(type_text: str) -> list[int]:
     found = _SHAPE.search(type_text)
     return [int(d) for d in found.group(2).split(",") if d] if found else []
 
@@ -359,9 +359,9 @@ def dot_flops(module: HloModule, skip: set[str] = frozenset()) -> float:
         for instr in table.values():
             if instr.op != "dot":
                 continue
-            lhs = _dims(table[instr.operands[0]].result_type)
+            lhs = dims_of(table[instr.operands[0]].result_type)
             contracted = math.prod(lhs[int(i)] for i in _CONTRACTING.search(instr.attributes).group(1).split(",") if i)
-            total += runs[comp] * 2 * math.prod(_dims(instr.result_type)) * contracted
+            total += runs[comp] * 2 * math.prod(dims_of(instr.result_type)) * contracted
     return total
 
 

@@ -27,7 +27,7 @@ import numpy as np
 
 from spmd.parallel.mesh import AXES
 from spmd.parallel.rules import TABLE, ZERO_AXES, ZERO_SHARDED_DIM, axes_of
-from spmd.planner import hlo
+from spmd.planner import hlo, offsets
 
 _ELEMENTS = re.compile(r"\b[a-z]+\d*\[([\d,]*)\]")
 
@@ -121,6 +121,16 @@ def _partitions(shape: tuple[tuple[str, int], ...]) -> dict[frozenset, str]:
     return out
 
 
+def groups_along(label: str, mesh_shape: Mapping[str, int]) -> list[list[int]] | None:
+    """The device groups of a collective over whole mesh axes `label` ("dp+fsdp"); None
+    for a label of part of an axis or of irregular groups."""
+    if not label or "?" in label or ":" in label:
+        return None
+    names = list(mesh_shape)
+    ids = np.arange(math.prod(mesh_shape.values())).reshape(list(mesh_shape.values()))
+    return [list(g) for g in _groups_along(ids, [names.index(a) for a in label.split("+")])]
+
+
 def group_size(label: str, mesh_shape: Mapping[str, int]) -> int:
     """Devices in each group of a collective over `label` ("dp+tp", "tp:inner2")."""
     return math.prod(int(part.split(":")[1].lstrip("inerout")) if ":" in part else mesh_shape[part]
@@ -152,24 +162,36 @@ def _elements(type_text: str) -> int:
     return sum(math.prod(int(d) for d in dims.split(",") if d) for dims in _ELEMENTS.findall(type_text))
 
 
-def _slice_fraction(module: hlo.HloModule, computation: str, name: str, elements: int, depth: int = 0) -> int:
-    """k if every use of value `name` keeps only a 1/k dynamic slice of its `elements`, else 1."""
+def _slice_fraction(module: hlo.HloModule, computation: str, name: str, elements: int, depth: int = 0,
+                    groups: list[list[int]] | None = None, frames: tuple[offsets.Frame, ...] = ()) -> int:
+    """k if every use of value `name` keeps only a 1/k dynamic slice of its `elements`,
+    else 1. With the collective's `groups`: only if the devices of each group keep k
+    different slices (as far as their offsets can be evaluated)."""
     users = module.users(computation, name)
     fractions = set()
     for user in users if depth <= 3 else ():
         if user.op == "dynamic-slice":
             kept = _elements(user.result_type)
-            fractions.add(elements // kept if kept and elements % kept == 0 else 1)
+            k = elements // kept if kept and elements % kept == 0 else 1
+            fractions.add(k if groups is None or _slices_differ(module, user, frames, groups, k) else 1)
         elif _is_copy(module, user) or user.op.endswith("-done"):  # (an asynchronous collective's result)
-            fractions.add(_slice_fraction(module, computation, user.name, elements, depth + 1))
+            fractions.add(_slice_fraction(module, computation, user.name, elements, depth + 1, groups, frames))
         elif user.op == "fusion" and (fused := _called(user)):
             for index, operand in enumerate(user.operands):
                 if operand == name:
                     param = module.parameter(fused, index)
-                    fractions.add(_slice_fraction(module, fused, param.name, elements, depth + 1) if param else 1)
+                    fractions.add(_slice_fraction(module, fused, param.name, elements, depth + 1, groups,
+                                                  (*frames, (user, computation))) if param else 1)
         else:
             fractions.add(1)
     return fractions.pop() if len(fractions) == 1 else 1
+
+
+def _slices_differ(module: hlo.HloModule, ds: hlo.Instruction, frames, groups: list[list[int]], k: int) -> bool:
+    """Whether the devices of every group start slice `ds` at k different offsets (true
+    where the offsets are not modelled: the shape is all there is to go on)."""
+    starts = offsets.slice_starts(module, ds, frames, 1 + max(d for g in groups for d in g))
+    return starts is None or all(len({int(starts[d]) for d in g}) == k for g in groups)
 
 
 _PASS_THROUGH = ("bitcast", "copy", "convert", "parameter")
@@ -214,19 +236,22 @@ def _source_width(module: hlo.HloModule, computation: str, name: str) -> float:
     return 1.0
 
 
-def _operand_slice_fractions(module: hlo.HloModule, c: hlo.Collective) -> list[int]:
-    """For an all-reduce: per operand, k if only a 1/k slice of its result is ever used."""
+def _operand_slice_fractions(module: hlo.HloModule, c: hlo.Collective, groups: list[list[list[int]] | None]
+                             ) -> list[int]:
+    """For an all-reduce: per operand, k if only a 1/k slice of its result is ever used,
+    a different one on each device of the groups that operand is summed over."""
     instr = result = module.instructions[c.computation][c.name]
     if instr.op.endswith("-start"):  # asynchronous (XLA:GPU): its -done holds the result
         done = [u for u in module.users(c.computation, c.name) if u.op.endswith("-done")]
         result = done[0] if len(done) == 1 else instr
     if len(instr.operands) == 1:
-        return [_slice_fraction(module, c.computation, result.name, _elements(result.result_type))]
+        return [_slice_fraction(module, c.computation, result.name, _elements(result.result_type), groups=groups[0])]
     out = [1] * len(instr.operands)
     for user in module.users(c.computation, result.name):
         index = re.search(r"\bindex=(\d+)", user.attributes)
         if user.op == "get-tuple-element" and index:
-            out[int(index.group(1))] = _slice_fraction(module, c.computation, user.name, _elements(user.result_type))
+            i = int(index.group(1))
+            out[i] = _slice_fraction(module, c.computation, user.name, _elements(user.result_type), groups=groups[i])
     return out
 
 
@@ -311,8 +336,9 @@ def step_traffic(module: hlo.HloModule, mesh_shape: Mapping[str, int]) -> list[T
     num_devices = math.prod(mesh_shape.values())
     runs = module.runs_per_step()
     axes_of: dict[str, tuple[str, int]] = {}  # collective -> (mesh axes, group size)
+    groups_of: dict[str, list[list[int]] | None] = {}
     for c in module.collectives:
-        groups = device_groups(c.attributes, num_devices)
+        groups = groups_of[c.name] = device_groups(c.attributes, num_devices)
         permute = c.op == "collective-permute"
         n = 2 if permute else (len(groups[0]) if groups else num_devices)
         if n > 1 and not (groups and max(len(g) for g in groups) <= 1):
@@ -345,7 +371,10 @@ def step_traffic(module: hlo.HloModule, mesh_shape: Mapping[str, int]) -> list[T
         parts = [(c.op, axes, n, sum(sizes), False)]
         if c.op == "all-reduce" and axes != "?":
             parts = []
-            for j, (size, k) in enumerate(zip(sizes, _operand_slice_fractions(module, c))):
+            # (Each operand's slices are told apart over all it is summed over, folds included.)
+            summed_over = [groups_along(reduced_over(c.name, j), mesh_shape) or groups_of[c.name]
+                           for j in range(len(sizes))]
+            for j, (size, k) in enumerate(zip(sizes, _operand_slice_fractions(module, c, summed_over))):
                 if (c.name, j) in folded:  # counted with the all-reduce it feeds
                     continue
                 on = reduced_over(c.name, j)
