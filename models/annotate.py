@@ -105,6 +105,12 @@ class Storage:
 
     params: Mapping[str, object]
     grads: Mapping[str, object]
+    moves_rows: bool = True  # lookups move their rows to the table (models.lookup); else gather it
+
+
+def stored_where() -> Storage | None:
+    """Where the trainer stores parameters and gradients (`storage`), if it said."""
+    return _STORAGE.get()
 
 
 @contextlib.contextmanager

@@ -25,6 +25,8 @@ pytestmark = pytest.mark.xdist_group("layouts")  # they share compiled runs (con
 
 PSI = 131_392  # parameters of the tiny model
 STACKED = 98_560  # of which in the 2 stacked blocks (gathered again in the backward pass)
+TABLE, EMBED = 256 * 64, 64  # of which the embedding table (vocab x embed)
+TOKENS = 32 * 32 // 8  # a device's tokens (batch 32 x seq 32 on 8 devices)
 N = 8
 F32 = 4
 
@@ -49,15 +51,19 @@ def test_theory_equals_hand_computed_values():
     assert (memory["params"], memory["opt_state"]) == (F32 * PSI, 2 * F32 * PSI / N)
     assert comm == {("reduce-scatter", "dp"): round(7 / 8 * F32 * PSI), ("all-gather", "dp"): round(7 / 8 * F32 * PSI)}
 
-    # FSDP: everything split 8 ways; blocks gathered forward and again backward, the rest once.
+    # FSDP: everything split 8 ways; blocks gathered forward and again backward, the rest
+    # once, but the embedding table: the lookup's 128 token ids a device are gathered to
+    # it, and its rows sent back (an all-to-all), their gradients the same way.
     memory, comm = _theory("fsdp=8")
     assert (memory["params"], memory["opt_state"], memory["gradients"]) == (F32 * PSI / N, 2 * F32 * PSI / N, F32 * PSI / N)
-    assert comm == {("all-gather", "fsdp"): round(7 / 8 * F32 * (PSI + STACKED)),
-                    ("reduce-scatter", "fsdp"): round(7 / 8 * F32 * PSI)}
+    assert comm == {("all-gather", "fsdp"): round(7 / 8 * F32 * (PSI + STACKED - TABLE) + 7 * TOKENS * 4),
+                    ("reduce-scatter", "fsdp"): round(7 / 8 * F32 * (PSI - TABLE)),
+                    ("all-to-all", "fsdp"): round(2 * 7 / 8 * TOKENS * EMBED * F32)}
 
-    # HSDP: reduce-scatter within fsdp=4, then all-reduce of the quarter across dp=2.
+    # HSDP: reduce-scatter within fsdp=4 (the table's rows move instead), then all-reduce
+    # of the quarter across dp=2.
     _, comm = _theory("dp=2,fsdp=4")
-    assert comm[("reduce-scatter", "fsdp")] == round(3 / 4 * F32 * PSI)
+    assert comm[("reduce-scatter", "fsdp")] == round(3 / 4 * F32 * (PSI - TABLE))
     assert comm[("all-reduce", "dp")] == round(2 * 1 / 2 * F32 * PSI / 4)
 
     # TP=4: per layer 4 all-reduces of (tokens x embed), plus embedding lookup and head

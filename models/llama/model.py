@@ -25,6 +25,7 @@ from models.attention import Packing, attend, cached_attention
 from models.llama.config import LlamaConfig
 from models.llama.layers import Decoding, RMSNorm, normal_param, rotary, zeros_param
 from models.llama.stack import each_stacked, joined, stack_of, steps_of, with_empty_steps
+from models.lookup import looked_up
 from models.lora import Adapter, LoRA, current_layer, dropping
 from models.lora import layer as lora_layer
 from models.lora import merged as merged_adapters
@@ -394,13 +395,10 @@ class Llama(nnx.Module):
 
     def lookup(self, tokens: jax.Array) -> jax.Array:
         """The tokens' embeddings."""
-        # A lookup has no FLOPs to save: rows are read (and their gradient summed) in float32.
-        x = jnp.take(weight(self.embedding, jnp.float32), tokens, axis=0)
+        x = looked_up(self.embedding, tokens, self.dtype, math.sqrt(self.cfg.embed) if self.EMBED_SCALE else None)
         if self.cfg.pad_token is not None:  # transformers' padding_idx: no gradient to that row from here
             x = jnp.where((tokens == self.cfg.pad_token)[..., None], jax.lax.stop_gradient(x), x)
-        if self.EMBED_SCALE:
-            x = x * np.float32(math.sqrt(self.cfg.embed))
-        return constrain(x.astype(self.dtype), "batch", "residual_seq", "embed")
+        return constrain(x, "batch", "residual_seq", "embed")
 
     def run_layers(self, blocks: Block | MoEGroup, x: jax.Array, positions: jax.Array,
                    packing: Packing | None = None, local: jax.Array | None = None,

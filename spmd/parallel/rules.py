@@ -81,8 +81,9 @@ class Rules:
     opt_state: Mapping[str, Axes]
     activations: Mapping[str, Axes]
 
-    def storage(self, local_axes: tuple[str, ...] = ()) -> Storage:
-        """Where parameters and gradients live, for `models.annotate.weight`.
+    def storage(self, local_axes: tuple[str, ...] = (), moves_rows: bool = True) -> Storage:
+        """Where parameters and gradients live, for `models.annotate.weight`; `moves_rows`:
+        whether lookups move their rows to where the table is (`models.lookup.looked_up`).
 
         `local_axes`: axes that may not be named where the weights are used: inside a vmap
         over batch shards (gradients per shard, not reduced), or inside a map that is
@@ -90,7 +91,7 @@ class Rules:
         def local(table):
             return {name: jax.P.UNCONSTRAINED if set(axes_of(axes)) & set(local_axes) else axes
                     for name, axes in table.items()}
-        return Storage(params=local(self.params), grads=local(self.grads))
+        return Storage(params=local(self.params), grads=local(self.grads), moves_rows=moves_rows)
 
     def activation_rules(self, local_axes: tuple[str, ...] = (), data_axes: tuple[str, ...] = BATCH_AXES,
                          ) -> tuple[tuple[str, Axes], ...]:

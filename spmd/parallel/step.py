@@ -91,7 +91,9 @@ def model_context(layout: Layout, attention: str = "ring", local_axes: tuple[str
     rules, data_axes = layout.rules, data_axes or layout.data_axes
     stack = contextlib.ExitStack()
     stack.enter_context(nnx.logical_axis_rules(rules.activation_rules(local_axes, data_axes)))
-    stack.enter_context(storage(rules.storage(local_axes)))
+    # (Pipelines gather the table for the lookup: multi-token prediction looks it up in
+    # the stages too, and the two gradients are summed before they are reduced.)
+    stack.enter_context(storage(rules.storage(local_axes, moves_rows=layout.schedule is None)))
     stack.enter_context(computed_copies({"kv_heads": layout.kv_copies}))
     # The maps' rows: split as the batch is (outside pipeline stages over pp too, where a
     # dense prefix runs: a map over the batch axes alone gathered its rows over pp, and

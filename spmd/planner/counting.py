@@ -15,6 +15,7 @@ from flax import traverse_util
 
 from models import model_class
 from models.annotate import LAYERS, PREDICTIONS, PREFIX_LAYERS
+from models.lookup import rows_route
 from models.lora import is_adapter
 from spmd.parallel.layout import Layout
 from spmd.parallel.mesh import AXES, BATCH_AXES
@@ -167,6 +168,17 @@ def table_scatter_axes(cfg, layout: Layout) -> tuple[str, ...]:
     stored = spec_axes(table.names, rules.grads)
     fused = [a for a in stored if a != "tp" and a in (*layout.data_axes, "sp")]
     return live((["dp"] if "dp" not in fused else []) + fused, shape)
+
+
+def rows_moved(cfg, layout: Layout) -> tuple[str, ...]:
+    """The axes the lookups move their rows along to the table (models.lookup.looked_up),
+    as spmd.parallel.step sets them up; () where they gather the table (pipelines, and
+    inside accumulation's per-shard map, where the table's axes are the map's)."""
+    if cfg.grad_accum > 1 and not layout.schedule:
+        return ()
+    storage = layout.rules.storage(moves_rows=layout.schedule is None)
+    route = rows_route(storage, dict(layout.rules.activation_rules((), layout.data_axes)), layout.shape)
+    return route[1] if route else ()
 
 
 def expert_rows(cfg, layout: Layout, copies: bool = True) -> int:

@@ -72,7 +72,8 @@ from spmd.parallel.skeleton import DTYPES
 from spmd.planner.activations import (expert_parallel, pipeline_stages, prediction_lookups, sequence_parallel,
                                       tensor_parallel)
 from spmd.planner.counting import (Expected, Param, compute_table, head_in_stages, in_head, is_vector, live, params,
-                                   picks_again, spec_axes, stage_overhead, table_scatter_axes, uses, ways)
+                                   picks_again, rows_moved, spec_axes, stage_overhead, table_scatter_axes, tokens_per_device,
+                                   uses, ways)
 
 
 def _backward_gathers(cfg, layout: Layout, stage_runs: float) -> float:
@@ -122,6 +123,12 @@ def collectives(cfg, layout: Layout) -> list[Expected]:
             # ... and reduces that head's gradient, unless microbatches' are summed first (whole).
             grad_numel = grad_numel if _accumulated(cfg, layout) else slice_numel
         widths = uses(p, model_cfg, compute_bytes)
+        # The lookups' rows move to the table where it is stored (and their gradients
+        # back): the table is gathered for a tied head's use alone, and the lookups'
+        # gradient summed into each device's shard over the other token axes only.
+        moved = rows_moved(cfg, layout) if p.path == model_class(model_cfg).LOOKUP_TABLE else ()
+        if moved:
+            out += _moved_rows(cfg, layout, p, moved, widths.count(4), compute_bytes)
         gathered = live(set(at_rest) - set(compute), shape)
         if gathered and layout.schedule and p.stacked and pipeline.BATCH_AXIS in gathered:
             # Stored split over dp (ZeRO-3), the stages' weights enter the map (manual over
@@ -139,7 +146,8 @@ def collectives(cfg, layout: Layout) -> list[Expected]:
             times = ((stage_runs + _backward_gathers(cfg, layout, stage_runs)) if p.stacked
                      else 2 * _head_ticks(cfg, layout) if p.predicts and head_in_stages(layout)
                      else 2 * cfg.grad_accum if p.prefix or p.predicts else 1)
-            out.append(Expected("all-gather", "+".join(gathered), times * (n - 1) / n * slice_numel * sum(widths),
+            gathered_widths = widths[widths.count(4):] if moved else widths  # (the lookups' come first)
+            out.append(Expected("all-gather", "+".join(gathered), times * (n - 1) / n * slice_numel * sum(gathered_widths),
                                 "weights gathered where used" + (", again in backward" if p.stacked else "")))
         fused = table_scatter_axes(cfg, layout) if p.path == model_class(model_cfg).LOOKUP_TABLE else ()
         if fused:  # reduce-scattered together with tp's (_tensor_parallel); the rest reduces that shard
@@ -154,6 +162,11 @@ def collectives(cfg, layout: Layout) -> list[Expected]:
                   and not model_cfg.tie_embeddings)
         apart = len(widths) > 1 and not _accumulated(cfg, layout) and not merged
         per_use = [(w,) for w in widths] if apart else [widths]
+        if moved:  # the lookups' shards are summed first, then reduced once; a tied head's use apart
+            lookups = widths.count(4)
+            out += _gradients(cfg, layout, p, tuple(a for a in token_axes if a not in moved),
+                              grad_numel / ways(moved, shape), (4,), stage_runs)
+            per_use = [(w,) for w in widths[lookups:]]
         for i, use in enumerate(per_use):
             out += _gradients(cfg, layout, p, token_axes, grad_numel, use, stage_runs, tick_sum=i <= 1)
         out += _shared_kv_heads(cfg, layout, p, max(widths), stage_runs)
@@ -168,6 +181,22 @@ def collectives(cfg, layout: Layout) -> list[Expected]:
     out += expert_parallel(cfg, layout, compute_bytes)
     out += prediction_lookups(cfg, layout, compute_bytes)
     out += [e for e in pipeline_stages(cfg, layout, compute_bytes) if e.bytes_per_device]
+    return out
+
+
+def _moved_rows(cfg, layout: Layout, p: Param, moved: tuple[str, ...], lookups: int, compute_bytes: int
+                ) -> list[Expected]:
+    """Each lookup that moves its rows to the table (models.lookup.looked_up), one axis
+    of `moved` after the other: its token ids gathered (int32, those of the axes before
+    as well), its rows sent back from there in the compute dtype (an all-to-all), and
+    where the table trains their gradients sent there again."""
+    tokens, out = tokens_per_device(cfg, layout.shape), []
+    rows = tokens * layout.skeleton.model_cfg.embed * compute_bytes
+    for i, axis in enumerate(moved):
+        n, before = layout.shape[axis], ways(moved[:i], layout.shape)
+        out += [Expected("all-gather", axis, lookups * (n - 1) * before * tokens * 4, "the lookups' token ids, to the table"),
+                Expected("all-to-all", axis, lookups * (1 + p.trained) * (n - 1) / n * rows,
+                         "the looked-up rows, from the table (and their gradients to it)")]
     return out
 
 
