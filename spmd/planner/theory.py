@@ -130,25 +130,8 @@ def collectives(cfg, layout: Layout) -> list[Expected]:
         if moved:
             out += _moved_rows(cfg, layout, p, moved, widths.count(4), compute_bytes)
         gathered = live(set(at_rest) - set(compute), shape)
-        if gathered and layout.schedule and p.stacked and pipeline.BATCH_AXIS in gathered:
-            # Stored split over dp (ZeRO-3), the stages' weights enter the map (manual over
-            # dp) gathered over it, once per step; over the rest (fsdp) as below.
-            n = shape[pipeline.BATCH_AXIS]
-            out.append(Expected("all-gather", pipeline.BATCH_AXIS, (n - 1) / n * slice_numel * p.itemsize / ways(
-                [a for a in gathered if a != pipeline.BATCH_AXIS], shape), "stage weights entering the pipeline"))
-            gathered = tuple(a for a in gathered if a != pipeline.BATCH_AXIS)
-        if gathered:
-            n = ways(gathered, shape)
-            # Stacked weights are gathered in the layer scans of every microbatch (every
-            # tick of a pipeline), and again in backward; a prefix's in its scan, outside
-            # the stages, and again in backward, as are multi-token prediction's (in the stages'
-            # head, in every tick that runs it); the others once.
-            times = ((stage_runs + _backward_gathers(cfg, layout, stage_runs)) if p.stacked
-                     else 2 * _head_ticks(cfg, layout) if p.predicts and head_in_stages(layout)
-                     else 2 * cfg.grad_accum if p.prefix or p.predicts else 1)
-            gathered_widths = widths[widths.count(4):] if moved else widths  # (the lookups' come first)
-            out.append(Expected("all-gather", "+".join(gathered), times * (n - 1) / n * slice_numel * sum(gathered_widths),
-                                "weights gathered where used" + (", again in backward" if p.stacked else "")))
+        out += _gathers(cfg, layout, p, gathered, slice_numel, widths[widths.count(4):] if moved else widths,
+                        stage_runs)  # (a table's lookups come first in its uses)
         fused = table_scatter_axes(cfg, layout) if p.path == model_class(model_cfg).LOOKUP_TABLE else ()
         if fused:  # reduce-scattered together with tp's (_tensor_parallel); the rest reduces that shard
             token_axes, grad_numel = tuple(a for a in token_axes if a not in fused), grad_numel / ways(fused, shape)
@@ -181,6 +164,32 @@ def collectives(cfg, layout: Layout) -> list[Expected]:
     out += expert_parallel(cfg, layout, compute_bytes)
     out += prediction_lookups(cfg, layout, compute_bytes)
     out += [e for e in pipeline_stages(cfg, layout, compute_bytes) if e.bytes_per_device]
+    return out
+
+
+def _gathers(cfg, layout: Layout, p: Param, gathered: tuple[str, ...], slice_numel: float,
+             widths: tuple[int, ...], stage_runs: float) -> list[Expected]:
+    """A parameter gathered where used, over `gathered`, for its uses of `widths` bytes
+    per element."""
+    out, shape = [], layout.shape
+    if gathered and layout.schedule and p.stacked and pipeline.BATCH_AXIS in gathered:
+        # Stored split over dp (ZeRO-3), the stages' weights enter the map (manual over
+        # dp) gathered over it, once per step; over the rest (fsdp) as below.
+        n = shape[pipeline.BATCH_AXIS]
+        out.append(Expected("all-gather", pipeline.BATCH_AXIS, (n - 1) / n * slice_numel * p.itemsize / ways(
+            [a for a in gathered if a != pipeline.BATCH_AXIS], shape), "stage weights entering the pipeline"))
+        gathered = tuple(a for a in gathered if a != pipeline.BATCH_AXIS)
+    if gathered and widths:
+        n = ways(gathered, shape)
+        # Stacked weights are gathered in the layer scans of every microbatch (every
+        # tick of a pipeline), and again in backward; a prefix's in its scan, outside
+        # the stages, and again in backward, as are multi-token prediction's (in the stages'
+        # head, in every tick that runs it); the others once.
+        times = ((stage_runs + _backward_gathers(cfg, layout, stage_runs)) if p.stacked
+                 else 2 * _head_ticks(cfg, layout) if p.predicts and head_in_stages(layout)
+                 else 2 * cfg.grad_accum if p.prefix or p.predicts else 1)
+        out.append(Expected("all-gather", "+".join(gathered), times * (n - 1) / n * slice_numel * sum(widths),
+                            "weights gathered where used" + (", again in backward" if p.stacked else "")))
     return out
 
 
