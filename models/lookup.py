@@ -44,13 +44,16 @@ def looked_up(param, tokens: jax.Array, dtype=jnp.float32, scale: float | None =
 
 def _rows_route(param, tokens: jax.Array):
     """`rows_route` where `param` is used, with the table's gradient spec; None inside a
-    manual map, or for another table than a (vocab, embed) one."""
+    manual map, for another table than a (vocab, embed) one, or tokens its axes do not
+    divide."""
     storage, mesh = stored_where(), jax.sharding.get_abstract_mesh()
     names = tuple(param.get_metadata().get("out_sharding") or ())
     if storage is None or mesh.empty or mesh.manual_axes or tokens.ndim != 2 or names != ("vocab", "embed"):
         return None
     route = rows_route(storage, dict(flax_spmd.get_logical_axis_rules()), dict(mesh.shape))
-    return None if route is None else (*route, spec_of(names, storage.grads))
+    if route is None or any(n % math.prod(mesh.shape[a] for a in axes) for n, axes in zip(tokens.shape, route[0])):
+        return None  # (one new token a step, say, where sp splits the sequence)
+    return (*route, spec_of(names, storage.grads))
 
 
 def rows_route(storage: Storage, rules: Mapping[str, object], mesh_shape: Mapping[str, int]):
