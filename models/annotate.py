@@ -143,14 +143,20 @@ def _spec(names, rules: Mapping[str, object]) -> jax.P:
     return spec_of(names, rules)
 
 
+def axes_of(entry) -> tuple[str, ...]:
+    """The mesh axes of one rules-table entry (an axis, a tuple of them, None, unconstrained)."""
+    if entry is None or entry is jax.P.UNCONSTRAINED:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
 def spec_of(names, rules: Mapping[str, object]) -> jax.P:
     """The PartitionSpec of an array from its dimensions' names. A mesh axis splits an
     array once: where two dimensions name it (ZeRO's axes follow `embed`, and an expert's
     weight names ep on its `experts` dimension too), it stays with the dimension that
     names it earliest in its entry."""
     entries = [rules.get(n) if n is not None else None for n in names]
-    listed = [() if e is None or e is jax.P.UNCONSTRAINED else (e,) if isinstance(e, str) else tuple(e)
-              for e in entries]
+    listed = [axes_of(e) for e in entries]
     first = {}
     for dim, axes in enumerate(listed):
         for place, axis in enumerate(axes):

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax.core import spmd as flax_spmd
 
-from models.annotate import Storage, spec_of, stored_where, weight
+from models.annotate import Storage, axes_of, spec_of, stored_where, weight
 
 
 def looked_up(param, tokens: jax.Array, dtype=jnp.float32, scale: float | None = None) -> jax.Array:
@@ -62,12 +62,9 @@ def rows_route(storage: Storage, rules: Mapping[str, object], mesh_shape: Mappin
     which the rows move along), or None where the table is gathered instead: the
     vocabulary split (tp), the table's value and gradient stored apart (ZeRO-2), or
     stored split over an axis that does not split the tokens."""
-    def live(table, name) -> tuple[str, ...] | None:
+    def live(table, name) -> tuple[str, ...] | None:  # None: left to XLA
         entry = table.get(name)
-        if entry is jax.P.UNCONSTRAINED:
-            return None
-        listed = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-        return tuple(a for a in listed if mesh_shape.get(a, 1) > 1)
+        return None if entry is jax.P.UNCONSTRAINED else tuple(a for a in axes_of(entry) if mesh_shape.get(a, 1) > 1)
 
     stored = live(storage.params, "embed")
     if not storage.moves_rows or not stored or stored != live(storage.grads, "embed") \

@@ -31,7 +31,7 @@ from collections.abc import Mapping
 
 import jax
 
-from models.annotate import PREFIX_LAYERS, Storage, spec_of
+from models.annotate import PREFIX_LAYERS, Storage, axes_of, spec_of
 from spmd.parallel.mesh import BATCH_AXES
 
 Axes = str | tuple[str, ...] | None
@@ -160,12 +160,6 @@ def spec_for(names: tuple[str | None, ...], table: Mapping[str, Axes]) -> jax.sh
     """PartitionSpec of one array from the logical names of its dimensions (an axis named by
     two of them stays with the one naming it earliest: models.annotate.spec_of)."""
     return spec_of(names, table)
-
-
-def axes_of(entry: Axes) -> tuple[str, ...]:
-    if entry is None or entry is jax.P.UNCONSTRAINED:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def without_axes(spec: jax.sharding.PartitionSpec, drop: tuple[str, ...]) -> jax.sharding.PartitionSpec:

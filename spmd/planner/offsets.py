@@ -44,7 +44,7 @@ def slice_starts(module: hlo.HloModule, ds: hlo.Instruction, frames: tuple[Frame
                  devices: int) -> np.ndarray | None:
     """Per device, where the dynamic slice `ds` starts along the one dimension it cuts
     (clamped as XLA clamps it); None if it cuts several or its offset is not modelled."""
-    full, kept = hlo.dims_of(_operand_type(module, ds, 0, frames)), _SLICE_SIZES.search(ds.attributes)
+    full, kept = hlo.dims_of(_operand_type(module, ds, 0)), _SLICE_SIZES.search(ds.attributes)
     sizes = [int(s) for s in kept.group(1).split(",") if s] if kept else []
     cut = [d for d, (f, k) in enumerate(zip(full, sizes)) if f != k]
     if len(cut) != 1 or len(ds.operands) != 1 + len(full):
@@ -57,7 +57,7 @@ def slice_starts(module: hlo.HloModule, ds: hlo.Instruction, frames: tuple[Frame
     return np.clip(start.reshape(devices), 0, full[dim] - sizes[dim])
 
 
-def _operand_type(module: hlo.HloModule, instr: hlo.Instruction, index: int, frames) -> str:
+def _operand_type(module: hlo.HloModule, instr: hlo.Instruction, index: int) -> str:
     source = module.instructions[instr.computation].get(instr.operands[index].split("#")[0])
     return source.result_type if source else ""
 
