@@ -41,23 +41,26 @@ Frame = tuple[hlo.Instruction, str]
 
 
 def slice_starts(module: hlo.HloModule, ds: hlo.Instruction, frames: tuple[Frame, ...],
-                 devices: int) -> np.ndarray | None:
-    """Per device, where the dynamic slice `ds` starts along the one dimension it cuts
-    (clamped as XLA clamps it); None if it cuts several or its offset is not modelled."""
-    full, kept = hlo.dims_of(_operand_type(module, ds, 0)), _SLICE_SIZES.search(ds.attributes)
+                 devices: int) -> dict[int, np.ndarray] | None:
+    """Per dimension that the dynamic slice `ds` cuts, where each device starts it
+    (clamped as XLA clamps it); None if an offset is not modelled."""
+    full, kept = hlo.dims_of(operand_type(module, ds, 0)), _SLICE_SIZES.search(ds.attributes)
     sizes = [int(s) for s in kept.group(1).split(",") if s] if kept else []
-    cut = [d for d, (f, k) in enumerate(zip(full, sizes)) if f != k]
-    if len(cut) != 1 or len(ds.operands) != 1 + len(full):
+    if len(sizes) != len(full) or len(ds.operands) != 1 + len(full):
         return None
-    dim = cut[0]
-    try:
-        start = _value(module, ds.computation, ds.operands[1 + dim], frames, devices)
-    except _Unknown:
-        return None
-    return np.clip(start.reshape(devices), 0, full[dim] - sizes[dim])
+    starts = {}
+    for dim, (f, k) in enumerate(zip(full, sizes)):
+        if f == k:
+            continue
+        try:
+            start = _value(module, ds.computation, ds.operands[1 + dim], frames, devices)
+        except _Unknown:
+            return None
+        starts[dim] = np.clip(start.reshape(devices), 0, f - k)
+    return starts
 
 
-def _operand_type(module: hlo.HloModule, instr: hlo.Instruction, index: int) -> str:
+def operand_type(module: hlo.HloModule, instr: hlo.Instruction, index: int) -> str:
     source = module.instructions[instr.computation].get(instr.operands[index].split("#")[0])
     return source.result_type if source else ""
 

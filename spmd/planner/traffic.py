@@ -171,9 +171,7 @@ def _slice_fraction(module: hlo.HloModule, computation: str, name: str, elements
     fractions = set()
     for user in users if depth <= 3 else ():
         if user.op == "dynamic-slice":
-            kept = _elements(user.result_type)
-            k = elements // kept if kept and elements % kept == 0 else 1
-            fractions.add(k if groups is None or _slices_differ(module, user, frames, groups, k) else 1)
+            fractions.add(_kept_part(module, user, elements, frames, groups))
         elif _is_copy(module, user) or user.op.endswith("-done"):  # (an asynchronous collective's result)
             fractions.add(_slice_fraction(module, computation, user.name, elements, depth + 1, groups, frames))
         elif user.op == "fusion" and (fused := _called(user)):
@@ -187,11 +185,25 @@ def _slice_fraction(module: hlo.HloModule, computation: str, name: str, elements
     return fractions.pop() if len(fractions) == 1 else 1
 
 
-def _slices_differ(module: hlo.HloModule, ds: hlo.Instruction, frames, groups: list[list[int]], k: int) -> bool:
-    """Whether the devices of every group start slice `ds` at k different offsets (true
-    where the offsets are not modelled: the shape is all there is to go on)."""
-    starts = offsets.slice_starts(module, ds, frames, 1 + max(d for g in groups for d in g))
-    return starts is None or all(len({int(starts[d]) for d in g}) == k for g in groups)
+def _kept_part(module: hlo.HloModule, ds: hlo.Instruction, elements: int, frames,
+               groups: list[list[int]] | None) -> int:
+    """k if the dynamic slice `ds` keeps a 1/k part of a value of `elements`, the devices
+    of every group keeping k different parts, else 1. The part is cut along the dimensions
+    whose offset differs from device to device: a device may read its part in pieces (a
+    fused projection's gradient, sliced once per projection). Where the offsets are not
+    modelled, the shape is all there is to go on."""
+    kept = _elements(ds.result_type)
+    by_shape = elements // kept if kept and elements % kept == 0 else 1
+    starts = offsets.slice_starts(module, ds, frames, 1 + max(d for g in groups for d in g)) if groups else None
+    if starts is None:
+        return by_shape
+    varying = [dim for dim, s in starts.items() if len(set(s.tolist())) > 1]
+    full, part = hlo.dims_of(offsets.operand_type(module, ds, 0)), hlo.dims_of(ds.result_type)
+    if not varying or any(full[d] % part[d] for d in varying):
+        return 1
+    k = math.prod(full[d] // part[d] for d in varying)
+    parts_per_group = {len({tuple(int(starts[d][device]) for d in varying) for device in g}) for g in groups}
+    return k if parts_per_group == {k} else 1
 
 
 _PASS_THROUGH = ("bitcast", "copy", "convert", "parameter")
