@@ -197,3 +197,56 @@ def test_a_sum_read_in_pieces_is_a_reduce_scatter_where_every_piece_is_in_the_de
     whole = 16 * 6 * 4
     assert rows == ({("reduce-scatter", "fsdp"): 3 / 4 * whole} if kv_rows_by_device
                     else {("all-reduce", "fsdp"): 2 * 3 / 4 * whole})
+
+
+COMBINED = """HloModule m
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %sum = f32[] add(%x, %y)
+}
+
+%concatenated (a: f32[8], b: f32[1]) -> f32[9] {
+  %a = f32[8] parameter(0)
+  %b = f32[1] parameter(1)
+  ROOT %c = f32[9] concatenate(%a, %b), dimensions={0}
+}
+
+%first (p: f32[9]) -> f32[8] {
+  %p = f32[9] parameter(0)
+  ROOT %s = f32[8] slice(%p), slice={[0:8]}
+}
+
+%last (q: f32[9]) -> f32[1] {
+  %q = f32[9] parameter(0)
+  ROOT %t = f32[1] slice(%q), slice={[8:9]}
+}
+
+ENTRY %main (g: f32[8], loss: f32[1]) -> (f32[2], f32[1]) {
+  %g = f32[8] parameter(0)
+  %loss = f32[1] parameter(1)
+  %cat = f32[9] fusion(%g, %loss), kind=kLoop, calls=%concatenated
+  %ar = f32[9] all-reduce(%cat), replica_groups={{0,1,2,3}}, to_apply=%add
+  %scale = f32[8] fusion(%ar), kind=kLoop, calls=%first
+  %total = f32[1] fusion(%ar), kind=kLoop, calls=%last
+  %id = u32[] partition-id()
+  %two = u32[] constant(2)
+  %at = u32[] multiply(%id, %two)
+  %mine = f32[2] dynamic-slice(%scale, {offset}), dynamic_slice_sizes={2}
+  ROOT %out = (f32[2], f32[1]) tuple(%mine, %total)
+}
+"""
+
+
+@pytest.mark.parametrize("offset, scattered", [("%at", True), ("%two", False)])
+def test_sums_that_xla_combined_are_read_piece_by_piece(offset, scattered):
+    """XLA:GPU's all-reduce combiner concatenates small sums (the final norm's scale
+    gradient and the loss) into one all-reduce and slices them out after. Where each
+    device then keeps its own part of the scale's sum, that piece is a reduce-scatter
+    and the loss an all-reduce; read as one value, it was a whole all-reduce "unexpected"
+    (30 KiB over dp+fsdp on llama2-7b-hsdp-16gpu, 34 KiB over fsdp+ep on mixtral)."""
+    module = hlo.parse(COMBINED.replace("{offset}", offset))
+    rows = {(row.op, row.axes): row.bytes_per_device for row in traffic.step_traffic(module, {"fsdp": 4})}
+    assert rows == ({("reduce-scatter", "fsdp"): 3 / 4 * 8 * 4, ("all-reduce", "fsdp"): 2 * 3 / 4 * 4}
+                    if scattered else {("all-reduce", "fsdp"): 2 * 3 / 4 * 9 * 4})

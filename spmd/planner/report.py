@@ -42,8 +42,8 @@ _MEMORY_ROWS = (("params", "parameters"), ("opt_state", "optimizer state"), ("gr
                 ("logits", "logits"), ("predictions", "multi-token prediction"))
 _XLA_ROWS = (("argument", "arguments"), ("output", "outputs"), ("alias", "  of which aliased"),
              ("temp", "temporaries"))
-_ALL_REDUCE_NOTE = ("* compiled as all-reduce + dynamic-slice (XLA:CPU, and XLA:TPU's optimized HLO); the "
-                    "reduce-scatter they amount to is shown")
+_ALL_REDUCE_NOTE = ("* in part or whole compiled as all-reduce + dynamic-slice (XLA:CPU and XLA:TPU; XLA:GPU "
+                    "where it combines small sums); the reduce-scatter they amount to is shown")
 
 
 def _ratio(r) -> str:

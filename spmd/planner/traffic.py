@@ -206,6 +206,7 @@ def _kept_part(module: hlo.HloModule, ds: hlo.Instruction, elements: int, frames
     return k if parts_per_group == {k} else 1
 
 
+_SLICE_SPAN = re.compile(r"slice=\{\[(\d+):(\d+)\]\}")
 _PASS_THROUGH = ("bitcast", "copy", "convert", "parameter")
 
 
@@ -249,22 +250,67 @@ def _source_width(module: hlo.HloModule, computation: str, name: str) -> float:
 
 
 def _operand_slice_fractions(module: hlo.HloModule, c: hlo.Collective, groups: list[list[list[int]] | None]
-                             ) -> list[int]:
-    """For an all-reduce: per operand, k if only a 1/k slice of its result is ever used,
-    a different one on each device of the groups that operand is summed over."""
+                             ) -> list[list[tuple[float, int]]]:
+    """For an all-reduce: per operand, its pieces as (share of its bytes, k): k if only a
+    1/k slice of the piece's sum is ever used, a different one on each device of the
+    groups that operand is summed over. An operand is one piece, unless XLA's all-reduce
+    combiner concatenated several values into it (and slices them out of the sum)."""
     instr = result = module.instructions[c.computation][c.name]
     if instr.op.endswith("-start"):  # asynchronous (XLA:GPU): its -done holds the result
         done = [u for u in module.users(c.computation, c.name) if u.op.endswith("-done")]
         result = done[0] if len(done) == 1 else instr
     if len(instr.operands) == 1:
-        return [_slice_fraction(module, c.computation, result.name, _elements(result.result_type), groups=groups[0])]
-    out = [1] * len(instr.operands)
+        pieces = _concatenated(module, c.computation, instr.operands[0])
+        ks = _piece_fractions(module, c.computation, result.name, pieces, groups[0]) if pieces else None
+        if ks:
+            return [[(size / sum(pieces), k) for size, k in zip(pieces, ks)]]
+        return [[(1.0, _slice_fraction(module, c.computation, result.name, _elements(result.result_type),
+                                       groups=groups[0]))]]
+    out = [[(1.0, 1)] for _ in instr.operands]
     for user in module.users(c.computation, result.name):
         index = re.search(r"\bindex=(\d+)", user.attributes)
         if user.op == "get-tuple-element" and index:
             i = int(index.group(1))
-            out[i] = _slice_fraction(module, c.computation, user.name, _elements(user.result_type), groups=groups[i])
+            out[i] = [(1.0, _slice_fraction(module, c.computation, user.name, _elements(user.result_type),
+                                            groups=groups[i]))]
     return out
+
+
+def _root_of(module: hlo.HloModule, computation: str, instr: hlo.Instruction) -> tuple[str, hlo.Instruction]:
+    """A fusion's root, in the fused computation (XLA:GPU wraps lone ops in fusions), else the instruction."""
+    if instr.op == "fusion" and (fused := _called(instr)) and fused in module.roots:
+        return fused, module.instructions[fused][module.roots[fused]]
+    return computation, instr
+
+
+def _concatenated(module: hlo.HloModule, computation: str, name: str) -> list[int] | None:
+    """The element counts of the flat pieces XLA's all-reduce combiner concatenated into
+    operand `name`, if it did."""
+    instr = module.instructions[computation].get(name)
+    if instr is None or len(hlo.dims_of(instr.result_type)) != 1:
+        return None
+    inner, root = _root_of(module, computation, instr)
+    if root.op != "concatenate":
+        return None
+    table = module.instructions[inner]
+    pieces = [hlo.dims_of(table[o].result_type) if o in table else [] for o in root.operands]
+    return [p[0] for p in pieces] if all(len(p) == 1 for p in pieces) else None
+
+
+def _piece_fractions(module: hlo.HloModule, computation: str, name: str, pieces: list[int],
+                     groups: list[list[int]] | None) -> list[int] | None:
+    """Per piece of the combined sum `name`, the k of `_slice_fraction` for what is done
+    with the slice that takes it out; None unless every use is such a slice."""
+    starts = [sum(pieces[:i]) for i in range(len(pieces))]
+    found: dict[int, set[int]] = {}
+    for user in module.users(computation, name):
+        inner, root = _root_of(module, computation, user)
+        span = _SLICE_SPAN.search(root.attributes) if root.op == "slice" else None
+        if span is None or (int(span.group(1)), int(span.group(2))) not in zip(starts, map(sum, zip(starts, pieces))):
+            return None
+        i = starts.index(int(span.group(1)))
+        found.setdefault(i, set()).add(_slice_fraction(module, computation, user.name, pieces[i], groups=groups))
+    return [ks.pop() if len(ks) == 1 else 1 for ks in (found.get(i, {1}) for i in range(len(pieces)))]
 
 
 # How gradients are stored split (spmd.parallel.rules: `embed` at rest, then dp under ZeRO), outer first.
@@ -343,6 +389,25 @@ def _joined(*labels: str) -> str:
     return "+".join(a for a in AXES if a in names) if "?" not in names else "?"
 
 
+def _reduction_parts(on: str, n: int, size: float, pieces: list[tuple[float, int]],
+                     mesh_shape: Mapping[str, int]) -> list[tuple[str, str, int, float, bool]]:
+    """The rows an all-reduce operand of `size` bytes summed over `on` amounts to: where
+    only a 1/k slice of a piece is used, a reduce-scatter (and an all-reduce of the slice
+    over the rest of `on`)."""
+    group = group_size(on, mesh_shape) if on != "?" else n
+    parts = []
+    for share, k in pieces:
+        split = _split_all_reduce(on, k, mesh_shape) if k > 1 and on != "?" and ":" not in on else None
+        if split is None:
+            parts.append(("all-reduce", on, group, share * size, False))
+            continue
+        scatter_axes, rest = split
+        parts.append(("reduce-scatter", scatter_axes, k, share * size, True))
+        if rest:
+            parts.append(("all-reduce", rest, group // k, share * size / k, True))
+    return parts
+
+
 def step_traffic(module: hlo.HloModule, mesh_shape: Mapping[str, int]) -> list[Traffic]:
     """Every collective of the step, as (op, axes) rows with counts and bytes per device."""
     num_devices = math.prod(mesh_shape.values())
@@ -386,22 +451,15 @@ def step_traffic(module: hlo.HloModule, mesh_shape: Mapping[str, int]) -> list[T
             # (Each operand's slices are told apart over all it is summed over, folds included.)
             summed_over = [groups_along(reduced_over(c.name, j), mesh_shape) or groups_of[c.name]
                            for j in range(len(sizes))]
-            for j, (size, k) in enumerate(zip(sizes, _operand_slice_fractions(module, c, summed_over))):
+            for j, (size, pieces) in enumerate(zip(sizes, _operand_slice_fractions(module, c, summed_over))):
                 if (c.name, j) in folded:  # counted with the all-reduce it feeds
                     continue
                 on = reduced_over(c.name, j)
-                group = group_size(on, mesh_shape) if on != "?" else n
-                split = _split_all_reduce(on, k, mesh_shape) if k > 1 and on != "?" and ":" not in on else None
-                if split is None:
-                    parts.append(("all-reduce", on, group, size, False))
-                    continue
-                scatter_axes, rest = split
-                parts.append(("reduce-scatter", scatter_axes, k, size, True))
-                if rest:
-                    parts.append(("all-reduce", rest, group // k, size / k, True))
+                parts += _reduction_parts(on, n, size, pieces, mesh_shape)
+        for key in {(op, on_axes, converted) for op, on_axes, _, _, converted in parts}:
+            totals.setdefault(key, [0, 0.0, 0.0])[0] += times  # one collective, however many pieces
         for op, on_axes, group, operand_bytes, converted in parts:
-            row = totals.setdefault((op, on_axes, converted), [0, 0.0, 0.0])
-            row[0] += times
+            row = totals[(op, on_axes, converted)]
             row[1] += times * _ring_bytes(op, operand_bytes, group)
             row[2] += times * _ring_bytes(op, operand_bytes, group) * (c.name in under_compute)
     return [Traffic(op, axes, int(count), total, converted, overlapped)
