@@ -238,8 +238,10 @@ def _ring_backward(n: int, window, residuals, d_out):
     zeros = jnp.zeros(k.shape, jnp.float32)
     d_q, d_k, d_v = visit((jnp.zeros(q_halves[0].shape, jnp.float32),) * 2, zeros, zeros, k, v, segments, ring.rank)
     (_, _, _, d_k, d_v, d_q), _ = jax.lax.scan(hop, (k, v, segments, d_k, d_v, d_q), jnp.arange(1, n))
-    d_k, d_v = ring.send(d_k, d_v)  # after n - 1 hops a rank holds rank + 1's block: one more hop home
-    return jnp.concatenate(d_q, axis=1).astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype), None
+    # After n - 1 hops a rank holds rank + 1's block: one more hop home, in K's and V's
+    # dtype (the sum is complete; XLA:GPU moves the cast before the send anyway).
+    d_k, d_v = ring.send(d_k.astype(k.dtype), d_v.astype(v.dtype))
+    return jnp.concatenate(d_q, axis=1).astype(q.dtype), d_k, d_v, None
 
 
 _ring_attention.defvjp(_ring_forward, _ring_backward)

@@ -140,8 +140,9 @@ def sequence_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]
               + prediction_layers(layout)) / shape["pp"]
     if cfg.attention == "ring":
         # K and V: n - 1 hops forward [and again, recomputed], n - 1 again backward, beside
-        # their float32 gradients' n hops (spmd.parallel.context's ring-level backward pass).
-        hops = 2 * (n - 1) * (3 if recomputed else 2) + 2 * n * 4 / compute_bytes
+        # their float32 gradients' n - 1 hops and the last one home in the compute dtype
+        # (spmd.parallel.context's ring-level backward pass).
+        hops = 2 * (n - 1) * (3 if recomputed else 2) + 2 * ((n - 1) * 4 / compute_bytes + 1)
         return [Expected("collective-permute", "sp", layers * hops * block, "ring attention: K/V blocks")]
     gathers = 2 * (2 if recomputed else 1)
     return [Expected("all-gather", "sp", layers * gathers * (n - 1) * block, "attention: K and V gathered"),
