@@ -301,14 +301,14 @@ def _piece_fractions(module: hlo.HloModule, computation: str, name: str, pieces:
                      groups: list[list[int]] | None) -> list[int] | None:
     """Per piece of the combined sum `name`, the k of `_slice_fraction` for what is done
     with the slice that takes it out; None unless every use is such a slice."""
-    starts = [sum(pieces[:i]) for i in range(len(pieces))]
+    spans = {(sum(pieces[:i]), sum(pieces[:i + 1])): i for i in range(len(pieces))}
     found: dict[int, set[int]] = {}
     for user in module.users(computation, name):
-        inner, root = _root_of(module, computation, user)
+        _, root = _root_of(module, computation, user)
         span = _SLICE_SPAN.search(root.attributes) if root.op == "slice" else None
-        if span is None or (int(span.group(1)), int(span.group(2))) not in zip(starts, map(sum, zip(starts, pieces))):
+        i = spans.get((int(span.group(1)), int(span.group(2)))) if span else None
+        if i is None:
             return None
-        i = starts.index(int(span.group(1)))
         found.setdefault(i, set()).add(_slice_fraction(module, computation, user.name, pieces[i], groups=groups))
     return [ks.pop() if len(ks) == 1 else 1 for ks in (found.get(i, {1}) for i in range(len(pieces)))]
 
