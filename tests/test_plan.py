@@ -109,11 +109,13 @@ def test_compiled_collectives_and_state_match_theory(mesh, devices, overrides):
 # and summed over tp again), and two more kinds of map (experts with sequence chunks, LoRA).
 PAIRS = dict((name, (fields, devices)) for name, fields, devices in matrix.pairs())
 SAMPLE = ["pp+grad-accum", "tp+MoE", "ep+sp", "fsdp+LoRA"]
-# And of the triples (the benchmark compiles all 286): the two that the triples found wrong,
+# And of the triples (the benchmark compiles all 286): those that the triples found wrong,
 # accumulation's vmap with the experts' map inside (it crashed) and with gradients stored
-# over fsdp and sp (an unexpected permute each step), and a pipeline with two automatic axes.
+# over fsdp and sp (an unexpected permute each step), Megatron-SP's table gradient where ep
+# replicates the table (reduce-scattered over ep as over dp), and a pipeline with two
+# automatic axes.
 TRIPLES = dict((name, (fields, devices)) for name, fields, devices in matrix.triples())
-TRIPLE_SAMPLE = ["sp+MoE+grad-accum", "fsdp+sp+grad-accum", "pp+fsdp+tp"]
+TRIPLE_SAMPLE = ["sp+MoE+grad-accum", "fsdp+sp+grad-accum", "ep+tp+Megatron-SP", "pp+fsdp+tp"]
 
 
 def test_the_matrix_has_every_pair_of_features_that_combines():

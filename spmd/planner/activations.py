@@ -106,11 +106,12 @@ def tensor_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
         # rather than reduce-scattering the looked-up rows.
         table = model.vocab * model.embed * 4
         out.append(Expected("all-gather", "tp", (t - 1) / t * table, "vocab split: the table, for the lookup"))
-        fused = table_scatter_axes(cfg, layout)
-        if "dp" in fused:  # over dp and the stored axes, then the shard summed over tp
-            n = ways(fused, layout.shape)
+        fused, after = table_scatter_axes(cfg, layout)
+        if after:  # over a replicating axis and the stored ones, then the shard summed over the rest and tp
+            n, g = ways(fused, layout.shape), ways(after, layout.shape)
             out.append(Expected("reduce-scatter", "+".join(fused), (n - 1) / n * table, "vocab split: the table's gradient"))
-            out.append(Expected("all-reduce", "tp", 2 * (t - 1) / t * table / n, "vocab split: the table's gradient"))
+            out.append(Expected("all-reduce", "+".join(after), 2 * (g - 1) / g * table / n,
+                                "vocab split: the table's gradient"))
         else:
             n = t * ways(fused, layout.shape)
             out.append(Expected("reduce-scatter", "+".join(live((*fused, "tp"), layout.shape)), (n - 1) / n * table,

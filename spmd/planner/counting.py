@@ -156,18 +156,25 @@ def compute_table(layout: Layout) -> Mapping:
     return {**table, "layers": "pp"} if layout.schedule else table
 
 
-def table_scatter_axes(cfg, layout: Layout) -> tuple[str, ...]:
-    """Under Megatron-SP with the vocabulary split over tp, XLA reduce-scatters the lookup
-    table's gradient over tp and over the token axes it is stored split over (fsdp, sp) in
-    one collective: those axes. With dp as well, it reduce-scatters over dp and those
-    instead, and sums the shard over tp after (measured on dp=2,sp=2,tp=2): dp and those."""
+def table_scatter_axes(cfg, layout: Layout) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Under Megatron-SP with the vocabulary split over tp, how XLA reduces the lookup
+    table's gradient: (the axes of one reduce-scatter, those its shard is summed over
+    after). Without axes that replicate the table, it reduce-scatters over tp and the
+    token axes the table is stored split over (fsdp, sp) in one collective: (those axes,
+    ()), tp implied. With dp or ep (which splits only the experts) as well, it
+    reduce-scatters over the outer of them and the stored axes, and sums the shard over
+    the other and tp after (measured on dp=2,sp=2,tp=2, ep=2,tp=2 and dp=2,ep=2,tp=2)."""
     shape, rules = layout.shape, layout.rules
     if not (cfg.megatron_sp and shape["tp"] > 1 and "tp" in axes_of(rules.activations["vocab"])):
-        return ()
+        return (), ()
     table = next(p for p in params(layout) if p.path == model_class(layout.skeleton.model_cfg).LOOKUP_TABLE)
     stored = spec_axes(table.names, rules.grads)
     fused = [a for a in stored if a != "tp" and a in (*layout.data_axes, "sp")]
-    return live((["dp"] if "dp" not in fused else []) + fused, shape)
+    replicas = live([a for a in ("dp", "ep") if a not in fused], shape)
+    if not replicas:
+        return live(fused, shape), ()
+    return (live([a for a in AXES if a == replicas[0] or a in fused], shape),
+            live([a for a in AXES if a in replicas[1:] or a == "tp"], shape))
 
 
 def rows_moved(cfg, layout: Layout) -> tuple[str, ...]:

@@ -132,9 +132,10 @@ def collectives(cfg, layout: Layout) -> list[Expected]:
         gathered = live(set(at_rest) - set(compute), shape)
         out += _gathers(cfg, layout, p, gathered, slice_numel, widths[widths.count(4):] if moved else widths,
                         stage_runs)  # (a table's lookups come first in its uses)
-        fused = table_scatter_axes(cfg, layout) if p.path == model_class(model_cfg).LOOKUP_TABLE else ()
-        if fused:  # reduce-scattered together with tp's (_tensor_parallel); the rest reduces that shard
-            token_axes, grad_numel = tuple(a for a in token_axes if a not in fused), grad_numel / ways(fused, shape)
+        fused, after = table_scatter_axes(cfg, layout) if p.path == model_class(model_cfg).LOOKUP_TABLE else ((), ())
+        if fused:  # reduced with tp's (activations.tensor_parallel); the rest reduces that shard
+            token_axes = tuple(a for a in token_axes if a not in fused and a not in after)
+            grad_numel = grad_numel / ways(fused, shape)
         # A tied table's two uses (the lookup, the head) are reduced each on its own, as
         # computed (models.annotate.weight reduces each use's gradient where it is taken).
         if not p.trained:  # a frozen weight is only read
