@@ -146,10 +146,11 @@ def collectives(cfg, layout: Layout) -> list[Expected]:
                   and not model_cfg.tie_embeddings)
         apart = len(widths) > 1 and not _accumulated(cfg, layout) and not merged
         per_use = [(w,) for w in widths] if apart else [widths]
-        if moved:  # the lookups' shards are summed first, then reduced once; a tied head's use apart
+        if moved:  # each lookup's shard reduced on its own (multi-token prediction's too); a tied head's use apart
             lookups = widths.count(4)
-            out += _gradients(cfg, layout, p, tuple(a for a in token_axes if a not in moved),
-                              grad_numel / ways(moved, shape), (4,), stage_runs)
+            for _ in range(lookups if apart else 1):
+                out += _gradients(cfg, layout, p, tuple(a for a in token_axes if a not in moved),
+                                  grad_numel / ways(moved, shape), (4,), stage_runs)
             per_use = [(w,) for w in widths[lookups:]]
         for i, use in enumerate(per_use):
             out += _gradients(cfg, layout, p, token_axes, grad_numel, use, stage_runs, tick_sum=i <= 1)
