@@ -161,9 +161,11 @@ def table_scatter_axes(cfg, layout: Layout) -> tuple[tuple[str, ...], tuple[str,
     table's gradient: (the axes of one reduce-scatter, those its shard is summed over
     after). Without axes that replicate the table, it reduce-scatters over tp and the
     token axes the table is stored split over (fsdp, sp) in one collective: (those axes,
-    ()), tp implied. With dp or ep (which splits only the experts) as well, it
-    reduce-scatters over the outer of them and the stored axes, and sums the shard over
-    the other and tp after (measured on dp=2,sp=2,tp=2, ep=2,tp=2 and dp=2,ep=2,tp=2)."""
+    ()), tp implied (so too where ZeRO-2 stores the gradient over dp). With dp or ep
+    (which splits only the experts) replicating it as well, it reduce-scatters over the
+    outer of them and the stored axes, and sums the shard over the other and tp after
+    (measured on dp=2,sp=2,tp=2, ep=2,tp=2, dp=2,ep=2,tp=2 and, with ZeRO-2, dp=2,tp=2,
+    ep=2,tp=2 and dp=2,ep=2,tp=2)."""
     shape, rules = layout.shape, layout.rules
     if not (cfg.megatron_sp and shape["tp"] > 1 and "tp" in axes_of(rules.activations["vocab"])):
         return (), ()
