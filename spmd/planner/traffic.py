@@ -229,14 +229,21 @@ def _is_copy(module: hlo.HloModule, instr: hlo.Instruction) -> bool:
     return instr.op == "fusion" and (fused := _called(instr)) is not None and _elementwise_copy(module, fused)
 
 
+def _root_of(module: hlo.HloModule, computation: str, instr: hlo.Instruction) -> tuple[str, hlo.Instruction]:
+    """A fusion's root, in the fused computation (XLA:GPU wraps lone ops in fusions), else the instruction."""
+    if instr.op == "fusion" and (fused := _called(instr)) and fused in module.roots:
+        return fused, module.instructions[fused][module.roots[fused]]
+    return computation, instr
+
+
 def _source_width(module: hlo.HloModule, computation: str, name: str) -> float:
     """Fraction of its bytes that a collective operand really carries: XLA:CPU runs bf16
     collectives in float32, converting up just before (and back after); XLA on GPU/TPU
     moves the bf16 values themselves."""
     instr = module.instructions[computation].get(name)
     while instr is not None:
-        if instr.op == "fusion" and (fused := _called(instr)) and fused in module.roots:
-            computation, instr = fused, module.instructions[fused][module.roots[fused]]
+        if instr.op == "fusion" and (root := _root_of(module, computation, instr))[1] is not instr:
+            computation, instr = root
         elif instr.op in ("bitcast", "copy", "transpose"):  # the same values, moved
             instr = module.instructions[computation].get(instr.operands[0])
         elif instr.op == "convert":
@@ -274,13 +281,6 @@ def _operand_slice_fractions(module: hlo.HloModule, c: hlo.Collective, groups: l
             out[i] = [(1.0, _slice_fraction(module, c.computation, user.name, _elements(user.result_type),
                                             groups=groups[i]))]
     return out
-
-
-def _root_of(module: hlo.HloModule, computation: str, instr: hlo.Instruction) -> tuple[str, hlo.Instruction]:
-    """A fusion's root, in the fused computation (XLA:GPU wraps lone ops in fusions), else the instruction."""
-    if instr.op == "fusion" and (fused := _called(instr)) and fused in module.roots:
-        return fused, module.instructions[fused][module.roots[fused]]
-    return computation, instr
 
 
 def _concatenated(module: hlo.HloModule, computation: str, name: str) -> list[int] | None:
