@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from models import flash, model_class
 from spmd.parallel import pipeline
+from spmd.parallel.experts import ragged_exchange
 from spmd.parallel.layout import Layout
 from spmd.parallel.rules import axes_of
 from spmd.parallel.skeleton import DTYPES
@@ -104,11 +105,12 @@ def peak(cfg, layout: Layout, memory: dict[str, float]) -> float:
     forwards and backwards in the same ticks: every part at once, but for a layer's
     working set and the loss's (the logits, multi-token prediction's, the head), which a
     tick holds one after the other (the head runs between the last chunk's forward and
-    its backward)."""
+    its backward). XLA:GPU's pool for the ragged exchange is an allocation of its own: it
+    adds to either."""
     if layout.schedule is not None:
         apart = {"working": memory["working"], "loss": memory["logits"] + memory["predictions"] + memory["gathered_head"]}
         return sum(memory.values()) - sum(apart.values()) + max(apart.values())
-    state = memory["params"] + memory["opt_state"]
+    state = memory["params"] + memory["opt_state"] + memory["exchange_pool"]
     kept, gradients = memory["activations"], memory["gradients"]
     loss = (kept + memory["logits"] + memory["predictions"] + memory["gathered_head"]
             + (gradients if cfg.grad_accum > 1 else 0))
@@ -144,6 +146,7 @@ def activation_bytes(cfg, layout: Layout, compute_bytes: int) -> dict[str, float
     length = cfg.seq // (2 * sp) if sp > 1 and cfg.attention == "ring" else cfg.seq
     block = min(flash.default_block(length), length)
     block_scores = 0 if kept_scores else 3 * 4 * m.heads / t * block * block * tokens / cfg.seq
+    pool = 0  # per token, XLA:GPU's pool for the ragged exchange's results (below)
     everything = attention + 3 * m.mlp / t
     # "mla" (DeepSeek-V3's): as "none", but the up-projections and the per-head queries,
     # keys and values they make are kept as their latents, and made again a layer at a time.
@@ -163,6 +166,13 @@ def activation_bytes(cfg, layout: Layout, compute_bytes: int) -> dict[str, float
                     "mla": moe - up}[cfg.remat]
         kept += m.moe_layers_run * moe_kept
         working = max(working, {"none": 0, "mla": 2 * qkv / t}.get(cfg.remat, moe))
+        # XLA:GPU writes the ragged exchange's results (spmd.parallel.experts) to symmetric
+        # memory, a pool of its own sized by its own peak: three of each of a layer's two
+        # results (the rows received, padded to the worst case, and the rows returned): the
+        # zero-filled buffer and the two the double-buffered layer loop has in flight
+        # (Qwen3-30B-A3B's and Qwen3-235B-A22B's presets: 3.4 and 6.8 GiB, as XLA's).
+        if cfg.moe_dispatch == "dropless" and ragged_exchange(layout.mesh) and _on_gpu(layout):
+            pool = 3 * (rows + m.moe.top_k) * e
     vocab_split = ways(axes_of(layout.rules.activations["vocab"]), layout.shape)
     # Per token: the float32 logits, which the loss's backward pass reads and overwrites
     # with their gradient (one buffer, as XLA:GPU assigns them for the presets).
@@ -171,7 +181,8 @@ def activation_bytes(cfg, layout: Layout, compute_bytes: int) -> dict[str, float
     schedule = layout.schedule
     if schedule is None:
         return {"activations": tokens * kept * compute_bytes, "working": tokens * working * compute_bytes + block_scores,
-                "logits": tokens * logits, "predictions": tokens * predictions}
+                "logits": tokens * logits, "predictions": tokens * predictions,
+                "exchange_pool": tokens * pool * compute_bytes}
     # A device keeps its 1/p of the layers for every tick (gpipe, circular), or for the
     # residual ring's (2vp - 1)/v microbatches (1f1b, interleaved-1f1b: Schedule.
     # kept_microbatches), on microbatches of p/m of its `tokens`; one tick's (a 1/v chunk
@@ -189,7 +200,11 @@ def activation_bytes(cfg, layout: Layout, compute_bytes: int) -> dict[str, float
         queued = 2 * tokens + (2 * (2 if schedule.name == "dualpipe" else 1) + 2) * mb
     return {"activations": (kept_tokens * kept + mb * kept / (p * v) + queued * e) * compute_bytes,
             "working": mb * working * compute_bytes, "logits": head_tokens * logits,
-            "predictions": head_tokens * predictions}
+            "predictions": head_tokens * predictions, "exchange_pool": mb * pool * compute_bytes}
+
+
+def _on_gpu(layout: Layout) -> bool:
+    return layout.mesh.devices.flat[0].platform in ("gpu", "cuda")
 
 
 def _prediction_bytes(cfg, m, moe_kept: float, moe: float, logits: float, compute_bytes: int) -> float:

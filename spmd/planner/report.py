@@ -39,7 +39,8 @@ def _trained(skeleton) -> str:
 _MEMORY_ROWS = (("params", "parameters"), ("opt_state", "optimizer state"), ("gradients", "gradients"),
                 ("gathered_weights", "gathered layers"), ("gathered_head", "gathered head"),
                 ("activations", "activations kept"), ("working", "a layer's working set"),
-                ("logits", "logits"), ("predictions", "multi-token prediction"))
+                ("logits", "logits"), ("predictions", "multi-token prediction"),
+                ("exchange_pool", "ragged exchange's pool"))
 _XLA_ROWS = (("argument", "arguments"), ("output", "outputs"), ("alias", "  of which aliased"),
              ("temp", "temporaries"))
 _ALL_REDUCE_NOTE = ("* in part or whole compiled as all-reduce + dynamic-slice (XLA:CPU and XLA:TPU; XLA:GPU "
@@ -59,7 +60,7 @@ def plan_table(plan) -> list[str]:
              f"remat {cfg.remat}, grad-accum {cfg.grad_accum}", "",
              f"{'memory per device':28}{'theory':>12}{'XLA':>12}"]
     for key, label in _MEMORY_ROWS:
-        if key == "predictions" and not plan.theory_memory[key]:
+        if key in ("predictions", "exchange_pool") and not plan.theory_memory[key]:
             continue
         lines.append(f"  {label:26}{human_bytes(plan.theory_memory[key]):>12}")
     measured = human_bytes(plan.measured_state) if plan.measured_state is not None else "-"
@@ -77,6 +78,8 @@ def plan_table(plan) -> list[str]:
                  else "    theory's: the state and the higher of the loss (kept, logits, head) and the layers' "
                  "backward pass (kept, gradients, a layer's working set, its gathered weights and their unreduced "
                  "gradients)")
+    if plan.theory_memory["exchange_pool"]:
+        lines[-1] += "; and beside them XLA:GPU's pool for the ragged exchange's results"
     lines.append(verdict(plan))
     overlap = plan.asynchronous  # the compiler scheduled each collective's start and done: show what runs under compute
     lines += ["", f"{'communication per step':30}{'count':>7}{'per device':>13}{'theory':>13}{'ratio':>11}"
