@@ -146,7 +146,6 @@ def activation_bytes(cfg, layout: Layout, compute_bytes: int) -> dict[str, float
     length = cfg.seq // (2 * sp) if sp > 1 and cfg.attention == "ring" else cfg.seq
     block = min(flash.default_block(length), length)
     block_scores = 0 if kept_scores else 3 * 4 * m.heads / t * block * block * tokens / cfg.seq
-    pool = 0  # per token, XLA:GPU's pool for the ragged exchange's results (below)
     everything = attention + 3 * m.mlp / t
     # "mla" (DeepSeek-V3's): as "none", but the up-projections and the per-head queries,
     # keys and values they make are kept as their latents, and made again a layer at a time.
@@ -166,18 +165,12 @@ def activation_bytes(cfg, layout: Layout, compute_bytes: int) -> dict[str, float
                     "mla": moe - up}[cfg.remat]
         kept += m.moe_layers_run * moe_kept
         working = max(working, {"none": 0, "mla": 2 * qkv / t}.get(cfg.remat, moe))
-        # XLA:GPU writes the ragged exchange's results (spmd.parallel.experts) to symmetric
-        # memory, a pool of its own sized by its own peak: three of each of a layer's two
-        # results (the rows received, padded to the worst case, and the rows returned): the
-        # zero-filled buffer and the two the double-buffered layer loop has in flight
-        # (Qwen3-30B-A3B's and Qwen3-235B-A22B's presets: 3.4 and 6.8 GiB, as XLA's).
-        if cfg.moe_dispatch == "dropless" and ragged_exchange(layout.mesh) and _on_gpu(layout):
-            pool = 3 * (rows + m.moe.top_k) * e
     vocab_split = ways(axes_of(layout.rules.activations["vocab"]), layout.shape)
     # Per token: the float32 logits, which the loss's backward pass reads and overwrites
     # with their gradient (one buffer, as XLA:GPU assigns them for the presets).
     logits = m.vocab / vocab_split * 4
     predictions = _prediction_bytes(cfg, m, moe_kept, moe, logits, compute_bytes) if getattr(m, "mtp_depth", 0) else 0
+    pool = _ragged_pool(cfg, layout, tokens)
     schedule = layout.schedule
     if schedule is None:
         return {"activations": tokens * kept * compute_bytes, "working": tokens * working * compute_bytes + block_scores,
@@ -203,8 +196,18 @@ def activation_bytes(cfg, layout: Layout, compute_bytes: int) -> dict[str, float
             "predictions": head_tokens * predictions, "exchange_pool": mb * pool * compute_bytes}
 
 
-def _on_gpu(layout: Layout) -> bool:
-    return layout.mesh.devices.flat[0].platform in ("gpu", "cuda")
+def _ragged_pool(cfg, layout: Layout, tokens: int) -> float:
+    """Per token, the elements of XLA:GPU's pool for the ragged exchange's results
+    (spmd.parallel.experts): symmetric memory, allocated apart and sized by its own peak,
+    three of each of an MoE layer's two results (the rows received, padded to the worst
+    case, and the rows returned): the zero-filled buffer and the two the double-buffered
+    layer loop has in flight (Qwen3-30B-A3B's and Qwen3-235B-A22B's presets: 3.4 and 6.8
+    GiB, as XLA:GPU's buffer assignment has them)."""
+    m = layout.skeleton.model_cfg
+    if not (m.moe_layers and cfg.moe_dispatch == "dropless" and ragged_exchange(layout.mesh)
+            and layout.mesh.devices.flat[0].platform in ("gpu", "cuda")):
+        return 0
+    return 3 * (expert_rows(cfg, layout) / tokens + m.moe.top_k) * m.embed
 
 
 def _prediction_bytes(cfg, m, moe_kept: float, moe: float, logits: float, compute_bytes: int) -> float:
