@@ -100,12 +100,14 @@ def run_chunk(stage_fn, policy, chunks, repeat, x, side, fixed=None):
     return jax.checkpoint(run, policy=policy)(chunks, fixed, repeat, x, side)
 
 
-def no_statistics(stage_fn, chunks, x, side, fixed=None) -> dict:
-    """Zeros shaped like what `stage_fn` reports for one chunk, one entry per chunk."""
-    first = lambda tree: jax.tree.map(lambda w: w[0], tree)  # noqa: E731
-    shapes = jax.eval_shape(stage_fn, first(chunks), x, side, first(fixed))[1]
-    v = jax.tree.leaves(chunks)[0].shape[0]
-    return jax.tree.map(lambda s: jnp.zeros((v, *s.shape), s.dtype), shapes)
+def no_statistics(stage_fn, chunks, x, side, fixed=None, count: int | None = None) -> dict:
+    """Zeros shaped like what `stage_fn` reports for one chunk, one entry per chunk:
+    `chunks` stacked (their count leading), or one chunk (and `fixed`'s) and their `count`."""
+    if count is None:
+        first = lambda tree: jax.tree.map(lambda w: w[0], tree)  # noqa: E731
+        chunks, fixed, count = first(chunks), first(fixed), jax.tree.leaves(chunks)[0].shape[0]
+    shapes = jax.eval_shape(stage_fn, chunks, x, side, fixed)[1]
+    return jax.tree.map(lambda s: jnp.zeros((count, *s.shape), s.dtype), shapes)
 
 
 def weighted_statistics(no_stats: dict, statistics_weights, seed: float) -> dict:

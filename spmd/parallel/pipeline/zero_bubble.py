@@ -196,19 +196,26 @@ def zb_v(mesh, schedule: Schedule, stage_fn, head_fn, blocks, head, x: jax.Array
     table = timetable(p, m, schedule.defers_weights, dual)
     mirror = [(s, p - 1 - s) for s in range(p)]  # zb-v: chunk p+s is chunk 2p-1-(p-1-s); DualPipe: stage p-1-s
 
-    def second(w):
-        # Device d's second chunk, from device p-1-d: zb-v's stored second chunk (chunk
-        # 2p-1-d), DualPipe's whole stage (stage p-1-d).
-        return jnp.stack([w[0], jax.lax.ppermute(w[1 - dual], AXIS, mirror)])
+    def by_parity(tree, odd) -> list:
+        # The device's two chunks by the parity of the ticks whose forwards run them (chunk
+        # (parity - d) % 2 on device d, `_VStage`): the second from device p-1-d, zb-v's
+        # stored second chunk (chunk 2p-1-d), DualPipe's whole stage (stage p-1-d). Two
+        # arrays picked by a static index, where a stack picked by the device's chunk had
+        # XLA:GPU copy a whole stage out of it for each pass (docs/deepseek.md).
+        own = jax.tree.map(lambda w: stage_view(w, 1 if dual else 2)[0], tree)
+        other = jax.tree.map(lambda w: jax.lax.ppermute(stage_view(w, 1 if dual else 2)[1 - dual], AXIS, mirror),
+                             tree)
+        return [jax.tree.map(lambda a, b: jnp.where(odd, b, a), own, other),
+                jax.tree.map(lambda a, b: jnp.where(odd, a, b), own, other)]
 
-    def stored(g):
+    def stored(own, other):
         # Chunk 2p-1-d's gradient back to where it is stored; DualPipe's added to the stage's own.
-        back = jax.lax.ppermute(g[1], AXIS, mirror)
-        return (g[0] + back)[None] if dual else jnp.stack([g[0], back])
+        back = jax.lax.ppermute(other, AXIS, mirror)
+        return (own + back)[None] if dual else jnp.stack([own, back])
 
     def run(blocks, head_params, x, targets, side, fixed):
-        chunks, fixed_chunks = (jax.tree.map(lambda w: second(stage_view(w, 1 if dual else 2)), tree)
-                                for tree in (blocks, fixed))
+        odd = jax.lax.axis_index(AXIS) % 2 == 1
+        chunks, fixed_chunks = by_parity(blocks, odd), by_parity(fixed, odd)
         stage = _VStage.of(schedule, table, stage_fn, head_fn, chunks, fixed_chunks, head_params, x, targets, side,
                            statistics_weights)
         carry = stage.start(head_params)
@@ -226,12 +233,12 @@ def zb_v(mesh, schedule: Schedule, stage_fn, head_fn, blocks, head, x: jax.Array
             carry, _ = jax.lax.scan(lambda c, q: (stage.carry_back(c, q), None), carry, jnp.arange(after, last))
         if last >= after:
             carry = stage.carry_back(carry, last, send=False)
-        d_chunks = [stored(g) for g in carry.d_chunks]
+        d_chunks = [stored(jnp.where(odd, g[1], g[0]), jnp.where(odd, g[0], g[1])) for g in carry.d_chunks]  # by parity
         d_blocks = jax.tree.map(lambda g, w: g.reshape(w.shape), jax.tree.unflatten(jax.tree.structure(blocks), d_chunks),
                                 blocks)
         stats = stage_statistics(carry.totals, m)
         if dual:  # the mirror stage's added to the stage's own, as its gradients are
-            stats = jax.tree.map(lambda s: stored(s[0])[None], stats)
+            stats = jax.tree.map(lambda s: stored(s[0, 0], s[0, 1])[None], stats)
         return (mean_metrics(carry.metrics, m), jax.lax.psum(d_blocks, BATCH_AXIS),
                 jax.lax.psum(carry.d_head, MANUAL_AXES), carry.dx, stats)
 
@@ -291,7 +298,7 @@ class _VCarry(NamedTuple):
     b_ring: list  # what B reads of each forward, W's of each forward, W's of each B
     w_ring: list
     bw_ring: list
-    d_chunks: list  # the gradients of the device's two chunks (flat leaves)
+    d_chunks: list  # the gradients of the device's two chunks (flat leaves), ordered as `chunks` (by parity)
     d_head: dict
     metrics: dict  # the head's, summed
     totals: dict
@@ -312,8 +319,8 @@ class _VStage:
     stage: jax.Array
     x: jax.Array  # this rank's microbatches (m/p, ...)
     side: object
-    chunks: dict
-    fixed_chunks: dict
+    chunks: list  # [the chunk the device's forwards run on even ticks, on odd ones]
+    fixed_chunks: list
     passes: tuple  # forward, backward_input, backward_weight
     shapes: tuple  # of the three rings' entries
     no_stats: dict
@@ -325,25 +332,26 @@ class _VStage:
     def of(cls, schedule: Schedule, table: dict, stage_fn, head_fn, chunks, fixed_chunks, head_params, x, targets,
            side, statistics_weights) -> _VStage:
         m = schedule.microbatches
-        first = lambda tree: jax.tree.map(lambda w: w[0], tree)  # noqa: E731
         seed = 1.0 / (m * jax.lax.psum(1, BATCH_AXIS))
         *passes, shapes = (split_backward if schedule.defers_weights else whole_backward)(
-            stage_fn, first(chunks), x[0], micro(side, 0), first(fixed_chunks))
-        no_stats = no_statistics(stage_fn, chunks, x[0], micro(side, 0), fixed_chunks)
+            stage_fn, chunks[0], x[0], micro(side, 0), fixed_chunks[0])
+        no_stats = no_statistics(stage_fn, chunks[0], x[0], micro(side, 0), fixed_chunks[0], count=2)
         route = Route(schedule.stages, m, schedule.name == "dualpipe")
         return cls(route, table, jax.lax.axis_index(AXIS), x, side, chunks, fixed_chunks, tuple(passes),
                    shapes, no_stats, weighted_statistics(no_stats, statistics_weights, seed),
                    *head_vjp(head_fn, head_params, targets, seed, x[0]))
 
-    def pick(self, c, tree):
-        return jax.tree.map(lambda w: w[c], tree)
+    def slot(self, c):
+        """Where chunk c is in `chunks` (and the gradients' accumulators): by parity."""
+        return (c + self.stage) % 2
 
     def start(self, head_params) -> _VCarry:
         ring = lambda shapes, n: [jnp.zeros((n, *s.shape), s.dtype) for s in shapes]  # noqa: E731
         zero = jnp.zeros_like(self.x[0])
         rings = [ring(shapes, n) for shapes, n in zip(self.shapes, self.table["slots"])]
         ends = len(self.route.conveyors())
-        return _VCarry(zero, zero, zero, zero, *rings, [jnp.zeros_like(w) for w in jax.tree.leaves(self.chunks)],
+        return _VCarry(zero, zero, zero, zero, *rings, [jnp.zeros((2, *w.shape), w.dtype)
+                                                         for w in jax.tree.leaves(self.chunks[0])],
                        jax.tree.map(jnp.zeros_like, head_params), self.no_metrics, self.no_stats, [zero] * ends, zero,
                        [zero] * ends, zero, jnp.zeros_like(self.x))
 
@@ -400,8 +408,8 @@ class _VStage:
         # Otherwise what a neighbour sent, or at the V's turn (device p-1) its own output.
         inp = jnp.where(self.route.enters(self.stage, c), s.entering,
                         jnp.where((c == 1) & (self.stage == p - 1), s.f_own, s.f_in))
-        (y, stats), b_res, w_res = self.passes[0](self.pick(c, self.chunks), inp, micro(self.side, k),
-                                                  self.pick(c, self.fixed_chunks))
+        (y, stats), b_res, w_res = self.passes[0](self.chunks[parity], inp, micro(self.side, k),
+                                                  self.fixed_chunks[parity])
         final = self.route.leaves(self.stage, c)
         head_metrics, head_grads, dy = self.head(y, k, final)
         keep = valid & final
@@ -422,13 +430,14 @@ class _VStage:
         # forward), at the V's turn its own B's output, elsewhere what a neighbour sent.
         ct = jnp.where(self.route.leaves(self.stage, c), dy if dy is not None else s.b_in,
                        jnp.where((c == 0) & (self.stage == p - 1), s.b_own, s.b_in))
-        grads, d_inp, bw_res = self.passes[1](self.pick(c, self.chunks), [buf[f_tick % slots[0]] for buf in s.b_ring],
-                                              (ct, self.stats_weights), self.pick(c, self.fixed_chunks))
+        at = (1 + parity + self.table["first_b"]) % 2  # chunk c's slot (`slot`), static
+        grads, d_inp, bw_res = self.passes[1](self.chunks[at], [buf[f_tick % slots[0]] for buf in s.b_ring],
+                                              (ct, self.stats_weights), self.fixed_chunks[at])
         # B's output goes the other way from the forward's: chunk 1's down.
         return s._replace(
             b_in=_send(d_inp, _pairs(p, parity, False)), b_own=d_inp,
             bw_ring=[buf.at[t % slots[2]].set(r) for buf, r in zip(s.bw_ring, bw_res)],
-            d_chunks=_accumulate(s.d_chunks, grads, c, valid),
+            d_chunks=_accumulate(s.d_chunks, grads, at, valid),
             d_entry=jnp.where(valid & self.route.enters(self.stage, c), d_inp, s.d_entry))
 
     def _backward_weight(self, s: _VCarry, t) -> _VCarry:
@@ -438,9 +447,9 @@ class _VStage:
                                 for j in range(4))
         grads = self.passes[2]([buf[b_tick % slots[2]] for buf in s.bw_ring],
                                [buf[f_tick % slots[1]] for buf in s.w_ring])
-        return s._replace(d_chunks=_accumulate(s.d_chunks, grads, c, True))
+        return s._replace(d_chunks=_accumulate(s.d_chunks, grads, self.slot(c), True))
 
 
-def _accumulate(d_chunks: list, grads: list, c, valid) -> list:
-    """Add a pass's gradients of chunk c (None where it computes none) where `valid`."""
-    return [acc if g is None else acc.at[c].add(jnp.where(valid, g, 0)) for acc, g in zip(d_chunks, grads)]
+def _accumulate(d_chunks: list, grads: list, at, valid) -> list:
+    """Add a pass's gradients of the chunk in slot `at` (None where it computes none) where `valid`."""
+    return [acc if g is None else acc.at[at].add(jnp.where(valid, g, 0)) for acc, g in zip(d_chunks, grads)]
