@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spmd.parallel.pipeline.kit import (Conveyor, add_metrics, add_statistics, counted_switch, head_vjp,
+from spmd.parallel.pipeline.kit import (RUNS_SCOPE, Conveyor, add_metrics, add_statistics, counted_switch, head_vjp,
                                         layer_statistics, mean_metrics, micro, no_statistics, stage_statistics,
                                         weighted_statistics)
 from spmd.parallel.pipeline.schedule import AXIS, BATCH_AXIS, MANUAL_AXES, Schedule, stacked_spec, stage_view
@@ -196,17 +196,14 @@ def zb_v(mesh, schedule: Schedule, stage_fn, head_fn, blocks, head, x: jax.Array
     table = timetable(p, m, schedule.defers_weights, dual)
     mirror = [(s, p - 1 - s) for s in range(p)]  # zb-v: chunk p+s is chunk 2p-1-(p-1-s); DualPipe: stage p-1-s
 
-    def by_parity(tree, odd) -> list:
-        # The device's two chunks by the parity of the ticks whose forwards run them (chunk
-        # (parity - d) % 2 on device d, `_VStage`): the second from device p-1-d, zb-v's
-        # stored second chunk (chunk 2p-1-d), DualPipe's whole stage (stage p-1-d). Two
-        # arrays picked by a static index, where a stack picked by the device's chunk had
-        # XLA:GPU copy a whole stage out of it for each pass (docs/deepseek.md).
-        own = jax.tree.map(lambda w: stage_view(w, 1 if dual else 2)[0], tree)
-        other = jax.tree.map(lambda w: jax.lax.ppermute(stage_view(w, 1 if dual else 2)[1 - dual], AXIS, mirror),
-                             tree)
-        return [jax.tree.map(lambda a, b: jnp.where(odd, b, a), own, other),
-                jax.tree.map(lambda a, b: jnp.where(odd, a, b), own, other)]
+    def chunks_of(tree) -> list:
+        # The device's two chunks: its own, and the second from device p-1-d, zb-v's
+        # stored second chunk (chunk 2p-1-d), DualPipe's whole stage (stage p-1-d). Kept
+        # apart, as they are (`_VStage.on_slot`): in one stack, or two arrays in the order
+        # the ticks run them, XLA:GPU held copies of whole stages (docs/deepseek.md).
+        view = lambda w: stage_view(w, 1 if dual else 2)  # noqa: E731
+        return [jax.tree.map(lambda w: view(w)[0], tree),
+                jax.tree.map(lambda w: jax.lax.ppermute(view(w)[1 - dual], AXIS, mirror), tree)]
 
     def stored(own, other):
         # Chunk 2p-1-d's gradient back to where it is stored; DualPipe's added to the stage's own.
@@ -215,7 +212,7 @@ def zb_v(mesh, schedule: Schedule, stage_fn, head_fn, blocks, head, x: jax.Array
 
     def run(blocks, head_params, x, targets, side, fixed):
         odd = jax.lax.axis_index(AXIS) % 2 == 1
-        chunks, fixed_chunks = by_parity(blocks, odd), by_parity(fixed, odd)
+        chunks, fixed_chunks = chunks_of(blocks), chunks_of(fixed)
         stage = _VStage.of(schedule, table, stage_fn, head_fn, chunks, fixed_chunks, head_params, x, targets, side,
                            statistics_weights)
         carry = stage.start(head_params)
@@ -233,7 +230,7 @@ def zb_v(mesh, schedule: Schedule, stage_fn, head_fn, blocks, head, x: jax.Array
             carry, _ = jax.lax.scan(lambda c, q: (stage.carry_back(c, q), None), carry, jnp.arange(after, last))
         if last >= after:
             carry = stage.carry_back(carry, last, send=False)
-        d_chunks = [stored(jnp.where(odd, g[1], g[0]), jnp.where(odd, g[0], g[1])) for g in carry.d_chunks]  # by parity
+        d_chunks = [stored(jnp.where(odd, g[1], g[0]), jnp.where(odd, g[0], g[1])) for g in carry.d_chunks]  # by slot
         d_blocks = jax.tree.map(lambda g, w: g.reshape(w.shape), jax.tree.unflatten(jax.tree.structure(blocks), d_chunks),
                                 blocks)
         stats = stage_statistics(carry.totals, m)
@@ -298,7 +295,7 @@ class _VCarry(NamedTuple):
     b_ring: list  # what B reads of each forward, W's of each forward, W's of each B
     w_ring: list
     bw_ring: list
-    d_chunks: list  # the gradients of the device's two chunks (flat leaves), ordered as `chunks` (by parity)
+    d_chunks: list  # the gradients of the device's two chunks (flat leaves), by slot (`_VStage.slot`)
     d_head: dict
     metrics: dict  # the head's, summed
     totals: dict
@@ -319,7 +316,7 @@ class _VStage:
     stage: jax.Array
     x: jax.Array  # this rank's microbatches (m/p, ...)
     side: object
-    chunks: list  # [the chunk the device's forwards run on even ticks, on odd ones]
+    chunks: list  # [the device's own chunk, the other one]
     fixed_chunks: list
     passes: tuple  # forward, backward_input, backward_weight
     shapes: tuple  # of the three rings' entries
@@ -341,8 +338,22 @@ class _VStage:
                    shapes, no_stats, weighted_statistics(no_stats, statistics_weights, seed),
                    *head_vjp(head_fn, head_params, targets, seed, x[0]))
 
+    def on_slot(self, at: int, fn):
+        """fn(weights, fixed) on the chunk in slot `at` (`slot`): the device's own on even
+        devices and the other on odd ones for slot 0, the reverse for slot 1. A
+        conditional picks it, so that no stage is copied to be picked (the pass is
+        compiled once per branch). Each branch says it runs on half the devices, which
+        the planner reads (`RUNS_SCOPE`): the pass counted once."""
+        def on(i):
+            def run():
+                with jax.named_scope(RUNS_SCOPE.format(1, 2)):
+                    return fn(self.chunks[i], self.fixed_chunks[i])
+            return run
+        return jax.lax.cond(self.stage % 2 == 1, on(1 - at), on(at))
+
     def slot(self, c):
-        """Where chunk c is in `chunks` (and the gradients' accumulators): by parity."""
+        """Chunk c's slot: the parity of the ticks whose forwards run it (chunk (t - d) % 2
+        on device d), static in each tick where the chunk is not."""
         return (c + self.stage) % 2
 
     def start(self, head_params) -> _VCarry:
@@ -408,8 +419,7 @@ class _VStage:
         # Otherwise what a neighbour sent, or at the V's turn (device p-1) its own output.
         inp = jnp.where(self.route.enters(self.stage, c), s.entering,
                         jnp.where((c == 1) & (self.stage == p - 1), s.f_own, s.f_in))
-        (y, stats), b_res, w_res = self.passes[0](self.chunks[parity], inp, micro(self.side, k),
-                                                  self.fixed_chunks[parity])
+        (y, stats), b_res, w_res = self.on_slot(parity, lambda w, f: self.passes[0](w, inp, micro(self.side, k), f))
         final = self.route.leaves(self.stage, c)
         head_metrics, head_grads, dy = self.head(y, k, final)
         keep = valid & final
@@ -431,8 +441,8 @@ class _VStage:
         ct = jnp.where(self.route.leaves(self.stage, c), dy if dy is not None else s.b_in,
                        jnp.where((c == 0) & (self.stage == p - 1), s.b_own, s.b_in))
         at = (1 + parity + self.table["first_b"]) % 2  # chunk c's slot (`slot`), static
-        grads, d_inp, bw_res = self.passes[1](self.chunks[at], [buf[f_tick % slots[0]] for buf in s.b_ring],
-                                              (ct, self.stats_weights), self.fixed_chunks[at])
+        residuals = [buf[f_tick % slots[0]] for buf in s.b_ring]
+        grads, d_inp, bw_res = self.on_slot(at, lambda w, f: self.passes[1](w, residuals, (ct, self.stats_weights), f))
         # B's output goes the other way from the forward's: chunk 1's down.
         return s._replace(
             b_in=_send(d_inp, _pairs(p, parity, False)), b_own=d_inp,
