@@ -110,12 +110,12 @@ def peak(cfg, layout: Layout, memory: dict[str, float]) -> float:
     if layout.schedule is not None:
         apart = {"working": memory["working"], "loss": memory["logits"] + memory["predictions"] + memory["gathered_head"]}
         return sum(memory.values()) - sum(apart.values()) + max(apart.values())
-    state = memory["params"] + memory["opt_state"] + memory["exchange_pool"]
+    state = memory["params"] + memory["opt_state"]
     kept, gradients = memory["activations"], memory["gradients"]
     loss = (kept + memory["logits"] + memory["predictions"] + memory["gathered_head"]
             + (gradients if cfg.grad_accum > 1 else 0))
     layers = kept + gradients + memory["working"] + 2 * memory["gathered_weights"]
-    return state + max(loss, layers)
+    return state + memory["exchange_pool"] + max(loss, layers)
 
 
 def activation_bytes(cfg, layout: Layout, compute_bytes: int) -> dict[str, float]:
