@@ -25,6 +25,9 @@ UP_PROJECTED = "up_projected"  # MLA's per-head queries, keys and values (models
 # a prefix of layers run before them (models.deepseek3's dense ones), each run by a scan.
 LAYERS, PREFIX_LAYERS = "layers", "prefix_layers"
 _STORAGE: contextvars.ContextVar = contextvars.ContextVar("storage", default=None)
+# Whether a layout constraint leaves its operand split as it is: on jax 0.10.2 (the floor)
+# the operand was gathered whole (in float32) to it; jax 0.12 keeps the split.
+_LAYOUT_KEEPS_SHARDING = jax.__version_info__ >= (0, 12)
 _COPIES: contextvars.ContextVar = contextvars.ContextVar("copies", default={})
 
 
@@ -129,8 +132,9 @@ def _cast_in_place(x: jax.Array, dtype, value_spec: jax.P, grad_spec: jax.P) -> 
     # Read as stored (row-major): else XLA:GPU lays the whole stack of a layer scan out
     # again, split dimension first, for the gathers, and keeps that float32 copy through
     # the step (6.7 GiB on Qwen3-30B-A3B's preset); this way each layer's slice is laid
-    # out as it is cast.
-    x = with_layout_constraint(x, Layout(tuple(range(x.ndim))))
+    # out as it is cast. Not on jax 0.10, whose constraint gathers its operand whole.
+    if _LAYOUT_KEEPS_SHARDING:
+        x = with_layout_constraint(x, Layout(tuple(range(x.ndim))))
     return jax.lax.with_sharding_constraint(x.astype(dtype), value_spec)
 
 
