@@ -116,7 +116,8 @@ def main(argv: list[str] | None = None) -> None:
         cfg, extras = parse_with_extras(with_defaults(argv, backend), prog="python benchmarks/mfu.py",
                                         description=__doc__.splitlines()[0], add_extras=add_extras)
         # Before anything starts JAX's backend, as the trainer does.
-        flag_lines = [] if extras.no_xla_flags else xla_flags.configure(backend, model_config(cfg), cfg.dtype)
+        flag_lines = [] if extras.no_xla_flags else xla_flags.configure(
+            backend, model_config(cfg), cfg.dtype, double_buffered=xla_flags.double_buffers(cfg))
         emulate_cpu_devices(cfg.mesh_spec.sizes, cfg.cpu_devices)
         import jax
 

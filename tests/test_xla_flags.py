@@ -13,6 +13,7 @@ import pytest
 from models import PRESETS, model_class
 from spmd.base import accelerators
 from spmd.parallel.skeleton import model_skeleton
+from spmd.config import TrainConfig, validate
 from spmd.run import xla_flags
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -125,3 +126,21 @@ def test_backend_is_told_before_jax_starts(monkeypatch):
     monkeypatch.setattr(accelerators, "device_visible", lambda platform: False)
     assert xla_flags.backend_before_start({}) == "cpu"
     assert accelerators.unused_plugins({}) and not accelerators.unused_plugins({"JAX_PLATFORMS": "cpu"})
+
+@pytest.mark.parametrize("fields,double_buffered", [
+    ({"mesh": "pp=2", "pp_schedule": "zb-v", "layers": 4}, False),
+    ({"mesh": "pp=2", "pp_schedule": "dualpipe", "microbatches": 4, "batch": 8}, False),
+    ({"mesh": "pp=2", "pp_schedule": "zb-v", "layers": 4, "remat": "full"}, True),
+    ({"mesh": "pp=2", "pp_schedule": "1f1b"}, True),
+    ({"mesh": "dp=2"}, True),
+])
+def test_loops_are_not_double_buffered_where_the_pipeline_defers_weight_gradients(fields, double_buffered):
+    """zb-v and DualPipe under --remat none carry rings through branches that do not write
+    them: a double-buffered loop had XLA:GPU copy them in every trip (xla_flags.double_buffers)."""
+    cfg = validate(TrainConfig(**{"model": "tiny", "remat": "none", **fields}))
+    assert xla_flags.double_buffers(cfg) is double_buffered
+    environ = {}
+    lines = xla_flags.configure("gpu", cfg.model_cfg, "bfloat16", environ, double_buffered=xla_flags.double_buffers(cfg))
+    value = "true" if double_buffered else "false"
+    assert f"--xla_gpu_enable_while_loop_double_buffering={value}" in environ["XLA_FLAGS"].split()
+    assert any("not double-buffered" in line for line in lines) is not double_buffered

@@ -27,7 +27,8 @@ def start_devices(cfg, processes: Processes | None = None, cpu_devices: int | No
     flag_lines = []
     if processes is not None:
         check_before_devices(cfg, processes.count)
-        flag_lines = xla_flags.configure(xla_flags.backend_before_start(), cfg.model_cfg, cfg.dtype)
+        flag_lines = xla_flags.configure(xla_flags.backend_before_start(), cfg.model_cfg, cfg.dtype,
+                                         double_buffered=xla_flags.double_buffers(cfg))
     emulate_cpu_devices(None if cfg.mesh is None else cfg.mesh_spec.sizes,
                         cfg.cpu_devices if cpu_devices is None else cpu_devices,
                         processes.count if processes is not None else 1, trains=processes is not None)
