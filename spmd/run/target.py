@@ -58,7 +58,7 @@ def plan_target(cfg, name: str, as_json: bool) -> int:
     backend = "tpu" if target.platform == "tpu" else "gpu"
     # The flags spmd.train sets on that accelerator, set before its compiler starts.
     flag_lines = xla_flags.configure(backend, cfg.model_cfg, cfg.dtype, accelerator_type=target.accelerator_type,
-                                 double_buffered=xla_flags.double_buffers(cfg))
+                                     double_buffered=xla_flags.double_buffers(cfg))
     with json_only(as_json):
         lines, plan, seconds = compiled_for(cfg, target)
     print(json.dumps({**plan.as_json(), "target": target.name, "compile_s": round(seconds, 1),
