@@ -36,7 +36,7 @@ import numpy as np
 from jax._src import xla_bridge
 
 from spmd.base import accelerators
-from spmd.parallel.pipeline.schedule import SPLIT_BACKWARD
+from spmd.parallel.pipeline.schedule import Schedule
 
 # GPU (NVIDIA), after MaxText's GPU scripts and JAX-Toolbox's / JAX's GPU performance
 # guides: schedule collectives to overlap compute, and in the scanned layers start the
@@ -133,7 +133,8 @@ def double_buffers(cfg) -> bool:
     the theory's 87.5 on llama3-8b at 16 layers, pp=4,dp=2, 8 microbatches of 4 x 4096,
     85.5 without (2026-12-06, --target h100x8). Under --remat full the peak is the same
     either way."""
-    return not (cfg.pp_schedule in SPLIT_BACKWARD and cfg.remat == "none" and cfg.mesh_spec.sizes.get("pp", 1) != 1)
+    stages = cfg.mesh_spec.sizes.get("pp", 1)
+    return stages == 1 or not Schedule.of(cfg, stages).defers_weights
 
 
 def _jaxlib_version() -> str:
