@@ -24,6 +24,9 @@ UP_PROJECTED = "up_projected"  # MLA's per-head queries, keys and values (models
 # The logical names of stacked layers' leading axis: the layers pipeline stages split, and
 # a prefix of layers run before them (models.deepseek3's dense ones), each run by a scan.
 LAYERS, PREFIX_LAYERS = "layers", "prefix_layers"
+# A conditional branch's name scope saying how many of its loop's trips take it (runs, trips);
+# the compiled program keeps it in its metadata and spmd.planner.hlo weighs the branch by it.
+RUNS_SCOPE = "runs_{}_of_{}"
 _STORAGE: contextvars.ContextVar = contextvars.ContextVar("storage", default=None)
 # Whether a layout constraint leaves its operand split as it is: on jax 0.10.2 (the floor)
 # the operand was gathered whole (in float32) to it; jax 0.12 keeps the split.

@@ -25,6 +25,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from models.annotate import RUNS_SCOPE
+
 
 def _batchable(fn):
     """`fn` under vmap: operands that are not batched are broadcast along a new first axis,
@@ -128,11 +130,15 @@ def _over_pieces(sizes, t: int, rows: int, groups: int, body, init):
     """`body(carry, group, at, mine)` over the pieces with rows: `at` the first row of a
     window of `rows` rows inside the t there are, `mine` (rows,) those of the piece."""
     rows = min(rows, t)
-    plan = _pieces(sizes.astype(jnp.int32), rows, -(-t // rows) + groups)
+    count = -(-t // rows) + groups
+    plan = _pieces(sizes.astype(jnp.int32), rows, count)
 
     def piece(carry, plan):
         group, start, length = plan
 
+        # Under even routing (`rows` a group's rows then) one piece per group has rows:
+        # the planner counts a piece's work, and its sum over a split k, that often.
+        @jax.named_scope(RUNS_SCOPE.format(groups, count))
         def run(carry):
             at = jnp.minimum(start, t - rows)  # the window stays inside; rows outside the piece masked
             row = at + jnp.arange(rows)

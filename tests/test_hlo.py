@@ -130,6 +130,29 @@ def test_branches_that_say_how_often_they_run_are_weighed_so():
     assert runs[reduce.computation] == 3
 
 
+def test_the_grouped_matmuls_pieces_count_as_under_even_routing():
+    """GPUs run a ragged dot as a loop of t / rows + groups trips, one piece of a group's
+    rows each; the trips past the rows skip their work. Under even routing (the theory's)
+    one piece per group has rows: a piece's matmul and its sum over a split contraction
+    (tp's, in the experts' down projection) count `groups` times a step, not every trip
+    (the MoE + tp pair compiled for two H100s read 1.31 of the theory's all-reduces)."""
+    import jax.numpy as jnp
+
+    from models.ragged import by_pieces
+
+    mesh = jax.make_mesh((2,), ("tp",), devices=jax.devices()[:2])
+    t, k, n, groups = 64, 16, 8, 4
+    split = jax.NamedSharding(mesh, jax.P(None, "tp")), jax.NamedSharding(mesh, jax.P(None, "tp", None))
+    product = jax.jit(lambda x, w, sizes: by_pieces(x, w, sizes, t // groups),
+                      in_shardings=(*split, None), out_shardings=jax.NamedSharding(mesh, jax.P()))
+    shapes = (jax.ShapeDtypeStruct((t, k), jnp.float32), jax.ShapeDtypeStruct((groups, k, n), jnp.float32),
+              jax.ShapeDtypeStruct((groups,), jnp.int32))
+    module = hlo.parse(product.lower(*shapes).compile().as_text())
+    [reduce] = module.collectives_where(("all-reduce",))
+    assert module.runs_per_step()[reduce.computation] == groups
+    assert hlo.loop_dot_flops(module) == 2 * t * k // 2 * n
+
+
 def test_a_ragged_exchange_is_the_size_of_its_result():
     """XLA:GPU's asynchronous ragged all-to-all returns its operands with its result; the
     exchange is the result's (the dropless exchange back: 128 MiB of rows from a 1 GiB

@@ -16,7 +16,7 @@ import re
 
 import jax
 
-from spmd.parallel.pipeline.kit import RUNS_SCOPE
+from models.annotate import RUNS_SCOPE
 from spmd.parallel.pipeline.split import split_backward
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute", "ragged-all-to-all")
@@ -113,17 +113,18 @@ class HloModule:
 
     def _branch_shares(self, computation: str) -> dict[str, float]:
         """The branches of `computation`'s conditionals with their share of its runs: the
-        share each says it has (`declared_share`), else 1 / branches for branches whose
-        collectives are alike; branches that differ and say nothing run as often as the
-        conditional, as any of them might."""
+        share each says it has (`declared_share`; a branch beside one that says runs as
+        often as the conditional), else 1 / branches for branches whose collectives are
+        alike; branches that differ and say nothing run as often as the conditional, as
+        any of them might."""
         shares = {}
         for instr in self.instructions.get(computation, {}).values():
             if instr.op != "conditional":
                 continue
             branches = self.branches(instr)
-            declared = [self.declared_share(b) for b in branches]
-            if branches and None not in declared:
-                shares |= dict(zip(branches, declared))
+            declared = {b: self.declared_share(b) for b in branches}
+            if any(share is not None for share in declared.values()):
+                shares |= {b: share for b, share in declared.items() if share is not None}
                 continue
             reached = [self.reachable({b}) for b in branches]
             moved = [sorted((c.op, c.operand_bytes) for c in self.collectives if c.computation in r) for r in reached]

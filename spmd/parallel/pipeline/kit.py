@@ -10,6 +10,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from models.annotate import RUNS_SCOPE
 from spmd.parallel.pipeline.schedule import AXIS, BATCH_AXIS
 
 
@@ -56,9 +57,6 @@ def layer_statistics(per_stage: dict) -> dict:
 
 def only_stage_0(x: jax.Array, stage: jax.Array) -> jax.Array:
     return jnp.where(stage == 0, x, jnp.zeros_like(x))[None]
-
-
-RUNS_SCOPE = "runs_{}_of_{}"  # a branch's name scope: how often it runs (spmd.planner.hlo reads it)
 
 
 def counted_switch(which: list[int], branches: list):

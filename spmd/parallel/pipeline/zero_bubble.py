@@ -44,7 +44,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spmd.parallel.pipeline.kit import (RUNS_SCOPE, Conveyor, add_metrics, add_statistics, counted_switch, head_vjp,
+from models.annotate import RUNS_SCOPE
+from spmd.parallel.pipeline.kit import (Conveyor, add_metrics, add_statistics, counted_switch, head_vjp,
                                         layer_statistics, mean_metrics, micro, no_statistics, stage_statistics,
                                         weighted_statistics)
 from spmd.parallel.pipeline.schedule import AXIS, BATCH_AXIS, MANUAL_AXES, Schedule, stacked_spec, stage_view
