@@ -319,7 +319,8 @@ def test_split_backward_rings_are_written_in_place():
     copied at most once here (into the loop); unordered, the rings of the layers' inputs
     were copied 17 times a step (two rings of 13.6 GiB alive at once on DeepSeek-V3's
     2,048-GPU layout, 128 -> 113 GiB; 91 -> 81 GiB on XLA:GPU for Llama 3 70B's 3-D
-    preset under DualPipe)."""
+    preset under DualPipe). (A write is behind a barrier too, `zero_bubble._write`, for
+    what XLA:GPU's fusion does and XLA:CPU's does not: docs/deepseek.md.)"""
     cfg = validate(TrainConfig(mesh="pp=2", model="tiny", layers=16, batch=4, seq=16, microbatches=4,
                                remat="none", pp_schedule="zb-v"))
     text = build_program(cfg, make_layout(cfg, jax.devices()[:2])).compile_step().as_text()

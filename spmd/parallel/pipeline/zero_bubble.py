@@ -426,8 +426,7 @@ class _VStage:
         keep = valid & final
         return s._replace(
             f_in=_send(y, _pairs(p, parity, True)), f_own=y,
-            b_ring=[buf.at[t % slots[0]].set(r) for buf, r in zip(s.b_ring, b_res)],
-            w_ring=[buf.at[t % slots[1]].set(r) for buf, r in zip(s.w_ring, w_res)],
+            b_ring=_write(s.b_ring, t % slots[0], b_res), w_ring=_write(s.w_ring, t % slots[1], w_res),
             d_head=jax.tree.map(lambda acc, g: acc + jnp.where(keep, g, 0), s.d_head, head_grads),
             metrics=add_metrics(s.metrics, head_metrics, keep), totals=add_statistics(stats, valid, c, s.totals)), dy
 
@@ -447,7 +446,7 @@ class _VStage:
         # B's output goes the other way from the forward's: chunk 1's down.
         return s._replace(
             b_in=_send(d_inp, _pairs(p, parity, False)), b_own=d_inp, b_ring=b_ring,
-            bw_ring=[buf.at[t % slots[2]].set(r) for buf, r in zip(s.bw_ring, bw_res)],
+            bw_ring=_write(s.bw_ring, t % slots[2], bw_res),
             d_chunks=_accumulate(s.d_chunks, grads, at, valid),
             d_entry=jnp.where(valid & self.route.enters(self.stage, c), d_inp, s.d_entry))
 
@@ -468,6 +467,15 @@ def _read(ring: list, index) -> tuple[list, list]:
     trip as this read: unordered, XLA copied the whole ring before it (two rings of 31
     forwards' residuals alive, 13.6 GiB each on DeepSeek-V3's layout)."""
     return jax.lax.optimization_barrier((ring, [buf[index] for buf in ring]))
+
+
+def _write(ring: list, index, entries: list) -> list:
+    """The ring with `entries` at `index`, behind a barrier: a read of the written ring in
+    the same trip (W's, after the pair's second forward) was otherwise rewritten by XLA
+    into a read of the ring before the write (a slice of an update is the update or the
+    old entry), leaving the write and that read unordered on one buffer: XLA:GPU copied
+    the ring to write it (W's two rings, 31 GiB on llama3-70b-128xh100-3d under zb-v)."""
+    return jax.lax.optimization_barrier([buf.at[index].set(r) for buf, r in zip(ring, entries)])
 
 
 def _accumulate(d_chunks: list, grads: list, at, valid) -> list:
