@@ -187,7 +187,11 @@ class MoE(nnx.Module):
         # which are distinct among the tokens of one expert, hence of one of its slots.
         held_in = slot_of(self.placement[...], expert, positions, moe.experts) if balanced else expert
         choice = Choice(held_in, slot, jnp.where(kept, gate, 0.0))
-        y = experts_ffn(x, choice, weight(self.gate_up, dt), weight(self.down, dt), capacity)
+        # Whole along the sequence, as x: under Megatron-SP the residual stream's gradient
+        # is then gathered before the gates weigh it (else XLA weighed it on each device's
+        # part and gathered each choice's, top_k times the bytes). No remat policy keeps it.
+        y = constrain(experts_ffn(x, choice, weight(self.gate_up, dt), weight(self.down, dt), capacity),
+                      "batch", "seq", "embed", saved_as="experts_output")
         if moe.shared_experts:
             y = y + _swiglu(x, weight(self.shared_gate_up, dt), weight(self.shared_down, dt))
         stats = _statistics(logits, scores, expert, kept, moe)

@@ -112,10 +112,13 @@ SAMPLE = ["pp+grad-accum", "tp+MoE", "ep+sp", "fsdp+LoRA"]
 # And of the triples (the benchmark compiles all 286): those that the triples found wrong,
 # accumulation's vmap with the experts' map inside (it crashed) and with gradients stored
 # over fsdp and sp (an unexpected permute each step), Megatron-SP's table gradient where ep
-# replicates the table (reduce-scattered over ep as over dp), and a pipeline with two
-# automatic axes.
+# replicates the table (reduce-scattered over ep as over dp), a pipeline with two
+# automatic axes, Megatron-SP with capacity dispatch (each choice's gradient gathered and
+# the buffers moved over tp, before the experts' output was constrained whole) and with
+# LoRA (the attention's input gradient all-reduced whole).
 TRIPLES = dict((name, (fields, devices)) for name, fields, devices in matrix.triples())
-TRIPLE_SAMPLE = ["sp+MoE+grad-accum", "fsdp+sp+grad-accum", "ep+tp+Megatron-SP", "pp+fsdp+tp"]
+TRIPLE_SAMPLE = ["sp+MoE+grad-accum", "fsdp+sp+grad-accum", "ep+tp+Megatron-SP", "pp+fsdp+tp",
+                 "tp+capacity+Megatron-SP", "tp+Megatron-SP+LoRA"]
 
 
 def test_the_matrix_has_every_pair_of_features_that_combines():

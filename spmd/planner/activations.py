@@ -36,8 +36,14 @@ def adapters_over_tp(cfg, layout: Layout, token_bytes: float, per_layer: float) 
     forward = count(("o_proj", "down_proj")) * (2 if cfg.remat == "full" else 1)
     backward = count(("q_proj", "gate_proj", "up_proj") + (("k_proj", "v_proj") if c == 1 else ()))
     rank = token_bytes * lora.rank
-    out = [Expected("all-reduce", "tp", per_layer * (forward + backward) * 2 * (t - 1) / t * rank,
-                    "LoRA: adapters' rank-wide products on split projections")]
+    why = "LoRA: adapters' rank-wide products on split projections"
+    if cfg.megatron_sp:  # the forward ones go to the residual stream's split: as the projection's output
+        out = [Expected("reduce-scatter", "tp", per_layer * forward * (t - 1) / t * rank, why),
+               Expected("all-gather", "tp", per_layer * forward * (t - 1) / t * rank, why)]
+        forward = 0
+    else:
+        out = []
+    out.append(Expected("all-reduce", "tp", per_layer * (forward + backward) * 2 * (t - 1) / t * rank, why))
     kv, shared = model.kv_heads, per_layer * count(("k_proj", "v_proj")) if c > 1 else 0
     if shared:
         out += [Expected("all-reduce", f"tp:inner{c}", shared * 2 * (c - 1) / c * token_bytes * model.head_dim,
@@ -74,6 +80,16 @@ def tensor_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
         else:
             out.append(Expected("all-reduce", "tp", times * 2 * (t - 1) / t * nbytes, why))
 
+    def whole(nbytes: float, times: float, why: str):
+        """Under Megatron-SP, `times` input gradients all-reduced whole rather than
+        reduce-scattered into the residual stream (their output gradients still gathered):
+        a part made whole meets the projection's partial sum, and XLA adds them before the
+        residual stream's slice."""
+        if not times:
+            return
+        out.append(Expected("all-gather", "tp", times * (t - 1) / t * nbytes, why))
+        out.append(Expected("all-reduce", "tp", times * 2 * (t - 1) / t * nbytes, why))
+
     # Per layer: the attention and MLP outputs forward, their input gradients backward. An
     # MoE layer's experts reduce their rows instead (and its shared expert the tokens). A
     # prefix of layers before the stacked ones (models.deepseek3's dense layers) runs
@@ -82,10 +98,22 @@ def tensor_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
     shared = model.moe is not None and model.moe.shared_experts > 0  # a shared expert reduces as an MLP does
     layer_runs = per_layer * model.stacked_layers + prefix + mtp
     mlp_runs = per_layer * (model.stacked_layers - moe_layers + moe_layers * shared) + prefix + mtp * shared
-    reduced(activation, layer_runs + 2 * mlp_runs, "Megatron: block outputs forward, the MLPs' input gradients backward")
+    # Under Megatron-SP the input gradient is all-reduced whole (`whole`) where a part of it
+    # is whole already: an MoE layer's experts' rows (after their own all-reduce, below)
+    # beside its shared expert; LoRA adapters on the projections that read the residual
+    # stream's norm (their rank-wide product's, all-reduced in `adapters_over_tp`).
+    sp, lora = cfg.megatron_sp, layout.skeleton.lora
+    moe_whole = per_layer * moe_layers + mtp if sp and shared else 0
+    mlp_whole = per_layer * (model.stacked_layers - moe_layers) + prefix if sp and lora and {
+        "gate_proj", "up_proj"} & set(lora.targets) else 0
+    attention_whole = layer_runs if sp and lora and {"q_proj", "k_proj", "v_proj"} & set(lora.targets) else 0
+    reduced(activation, layer_runs + 2 * mlp_runs - moe_whole - mlp_whole,
+            "Megatron: block outputs forward, the MLPs' input gradients backward")
+    whole(activation, moe_whole + mlp_whole, "Megatron-SP: MoE layers' and adapted MLPs' input gradients")
     # (Under Megatron-SP, the gathered input's, reduce-scattered back into the residual stream.)
     width = model.embed if cfg.megatron_sp else model.attention_input_gradient()
-    reduced(tokens * width * compute_bytes, layer_runs, "Megatron: attention's input gradient backward")
+    reduced(tokens * width * compute_bytes, layer_runs - attention_whole, "Megatron: attention's input gradient backward")
+    whole(tokens * width * compute_bytes, attention_whole, "Megatron-SP: adapted attention's input gradient")
     if picks_again(layout) and cfg.remat == "full":
         reduced(activation, per_layer * 2 * model.stacked_layers, "circular stages: each tick's forward again")
     out += adapters_over_tp(cfg, layout, tokens * compute_bytes, per_layer)
