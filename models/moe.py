@@ -189,7 +189,8 @@ class MoE(nnx.Module):
         choice = Choice(held_in, slot, jnp.where(kept, gate, 0.0))
         # Whole along the sequence, as x: under Megatron-SP the residual stream's gradient
         # is then gathered before the gates weigh it (else XLA weighed it on each device's
-        # part and gathered each choice's, top_k times the bytes). No remat policy keeps it.
+        # part and gathered each choice's, top_k times the bytes). Named apart: no remat
+        # policy keeps it by name (the backward pass does not read it).
         y = constrain(experts_ffn(x, choice, weight(self.gate_up, dt), weight(self.down, dt), capacity),
                       "batch", "seq", "embed", saved_as="experts_output")
         if moe.shared_experts:
