@@ -5,6 +5,8 @@ says how; this module counts them)."""
 
 from __future__ import annotations
 
+import functools
+
 from models.lora import MLP_TARGETS
 from spmd.parallel.pipeline import SPLIT_BACKWARD, zero_bubble
 from spmd.parallel.experts import ragged_exchange
@@ -53,6 +55,26 @@ def adapters_over_tp(cfg, layout: Layout, token_bytes: float, per_layer: float) 
     return out
 
 
+def _reduced(cfg, t: int, nbytes: float, times: float, why: str) -> list[Expected]:
+    """`times` all-reduces of `nbytes` over tp; under Megatron-SP each is a reduce-scatter
+    into the sequence-split residual stream and an all-gather out of it."""
+    if cfg.megatron_sp:
+        return [Expected("reduce-scatter", "tp", times * (t - 1) / t * nbytes, why),
+                Expected("all-gather", "tp", times * (t - 1) / t * nbytes, why)]
+    return [Expected("all-reduce", "tp", times * 2 * (t - 1) / t * nbytes, why)]
+
+
+def _whole(t: int, nbytes: float, times: float, why: str) -> list[Expected]:
+    """Under Megatron-SP, `times` input gradients all-reduced whole rather than
+    reduce-scattered into the residual stream (their output gradients still gathered):
+    a part made whole meets the projection's partial sum, and XLA adds them before the
+    residual stream's slice."""
+    if not times:
+        return []
+    return [Expected("all-gather", "tp", times * (t - 1) / t * nbytes, why),
+            Expected("all-reduce", "tp", times * 2 * (t - 1) / t * nbytes, why)]
+
+
 def tensor_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
     t = layout.shape["tp"]
     if t == 1:
@@ -60,35 +82,8 @@ def tensor_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
     model = layout.skeleton.model_cfg
     tokens = tokens_per_device(cfg, layout.shape)
     activation = tokens * model.embed * compute_bytes  # outside pipeline stages: the head's input
-    # 1f1b runs the head on the last stage, per microbatch, in a branch of every tick
-    # (counting.head_runs); multi-token prediction runs it once more per depth, with the
-    # lookup of the later inputs.
-    predicted = 1 + prediction_depth(model)
-    head_tokens = tokens * head_runs(layout) * predicted
-    head_input = head_tokens * model.embed * compute_bytes
     per_layer = stage_overhead(layout)  # the layers' activations, in pipeline stages, bubble ticks included
-    lookup = predicted * tokens * model.embed * 4  # float32 rows (the model's LOOKUP_TABLE)
-    vocab_split = "tp" in axes_of(layout.rules.activations["vocab"])
-    out = []
-
-    def reduced(nbytes: float, times: float, why: str):
-        """`times` all-reduces of `nbytes`; under Megatron-SP each is a reduce-scatter
-        into the sequence-split residual stream and an all-gather out of it."""
-        if cfg.megatron_sp:
-            out.append(Expected("reduce-scatter", "tp", times * (t - 1) / t * nbytes, why))
-            out.append(Expected("all-gather", "tp", times * (t - 1) / t * nbytes, why))
-        else:
-            out.append(Expected("all-reduce", "tp", times * 2 * (t - 1) / t * nbytes, why))
-
-    def whole(nbytes: float, times: float, why: str):
-        """Under Megatron-SP, `times` input gradients all-reduced whole rather than
-        reduce-scattered into the residual stream (their output gradients still gathered):
-        a part made whole meets the projection's partial sum, and XLA adds them before the
-        residual stream's slice."""
-        if not times:
-            return
-        out.append(Expected("all-gather", "tp", times * (t - 1) / t * nbytes, why))
-        out.append(Expected("all-reduce", "tp", times * 2 * (t - 1) / t * nbytes, why))
+    reduced = functools.partial(_reduced, cfg, t)
 
     # Per layer: the attention and MLP outputs forward, their input gradients backward. An
     # MoE layer's experts reduce their rows instead (and its shared expert the tokens). A
@@ -98,7 +93,7 @@ def tensor_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
     shared = model.moe is not None and model.moe.shared_experts > 0  # a shared expert reduces as an MLP does
     layer_runs = per_layer * model.stacked_layers + prefix + mtp
     mlp_runs = per_layer * (model.stacked_layers - moe_layers + moe_layers * shared) + prefix + mtp * shared
-    # Under Megatron-SP the input gradient is all-reduced whole (`whole`) where a part of it
+    # Under Megatron-SP the input gradient is all-reduced whole (`_whole`) where a part of it
     # is whole already: an MoE layer's experts' rows (after their own all-reduce, below)
     # beside its shared expert; LoRA adapters on the projections that read the residual
     # stream's norm (their rank-wide product's, all-reduced in `adapters_over_tp`).
@@ -107,15 +102,16 @@ def tensor_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
     mlp_whole = per_layer * (model.stacked_layers - moe_layers) + prefix if sp and lora and {
         "gate_proj", "up_proj"} & set(lora.targets) else 0
     attention_whole = layer_runs if sp and lora and {"q_proj", "k_proj", "v_proj"} & set(lora.targets) else 0
-    reduced(activation, layer_runs + 2 * mlp_runs - moe_whole - mlp_whole,
-            "Megatron: block outputs forward, the MLPs' input gradients backward")
-    whole(activation, moe_whole + mlp_whole, "Megatron-SP: MoE layers' and adapted MLPs' input gradients")
+    out = reduced(activation, layer_runs + 2 * mlp_runs - moe_whole - mlp_whole,
+                  "Megatron: block outputs forward, the MLPs' input gradients backward")
+    out += _whole(t, activation, moe_whole + mlp_whole, "Megatron-SP: MoE layers' and adapted MLPs' input gradients")
     # (Under Megatron-SP, the gathered input's, reduce-scattered back into the residual stream.)
     width = model.embed if cfg.megatron_sp else model.attention_input_gradient()
-    reduced(tokens * width * compute_bytes, layer_runs - attention_whole, "Megatron: attention's input gradient backward")
-    whole(tokens * width * compute_bytes, attention_whole, "Megatron-SP: adapted attention's input gradient")
+    out += reduced(tokens * width * compute_bytes, layer_runs - attention_whole,
+                   "Megatron: attention's input gradient backward")
+    out += _whole(t, tokens * width * compute_bytes, attention_whole, "Megatron-SP: adapted attention's input gradient")
     if picks_again(layout) and cfg.remat == "full":
-        reduced(activation, per_layer * 2 * model.stacked_layers, "circular stages: each tick's forward again")
+        out += reduced(activation, per_layer * 2 * model.stacked_layers, "circular stages: each tick's forward again")
     out += adapters_over_tp(cfg, layout, tokens * compute_bytes, per_layer)
     if moe_layers:
         rows = expert_rows(cfg, layout) * model.embed * compute_bytes
@@ -128,8 +124,26 @@ def tensor_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
             out.append(Expected("all-gather", "tp", 2 * layers * (t - 1) / t * activation, "remat"))
             out.append(Expected("reduce-scatter", "tp", layers * (t - 1) / t * activation, "remat"))
         else:
-            reduced(activation, layers, "remat: the attention output again")
-    if vocab_split and cfg.megatron_sp:
+            out += reduced(activation, layers, "remat: the attention output again")
+    return out + _vocab_split(cfg, layout, compute_bytes)
+
+
+def _vocab_split(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
+    """Where tp splits the vocabulary: the embedding's lookup (its rows, or under
+    Megatron-SP the table), the output head's input, and the softmax's statistics."""
+    t, model = layout.shape["tp"], layout.skeleton.model_cfg
+    if "tp" not in axes_of(layout.rules.activations["vocab"]):
+        return []
+    reduced = functools.partial(_reduced, cfg, t)
+    tokens = tokens_per_device(cfg, layout.shape)
+    # 1f1b runs the head on the last stage, per microbatch, in a branch of every tick
+    # (counting.head_runs); multi-token prediction runs it once more per depth, with the
+    # lookup of the later inputs.
+    predicted = 1 + prediction_depth(model)
+    head_tokens = tokens * head_runs(layout) * predicted
+    head_input = head_tokens * model.embed * compute_bytes
+    out = []
+    if cfg.megatron_sp:
         # XLA gathers the float32 table for the lookup (and reduce-scatters its gradient)
         # rather than reduce-scattering the looked-up rows.
         table = model.vocab * model.embed * 4
@@ -144,12 +158,10 @@ def tensor_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
             n = t * ways(fused, layout.shape)
             out.append(Expected("reduce-scatter", "+".join(live((*fused, "tp"), layout.shape)), (n - 1) / n * table,
                                 "vocab split: the table's gradient"))
-        reduced(head_input, 1, "vocab split: the output head's input")
-    elif vocab_split:
-        reduced(lookup, 1, "vocab split: embedding lookup (float32 rows)")
-        reduced(head_input, 1, "vocab split: the output head's input")
-    if vocab_split:
-        out.append(Expected("all-reduce", "tp", 2 * (t - 1) / t * head_tokens * 4 * 3, "vocab split: softmax statistics"))
+    else:
+        out += reduced(predicted * tokens * model.embed * 4, 1, "vocab split: embedding lookup (float32 rows)")
+    out += reduced(head_input, 1, "vocab split: the output head's input")
+    out.append(Expected("all-reduce", "tp", 2 * (t - 1) / t * head_tokens * 4 * 3, "vocab split: softmax statistics"))
     return out
 
 
