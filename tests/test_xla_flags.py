@@ -12,8 +12,8 @@ import pytest
 
 from models import PRESETS, model_class
 from spmd.base import accelerators
-from spmd.parallel.skeleton import model_skeleton
 from spmd.config import TrainConfig, validate
+from spmd.parallel.skeleton import model_skeleton
 from spmd.run import xla_flags
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -126,6 +126,7 @@ def test_backend_is_told_before_jax_starts(monkeypatch):
     monkeypatch.setattr(accelerators, "device_visible", lambda platform: False)
     assert xla_flags.backend_before_start({}) == "cpu"
     assert accelerators.unused_plugins({}) and not accelerators.unused_plugins({"JAX_PLATFORMS": "cpu"})
+
 
 @pytest.mark.parametrize("fields,double_buffered", [
     ({"mesh": "pp=2", "pp_schedule": "zb-v", "layers": 4}, False),

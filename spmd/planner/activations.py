@@ -39,13 +39,11 @@ def adapters_over_tp(cfg, layout: Layout, token_bytes: float, per_layer: float) 
     backward = count(("q_proj", "gate_proj", "up_proj") + (("k_proj", "v_proj") if c == 1 else ()))
     rank = token_bytes * lora.rank
     why = "LoRA: adapters' rank-wide products on split projections"
-    if cfg.megatron_sp:  # the forward ones go to the residual stream's split: as the projection's output
-        out = [Expected("reduce-scatter", "tp", per_layer * forward * (t - 1) / t * rank, why),
-               Expected("all-gather", "tp", per_layer * forward * (t - 1) / t * rank, why)]
-        forward = 0
-    else:
-        out = []
-    out.append(Expected("all-reduce", "tp", per_layer * (forward + backward) * 2 * (t - 1) / t * rank, why))
+    # Under Megatron-SP the forward ones go to the residual stream's split, as the projection's output.
+    scattered = forward if cfg.megatron_sp else 0
+    out = [Expected("reduce-scatter", "tp", per_layer * scattered * (t - 1) / t * rank, why),
+           Expected("all-gather", "tp", per_layer * scattered * (t - 1) / t * rank, why)] if scattered else []
+    out.append(Expected("all-reduce", "tp", per_layer * (forward - scattered + backward) * 2 * (t - 1) / t * rank, why))
     kv, shared = model.kv_heads, per_layer * count(("k_proj", "v_proj")) if c > 1 else 0
     if shared:
         out += [Expected("all-reduce", f"tp:inner{c}", shared * 2 * (c - 1) / c * token_bytes * model.head_dim,
