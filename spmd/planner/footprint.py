@@ -71,6 +71,11 @@ def memory(cfg, layout: Layout) -> dict[str, float]:
             gradients += copies * held(p, [a for a in split if a != pipeline.BATCH_AXIS])
         else:
             gradients += held(p, spec_axes(p.names, rules.grads))
+    if compiler(layout) == "tpu":
+        # XLA:TPU makes the head's gradient whole, in the compute dtype, while the logits
+        # and the gathered head live, and reduce-scatters it after: two head-sized buffers
+        # at the loss (its buffer assignment on TPU v5p), where XLA:GPU holds one.
+        gathered_head *= 2
     # zb-v and DualPipe run a second chunk on each device, received from the mirror device
     # each step (zb-v's half a stage, DualPipe's whole one: its parameters twice), with a
     # gradient of its own summed over the ticks, both as stored (spmd.parallel.pipeline.zero_bubble).
@@ -165,10 +170,7 @@ def activation_bytes(cfg, layout: Layout, compute_bytes: int) -> dict[str, float
                     "mla": moe - up}[cfg.remat]
         kept += m.moe_layers_run * moe_kept
         working = max(working, {"none": 0, "mla": 2 * qkv / t}.get(cfg.remat, moe))
-    vocab_split = ways(axes_of(layout.rules.activations["vocab"]), layout.shape)
-    # Per token: the float32 logits, which the loss's backward pass reads and overwrites
-    # with their gradient (one buffer, as XLA:GPU assigns them for the presets).
-    logits = m.vocab / vocab_split * 4
+    logits = _logits_bytes(layout, compute_bytes)
     predictions = _prediction_bytes(cfg, m, moe_kept, moe, logits, compute_bytes) if getattr(m, "mtp_depth", 0) else 0
     pool = _ragged_pool(cfg, layout, tokens)
     schedule = layout.schedule
@@ -196,6 +198,18 @@ def activation_bytes(cfg, layout: Layout, compute_bytes: int) -> dict[str, float
             "predictions": head_tokens * predictions, "exchange_pool": mb * pool * compute_bytes}
 
 
+def _logits_bytes(layout: Layout, compute_bytes: int) -> float:
+    """Per token, the logits' bytes: float32, which the loss's backward pass reads and
+    overwrites with their gradient (one buffer, as XLA:GPU assigns them for the presets).
+    XLA:TPU holds them in the compute dtype (the cast fused into the loss's reductions)
+    and makes their gradient inside the head's two gradient matmuls; in pipeline stages,
+    where the loss runs in the loop's body, it writes that gradient in a buffer of its own."""
+    vocab = layout.skeleton.model_cfg.vocab / ways(axes_of(layout.rules.activations["vocab"]), layout.shape)
+    if compiler(layout) == "tpu":
+        return vocab * compute_bytes * (2 if layout.schedule else 1)
+    return vocab * 4
+
+
 def _ragged_pool(cfg, layout: Layout, tokens: int) -> float:
     """Per token, the elements of XLA:GPU's pool for the ragged exchange's results
     (spmd.parallel.experts): symmetric memory, allocated apart and sized by its own peak,
@@ -205,7 +219,7 @@ def _ragged_pool(cfg, layout: Layout, tokens: int) -> float:
     GiB, as XLA:GPU's buffer assignment has them)."""
     m = layout.skeleton.model_cfg
     if not (m.moe_layers and cfg.moe_dispatch == "dropless" and ragged_exchange(layout.mesh)
-            and layout.mesh.devices.flat[0].platform in ("gpu", "cuda")):
+            and compiler(layout) in ("gpu", "cuda")):
         return 0
     return 3 * (expert_rows(cfg, layout) / tokens + m.moe.top_k) * m.embed
 
@@ -217,3 +231,9 @@ def _prediction_bytes(cfg, m, moe_kept: float, moe: float, logits: float, comput
     the modules' backward pass ends before the layers' begins."""
     recomputed = moe if cfg.remat in ("dots", "full") else 0
     return m.mtp_depth * (moe_kept * compute_bytes + logits) + recomputed * compute_bytes
+
+
+def compiler(layout: Layout) -> str:
+    """The platform whose XLA compiles the step ("cpu", "tpu", "gpu" or "cuda"): where the
+    compilers hold the same values in different buffers, the theory follows each."""
+    return layout.mesh.devices.flat[0].platform
