@@ -119,21 +119,27 @@ SAMPLE = ["pp+grad-accum", "tp+MoE", "ep+sp", "fsdp+LoRA"]
 TRIPLES = dict((name, (fields, devices)) for name, fields, devices in matrix.triples())
 TRIPLE_SAMPLE = ["sp+MoE+grad-accum", "fsdp+sp+grad-accum", "ep+tp+Megatron-SP", "pp+fsdp+tp",
                  "tp+capacity+Megatron-SP", "tp+Megatron-SP+LoRA"]
+# The matrix runs remat none; recomputation changes what is sent again (name@policy): "dots"
+# gathers Megatron-SP's projection inputs again (under LoRA, the adapted ones'), both policies
+# reduce the experts' outputs again (the gates' gradient reads them), "full" an MoE layer's
+# shared expert too, and the ring's recomputed hop at sp=2 is the backward's (sent once).
+REMAT_SAMPLE = ["sp+tp+Megatron-SP@dots", "tp+MoE+Megatron-SP@full", "tp+Megatron-SP+LoRA@dots"]
 
 
 def test_the_matrix_has_every_pair_of_features_that_combines():
     assert len(PAIRS) == len(FEATURES) * (len(FEATURES) - 1) // 2 - len(REFUSED)
-    assert set(SAMPLE) <= set(PAIRS) and set(TRIPLE_SAMPLE) <= set(TRIPLES)
+    assert set(SAMPLE) <= set(PAIRS) and set(TRIPLE_SAMPLE) | {n.partition("@")[0] for n in REMAT_SAMPLE} <= set(TRIPLES)
 
 
-@pytest.mark.parametrize("name", SAMPLE + TRIPLE_SAMPLE)
+@pytest.mark.parametrize("name", SAMPLE + TRIPLE_SAMPLE + REMAT_SAMPLE)
 def test_every_row_of_a_pair_of_features_matches_theory(name):
     """Each collective kind per mesh-axis group and the state, measured / theory in
     0.95-1.05 (the goal of benchmarks/plan_ratios.py); an unexpected collective fails."""
     import jax
 
+    name, _, remat = name.partition("@")
     fields, devices = {**PAIRS, **TRIPLES}[name]
-    cfg = validate(TrainConfig(**fields))
+    cfg = validate(TrainConfig(**fields, **({"remat": remat} if remat else {})))
     ratios = matrix.ratios(make_plan(cfg, make_layout(cfg, jax.devices()[:devices])))
     assert len(ratios) > 1
     assert {row: ratio for row, ratio in ratios.items() if not 0.95 <= ratio <= 1.05} == {}

@@ -111,18 +111,30 @@ def tensor_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
     if picks_again(layout) and cfg.remat == "full":
         out += reduced(activation, per_layer * 2 * model.stacked_layers, "circular stages: each tick's forward again")
     out += adapters_over_tp(cfg, layout, tokens * compute_bytes, per_layer)
+    moe_runs = per_layer * moe_layers + mtp
     if moe_layers:
+        # Forward and backward; under remat "dots" and "full" the forward's again: the
+        # gates' gradient reads the experts' outputs, a grouped or batched matmul's, which
+        # neither policy keeps.
+        passes = 3 if cfg.remat in ("dots", "full") else 2
         rows = expert_rows(cfg, layout) * model.embed * compute_bytes
-        out.append(Expected("all-reduce", "tp", (per_layer * moe_layers + mtp) * 2 * 2 * (t - 1) / t * rows,
+        out.append(Expected("all-reduce", "tp", moe_runs * passes * 2 * (t - 1) / t * rows,
                             "experts: their outputs forward, their input gradients backward"))
     if cfg.remat == "full":
-        # The forward is recomputed up to the MLP (its output is not needed for gradients).
-        layers = layer_runs
+        # The forward is recomputed up to the MLP (its output is not needed for gradients),
+        # an MoE layer's shared expert included (XLA reduces it with the experts' output).
+        layers, again = layer_runs, moe_runs if shared else 0
         if cfg.megatron_sp:  # attention input and output, and the MLP's input, again
             out.append(Expected("all-gather", "tp", 2 * layers * (t - 1) / t * activation, "remat"))
-            out.append(Expected("reduce-scatter", "tp", layers * (t - 1) / t * activation, "remat"))
+            out.append(Expected("reduce-scatter", "tp", (layers + again) * (t - 1) / t * activation, "remat"))
         else:
-            out += reduced(activation, layers, "remat: the attention output again")
+            out += reduced(activation, layers + again, "remat: the attention output (and a shared expert's) again")
+    elif cfg.remat == "dots" and cfg.megatron_sp:
+        # "dots" keeps the projections' outputs, not their inputs gathered out of the
+        # residual stream: the attention's and the MLP's gathered again for their weights'
+        # gradients (under LoRA, where adapters read them).
+        again = attention_whole + mlp_whole if lora else 2 * layer_runs
+        out.append(Expected("all-gather", "tp", again * (t - 1) / t * activation, "remat: gathered inputs again"))
     return out + _vocab_split(cfg, layout, compute_bytes)
 
 
@@ -180,8 +192,9 @@ def sequence_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]
     if cfg.attention == "ring":
         # K and V: n - 1 hops forward [and again, recomputed], n - 1 again backward, beside
         # their float32 gradients' n - 1 hops and the last one home in the compute dtype
-        # (spmd.parallel.context's ring-level backward pass).
-        hops = 2 * (n - 1) * (3 if recomputed else 2) + 2 * ((n - 1) * 4 / compute_bytes + 1)
+        # (spmd.parallel.context's ring-level backward pass). At n = 2 the recomputed hop
+        # is the backward pass's: XLA inlines the one-trip loops and sends the blocks once.
+        hops = 2 * (n - 1) * (3 if recomputed and n > 2 else 2) + 2 * ((n - 1) * 4 / compute_bytes + 1)
         return [Expected("collective-permute", "sp", layers * hops * block, "ring attention: K/V blocks")]
     gathers = 2 * (2 if recomputed else 1)
     return [Expected("all-gather", "sp", layers * gathers * (n - 1) * block, "attention: K and V gathered"),

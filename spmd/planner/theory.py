@@ -20,7 +20,9 @@ all-reduce over N devices moves 2(N-1)/N of its buffer, an all-gather or reduce-
   all-gathered back after the update;
 - Megatron tensor parallelism all-reduces the (tokens x embed) activations after each
   attention and MLP block forward, and their input gradients backward (once more per
-  layer under full remat, which recomputes the forward up to the MLP); a vocab split over tp adds one
+  layer under full remat, which recomputes the forward up to the MLP; an MoE layer's
+  experts' outputs again under "dots" too, and Megatron-SP's gathered projection inputs
+  under "dots": spmd.planner.activations.tensor_parallel); a vocab split over tp adds one
   all-reduce for the embedding lookup, one for the output head's input gradient and
   three small ones for the softmax statistics (max, sum, target logit);
 - expert parallelism exchanges tokens by all-to-all over ep in each MoE layer (spmd.
