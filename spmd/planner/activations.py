@@ -123,12 +123,12 @@ def tensor_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
     if cfg.remat == "full":
         # The forward is recomputed up to the MLP (its output is not needed for gradients),
         # an MoE layer's shared expert included (XLA reduces it with the experts' output).
-        layers, again = layer_runs, moe_runs if shared else 0
+        again = moe_runs if shared else 0
         if cfg.megatron_sp:  # attention input and output, and the MLP's input, again
-            out.append(Expected("all-gather", "tp", 2 * layers * (t - 1) / t * activation, "remat"))
-            out.append(Expected("reduce-scatter", "tp", (layers + again) * (t - 1) / t * activation, "remat"))
+            out.append(Expected("all-gather", "tp", 2 * layer_runs * (t - 1) / t * activation, "remat"))
+            out.append(Expected("reduce-scatter", "tp", (layer_runs + again) * (t - 1) / t * activation, "remat"))
         else:
-            out += reduced(activation, layers + again, "remat: the attention output (and a shared expert's) again")
+            out += reduced(activation, layer_runs + again, "remat: the attention output (and a shared expert's) again")
     elif cfg.remat == "dots" and cfg.megatron_sp:
         # "dots" keeps the projections' outputs, not their inputs gathered out of the
         # residual stream: the attention's and the MLP's gathered again for their weights'
