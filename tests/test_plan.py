@@ -218,11 +218,14 @@ def test_a_prefix_before_stages_that_hold_the_head_reduces_its_gradients_as_comp
     dense ones) runs once per round, outside them, and reduces its matrices' gradients in
     the compute dtype (deepseek-v3-tiny, pp=2,ep=4,dp=2, zb-v, ZeRO-1, bf16: all-reduce pp+ep
     was 0.56 of theory and reduce-scatter dp 0.78, the prefix counted in float32; 1.00 with
-    bf16). Here: the prefix's and the table's gradients are all that is reduce-scattered
-    over dp+ep (ZeRO splits their state over both) and then all-reduced over pp."""
+    bf16). Here: the prefix's and the table's gradients are reduce-scattered over dp+ep
+    (ZeRO splits their state over both) in the compute dtype, and then all-reduced over pp;
+    beside them, once per step, the float32 sums over the ticks of the weights in the stages
+    that are whole on every dp and ep device, the head's among them (the map's sum and
+    ZeRO's slice of it)."""
     import jax
 
-    from spmd.planner.counting import live, params, spec_axes, uses
+    from spmd.planner.counting import in_head, live, params, spec_axes, uses
 
     cfg = validate(TrainConfig(mesh="pp=2,ep=2,dp=2", model="deepseek-v3-tiny", layers=6, pp_schedule=schedule,
                                microbatches=4, batch=32, seq=32, dtype="bfloat16", zero=1))
@@ -235,9 +238,14 @@ def test_a_prefix_before_stages_that_hold_the_head_reduces_its_gradients_as_comp
     half = sum(p.numel / 2 * max(uses(p, model_cfg, 2)) for p in scattered)
     assert sum(p.numel * max(uses(p, model_cfg, 2)) for p in scattered if p.path.endswith(("gate_up", "wq_a"))) == \
         2 * sum(p.numel for p in scattered if p.path.endswith(("gate_up", "wq_a")))
+    whole = [p for p in params(layout, cfg) if (p.stacked and "experts" not in p.names or in_head(layout, p))
+             and {"dp", "ep"} <= set(live(spec_axes(p.names, layout.rules.grads), layout.shape))]
+    stages = sum(p.numel / 2 * 4 for p in whole if p.stacked)  # a stage's half of the layers
+    head = sum(p.numel * 4 for p in whole if not p.stacked)
+    assert stages and head
     comm = by_op_and_axes(theory.collectives(cfg, layout))
-    assert comm[("reduce-scatter", "dp+ep")] == pytest.approx(2 * 3 / 4 * half)
-    assert comm[("all-reduce", "pp")] == pytest.approx(half / 2)
+    assert comm[("reduce-scatter", "dp+ep")] == pytest.approx(3 / 4 * (2 * half + stages + head))
+    assert comm[("all-reduce", "pp")] == pytest.approx((2 * half + head) / 4)  # the head's sum over the stages too
 
 
 def test_a_model_of_two_kinds_of_layer_with_a_tied_table_matches_theory():

@@ -21,8 +21,10 @@ from spmd.parallel.layout import Layout
 from spmd.parallel.mesh import BATCH_AXES
 from spmd.parallel.objective import (AuxLosses, Columns, aux_weights_per_layer, model_columns, moe_metrics, objective,
                                      predicted_further, prediction_depth)
-from spmd.parallel.pipeline import SPLIT_BACKWARD, from_microbatches, one_f_one_b, pipeline, to_microbatches
+from spmd.parallel.pipeline import (SPLIT_BACKWARD, MapSpecs, batch_axes, from_microbatches, manual_axes, manual_spec,
+                                    one_f_one_b, pipeline, stacked_spec, to_microbatches)
 from spmd.parallel.rules import spec_for
+from spmd.parallel.skeleton import is_names
 from spmd.parallel.pipeline.zero_bubble import zb_v
 
 
@@ -120,6 +122,30 @@ def _weights_of(tree: dict, weights: dict) -> dict:
     return {k: _weights_of(tree[k], v) if isinstance(v, dict) else tree[k] for k, v in weights.items()}
 
 
+def map_specs(layout: Layout, parts: StageParts, head=None) -> MapSpecs:
+    """How the pipeline's map takes the stages' weights, the `head`'s and the stages'
+    fixed part: by their names (`manual_spec`: the stacked layers over pp, experts over ep);
+    what has no weight's names (the router state, the layers' structure) as the stacked
+    layers are stored."""
+    names, stacked = layout.skeleton.names, model_class(layout.skeleton.model_cfg).STACKED
+    manual = manual_axes(layout.shape)
+
+    def specs(tree, at, stacked: bool):
+        default = stacked_spec(layout.repeats) if stacked else jax.P()
+
+        def spec(path, _):
+            node = at
+            for key in path:
+                node = node.get(getattr(key, "key", None)) if isinstance(node, dict) else None
+                if node is None:
+                    return default
+            return manual_spec(node, stacked, manual) if is_names(node) else default
+        return jax.tree_util.tree_map_with_path(spec, tree)
+
+    return MapSpecs(specs(parts.blocks, names[stacked], True), specs(head or {}, names, False),
+                    specs(parts.fixed or {}, names[stacked], True))
+
+
 def _row_spec(layout: Layout) -> jax.P:
     """One microbatch of the residual stream (batch, seq, embed) as the rules lay it out."""
     return spec_for(("batch", "residual_seq", "embed"), {**layout.rules.activations, "batch": BATCH_AXES})
@@ -136,7 +162,7 @@ def pipelined_loss(graphdef, params, rows, layout: Layout, in_stage, order, aux:
                         layout.repeats, depth=depth)
     model, columns = parts.model_of(parts.outer), parts.columns
     x = to_microbatches(parts.embedded(), shards, schedule)
-    out, stats = pipeline(layout.mesh, schedule, parts.stage, parts.blocks, x, _row_spec(layout),
+    out, stats = pipeline(layout.mesh, schedule, parts.stage, parts.blocks, x, _row_spec(layout), map_specs(layout, parts),
                           model.remat_policy(), parts.side(shards, schedule), parts.fixed)
     hidden = from_microbatches(out, shards, schedule)
     loss, metrics = objective(model.logits(hidden), columns.targets, _of_layers(stats, model.cfg), aux,
@@ -158,8 +184,9 @@ def one_f_one_b_grads(graphdef, params, rows, layout: Layout, in_stage, order, a
     trained = {name: value for name, value in params.items() if name != family.STACKED}  # of the outer ones
     head_names = [name for name in family.head_params(layout.skeleton.model_cfg) if name in trained]
     # Packed rows: each microbatch's loss over its share of the step's count (the schedule
-    # averages the microbatches' losses over them and over dp).
-    part = None if denominator is None else denominator / (schedule.microbatches * layout.shape["dp"])
+    # averages the microbatches' losses over them and over the batch shards of the map).
+    shard_count = math.prod(layout.shape[a] for a in batch_axes(manual_axes(layout.shape)))
+    part = None if denominator is None else denominator / (schedule.microbatches * shard_count)
 
     def head(head_params, y, labels):
         """One microbatch's loss to minimize and its metrics (the MoE layers' terms come
@@ -176,9 +203,10 @@ def one_f_one_b_grads(graphdef, params, rows, layout: Layout, in_stage, order, a
     run = zb_v if schedule.name in SPLIT_BACKWARD else one_f_one_b
     labels = jax.tree.map(lambda a: to_microbatches(a, shards, schedule),
                           (columns.targets, columns.weights, columns.later, columns.packing))
+    head_params = {name: outer[name] for name in head_names}
     head_metrics, d_blocks, d_head, dx, stats = run(
-        layout.mesh, schedule, parts.stage, head, parts.blocks, {name: outer[name] for name in head_names}, x,
-        labels, _row_spec(layout), aux_weights_per_layer(aux, layout.skeleton.model_cfg.moe_layers),
+        layout.mesh, schedule, parts.stage, head, parts.blocks, head_params, x, labels, _row_spec(layout),
+        map_specs(layout, parts, head_params), aux_weights_per_layer(aux, layout.skeleton.model_cfg.moe_layers),
         parts.side(shards, schedule), parts.fixed)
     (grads,) = embed_vjp(dx)
     grads = grads | {name: jax.tree.map(jnp.add, grads[name], d_head[name]) for name in head_names}

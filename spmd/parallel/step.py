@@ -40,8 +40,8 @@ from spmd.parallel.mesh import BATCH_AXES
 from spmd.parallel.objective import (AuxLosses, aux_losses, model_loss, prediction_depth, target_count,
                                      target_counts)
 from spmd.parallel.optim import applied_updates, make_optimizer, schedule
-from spmd.parallel.pipeline import MANUAL_AXES
-from spmd.parallel.rules import spec_for
+from spmd.parallel.pipeline import manual_axes
+from spmd.parallel.rules import EXPERT_AXIS, spec_for
 from spmd.parallel.skeleton import DTYPES, build_model, is_names, lora, routing
 from spmd.parallel.staged import one_f_one_b_grads, pipelined_loss
 
@@ -109,7 +109,8 @@ def model_context(layout: Layout, attention: str = "ring", local_axes: tuple[str
     # manual over them, without sp, a shard's experts are all at hand: the one-device
     # computation (chosen explicitly: an enclosing context's, for the whole batch, would not fit here).
     if layout.skeleton.model_cfg.moe is not None:
-        split = math.prod(layout.shape[a] for a in (*batch_axes, "sp")) > 1
+        # (Experts split over ep are never all at hand, ep manual or not.)
+        split = math.prod(layout.shape[a] for a in {*batch_axes, "sp", EXPERT_AXIS}) > 1
         stack.enter_context(expert_implementation(make_experts(layout.mesh, batch_axes) if split else None))
     return stack
 
@@ -314,8 +315,8 @@ class Program:
         return model_context(self.layout, self.cfg.attention, local_axes, data_axes, self.kernel)
 
     def _in_stage(self):
-        # Inside a stage the map is manual over pp and dp (spmd.parallel.pipeline): neither splits `batch` there.
-        return self._annotated(MANUAL_AXES, BATCH_AXES)
+        # Inside a stage the map is manual over pp, dp and ep (spmd.parallel.pipeline): none splits `batch` there.
+        return self._annotated(manual_axes(self.layout.shape), BATCH_AXES)
 
     def _loss(self, params, rows, router=None, denominator=None, frozen=None, aux: AuxLosses | None = None):
         """The loss of `params` (the trained ones, with the `frozen` rest if any); `aux`: what

@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 
 from models.lora import MLP_TARGETS
-from spmd.parallel.pipeline import SPLIT_BACKWARD, zero_bubble
+from spmd.parallel.pipeline import SPLIT_BACKWARD, batch_axes, manual_axes, zero_bubble
 from spmd.parallel.experts import ragged_exchange
 from spmd.parallel.layout import Layout
 from spmd.parallel.mesh import BATCH_AXES
@@ -297,25 +297,31 @@ def expert_exchange(cfg, layout: Layout, compute_bytes: int, ragged: bool) -> li
                      layers + prediction_layers(layout) * per_layer(False), f"experts: routed tokens, {kind}")]
 
 
-def prediction_lookups(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
-    """Multi-token prediction looks its later inputs up where the head runs: in the stages
-    (1f1b, zb-v, DualPipe) the table there is replicated over ep, and XLA gathers each
-    microbatch's ids (int32) over ep forward and the looked-up rows' gradients (in the
-    compute dtype) backward, where outside the stages it reduces the table's gradient
-    (measured on `pp=2,ep=2` and, in bfloat16, `pp=4,ep=2`)."""
-    ep, model = layout.shape["ep"], layout.skeleton.model_cfg
-    if not (prediction_depth(model) and head_in_stages(layout) and ep > 1):
-        return []
-    own = prediction_layers(layout) * tokens_per_device(cfg, layout.shape)
-    return [Expected("all-gather", "ep", (ep - 1) * own * (model.embed * compute_bytes + 4),
-                     "multi-token prediction: later inputs looked up in the stages' head, their rows' gradients")]
-
-
 def entering_targets(cfg, layout: Layout) -> float:
     """Bytes of a device's pp group's targets (int32) that enter stages holding the head,
     with multi-token prediction's later inputs and targets (int32) per depth."""
     depth = prediction_depth(layout.skeleton.model_cfg)
     return tokens_per_device(cfg, layout.shape) * layout.schedule.stages * 4 * (1 + 2 * depth)
+
+
+def stage_statistics(cfg, layout: Layout) -> list[Expected]:
+    """The MoE layers' statistics as the stages' map ends, where the schedule writes its
+    backward pass out: means over the batch axes the map is manual over
+    (spmd.parallel.pipeline.kit.stage_statistics), in every accumulated round; per layer of
+    the device's stages what the step reads of them, three scalars and, float32, a load per
+    expert and, where the router keeps its state, one per slot. (Under gpipe and circular,
+    differentiated by autodiff, XLA's program has no such bytes: deepseek-v3-small's
+    preset, 2026-12-07.)"""
+    schedule, model = layout.schedule, layout.skeleton.model_cfg
+    written = schedule and schedule.writes_backward and model.moe
+    shards = live(batch_axes(manual_axes(layout.shape)), layout.shape) if written else ()
+    if not shards:
+        return []
+    n, route = ways(shards, layout.shape), routing(cfg)
+    layers = model.moe_layers_run * (2 if schedule.name == "dualpipe" else 1) / schedule.stages
+    per_layer = (3 + model.moe.experts + ((route.slots or model.moe.experts) if route.balanced else 0)) * 4
+    return [Expected("all-reduce", "+".join(shards), cfg.grad_accum * layers * per_layer * 2 * (n - 1) / n,
+                     "MoE statistics: means over the batch shards as the stages end")]
 
 
 def pipeline_stages(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:

@@ -47,28 +47,15 @@ def memory(cfg, layout: Layout) -> dict[str, float]:
             elif in_head(layout, p) or (model.tie_embeddings and p.path == model_class(model).LOOKUP_TABLE):
                 gathered_head += held(p, compute, compute_bytes)
         # With accumulation each device sums its own microbatches' gradients (laid out as
-        # computed, float32) and reduces once; so does each dp shard of pipeline stages
-        # over the ticks (reduced over fsdp each tick); otherwise the reduced gradient is
-        # what is held. A LoRA run's frozen weights have none.
+        # computed, float32) and reduces once; so does each batch shard of pipeline stages
+        # over the ticks (`_summed_in_stages`); otherwise the reduced gradient is what is
+        # held. A LoRA run's frozen weights have none.
         if not p.trained:
             continue
         if cfg.grad_accum > 1:
             gradients += held(p, compute, 4)
-        elif head_in_stages(layout) and in_head(layout, p):
-            # The head in the stages: its gradient summed over the ticks (float32, as
-            # stored), split as the weight is; ZeRO's axes slice it as the map ends.
-            gradients += held(p, [a for a in spec_axes(p.names, rules.params) if a not in pipeline.MANUAL_AXES], 4)
-        elif layout.schedule and p.stacked:
-            # (With dp, split as the weights are: ZeRO's other axes slice it after dp's sum,
-            # spmd.planner.theory._gradients.) Beside the sum: under autodiff (gpipe,
-            # circular) a copy of it; under a written-out backward pass the tick's chunk
-            # gradient being added (1/v of it), and with dp the sum over dp as the map ends
-            # (XLA:GPU's buffers of llama3-70b-128xh100-3d under each schedule: within 4%).
-            split = spec_axes(p.names, rules.params if shape[pipeline.BATCH_AXIS] > 1 else rules.grads)
-            schedule = layout.schedule
-            copies = (1 + 1 / schedule.repeats + (shape[pipeline.BATCH_AXIS] > 1) if schedule.writes_backward
-                      else 2)
-            gradients += copies * held(p, [a for a in split if a != pipeline.BATCH_AXIS])
+        elif layout.schedule and (p.stacked or head_in_stages(layout) and in_head(layout, p)):
+            gradients += _summed_in_stages(layout, p, held)
         else:
             gradients += held(p, spec_axes(p.names, rules.grads))
     if compiler(layout) == "tpu":
@@ -237,3 +224,29 @@ def compiler(layout: Layout) -> str:
     """The platform whose XLA compiles the step ("cpu", "tpu", "gpu" or "cuda"): where the
     compilers hold the same values in different buffers, the theory follows each."""
     return layout.mesh.devices.flat[0].platform
+
+
+def _summed_in_stages(layout: Layout, p: Param, held) -> float:
+    """Bytes of a gradient the stages' map sums over its ticks: the head's (in the stages)
+    float32, as stored, split as the weight is, ZeRO's axes slicing it as the map ends. A
+    stacked weight's (summed over the manual batch axes as the map ends, split as the
+    weights are: ZeRO's other axes slice it after that sum, spmd.planner.theory._gradients)
+    and beside the sum: under autodiff (gpipe, circular) a copy of it; under a written-out
+    backward pass the tick's chunk gradient being added (1/v of it), and the sum as the map
+    ends (XLA:GPU's buffers of llama3-70b-128xh100-3d under each schedule: within 4%)."""
+    shape, rules, schedule = layout.shape, layout.rules, layout.schedule
+    kept, manual = in_map_split(layout, p), pipeline.manual_axes(shape)
+    if not p.stacked:
+        return held(p, [a for a in spec_axes(p.names, rules.params) if a not in manual or a in kept], 4)
+    batch = pipeline.batch_axes(manual)
+    summed = any(shape[a] > 1 for a in batch if a not in kept)
+    split = spec_axes(p.names, rules.params if summed else rules.grads)
+    copies = 1 + 1 / schedule.repeats + summed if schedule.writes_backward else 2
+    return copies * held(p, [a for a in split if a not in batch or a in kept])
+
+
+def in_map_split(layout: Layout, p: Param) -> set[str]:
+    """The manual axes a weight enters the pipeline's map split over (pp for the stacked
+    layers, ep for experts: `spmd.parallel.pipeline.manual_spec`); over the other batch
+    axes it is whole there, and its gradient summed over them as the map ends."""
+    return {a for a in pipeline.manual_spec(p.names, p.stacked, pipeline.manual_axes(layout.shape)) if a}

@@ -55,8 +55,8 @@ Under a remat policy zb-v does not split (B computes every gradient, with the bu
 
 Multi-token prediction (models.deepseek3's modules) runs where the head does: each depth
 is one more MoE layer on the head's rows, its weights gathered again in the backward pass
-like a prefix's, and the head and the table are used once more per depth
-(spmd.planner.activations.prediction_lookups for the lookups in pipeline stages).
+like a prefix's, and the head and the table are used once more per depth (in pipeline
+stages manual over ep the lookups are each device's own, from its copy of the table).
 
 Expert copies (spmd.parallel.balance.tie) add one all-reduce over ep, per MoE layer a
 device holds, of 2R expert rows of gradients (the R copy slots' and their homes'): in
@@ -71,7 +71,7 @@ from models import model_class
 from spmd.parallel import pipeline
 from spmd.parallel.layout import Layout
 from spmd.parallel.skeleton import DTYPES
-from spmd.planner.activations import (expert_parallel, pipeline_stages, prediction_lookups, sequence_parallel,
+from spmd.planner.activations import (expert_parallel, pipeline_stages, sequence_parallel, stage_statistics,
                                       tensor_parallel)
 from spmd.planner.counting import (Expected, Param, compute_table, head_in_stages, in_head, is_vector, live, params,
                                    picks_again, rows_moved, spec_axes, stage_overhead, table_scatter_axes, tokens_per_device,
@@ -166,8 +166,8 @@ def collectives(cfg, layout: Layout) -> list[Expected]:
     out += tensor_parallel(cfg, layout, compute_bytes)
     out += sequence_parallel(cfg, layout, compute_bytes)
     out += expert_parallel(cfg, layout, compute_bytes)
-    out += prediction_lookups(cfg, layout, compute_bytes)
     out += [e for e in pipeline_stages(cfg, layout, compute_bytes) if e.bytes_per_device]
+    out += stage_statistics(cfg, layout)
     return out
 
 
@@ -176,13 +176,14 @@ def _gathers(cfg, layout: Layout, p: Param, gathered: tuple[str, ...], slice_num
     """A parameter gathered where used, over `gathered`, for its uses of `widths` bytes
     per element."""
     out, shape = [], layout.shape
-    if gathered and layout.schedule and p.stacked and pipeline.BATCH_AXIS in gathered:
+    entering = tuple(a for a in gathered if a in pipeline.batch_axes(pipeline.manual_axes(shape)))
+    if entering and layout.schedule and p.stacked:
         # Stored split over dp (ZeRO-3), the stages' weights enter the map (manual over
-        # dp) gathered over it, once per step; over the rest (fsdp) as below.
-        n = shape[pipeline.BATCH_AXIS]
-        out.append(Expected("all-gather", pipeline.BATCH_AXIS, (n - 1) / n * slice_numel * p.itemsize / ways(
-            [a for a in gathered if a != pipeline.BATCH_AXIS], shape), "stage weights entering the pipeline"))
-        gathered = tuple(a for a in gathered if a != pipeline.BATCH_AXIS)
+        # dp and ep) gathered over it, once per step; over the rest (fsdp) as below.
+        n = ways(entering, shape)
+        gathered = tuple(a for a in gathered if a not in entering)
+        out.append(Expected("all-gather", "+".join(entering), (n - 1) / n * slice_numel * p.itemsize / ways(
+            gathered, shape), "stage weights entering the pipeline"))
     if gathered and widths:
         n = ways(gathered, shape)
         # Stacked weights are gathered in the layer scans of every microbatch (every
@@ -225,14 +226,14 @@ def _gradients(cfg, layout: Layout, p: Param, token_axes: tuple[str, ...], slice
     stored_split = live(spec_axes(p.names, layout.rules.grads), layout.shape)
     scatterable = stored_split
     if layout.schedule and (p.stacked or (head_in_stages(layout) and in_head(layout, p))):
-        # In the stages: over the automatic axes (fsdp; ep for the head, which 1f1b, zb-v
-        # and DualPipe run in a branch of every tick) each tick, as computed; over the
-        # manual ones (dp; pp for the head) once per round, after its ticks are summed.
+        # In the stages: over the automatic axes (fsdp, sp) each tick, as computed; over
+        # the manual ones (dp and ep; pp for the head, which 1f1b, zb-v and DualPipe run
+        # in a branch of every tick) once per round, after its ticks are summed.
         if p.stacked:
-            manual = tuple(a for a in token_axes if a == pipeline.BATCH_AXIS)
+            manual = tuple(a for a in token_axes if a in pipeline.batch_axes(pipeline.manual_axes(layout.shape)))
             runs = _stage_gradient_runs(cfg, layout, p, stage_runs)
         else:
-            manual = tuple(a for a in token_axes if a in pipeline.MANUAL_AXES)
+            manual = tuple(a for a in token_axes if a in pipeline.manual_axes(layout.shape))
             runs = _head_ticks(cfg, layout)
         automatic = tuple(a for a in token_axes if a not in manual)
         # (The head's uses are each reduced where taken over the automatic axes; over the

@@ -1,14 +1,15 @@
 """Pipeline stages over the `pp` axis, with `jax.shard_map`.
 
 The stacked layers are cut into p stages (rules table: `layers` -> pp); a step's rows are
-cut into m microbatches that stream through them. The map is manual over pp and dp; fsdp,
-ep, sp and tp stay automatic inside a stage, so a stage is the model's own layer scan under
-the same rules as without a pipeline (the experts' and ring attention's maps nest inside,
-manual over the axes this one leaves; MoE layers' statistics come out with the outputs,
-and 1F1B feeds what they add to the loss into its backward pass). Being manual over dp lets each dp shard sum its own
-gradients over the ticks and reduce them once, where the map ends (automatic, XLA would
-reduce them every tick). Activations move to the next stage by `ppermute` once per tick;
-every stage runs every tick (a bubble tick computes on zeros and its result is dropped),
+cut into m microbatches that stream through them. The map is manual over pp, dp and, where
+fsdp is 1, ep (`schedule.manual_axes`); fsdp, sp and tp stay automatic inside a stage, so a
+stage is the model's own layer scan under the same rules as without a pipeline (the
+experts' and ring attention's maps nest inside, manual over the axes this one leaves; the
+experts enter split over ep, each device's own; MoE layers' statistics come out with the
+outputs, and 1F1B feeds what they add to the loss into its backward pass). Being manual
+over dp and ep lets each shard sum its own gradients over the ticks and reduce them once,
+where the map ends (automatic, XLA reduces them every tick). Activations move to the next
+stage by `ppermute` once per tick; every stage runs every tick (a bubble tick computes on zeros and its result is dropped),
 so the compiled program executes (ticks / useful ticks) times the useful work: the
 schedule's bubble, exactly.
 
@@ -63,12 +64,11 @@ dualpipe).
 from spmd.parallel.pipeline.forward import pipeline
 from spmd.parallel.pipeline.kit import layer_statistics, micro
 from spmd.parallel.pipeline.one_f_one_b import one_f_one_b
-from spmd.parallel.pipeline.schedule import (AXIS, BATCH_AXIS, MANUAL_AXES, PP_SCHEDULES, REPEATED_SCHEDULES,
-                                             SPLIT_BACKWARD, WRITTEN_OUT, Schedule, from_microbatches, stacked_spec, stage_view,
-                                             to_microbatches)
+from spmd.parallel.pipeline.schedule import (AXIS, PP_SCHEDULES, REPEATED_SCHEDULES, SPLIT_BACKWARD, WRITTEN_OUT,
+                                             MapSpecs, Schedule, batch_axes, from_microbatches, manual_axes,
+                                             manual_spec, stacked_spec, stage_view, to_microbatches)
 from spmd.parallel.pipeline.zero_bubble import zb_v
 
-__all__ = ["AXIS", "BATCH_AXIS", "MANUAL_AXES", "PP_SCHEDULES", "REPEATED_SCHEDULES", "SPLIT_BACKWARD", "WRITTEN_OUT",
-           "Schedule",
-           "from_microbatches", "layer_statistics", "micro", "one_f_one_b", "pipeline", "stacked_spec", "stage_view",
-           "to_microbatches", "zb_v"]
+__all__ = ["AXIS", "PP_SCHEDULES", "REPEATED_SCHEDULES", "SPLIT_BACKWARD", "WRITTEN_OUT", "MapSpecs", "Schedule",
+           "batch_axes", "from_microbatches", "layer_statistics", "manual_axes", "manual_spec", "micro", "one_f_one_b",
+           "pipeline", "stacked_spec", "stage_view", "to_microbatches", "zb_v"]

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from models.annotate import RUNS_SCOPE
-from spmd.parallel.pipeline.schedule import AXIS, BATCH_AXIS
+from spmd.parallel.pipeline.schedule import AXIS, map_batch_axes
 
 
 def ring_pairs(p: int, shift: int) -> list[tuple[int, int]]:
@@ -43,9 +43,9 @@ def add_statistics(stats: dict, valid, repeat, totals: dict) -> dict:
 
 
 def stage_statistics(totals: dict, m: int) -> dict:
-    """The stage's statistics: means over its microbatches and dp shards, with a leading
-    stage axis (the map's output is split over pp along it)."""
-    return jax.tree.map(lambda total: jax.lax.pmean(total / m, BATCH_AXIS)[None], totals)
+    """The stage's statistics: means over its microbatches and the map's batch shards, with
+    a leading stage axis (the map's output is split over pp along it)."""
+    return jax.tree.map(lambda total: jax.lax.pmean(total / m, map_batch_axes())[None], totals)
 
 
 def layer_statistics(per_stage: dict) -> dict:
@@ -141,8 +141,8 @@ def add_metrics(totals: dict, metrics: dict, keep) -> dict:
 
 def mean_metrics(totals: dict, m: int) -> dict:
     """The summed metrics (on the last stage or stages, zeros elsewhere) as means over the
-    m microbatches and the dp shards."""
-    return jax.tree.map(lambda total: jax.lax.pmean(jax.lax.psum(total, AXIS) / m, BATCH_AXIS), totals)
+    m microbatches and the map's batch shards."""
+    return jax.tree.map(lambda total: jax.lax.pmean(jax.lax.psum(total, AXIS) / m, map_batch_axes()), totals)
 
 
 def split_vjp(stage_fn, chunk, example: jax.Array, side_example=None, fixed=None):

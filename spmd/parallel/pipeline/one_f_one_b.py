@@ -13,7 +13,8 @@ import jax.numpy as jnp
 from spmd.parallel.pipeline.kit import (add_metrics, add_statistics, from_stage_0, head_vjp, mean_metrics, layer_statistics, micro, no_statistics,
                                         only_stage_0, ring_pairs, split_vjp, stage_copies, stage_statistics,
                                         weighted_statistics)
-from spmd.parallel.pipeline.schedule import AXIS, BATCH_AXIS, MANUAL_AXES, Schedule, stacked_spec, stage_view
+from spmd.parallel.pipeline.schedule import (AXIS, MapSpecs, Schedule, batch_axes, manual_axes, map_batch_axes, stage_view,
+                                             summed_over_shards)
 
 
 def interleaved_order(i, p: int, v: int):
@@ -26,7 +27,7 @@ def interleaved_order(i, p: int, v: int):
 
 
 def one_f_one_b(mesh, schedule: Schedule, stage_fn, head_fn, blocks, head, x: jax.Array, targets,
-                rows: jax.P, statistics_weights=None, side=None, fixed=None):
+                rows: jax.P, specs: MapSpecs, statistics_weights=None, side=None, fixed=None):
     """Loss and gradients with the 1F1B schedule, or interleaved 1F1B (`repeats` v > 1:
     stage s holds chunks s, s+p, ... stored as for circular), with no `jax.grad` around
     it: the backward pass is interleaved with the forward here.
@@ -39,7 +40,8 @@ def one_f_one_b(mesh, schedule: Schedule, stage_fn, head_fn, blocks, head, x: ja
     each statistic adds to what is minimized, per microbatch of the whole batch (e.g. an
     MoE balance loss's weight over the number of MoE layers); None: nothing.
     x: (m, mb, ...) embedded microbatches, split over pp along m; targets (m, mb, ...), or
-    a tree of such arrays; `rows`: one microbatch's spec; `side`: the microbatches' side inputs;
+    a tree of such arrays; `rows`: one microbatch's spec; `specs`: how `blocks`, `head` and
+    `fixed` enter the map (`MapSpecs`); `side`: the microbatches' side inputs;
     `fixed`: stacked weights stored as `blocks` are, which the stages read but which are not
     differentiated (a frozen base), passed to `stage_fn(chunk, x, side, fixed_chunk)`.
     Returns (metrics, d_blocks, d_head, dx, statistics): the head's mean metrics, the gradients of the
@@ -58,15 +60,16 @@ def one_f_one_b(mesh, schedule: Schedule, stage_fn, head_fn, blocks, head, x: ja
             body = functools.partial(stage.tick, forwards=forwards, backwards=backwards)
             carry, _ = jax.lax.scan(body, carry, start + jnp.arange(length))
         d_blocks = jax.tree.map(lambda g, w: g.reshape(w.shape), carry.d_chunks, blocks)
-        return (mean_metrics(carry.metrics, m), jax.lax.psum(d_blocks, BATCH_AXIS),
-                jax.lax.psum(carry.d_head, MANUAL_AXES), only_stage_0(carry.dx, stage.stage),
+        return (mean_metrics(carry.metrics, m), summed_over_shards(d_blocks, specs.blocks),
+                summed_over_shards(carry.d_head, specs.head, also=(AXIS,)), only_stage_0(carry.dx, stage.stage),
                 stage_statistics(carry.totals, m))
 
-    copies = jax.P(AXIS, None, BATCH_AXIS)
-    per_microbatch = jax.P(None, BATCH_AXIS)
+    manual = manual_axes(mesh.shape)
+    copies = jax.P(AXIS, None, batch_axes(manual))
+    per_microbatch = jax.P(None, batch_axes(manual))
     metrics, d_blocks, d_head, dx, stats = jax.shard_map(
-        run, mesh=mesh, in_specs=(stacked_spec(v), jax.P(), copies, per_microbatch, per_microbatch, stacked_spec(v)),
-        out_specs=(jax.P(), stacked_spec(v), jax.P(), copies, jax.P(AXIS)), axis_names=frozenset(MANUAL_AXES),
+        run, mesh=mesh, in_specs=(specs.blocks, specs.head, copies, per_microbatch, per_microbatch, specs.fixed),
+        out_specs=(jax.P(), specs.blocks, specs.head, copies, jax.P(AXIS)), axis_names=frozenset(manual),
         check_vma=False,
     )(blocks, head, stage_copies(x, mesh, rows), targets, side, fixed or {})
     return metrics, d_blocks, d_head, from_stage_0(dx, mesh, rows), layer_statistics(stats)
@@ -114,7 +117,8 @@ class _Stage:
         p, m, v = schedule.stages, schedule.microbatches, schedule.repeats
         chunks, fixed_chunks = (jax.tree.map(lambda w: stage_view(w, v), tree) for tree in (blocks, fixed))
         first = lambda tree: jax.tree.map(lambda w: w[0], tree)  # noqa: E731
-        seed = 1.0 / (m * jax.lax.psum(1, BATCH_AXIS))  # each dp shard's microbatch loss is a mean over its own rows
+        # Each batch shard's microbatch loss is a mean over its own rows.
+        seed = 1.0 / (m * jax.lax.psum(1, map_batch_axes()))
         forward, backward, shapes = split_vjp(stage_fn, first(chunks), x[0], micro(side, 0), first(fixed_chunks))
         no_stats = no_statistics(stage_fn, chunks, x[0], micro(side, 0), fixed_chunks)
         return cls(p, m, v, schedule.residual_slots, v * p - 1, jax.lax.axis_index(AXIS), x, side, chunks,

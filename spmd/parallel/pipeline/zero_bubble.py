@@ -48,7 +48,8 @@ from models.annotate import RUNS_SCOPE
 from spmd.parallel.pipeline.kit import (Conveyor, add_metrics, add_statistics, counted_switch, head_vjp,
                                         layer_statistics, mean_metrics, micro, no_statistics, stage_statistics,
                                         weighted_statistics)
-from spmd.parallel.pipeline.schedule import AXIS, BATCH_AXIS, MANUAL_AXES, Schedule, stacked_spec, stage_view
+from spmd.parallel.pipeline.schedule import (AXIS, MapSpecs, Schedule, batch_axes, manual_axes, map_batch_axes, stage_view,
+                                             summed_over_shards)
 from spmd.parallel.pipeline.split import split_backward, whole_backward
 
 # ------------------------------------------------------------------------- the schedule
@@ -189,7 +190,7 @@ class Route:
 
 
 def zb_v(mesh, schedule: Schedule, stage_fn, head_fn, blocks, head, x: jax.Array, targets,
-         rows: jax.P, statistics_weights=None, side=None, fixed=None):
+         rows: jax.P, specs: MapSpecs, statistics_weights=None, side=None, fixed=None):
     """Loss and gradients with the zb-v or the DualPipe schedule; arguments and results as
     `spmd.parallel.pipeline.one_f_one_b`'s (zb-v's blocks stored as circular's with 2
     chunks, DualPipe's as 1f1b's)."""
@@ -237,17 +238,17 @@ def zb_v(mesh, schedule: Schedule, stage_fn, head_fn, blocks, head, x: jax.Array
         stats = stage_statistics(carry.totals, m)
         if dual:  # the mirror stage's added to the stage's own, as its gradients are
             stats = jax.tree.map(lambda s: stored(s[0, 0], s[0, 1])[None], stats)
-        return (mean_metrics(carry.metrics, m), jax.lax.psum(d_blocks, BATCH_AXIS),
-                jax.lax.psum(carry.d_head, MANUAL_AXES), carry.dx, stats)
+        return (mean_metrics(carry.metrics, m), summed_over_shards(d_blocks, specs.blocks),
+                summed_over_shards(carry.d_head, specs.head, also=(AXIS,)), carry.dx, stats)
 
-    stacked = stacked_spec(1 if dual else 2)
     # The rows stay split over pp along m (each rank its own microbatches and their
     # gradients: Conveyor), the targets are every stage's.
-    queue, per_microbatch = jax.P(AXIS, BATCH_AXIS), jax.P(None, BATCH_AXIS)
+    manual = manual_axes(mesh.shape)
+    queue, per_microbatch = jax.P(AXIS, batch_axes(manual)), jax.P(None, batch_axes(manual))
     split = jax.NamedSharding(mesh, jax.P(AXIS, *rows))
     metrics, d_blocks, d_head, dx, stats = jax.shard_map(
-        run, mesh=mesh, in_specs=(stacked, jax.P(), queue, per_microbatch, per_microbatch, stacked),
-        out_specs=(jax.P(), stacked, jax.P(), queue, jax.P(AXIS)), axis_names=frozenset(MANUAL_AXES),
+        run, mesh=mesh, in_specs=(specs.blocks, specs.head, queue, per_microbatch, per_microbatch, specs.fixed),
+        out_specs=(jax.P(), specs.blocks, specs.head, queue, jax.P(AXIS)), axis_names=frozenset(manual),
         check_vma=False,
     )(blocks, head, jax.lax.with_sharding_constraint(x, split), targets, side, fixed or {})
     # zb-v: device d's second chunk is stored on device p-1-d, and its statistics go there.
@@ -330,7 +331,7 @@ class _VStage:
     def of(cls, schedule: Schedule, table: dict, stage_fn, head_fn, chunks, fixed_chunks, head_params, x, targets,
            side, statistics_weights) -> _VStage:
         m = schedule.microbatches
-        seed = 1.0 / (m * jax.lax.psum(1, BATCH_AXIS))
+        seed = 1.0 / (m * jax.lax.psum(1, map_batch_axes()))
         *passes, shapes = (split_backward if schedule.defers_weights else whole_backward)(
             stage_fn, chunks[0], x[0], micro(side, 0), fixed_chunks[0])
         no_stats = no_statistics(stage_fn, chunks[0], x[0], micro(side, 0), fixed_chunks[0], count=2)
