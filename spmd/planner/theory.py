@@ -226,9 +226,10 @@ def _gradients(cfg, layout: Layout, p: Param, token_axes: tuple[str, ...], slice
     stored_split = live(spec_axes(p.names, layout.rules.grads), layout.shape)
     scatterable = stored_split
     if layout.schedule and (p.stacked or (head_in_stages(layout) and in_head(layout, p))):
-        # In the stages: over the automatic axes (fsdp, sp) each tick, as computed; over
-        # the manual ones (dp and ep; pp for the head, which 1f1b, zb-v and DualPipe run
-        # in a branch of every tick) once per round, after its ticks are summed.
+        # In the stages: over the automatic axes (fsdp, sp; ep where fsdp splits the
+        # weights) each tick, as computed; over the manual ones (dp, and ep where fsdp is 1:
+        # pipeline.manual_axes; pp for the head, which 1f1b, zb-v and DualPipe run in a
+        # branch of every tick) once per round, after its ticks are summed.
         if p.stacked:
             manual = tuple(a for a in token_axes if a in pipeline.batch_axes(pipeline.manual_axes(layout.shape)))
             runs = _stage_gradient_runs(cfg, layout, p, stage_runs)
@@ -243,7 +244,7 @@ def _gradients(cfg, layout: Layout, p: Param, token_axes: tuple[str, ...], slice
         # Where the map ends with a manual sum, XLA slices the stored gradient after it:
         # each tick's gradient is reduce-scattered only over the axes the weights are
         # gathered over (the gather's transpose; fsdp) and all-reduced over the other
-        # automatic ones (ep, which ZeRO splits the stored gradient over), and the manual
+        # automatic ones (ep beside fsdp, which ZeRO splits the stored gradient over), and the manual
         # sum is an all-reduce too. (Without one the ticks' sums are reduce-scattered as stored.)
         gathered = live(spec_axes(p.names, layout.rules.params), layout.shape)
         if manual and any(a in automatic and a not in gathered for a in stored_split):
