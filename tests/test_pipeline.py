@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from conftest import PARITY, assert_params_match, train_run
 
+from models.llama.presets import PRESETS
 from spmd.base.errors import UserError
 from spmd.config import TrainConfig, validate
 from spmd.formats.checkpoint import Checkpoints, make_meta
@@ -328,3 +329,23 @@ def test_split_backward_rings_are_written_in_place():
     assert re.search(rf"\[{slots[0]},4,1,16,64\]", text)  # the ring of the layers' inputs (4 a chunk)
     copies = _ring_copies(text, slots)
     assert max(copies.values(), default=0) <= 1, copies
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "dualpipe"])
+def test_the_heads_conditional_writes_no_head_sized_zeros(schedule):
+    """The head runs in a conditional on the devices holding the last chunk and adds its
+    gradients to the sums it is passed (`kit.head_vjp`); the others pass the sums through.
+    Returning the gradients alone, the other branch wrote head-sized zeros in every tick
+    and both sets of buffers lived beside the sums (DeepSeek-V3's 2,048-GPU layout on
+    XLA:CPU, float32: 107.1 -> 100.5 GiB). No branch inside the step's loops materializes a
+    head-sized broadcast (XLA:CPU's: a fusion that only broadcasts)."""
+    vocab = 4096
+    cfg = validate(TrainConfig(mesh="pp=2", architecture=dataclasses.replace(PRESETS["tiny"], vocab=vocab), batch=4,
+                               seq=16, microbatches=4, remat="full", pp_schedule=schedule))
+    module = hlo.parse(build_program(cfg, make_layout(cfg, jax.devices()[:2])).compile_step().as_text())
+    embed = PRESETS["tiny"].embed
+    head_shaped = lambda i: sorted(hlo.dims_of(i.result_type)) == [embed, vocab]  # noqa: E731
+    zeros = [(i.computation, i.result_type) for comp in module.in_loops() & hlo.branch_computations(module)
+             for i in module.instructions[comp].values()
+             if i.op == "broadcast" and module.roots[comp] == i.name and head_shaped(i)]
+    assert not zeros, zeros

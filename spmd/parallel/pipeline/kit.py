@@ -116,22 +116,29 @@ def weighted_statistics(no_stats: dict, statistics_weights, seed: float) -> dict
 
 
 def head_vjp(head_fn, head_params, targets, seed: float, example: jax.Array):
-    """head(y, k, here) -> (metrics, d_head, dy): microbatch k's metrics from the last
-    chunk's output y (`head_fn(head, y, targets) -> (loss to minimize, metrics)`) and the
-    gradients of what it minimizes (seeded with `seed`), on the device where `here`; zeros
-    elsewhere. `targets`: the microbatches' (m, mb, ...) arrays, or a tree of them;
-    `example`: an output y. Also returns the metrics' zeros, to sum them from."""
-    def on_this_device(y, k):
+    """head(y, k, here, d_head, keep) -> (metrics, d_head, dy): on the device where `here`,
+    microbatch k's metrics from the last chunk's output y (`head_fn(head, y, targets) ->
+    (loss to minimize, metrics)`), the sum `d_head` with the gradients of what it minimizes
+    (seeded with `seed`) where `keep`, and the gradient dy; elsewhere zeros and `d_head` as
+    it was. The sum is made inside the conditional: one returning the gradients alone wrote
+    head-sized zeros elsewhere and kept its results beside the sum (DeepSeek-V3's 2,048-GPU
+    layout: XLA:CPU's peak 107.1 -> 100.5 GiB). `targets`: the microbatches' (m, mb, ...)
+    arrays, or a tree of them; `example`: an output y. Also returns the metrics' zeros, to
+    sum them from."""
+    def on_this_device(y, k, d_head, keep):
         _, vjp, metrics = jax.vjp(lambda h, y: head_fn(h, y, micro(targets, k)), head_params, y, has_aux=True)
-        d_head, dy = vjp(jnp.asarray(seed, jnp.float32))
-        return metrics, d_head, dy
+        grads, dy = vjp(jnp.asarray(seed, jnp.float32))
+        return metrics, jax.tree.map(lambda acc, g: acc + jnp.where(keep, g, 0), d_head, grads), dy
 
-    no_metrics = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(on_this_device, example, 0)[0])
+    shapes = jax.eval_shape(on_this_device, example, 0, head_params, True)[0]
+    no_metrics = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
-    def elsewhere(y, k):
-        return no_metrics, jax.tree.map(jnp.zeros_like, head_params), jnp.zeros_like(y)
+    def elsewhere(y, k, d_head, keep):
+        return no_metrics, d_head, jnp.zeros_like(y)
 
-    return (lambda y, k, here: jax.lax.cond(here, on_this_device, elsewhere, y, k)), no_metrics
+    def head(y, k, here, d_head, keep):
+        return jax.lax.cond(here, on_this_device, elsewhere, y, k, d_head, keep)
+    return head, no_metrics
 
 
 def add_metrics(totals: dict, metrics: dict, keep) -> dict:

@@ -158,12 +158,12 @@ class _Stage:
         (y, stats), residuals = self.forward(self.pick(r, self.chunks), inp, micro(self.side, k),
                                              self.pick(r, self.fixed_chunks))
         final = last & (r == v - 1)
-        head_metrics, head_grads, dy = self.head(y, k, final)
         keep = valid & final
+        head_metrics, d_head, dy = self.head(y, k, final, c.d_head, keep)
         return c._replace(
             arrived=jax.lax.ppermute(y, AXIS, ring_pairs(p, 1)),
             ring=[buf.at[i % self.slots].set(res) for buf, res in zip(c.ring, residuals)],
-            d_head=jax.tree.map(lambda acc, g: acc + jnp.where(keep, g, 0), c.d_head, head_grads),
+            d_head=d_head,
             metrics=add_metrics(c.metrics, head_metrics, keep),
             totals=add_statistics(stats, valid, r, c.totals)), dy
 

@@ -423,12 +423,12 @@ class _VStage:
                         jnp.where((c == 1) & (self.stage == p - 1), s.f_own, s.f_in))
         (y, stats), b_res, w_res = self.on_slot(parity, lambda w, f: self.passes[0](w, inp, micro(self.side, k), f))
         final = self.route.leaves(self.stage, c)
-        head_metrics, head_grads, dy = self.head(y, k, final)
         keep = valid & final
+        head_metrics, d_head, dy = self.head(y, k, final, s.d_head, keep)
         return s._replace(
             f_in=_send(y, _pairs(p, parity, True)), f_own=y,
             b_ring=_write(s.b_ring, t % slots[0], b_res), w_ring=_write(s.w_ring, t % slots[1], w_res),
-            d_head=jax.tree.map(lambda acc, g: acc + jnp.where(keep, g, 0), s.d_head, head_grads),
+            d_head=d_head,
             metrics=add_metrics(s.metrics, head_metrics, keep), totals=add_statistics(stats, valid, c, s.totals)), dy
 
     def _backward_input(self, s: _VCarry, t, parity: int, dy) -> _VCarry:
