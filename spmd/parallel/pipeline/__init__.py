@@ -9,9 +9,9 @@ experts enter split over ep, each device's own; MoE layers' statistics come out 
 outputs, and 1F1B feeds what they add to the loss into its backward pass). Being manual
 over dp and ep lets each shard sum its own gradients over the ticks and reduce them once,
 where the map ends (automatic, XLA reduces them every tick). Activations move to the next
-stage by `ppermute` once per tick; every stage runs every tick (a bubble tick computes on zeros and its result is dropped),
-so the compiled program executes (ticks / useful ticks) times the useful work: the
-schedule's bubble, exactly.
+stage by `ppermute` once per tick; every stage runs every tick (a bubble tick computes on
+zeros and its result is dropped), so the compiled program executes (ticks / useful ticks)
+times the useful work: the schedule's bubble, exactly.
 
 Outside the map, pp is one more data axis: the embedding, the output head and the loss
 run on rows split over (dp, fsdp, ep, pp). The microbatches enter as one copy per stage

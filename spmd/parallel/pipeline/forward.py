@@ -18,8 +18,9 @@ def pipeline(mesh, schedule: Schedule, stage_fn, blocks, x: jax.Array, rows: jax
     its `side` inputs, or None, and its part of `fixed`) and reports per-layer statistics
     (MoE layers'; a dict of arrays with a leading layer axis, empty for dense layers);
     `rows`: one microbatch's spec; `specs`: how `blocks` and `fixed` enter the map
-    (`MapSpecs`); `policy`: the model's remat policy; `side`: the microbatches' side inputs (module docstring), or None; `fixed`: what the stages read
-    but do not differentiate, stored as `blocks` are (as for `one_f_one_b`), or None.
+    (`MapSpecs`); `policy`: the model's remat policy; `side`: the microbatches' side inputs
+    (module docstring), or None; `fixed`: what the stages read but do not differentiate,
+    stored as `blocks` are (as for `one_f_one_b`), or None.
     Returns the outputs, laid out like x, and the statistics of every layer, each a mean
     over the microbatches (`layer_statistics`)."""
     p, m, v = schedule.stages, schedule.microbatches, schedule.repeats
