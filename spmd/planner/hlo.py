@@ -337,6 +337,19 @@ def dims_of(type_text: str) -> list[int]:
     return [int(d) for d in found.group(2).split(",") if d] if found else []
 
 
+def fused_computation(instr: Instruction) -> str | None:
+    """The computation a fusion calls (None for another op)."""
+    found = re.search(r"\bcalls=%?([\w.\-]+)", instr.attributes) if instr.op == "fusion" else None
+    return found.group(1) if found else None
+
+
+def root_of(module: HloModule, computation: str, instr: Instruction) -> tuple[str, Instruction]:
+    """A fusion's root, in the fused computation (XLA wraps lone ops in fusions), else the instruction."""
+    if (fused := fused_computation(instr)) and fused in module.roots:
+        return fused, module.instructions[fused][module.roots[fused]]
+    return computation, instr
+
+
 def branch_computations(module: HloModule) -> set[str]:
     """Computations that run only in some branch of a `conditional` (and what they call),
     but for branches that say how often they run (`HloModule.declared_share`)."""

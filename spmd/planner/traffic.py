@@ -174,7 +174,7 @@ def _slice_fraction(module: hlo.HloModule, computation: str, name: str, elements
             fractions.add(_kept_part(module, user, elements, frames, groups))
         elif _is_copy(module, user) or user.op.endswith("-done"):  # (an asynchronous collective's result)
             fractions.add(_slice_fraction(module, computation, user.name, elements, depth + 1, groups, frames))
-        elif user.op == "fusion" and (fused := _called(user)):
+        elif user.op == "fusion" and (fused := hlo.fused_computation(user)):
             for index, operand in enumerate(user.operands):
                 if operand == name:
                     param = module.parameter(fused, index)
@@ -210,11 +210,6 @@ _SLICE_SPAN = re.compile(r"slice=\{\[(\d+):(\d+)\]\}")
 _PASS_THROUGH = ("bitcast", "copy", "convert", "parameter")
 
 
-def _called(instr: hlo.Instruction) -> str | None:
-    found = re.search(r"\bcalls=%?([\w.\-]+)", instr.attributes)
-    return found.group(1) if found else None
-
-
 def _elementwise_copy(module: hlo.HloModule, computation: str) -> bool:
     """A fused computation that only converts, copies or bitcasts its one parameter."""
     instrs = module.instructions.get(computation, {})
@@ -226,14 +221,7 @@ def _is_copy(module: hlo.HloModule, instr: hlo.Instruction) -> bool:
     """Moves or converts one value without computing (a convert, bitcast or copy, alone or fused)."""
     if instr.op in ("bitcast", "copy", "convert"):
         return True
-    return instr.op == "fusion" and (fused := _called(instr)) is not None and _elementwise_copy(module, fused)
-
-
-def _root_of(module: hlo.HloModule, computation: str, instr: hlo.Instruction) -> tuple[str, hlo.Instruction]:
-    """A fusion's root, in the fused computation (XLA:GPU wraps lone ops in fusions), else the instruction."""
-    if instr.op == "fusion" and (fused := _called(instr)) and fused in module.roots:
-        return fused, module.instructions[fused][module.roots[fused]]
-    return computation, instr
+    return instr.op == "fusion" and (fused := hlo.fused_computation(instr)) is not None and _elementwise_copy(module, fused)
 
 
 def _source_width(module: hlo.HloModule, computation: str, name: str) -> float:
@@ -242,7 +230,7 @@ def _source_width(module: hlo.HloModule, computation: str, name: str) -> float:
     moves the bf16 values themselves."""
     instr = module.instructions[computation].get(name)
     while instr is not None:
-        if instr.op == "fusion" and (root := _root_of(module, computation, instr))[1] is not instr:
+        if instr.op == "fusion" and (root := hlo.root_of(module, computation, instr))[1] is not instr:
             computation, instr = root
         elif instr.op in ("bitcast", "copy", "transpose"):  # the same values, moved
             instr = module.instructions[computation].get(instr.operands[0])
@@ -289,7 +277,7 @@ def _concatenated(module: hlo.HloModule, computation: str, name: str) -> list[in
     instr = module.instructions[computation].get(name)
     if instr is None or len(hlo.dims_of(instr.result_type)) != 1:
         return None
-    inner, root = _root_of(module, computation, instr)
+    inner, root = hlo.root_of(module, computation, instr)
     if root.op != "concatenate":
         return None
     table = module.instructions[inner]
@@ -304,7 +292,7 @@ def _piece_fractions(module: hlo.HloModule, computation: str, name: str, pieces:
     spans = {(sum(pieces[:i]), sum(pieces[:i + 1])): i for i in range(len(pieces))}
     found: dict[int, set[int]] = {}
     for user in module.users(computation, name):
-        _, root = _root_of(module, computation, user)
+        _, root = hlo.root_of(module, computation, user)
         span = _SLICE_SPAN.search(root.attributes) if root.op == "slice" else None
         i = spans.get((int(span.group(1)), int(span.group(2)))) if span else None
         if i is None:
