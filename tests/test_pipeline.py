@@ -332,17 +332,19 @@ def test_split_backward_rings_are_written_in_place():
     assert max(copies.values(), default=0) <= 1, copies
 
 
+WIDE_VOCAB = 4096  # the head and the table 4,096 x 64, apart from every other weight's shape
+
+
+def _head_shaped(instr: hlo.Instruction) -> bool:
+    return sorted(hlo.dims_of(instr.result_type)) == sorted([PRESETS["tiny"].embed, WIDE_VOCAB])
+
+
 @functools.lru_cache(maxsize=None)
 def _wide_vocabulary_step(schedule: str) -> hlo.HloModule:
-    """The compiled step of tiny with a 4,096-token vocabulary (its head and table 4,096 x 64,
-    apart from every other weight's shape), pp=2 under `schedule`."""
+    """The compiled step of tiny with a `WIDE_VOCAB` vocabulary, pp=2 under `schedule`."""
     cfg = validate(TrainConfig(mesh="pp=2", architecture=dataclasses.replace(PRESETS["tiny"], vocab=WIDE_VOCAB),
                                batch=4, seq=16, microbatches=4, remat="full", pp_schedule=schedule))
     return hlo.parse(build_program(cfg, make_layout(cfg, jax.devices()[:2])).compile_step().as_text())
-
-
-WIDE_VOCAB = 4096
-head_shaped = lambda i: sorted(hlo.dims_of(i.result_type)) == sorted([PRESETS["tiny"].embed, WIDE_VOCAB])  # noqa: E731
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "dualpipe"])
@@ -356,7 +358,7 @@ def test_the_heads_conditional_writes_no_head_sized_zeros(schedule):
     module = _wide_vocabulary_step(schedule)
     zeros = [(i.computation, i.result_type) for comp in module.in_loops() & hlo.branch_computations(module)
              for i in module.instructions[comp].values()
-             if i.op == "broadcast" and module.roots[comp] == i.name and head_shaped(i)]
+             if i.op == "broadcast" and module.roots[comp] == i.name and _head_shaped(i)]
     assert not zeros, zeros
 
 
@@ -367,12 +369,13 @@ def test_the_tables_gradient_zeros_are_made_after_the_stages(schedule):
     computes at the step's start and holds through the loops: the table's size beside the
     pipeline's whole heap (3.45 GiB in float32 on DeepSeek-V3's 2,048-GPU layout, 100.5 ->
     97.0 GiB). `models.lookup` makes them after the rows' gradient exists: in the step's
-    order, what the scatter writes into comes after its last loop."""
+    order (a compiled module lists its instructions as scheduled), what the scatter writes
+    into comes after its last loop."""
     module = _wide_vocabulary_step(schedule)
     order = list(module.instructions[module.entry].values())
     at = {i.name: n for n, i in enumerate(order)}
     last_loop = max(n for n, i in enumerate(order) if i.op == "while")
-    scatters = [i for i in order if head_shaped(i) and hlo.root_of(module, module.entry, i)[1].op == "scatter"]
+    scatters = [i for i in order if _head_shaped(i) and hlo.root_of(module, module.entry, i)[1].op == "scatter"]
     assert scatters
     early = [(i.name, i.operands[0]) for i in scatters if at.get(i.operands[0], -1) < last_loop]
     assert not early, (early, order[last_loop].name)

@@ -221,7 +221,7 @@ def _is_copy(module: hlo.HloModule, instr: hlo.Instruction) -> bool:
     """Moves or converts one value without computing (a convert, bitcast or copy, alone or fused)."""
     if instr.op in ("bitcast", "copy", "convert"):
         return True
-    return instr.op == "fusion" and (fused := hlo.fused_computation(instr)) is not None and _elementwise_copy(module, fused)
+    return (fused := hlo.fused_computation(instr)) is not None and _elementwise_copy(module, fused)
 
 
 def _source_width(module: hlo.HloModule, computation: str, name: str) -> float:
