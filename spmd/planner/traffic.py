@@ -174,7 +174,7 @@ def _slice_fraction(module: hlo.HloModule, computation: str, name: str, elements
             fractions.add(_kept_part(module, user, elements, frames, groups))
         elif _is_copy(module, user) or user.op.endswith("-done"):  # (an asynchronous collective's result)
             fractions.add(_slice_fraction(module, computation, user.name, elements, depth + 1, groups, frames))
-        elif user.op == "fusion" and (fused := hlo.fused_computation(user)):
+        elif fused := hlo.fused_computation(user):
             for index, operand in enumerate(user.operands):
                 if operand == name:
                     param = module.parameter(fused, index)
@@ -230,7 +230,7 @@ def _source_width(module: hlo.HloModule, computation: str, name: str) -> float:
     moves the bf16 values themselves."""
     instr = module.instructions[computation].get(name)
     while instr is not None:
-        if instr.op == "fusion" and (root := hlo.root_of(module, computation, instr))[1] is not instr:
+        if (root := hlo.root_of(module, computation, instr))[1] is not instr:
             computation, instr = root
         elif instr.op in ("bitcast", "copy", "transpose"):  # the same values, moved
             instr = module.instructions[computation].get(instr.operands[0])
