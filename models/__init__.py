@@ -23,7 +23,8 @@ from models.qwen3 import Qwen3Config
 FAMILIES: dict[type, type] = {LlamaConfig: Llama, Qwen3Config: qwen3.Qwen3, Qwen2Config: qwen2.Qwen2,
                               MistralConfig: mistral.Mistral, Gemma3Config: gemma3.Gemma3,
                               DeepSeekV3Config: deepseek3.DeepSeekV3}
-# Each family's Hugging Face layout (see models.llama.hf): ARCHITECTURES it reads,
+# Each family's Hugging Face layout (see models.llama.hf): ARCHITECTURES it reads (each
+# with the model_type it must be published with),
 # config_values (config.json checked against its field tables), config_from_hf,
 # config_to_hf, supported (why a config has no such layout), tensors, tensor_count (how
 # many published tensors a config implies, before any per-layer loop) and copies

@@ -27,7 +27,7 @@ import time
 from collections.abc import Sequence
 
 from spmd.base.cli import OneLineErrorParser, finite, integer
-from spmd.base.errors import UserError, one_line_errors
+from spmd.base.errors import UserError, file_kind, one_line_errors
 
 # A fixed bound, the same on every machine: every process is a whole JAX runtime (a few
 # hundred MB and its own threads), so no single machine runs a thousand of them usefully,
@@ -73,6 +73,8 @@ def parse(argv: list[str]):
     command = argv[split + 1:]
     if args.nproc < 1 or not command:
         raise UserError("--nproc must be at least 1, and a command must follow --")
+    if not command[0]:  # (the system would look for it as each directory of PATH, and call that permission denied)
+        raise UserError("the command after -- is empty (''); give the program to run")
     if args.nproc > MAX_PROCESSES:
         raise UserError(f"--nproc {args.nproc:,} is more than the {MAX_PROCESSES} processes one machine can run "
                         "(one JAX runtime each)")
@@ -121,10 +123,20 @@ def _why_not_started(exc: OSError, command: list[str], index: int, count: int, s
     if isinstance(exc, FileNotFoundError):
         why = f"command not found: {command[0]}"
     elif isinstance(exc, PermissionError):
-        why = f"cannot run {command[0]}: permission denied"
+        why = f"cannot run {command[0]}: {_not_a_program(command[0]) or 'permission denied'}"
     else:
         why = f"cannot start process {index} of {count}: {exc.strerror or exc}"
     return why + (f"; stopped the {started} already started" if started else "")
+
+
+def _not_a_program(name: str) -> str | None:
+    """What `name` is where the system looked for it, when that is no file (a directory
+    is refused as "permission denied"); None for a file, which it may not run."""
+    places = [name] if "/" in name else [os.path.join(d or ".", name) for d in os.get_exec_path()]
+    for place in places:  # the search reports the first refusal it met (what is not there, it passes)
+        if os.path.lexists(place) and (kind := file_kind(place)) != "a broken symbolic link":
+            return None if kind == "a regular file" or kind.startswith("unreadable") else f"it is {kind}, not a program"
+    return None
 
 
 def stop(procs: list[subprocess.Popen], timeout: float = STOP_WAIT_S) -> None:

@@ -2,9 +2,11 @@
 them, as tests/test_bad_input.py generates the options' from the parsers: every field of a
 fine-tuning record of each format (spmd.data.records), chat templates that fail or go past
 their bounds (spmd.data.chat), every key of a PEFT adapter_config.json (its schema,
-spmd.formats.peft.FIELDS) and its tensors file, data files that are no data, `spmd.launch`'s
-flags together and a process that fails, and every variable that places a process (JAX's
-and SLURM's), each given values of the wrong kind, out of bounds and empty.
+spmd.formats.peft.FIELDS) and its tensors file, data files that are no data, a config.json
+whose model_type is not its architecture's, `spmd.launch`'s flags together, commands that are
+no program and a process that fails, and every variable that places a process (JAX's and
+SLURM's), each given values of the wrong kind, out of bounds and empty. Inputs that only look
+wrong (a JSONL file that starts with a byte-order mark) run, and write what their plain twin writes.
 
 Every case runs on the command line (spmd.train, spmd.eval, spmd.generate, spmd.corpus,
 spmd.launch), all in one driver, one fork each (tests/cli_driver.py): one `error:` line that
@@ -326,12 +328,21 @@ DATA = {  # name -> (path under {data}, fragment)
     "a FIFO": ("fifo.jsonl", "is a FIFO"), "a broken link": ("broken.jsonl", "broken.jsonl"),
     "a folder holding a FIFO": ("with_fifo", "is a FIFO"), "a folder of hidden files": ("hidden", "no data files"),
     "a folder of two kinds": ("mixed", "mixes kinds of data"),
-    "an empty text file": ("empty.txt", "empty.txt"), "an empty JSONL file": ("empty.jsonl", "empty.jsonl"),
+    "an empty text file": ("empty.txt", "empty.txt"),
+    "an empty JSONL file": ("empty.jsonl", "empty.jsonl holds no records (the file is empty)"),
     "a binary text file": ("binary.txt", "not UTF-8", "--seq packs fine-tuning records"),
     "a binary JSONL file": ("binary.jsonl", "binary.jsonl, line 1"),
     "a .npy that is not one": ("garbage.npy", "garbage.npy"),
-    "a JSONL of blank lines": ("blank.jsonl", "blank.jsonl"),
+    "a JSONL of blank lines": ("blank.jsonl", "blank.jsonl holds no records (only blank lines)"),
+    # No records is no records, whatever their format would have been (not "text", not "no 'text' column").
+    "an empty Parquet file of prompt/completion": ("empty_pc.parquet", "empty_pc.parquet holds no records (0 rows)"),
+    "an empty Parquet file of messages": ("empty_chat.parquet", "empty_chat.parquet holds no records (0 rows)"),
+    "a folder of empty JSONL files": ("empty_shards", "holds no records (none of its 2 JSONL files holds one)"),
+    "a symbolic link loop": ("loop.jsonl", "loop.jsonl is a symbolic link loop"),
+    "a folder holding a symbolic link loop": ("with_loop", "a.jsonl is a symbolic link loop"),
 }
+# Also through spmd.eval (the same readers).
+EVAL_DATA = ("an empty JSONL file", "an empty Parquet file of prompt/completion", "a symbolic link loop")
 
 
 def _data_cases() -> None:
@@ -341,6 +352,12 @@ def _data_cases() -> None:
         case(f"data (corpus --seq): {name}", "spmd.corpus", ["--data", data, "--tokenizer", "{model}", *PACK],
              *(packed or [fragment]))
         case(f"data (train): {name}", "spmd.train", ["--data", data, *TRAIN], fragment)
+        if name in EVAL_DATA:
+            case(f"data (eval): {name}", "spmd.eval", ["--init-from", "{model}", "--data", data, "--seq", "16"],
+                 fragment)
+    # An empty file left out: the next one's records say what the folder holds (not the empty one, as text).
+    case("corpus: records after an empty file, without --seq", "spmd.corpus",
+         ["--data", "{data}/after_empty", "--out", "t.npy"], "after_empty holds fine-tuning records: give --seq")
     # --seq with records: values of the wrong kind and out of spmd.base.cli.SEQ's bounds.
     bad_seq = {"zero": str(SEQ.at_least - 1), "negative": "-1", "past the bound": str(int(SEQ.at_most) + 1),
                "a fraction": "1.5", "empty": "", "not finite": "inf", "other digits": "\u0661\u0666"}
@@ -371,6 +388,9 @@ case("launch: nothing after --", "spmd.launch", ["--nproc", "2", "--"], "a comma
 case("launch: no such command", "spmd.launch", ["--nproc", "2", "--", "{data}/none"], "command not found")
 case("launch: a command that cannot run", "spmd.launch", ["--nproc", "2", "--", "{data}/empty.txt"],
      "permission denied")
+case("launch: a directory as the command", "spmd.launch", ["--nproc", "2", "--", "{data}/empty_folder"],
+     "empty_folder: it is a directory, not a program")
+case("launch: an empty command", "spmd.launch", ["--nproc", "2", "--", ""], "the command after -- is empty")
 # A process that fails (exit 9) while the others run on (sleep, or ignore SIGTERM too): the
 # launch ends within --grace + 2 s with the failure's code and one line naming the process.
 SLEEP = {"sleeps": "sleep 30", "ignores SIGTERM": "trap '' TERM; sleep 30"}
@@ -383,6 +403,38 @@ for grace, (failing, index), (how, other) in itertools.product(("0", "0.5"), (("
 case("launch: a process killed, the other sleeps", "spmd.launch",
      ["--nproc", "2", "--grace", "0", "--", "sh", "-c", 'if [ "$JAX_PROCESS_ID" = 1 ]; then kill -9 $$; fi; sleep 30'],
      "process 1 of 2 failed (killed by SIGKILL)", code=128 + 9, within=2)
+
+
+# ------------------------------------------------------------------------------ config.json
+# A model_type that is not its architecture's: transformers would build the model model_type
+# names, the tensors are the other's. Each a copy of a fixture of tests/hf with one model_type.
+MODEL_TYPES = {  # name -> (fixture, model_type, its architecture)
+    "Qwen3 weights, model_type llama": ("qwen3", "llama", "Qwen3ForCausalLM"),
+    "Llama weights, model_type qwen3": ("llama-gqa", "qwen3", "LlamaForCausalLM"),
+    "Mixtral weights, model_type llama": ("mixtral", "llama", "MixtralForCausalLM"),
+    "Qwen3-MoE weights, model_type qwen3": ("qwen3-moe", "qwen3", "Qwen3MoeForCausalLM"),
+    "Gemma 3 weights, model_type gemma3 (the multimodal one)": ("gemma3", "gemma3", "Gemma3ForCausalLM"),
+    "Mistral weights, model_type a number": ("mistral", 7, "MistralForCausalLM"),
+}
+for i, (name, (_, model_type, architecture)) in enumerate(MODEL_TYPES.items()):
+    for command, module, flags in (("train", "spmd.train", TRAIN), ("generate", "spmd.generate", ["--prompt", "hi"])):
+        if command == "train" or i == 0:
+            case(f"config.json ({command}): {name}", module, ["--init-from", f"{{model_types}}/{i}", *flags],
+                 f"model_types/{i}: config.json model_type: {model_type!r} contradicts architectures "
+                 f"[{architecture!r}]")
+
+
+# ------------------------------------------------------------------------------ read as they are
+# Inputs that look wrong and are not: each runs (exit 0) and writes what its plain twin writes.
+# A JSONL file that starts with a UTF-8 byte-order mark (Windows editors write one) is read past
+# it, as utf-8-sig, pyarrow and `datasets` read it: its records (records' first line and their
+# index, spmd.corpus --seq) and its texts (a token stream, spmd.corpus).
+TWINS = {  # name -> (module, argv, its twin's argv)
+    "records with a byte-order mark": ("spmd.corpus", ["--data", "{bom}/chat.jsonl", "--tokenizer", "{model}", *PACK],
+                                       ["--data", "{chat}", "--tokenizer", "{model}", *PACK]),
+    "texts with a byte-order mark": ("spmd.corpus", ["--data", "{bom}/text.jsonl", "--out", "t.npy"],
+                                     ["--data", "{data}/text.jsonl", "--out", "t.npy"]),
+}
 
 
 # ------------------------------------------------------------------------------ the processes' variables
@@ -543,8 +595,29 @@ def _inputs(tmp: Path) -> dict[str, str]:
     (data / "mixed" / "b.jsonl").write_text('{"text": "text"}\n')
     for name, content in (("empty.txt", b""), ("empty.jsonl", b""), ("binary.txt", bytes(range(256))),
                           ("binary.jsonl", bytes(range(256))), ("garbage.npy", b"\x93NUMPY garbage"),
-                          ("blank.jsonl", b"\n  \n\n")):
+                          ("blank.jsonl", b"\n  \n\n"), ("empty_shards/a.jsonl", b""),
+                          ("empty_shards/b.jsonl", b"\n"), ("after_empty/a.jsonl", b""),
+                          ("after_empty/b.jsonl", json.dumps(GOOD["prompt/completion"]).encode() + b"\n"),
+                          ("text.jsonl", b'{"text": "the lazy dog"}\n{"text": "jumps"}\n')):
+        (data / name).parent.mkdir(exist_ok=True)
         (data / name).write_bytes(content)
+    import pyarrow as pa  # (spmd[data], a test extra; imported where Parquet files are made, as tests/test_corpus.py)
+    import pyarrow.parquet as pq
+
+    for name, columns in (("empty_pc.parquet", ("prompt", "completion")), ("empty_chat.parquet", ("messages",))):
+        pq.write_table(pa.table({c: pa.array([], pa.string()) for c in columns}), data / name)
+    (data / "loop.jsonl").symlink_to("loop.jsonl")  # (ln -s x.jsonl x.jsonl)
+    (data / "with_loop").mkdir()
+    (data / "with_loop" / "a.jsonl").symlink_to("a.jsonl")
+    (tmp / "model_types").mkdir()
+    for i, (fixture, model_type, _) in enumerate(MODEL_TYPES.values()):
+        folder = shutil.copytree(TESTS / "hf" / fixture, tmp / "model_types" / str(i))
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, "model_type": model_type}))
+    bom = tmp / "bom"
+    bom.mkdir()
+    for name, twin in (("chat.jsonl", tmp / "chat.jsonl"), ("text.jsonl", data / "text.jsonl")):
+        (bom / name).write_bytes(b"\xef\xbb\xbf" + twin.read_bytes())
     return {p.name: str(p) for p in tmp.iterdir()} | {"text": str(tmp / "text.txt"), "chat": str(tmp / "chat.jsonl")}
 
 
@@ -554,16 +627,19 @@ def results(tmp_path_factory):
     inputs = tmp_path_factory.mktemp("inputs")
     files = _inputs(inputs)
     before = snapshot(inputs)
-    ran = run_cases({name: (c["module"], c["argv"]) for name, c in CASES.items()}, files,
+    twins = {f"{name} ({side})": (module, argv) for name, (module, *sides) in TWINS.items()
+             for side, argv in zip(("itself", "its twin"), sides)}
+    ran = run_cases({**{name: (c["module"], c["argv"]) for name, c in CASES.items()}, **twins}, files,
                     tmp_path_factory.mktemp("work"), timeout=900,
-                    options=lambda name: {"env": CASES[name].get("env"), "limit": 60})
+                    options=lambda name: {"env": CASES[name].get("env") if name in CASES else None, "limit": 60})
     assert snapshot(inputs) == before  # no input was touched
     return ran, files
 
 
 def test_every_surface_is_covered():
     surfaces = {name.split(":")[0].split(" (")[0] for name in CASES}
-    assert surfaces == {"records", "template", "adapter", "data", "corpus", "launch", "variables"}, surfaces
+    assert surfaces == {"records", "template", "adapter", "data", "corpus", "launch", "config.json", "variables"}, \
+        surfaces
     assert {f.name for f in FIELDS} <= {key for key, _ in ADAPTER_CONFIGS.values()}
     assert set(GOOD) <= {fmt for fmt, _ in RECORD_LINES.values()}
 
@@ -582,3 +658,10 @@ def test_bad_input_gives_one_error_line(results, name):
         assert any(flag in lines[0] for flag in c["either"]), lines[0]
     assert not any(cwd.iterdir()), list(cwd.iterdir())  # nothing written
     assert result["seconds"] < c.get("within", 30), result  # bounded: a template's steps take a second or two
+
+
+@pytest.mark.parametrize("name", TWINS)
+def test_what_looks_wrong_and_is_not_reads_as_its_twin(results, name):
+    (itself, cwd), (twin, twin_cwd) = results[0][f"{name} (itself)"], results[0][f"{name} (its twin)"]
+    assert itself["code"] == twin["code"] == 0, (itself, twin)
+    assert (cwd / "t.npy").read_bytes() == (twin_cwd / "t.npy").read_bytes()

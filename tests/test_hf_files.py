@@ -246,7 +246,7 @@ BAD = {
                                 "config.json is a directory, not a file"),
     "shard a directory": (SHARDED, shard_is(Path.mkdir), f"{FIRST_SHARD} is a directory, not a file"),
     "shard a symlink loop": (SHARDED, shard_is(symlink_loop),
-                             f"{FIRST_SHARD} cannot be read (Too many levels of symbolic links)"),
+                             f"{FIRST_SHARD} is a symbolic link loop, not a file"),
     "shard a broken symlink": (SHARDED, shard_is(lambda p: p.symlink_to("nowhere")),
                                "is a broken symbolic link, not a file"),
     "shard a character device": (SHARDED, shard_is(char_device), f"{FIRST_SHARD} is a character device, not a file"),

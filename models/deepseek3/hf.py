@@ -29,7 +29,7 @@ from models.llama.hf import Block, ExpertNames, Tensor, listed, only
 from models.moe import MoEConfig
 from spmd.base.schema import ANY, BOOLEAN, INTEGER, MAPPING, NUMBER, STRING, Bounds, Field, Rule
 
-ARCHITECTURES = ("DeepseekV3ForCausalLM",)
+ARCHITECTURES = {"DeepseekV3ForCausalLM": "deepseek_v3"}  # with its model_type (models.llama.hf)
 POSITIVE = llama.POSITIVE
 CONFIG = (
     *(f for f in llama.CONFIG if f.name not in ("head_dim", "mlp_bias", "sliding_window", "router_jitter_noise",
@@ -126,7 +126,8 @@ def _rope(v: dict) -> tuple[float, Yarn | None]:
 def config_to_hf(cfg: DeepSeekV3Config) -> dict:
     m = cfg.moe
     hf = {
-        "architectures": list(ARCHITECTURES), "model_type": "deepseek_v3", "vocab_size": cfg.vocab,
+        "architectures": list(ARCHITECTURES), "model_type": ARCHITECTURES["DeepseekV3ForCausalLM"],
+        "vocab_size": cfg.vocab,
         "hidden_size": cfg.embed, "num_hidden_layers": cfg.layers, "num_attention_heads": cfg.heads,
         "num_key_value_heads": cfg.heads, "intermediate_size": cfg.mlp, "moe_intermediate_size": m.expert_mlp,
         "n_routed_experts": m.experts, "n_shared_experts": m.shared_experts, "num_experts_per_tok": m.top_k,

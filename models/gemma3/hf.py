@@ -15,7 +15,7 @@ from models.llama import hf as llama
 from models.llama.hf import Tensor
 from spmd.base.schema import ANY, BOOLEAN, INTEGER, LIST, MAPPING, NUMBER, STRING, Field, Invalid, Rule, check
 
-ARCHITECTURES = ("Gemma3ForCausalLM",)
+ARCHITECTURES = {"Gemma3ForCausalLM": "gemma3_text"}  # with its model_type (models.llama.hf)
 POSITIVE = llama.POSITIVE
 LAYER_TYPES = ("sliding_attention", "full_attention")
 # Llama's fields of the same meaning (the shapes, and what is read past: ids, provenance).
@@ -104,7 +104,7 @@ def config_to_hf(cfg: Gemma3Config) -> dict:
     full = {"rope_type": "linear", "factor": cfg.rope_linear_factor} if cfg.rope_linear_factor != 1.0 else \
         {"rope_type": "default"}
     return {
-        "architectures": list(ARCHITECTURES), "model_type": "gemma3_text",
+        "architectures": list(ARCHITECTURES), "model_type": ARCHITECTURES["Gemma3ForCausalLM"],
         "vocab_size": cfg.vocab, "hidden_size": cfg.embed, "num_hidden_layers": cfg.layers,
         "num_attention_heads": cfg.heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
         "intermediate_size": cfg.mlp, "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": cfg.norm_eps,

@@ -21,7 +21,8 @@ from models.moe import MoEConfig
 from spmd.base.schema import (ANY, BOOLEAN, INTEGER, LIST, MAPPING, NUMBER, STRING, Bounds, Field, Invalid, Rule, check,
                               enforce)
 
-ARCHITECTURES = ("LlamaForCausalLM", "MixtralForCausalLM")
+# Each architecture with the model_type it is published with (transformers builds the model that names).
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MixtralForCausalLM": "mixtral"}
 MAX_CONFIG_BYTES = 1 << 20  # published configs are a few kB
 POSITIVE = Bounds(above=0)  # "a positive integer", "a positive finite number"
 
@@ -101,16 +102,23 @@ def config_values(hf: dict) -> dict:
                    else CONFIG, RULES)
 
 
-def checked(hf: dict, architectures: tuple[str, ...], fields: Callable[[str], tuple[Field, ...]],
+def checked(hf: dict, architectures: dict[str, str], fields: Callable[[str], tuple[Field, ...]],
             rules: tuple[Rule, ...]) -> dict:
-    """A config.json of one of `architectures` checked against the `fields` of its
-    architecture and the `rules`: {field: value}, defaults filled in (shared with the
-    families that extend Llama's config)."""
+    """A config.json of one of `architectures` (each with its model_type) checked against
+    the `fields` of its architecture and the `rules`: {field: value}, defaults filled in
+    (shared with the families that extend Llama's config)."""
     if not isinstance(hf, dict):
         raise Invalid("", "must hold a mapping")
     given = hf.get("architectures") or []
     if not isinstance(given, list) or len(given) != 1 or given[0] not in architectures:
         raise Invalid("architectures", f"{given!r} is not one of {', '.join(architectures)}")
+    # transformers' AutoModelForCausalLM builds the class model_type names, and these tensors
+    # are the one architectures names: a file that names two models is refused, not read as either.
+    model_type = hf.get("model_type")
+    if model_type is not None and model_type != architectures[given[0]]:
+        raise Invalid("model_type", f"{model_type!r} contradicts architectures {given!r}, whose model_type is "
+                                    f"{architectures[given[0]]!r} (transformers builds the model model_type names); "
+                                    f"correct the one that is wrong")
     values = check(hf, fields(given[0]), others="is not a field this loader knows; it may change the model")
     values["num_key_value_heads"] = values["num_key_value_heads"] or values["num_attention_heads"]
     values["head_dim"] = values["head_dim"] or values["hidden_size"] // values["num_attention_heads"]
@@ -179,9 +187,9 @@ def rope_fields(v: dict, kinds: tuple[Field, ...], fields: dict[str, tuple[Field
 
 def config_to_hf(cfg: LlamaConfig) -> dict:
     """The config.json of our config, in the published form (rope_theta and rope_scaling)."""
+    architecture = "MixtralForCausalLM" if cfg.moe else "LlamaForCausalLM"
     hf = {
-        "architectures": ["MixtralForCausalLM" if cfg.moe else "LlamaForCausalLM"],
-        "model_type": "mixtral" if cfg.moe else "llama",
+        "architectures": [architecture], "model_type": ARCHITECTURES[architecture],
         "vocab_size": cfg.vocab, "hidden_size": cfg.embed, "num_hidden_layers": cfg.layers,
         "num_attention_heads": cfg.heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
         "intermediate_size": cfg.moe.expert_mlp if cfg.moe else cfg.mlp, "hidden_act": "silu",

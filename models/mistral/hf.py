@@ -10,7 +10,7 @@ from models.llama import hf as llama
 from models.mistral.model import MistralConfig
 from spmd.base.schema import INTEGER, Field
 
-ARCHITECTURES = ("MistralForCausalLM",)
+ARCHITECTURES = {"MistralForCausalLM": "mistral"}  # with its model_type (models.llama.hf)
 NOT_MISTRAL = ("sliding_window", "attention_bias", "mlp_bias", "pretraining_tp")  # Llama's fields Mistral's lacks
 CONFIG = (*(f for f in llama.CONFIG if f.name not in NOT_MISTRAL),
           Field("sliding_window", INTEGER, llama.POSITIVE, 4096, nullable=True))
@@ -31,7 +31,8 @@ def config_from_hf(hf: dict) -> MistralConfig:
 
 
 def config_to_hf(cfg: MistralConfig) -> dict:
-    hf = llama.config_to_hf(cfg) | {"architectures": list(ARCHITECTURES), "model_type": "mistral",
+    hf = llama.config_to_hf(cfg) | {"architectures": list(ARCHITECTURES),
+                                    "model_type": ARCHITECTURES["MistralForCausalLM"],
                                     "sliding_window": cfg.window}
     for name in ("attention_bias", "mlp_bias"):
         del hf[name]

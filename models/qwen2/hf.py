@@ -13,7 +13,7 @@ from models.llama.hf import Tensor
 from models.qwen2.model import Qwen2Config
 from spmd.base.schema import ANY, BOOLEAN, LIST, Field, Rule
 
-ARCHITECTURES = ("Qwen2ForCausalLM",)
+ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2"}  # with its model_type (models.llama.hf)
 # The window fields of Qwen's configs (Qwen2, Qwen3): a window only counts where
 # use_sliding_window turns it on, for the layers from max_window_layers on.
 WINDOWS = (
@@ -43,7 +43,8 @@ def config_from_hf(hf: dict) -> Qwen2Config:
 
 
 def config_to_hf(cfg: Qwen2Config) -> dict:
-    hf = llama.config_to_hf(cfg) | {"architectures": list(ARCHITECTURES), "model_type": "qwen2",
+    hf = llama.config_to_hf(cfg) | {"architectures": list(ARCHITECTURES),
+                                    "model_type": ARCHITECTURES["Qwen2ForCausalLM"],
                                     "use_sliding_window": False, "sliding_window": None}
     for name in ("attention_bias", "mlp_bias"):
         del hf[name]

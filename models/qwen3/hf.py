@@ -20,7 +20,7 @@ from models.qwen3.model import Qwen3Config
 from spmd.base.schema import BOOLEAN, INTEGER, LIST, Field, Rule
 
 DENSE, MOE = "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"
-ARCHITECTURES = (DENSE, MOE)
+ARCHITECTURES = {DENSE: "qwen3", MOE: "qwen3_moe"}  # with their model_type (models.llama.hf)
 # Llama's fields, with Qwen's window fields for its sliding_window.
 CONFIG = (*(f for f in llama.CONFIG if f.name != "sliding_window"), *WINDOWS)
 MOE_CONFIG = (
@@ -78,11 +78,12 @@ def config_from_hf(hf: dict) -> Qwen3Config:
 
 def config_to_hf(cfg: Qwen3Config) -> dict:
     hf = llama.config_to_hf(dataclasses.replace(cfg, moe=None, mlp_only_layers=())) | {
-        "architectures": [DENSE], "model_type": "qwen3", "use_sliding_window": False, "sliding_window": None}
+        "architectures": [DENSE], "model_type": ARCHITECTURES[DENSE], "use_sliding_window": False,
+        "sliding_window": None}
     del hf["mlp_bias"]  # not a Qwen3 field
     if cfg.moe:
         m = cfg.moe
-        hf |= {"architectures": [MOE], "model_type": "qwen3_moe", "num_experts": m.experts,
+        hf |= {"architectures": [MOE], "model_type": ARCHITECTURES[MOE], "num_experts": m.experts,
                "num_experts_per_tok": m.top_k, "moe_intermediate_size": m.expert_mlp, "norm_topk_prob": m.normalize_top_k,
                "decoder_sparse_step": m.every, "mlp_only_layers": list(cfg.mlp_only_layers), "router_aux_loss_coef": m.aux_loss_weight}
     return hf

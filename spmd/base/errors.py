@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import re
@@ -45,7 +46,8 @@ def file_kind(path) -> str:
     except FileNotFoundError:
         return "a broken symbolic link" if os.path.islink(path) else "missing"
     except OSError as exc:  # a loop of links, a name too long, a directory we may not search
-        return f"unreadable ({exc.strerror})"
+        # A loop is named as what it is: its own words ("too many levels") read as a limit to raise.
+        return "a symbolic link loop" if exc.errno == errno.ELOOP else f"unreadable ({exc.strerror})"
     kinds = ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
              (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"))
     return next((name for test, name in kinds if test(mode)), "a special file")

@@ -187,8 +187,10 @@ def _kind(o: Output) -> Claimed:
         if os.path.islink(o.path):  # never a temporary renamed over a link into nowhere (/dev/stdout with fd 1 closed)
             raise UserError(f"{o.flag} {o.path} is a broken symbolic link") from None
         return Claimed(o.flag, o.path, _resolved(o.path))
-    except OSError as exc:
-        raise UserError(f"{o.flag} {o.path} cannot be used: {exc.strerror}") from None
+    except OSError as exc:  # a loop of links is named as one; a directory we may not search, by its reason
+        what = file_kind(o.path)
+        why = f"cannot be used: {exc.strerror}" if what.startswith("unreadable") else f"is {what}; give another path"
+        raise UserError(f"{o.flag} {o.path} {why}") from None
     # (fd 1 or 2 closed when the command started: Python has no such stream, and the number
     # may since belong to a file the process opened.)
     own = next((fd for fd, stream in ((1, sys.stdout), (2, sys.stderr)) if stream and _same_as_fd(st, fd)), None)

@@ -19,6 +19,7 @@ import numpy as np
 
 from spmd.base.cli import MAX_RECORD_BYTES
 from spmd.base.errors import UserError, first_line, optional_module
+from spmd.data.corpus import UTF8_BOM
 from spmd.data.records import Example, check_record_size, examples_of, file_records, record_files, record_format
 
 CHUNK = 1 << 24  # bytes read at a time while looking for line ends
@@ -109,16 +110,19 @@ def _count(part) -> int:
 
 def line_spans(file: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(starts, ends, line numbers) of the lines of `file` that hold something but blanks."""
-    ends, size = [], 0
+    ends, size, bom = [], 0, False
     try:
         with open(file, "rb") as f:
             while chunk := f.read(CHUNK):
+                bom = bom or size == 0 and chunk.startswith(UTF8_BOM)
                 ends.append(np.flatnonzero(np.frombuffer(chunk, np.uint8) == 10) + size)
                 size += len(chunk)
     except OSError as exc:
         raise UserError(f"--data {file} cannot be read: {exc.strerror or exc}") from None
     ends = np.concatenate(ends + [np.array([size], np.int64)]).astype(np.int64)
     starts = np.concatenate([[0], ends[:-1] + 1]).astype(np.int64)
+    if bom:  # the first line starts after it (read past, as spmd.data.corpus.UTF8_BOM says)
+        starts[0] = len(UTF8_BOM)
     numbers = np.arange(1, starts.size + 1, dtype=np.int64)
     keep = ends > starts
     maybe_blank = np.flatnonzero(keep & np.isin(_first_bytes(file, starts, ends, size), _BLANK_START))
