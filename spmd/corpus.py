@@ -9,10 +9,10 @@ import functools
 import sys
 from collections.abc import Sequence
 
-from spmd.base.cli import LOSS_ON, MAX_RECORD_BYTES, OVERLONG, SEQ, OneLineErrorParser, check_bounds, integer, nonempty
+from spmd.base.cli import (LOSS_ON, MAX_RECORD_BYTES, OVERLONG, RECORD_BYTES, SEQ, OneLineErrorParser, check_bounds,
+                           integer, nonempty)
 from spmd.base.errors import EXIT_OUTPUT_FAILED, UserError, one_line_errors
 from spmd.base.paths import Output, claim
-from spmd.base.schema import Bounds
 from spmd.base.signals import STOPPED
 from spmd.base.signals import serve as serve_signals
 
@@ -42,26 +42,16 @@ def corpus_parser() -> OneLineErrorParser:
     return parser
 
 
-def _refuse_what_does_not_apply(args, parser, records) -> None:
-    """A flag that the data's kind would ignore, given another value than its default."""
-    flags = ("loss_on", "overlong", "max_record_bytes") if not records else ("text_field",)
-    given = [f for f in flags if getattr(args, f) != parser.get_default(f)]
-    if given:
-        kind = "text (one token stream)" if not records else "fine-tuning records (read by their format)"
-        applies = "fine-tuning records" if not records else "text data"
-        raise UserError(f"--{given[0].replace('_', '-')} applies to {applies}; --data {args.data} holds {kind}")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m spmd.corpus --data DIR --out tokens.npy`: tokenize once, train from the file."""
     serve_signals("stopped; nothing was written", STOPPED)  # first, before any thread: a signal ends in one line
     parser = corpus_parser()
     with one_line_errors():
         args = parser.parse_args(argv)
-        check_bounds(args, {"seq": SEQ, "max_record_bytes": Bounds(at_least=1)})
+        check_bounds(args, {"seq": SEQ, "max_record_bytes": RECORD_BYTES})
         # The library is imported once signals are served, before numpy starts its threads.
         from spmd.data.corpus import data_files, token_stream, write_npy
-        from spmd.data.records import fine_tuning_format
+        from spmd.data.records import fine_tuning_format, refuse_what_does_not_apply
         from spmd.data.tokenizer import load_tokenizer, tokenizer_inputs
 
         # Before reading anything: tokenizing a large corpus to fail at the end is no use.
@@ -70,7 +60,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if out.stream is None and not args.out.endswith(".npy"):  # a file to train from, named as one
             raise UserError("--out must name a .npy file")
         records = fine_tuning_format(args.data, args.max_record_bytes)  # (JSONL, Parquet or a datasets folder)
-        _refuse_what_does_not_apply(args, parser, records)
+        refuse_what_does_not_apply([name for name in ("loss_on", "overlong", "max_record_bytes", "text_field")
+                                    if getattr(args, name) != parser.get_default(name)], records, args.data)
         if records:
             array, wrote = _packed(args)
         elif data_files(args.data)[0] == "tokens":

@@ -15,15 +15,15 @@ from __future__ import annotations
 import math
 import sys
 
-from spmd.base.cli import (LOSS_ON, MAX_RECORD_BYTES, OVERLONG, SEQ, TOKEN_DTYPES, OneLineErrorParser, add_model_source,
-                           check_bounds, integer, nonempty)
+from spmd.base.cli import (COUNT, LOSS_ON, MAX_RECORD_BYTES, OVERLONG, RECORD_BYTES, SEQ, TOKEN_DTYPES, TOKENS_PER_STEP,
+                           OneLineErrorParser, add_model_source, check_bounds, integer, nonempty)
 from spmd.base.errors import one_line_errors, quiet_library_threads
 from spmd.base.schema import Bounds
 from spmd.base.signals import STOPPED
 from spmd.base.signals import serve as serve_signals
 
-BOUNDS = {"batch": Bounds(at_least=1), "seq": SEQ, "batches": Bounds(at_least=1),
-          "max_record_bytes": Bounds(at_least=1)}
+BOUNDS = {"batch": Bounds(at_least=1, at_most=TOKENS_PER_STEP), "seq": SEQ, "batches": COUNT,
+          "max_record_bytes": RECORD_BYTES}
 
 
 def eval_parser() -> OneLineErrorParser:

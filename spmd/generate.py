@@ -18,8 +18,8 @@ from __future__ import annotations
 import json
 import sys
 
-from spmd.base.cli import (DTYPES, SEED, SEQ, OneLineErrorParser, add_model_source, check_bounds, finite, integer,
-                           nonempty)
+from spmd.base.cli import (COUNT, DTYPES, SEED, SEQ, TOKENS_PER_STEP, OneLineErrorParser, add_model_source,
+                           check_bounds, finite, integer, nonempty)
 from spmd.base.errors import EXIT_OUTPUT_FAILED, UserError, one_line_errors, quiet_library_threads
 from spmd.base.paths import Output, claim
 from spmd.base.schema import Bounds
@@ -31,7 +31,7 @@ from spmd.base.signals import serve as serve_signals
 MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-6, 1e6
 BOUNDS = {"max_new_tokens": Bounds(at_least=1, at_most=SEQ.at_most),
           "temperature": Bounds(at_least=0, at_most=MAX_TEMPERATURE),
-          "top_k": Bounds(at_least=0), "top_p": Bounds(above=0, at_most=1), "batch_size": Bounds(at_least=1),
+          "top_k": Bounds(at_least=0, at_most=COUNT.at_most), "top_p": Bounds(above=0, at_most=1), "batch_size": Bounds(at_least=1, at_most=TOKENS_PER_STEP),
           "seed": SEED}
 
 

@@ -89,7 +89,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
 
         layout = make_layout(cfg, devices)
-        check_empty_layers(cfg, layout.shape["pp"])
+        check_empty_layers(cfg, layout.shape["pp"], layout.empty_layers_needed)
         with json_only(extras.json):
             plan = make_plan(cfg, layout, hardware=hardware, planned_on=planned_on)
     except UserError as exc:

@@ -74,7 +74,8 @@ def generated(parser: argparse.ArgumentParser, required: list[str] = (), tail: l
         if action.choices:
             values["not a choice"] = "nope"
         elif action.type is integer:
-            values |= {"wrong type": "1.5", "not finite": "inf", "other digits": "\u0663"}
+            values |= {"wrong type": "1.5", "not finite": "inf", "other digits": "\u0663",
+                       "beyond 64 bits": str(2**63), "5,000 digits": NINES}
         elif action.type is finite:
             values |= {"wrong type": "abc", "not finite": "nan", "infinite": "-inf", "beyond float32": "-1e39"}
         elif action.type is byte_size:
@@ -88,8 +89,37 @@ def generated(parser: argparse.ArgumentParser, required: list[str] = (), tail: l
     return cases
 
 
+NINES = "9" * 5000  # more digits than Python's int() reads (4,300)
+
 # Values that are wrong for one option only. {files} are made by the fixture.
 TRAIN = {
+    "mesh of 5,000 digits": (["--mesh", f"dp={NINES}"], "mesh axis dp must be at least -1 and at most 1048576, got '999"),
+    "dcn of 5,000 digits": (["--dcn", f"dp={NINES}"], "mesh axis dp must be at least -1 and at most 1048576"),
+    "profile steps of 5,000 digits": (["--profile-steps", f"1:{NINES}"],
+                                      "--profile-steps B must be at least 0 and at most 2147483647"),
+    "mtp switch beyond int32": (["--model", "deepseek-v3-tiny", "--mtp-depth", "1", "--mtp-weight-later",
+                                 "2147483648:0.1"], "--mtp-weight-later's STEP must be at least 0 and at most 2147483647"),
+    "mtp switch of 5,000 digits": (["--model", "deepseek-v3-tiny", "--mtp-depth", "1", "--mtp-weight-later",
+                                    f"{NINES}:0.1"], "--mtp-weight-later's STEP must be at least 0 and at most"),
+    "mtp switch to a weight of 1e300": (["--model", "deepseek-v3-tiny", "--mtp-depth", "1", "--mtp-weight-later",
+                                         "1:1e300"], "--mtp-weight-later's WEIGHT must be at least 0 and at most 1000"),
+    "mtp weight without mtp": (["--mtp-weight", "0.1"], "--mtp-weight applies to multi-token prediction"),
+    "mtp switch without mtp": (["--mtp-weight-later", "5:0.1"], "--mtp-weight-later applies to multi-token prediction"),
+    "record bound of 2**63 - 1": (["--max-record-bytes", str(2**63 - 1)],
+                                  "--max-record-bytes must be at least 1 and at most 1099511627776"),
+    "record bound for text": (["--data", "{corpus}", "--max-record-bytes", "100"],
+                              "--max-record-bytes applies to fine-tuning records; --data"),
+    "steps of 10**26": (["--steps", "1" + "0" * 26], "must be a 64-bit integer"),
+    "target of 5,000 digits": (["--target", f"v5p-{NINES}"], "v5p slices come in powers of two"),
+    "empty layers beyond the stages' need": (["--layers", "3", "--empty-layers", "3", "--mesh", "pp=2", "--batch", "4",
+                                              "--seq", "16", "--steps", "1"],
+                                             "--empty-layers 3 is more than the pp=2 stages need to even out; give "
+                                             "--empty-layers 1"),
+    "config nested 1,000 deep": (["--config", "{deep_yaml}"], "collections nested more than 16 deep (line 2)"),
+    "config: a section that is null": (["--config", "{null_section}"], "training is a section, a mapping of its "
+                                                                      "options (steps, batch"),
+    "config: a section that is a list": (["--config", "{list_section}"], "optimizer is a section, a mapping of its "
+                                                                        "options"),
     "mesh in other digits": (["--mesh", "dp=\u0663"], "must be an integer"),
     "mesh size with underscores": (["--mesh", "dp=1_0"], "must be an integer"),
     "mesh far larger than the batch": (["--mesh", "dp=1000000"], "does not divide by the batch axes"),
@@ -165,6 +195,14 @@ PLAN = {
     "devices beyond emulation": (["--mesh", "dp=-1", "--devices", "100000"], "at most 4096"),
     "auto beyond emulation": (["--auto", "--devices", "100000", "--hardware", "h100"], "at most 4096"),
     "config is binary": (["--config", "{binary}"], "is not UTF-8"),
+    "config nested 1,000 deep": (["--config", "{deep_yaml}"], "collections nested more than 16 deep"),
+    "target of 5,000 digits": (["--model", "tiny", "--mesh", "fsdp=2,tp=2", "--target", f"v5p-{NINES}"],
+                               "v5p slices come in powers of two"),
+    "target by a topology of no chips": (["--target", "v5p:0x0x0"], "--target v5p:0x0x0: a side must be at least 1"),
+    "target by a 2D topology of no chips": (["--target", "v5e:0x4"], "--target v5e:0x4: a side must be at least 1"),
+    "target by a topology beyond any slice": (["--target", "v5p:100000x100000x100000"], "a side must be at least 1 "
+                                                                                       "and at most 8960"),
+    "target of 10**30 nodes": (["--target", "1" + "0" * 30 + "xh100x8"], "the nodes must be at least 1 and at most 256"),
 }
 
 
@@ -175,6 +213,8 @@ def _files(tmp: Path) -> dict[str, str]:
         "null_steps": ("n.yaml", "steps: null\n"), "list_steps": ("l.yaml", "steps: [1, 2]\n"),
         "nan_lr": ("nan.yaml", "lr: .nan\n"), "number_switch": ("s.yaml", "megatron_sp: 1\n"),
         "bool_mesh": ("m.yaml", "mesh: {dp: true}\n"),
+        "deep_yaml": ("deep.yaml", "steps: 2\nx: " + "[" * 1000 + "]" * 1000 + "\n"),
+        "null_section": ("ns.yaml", "training: null\n"), "list_section": ("ls.yaml", "optimizer: [1, 2]\n"),
     }
     for name, text in files.values():
         (tmp / name).write_text(text)
@@ -247,7 +287,7 @@ def test_every_option_of_every_command_is_covered():
         named = {arg.split("=")[0] for m, argv, fragment in CASES.values() if m == module for arg in argv
                  if arg.split("=")[0] == fragment}
         assert flags <= named, (module, flags - named)
-    assert len(CASES) > 550  # two to six bad values for each option of the seven commands, and the hand-written ones
+    assert len(CASES) > 1000  # two to eight bad values for each option of the seven commands, and the hand-written ones
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -320,30 +320,50 @@ def test_a_killed_data_worker_ends_the_run_in_one_line_and_the_rerun_resumes(tmp
     assert finalized_steps(run)[-1] == step + 1
 
 
-def test_a_huge_record_is_refused_and_a_worker_out_of_memory_says_so(tmp_path):
+@pytest.mark.parametrize("records", [1, stream.WINDOW + 1])  # tokenized by the trainer's process, by a worker
+def test_a_huge_record_is_refused_before_it_is_tokenized_whatever_the_bound(tmp_path, records):
     """Under a real address-space limit (1 GB): a 9 MB record is refused by the default
-    bound before it is read; with the bound raised, tokenizing it (some 3 GB) runs the
-    data worker out of memory, which one line names, where the process used to die
-    silently (SIGABRT, nothing printed)."""
-    records = [{"prompt": f"question {i}", "completion": "an answer"} for i in range(stream.WINDOW)]
-    records.append({"prompt": "word " * 1_800_000, "completion": "ok"})  # more than a window: a worker tokenizes
-    (tmp_path / "big.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    size = len(json.dumps(records[-1]))
+    bound before it is read; with the bound raised, it is refused before it is tokenized
+    (some 3 GB, which would abort the process without a word: SIGABRT, nothing printed),
+    naming the record and the memory, in the trainer's process or a data worker's."""
+    rows = [{"prompt": f"question {i}", "completion": "an answer"} for i in range(records - 1)]
+    rows.append({"prompt": "word " * 1_800_000, "completion": "ok"})
+    (tmp_path / "big.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    size = len(json.dumps(rows[-1]))
     env = os.environ | {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}  # under the limit whatever the CPUs
     command = ["prlimit", "--as=1000000000", sys.executable, "-m", "spmd.corpus", "--data", "big.jsonl",
                "--tokenizer", str(SFT / "model"), "--seq", "32", "--out", "t.npy"]
     refused = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
     assert refused.returncode == 2 and refused.stdout == ""
     assert one_error_line(refused.stderr) == (
-        f"error: --data big.jsonl, line 2049: {size:,} bytes, more than --max-record-bytes 8,388,608 (a record is "
-        "tokenized whole, in tens to hundreds of times its size of memory); give a larger bound to read it")
+        f"error: --data big.jsonl, line {records}: {size:,} bytes, more than --max-record-bytes 8,388,608 (a record "
+        "is tokenized whole, in up to 512 times its size of memory: 4.3 GiB); give a larger bound to read it where "
+        "that much memory is free")
     raised = subprocess.run(command + ["--max-record-bytes", "10000000"], cwd=tmp_path, capture_output=True, text=True,
                             timeout=120, env=env)
     assert raised.returncode == 2 and raised.stdout == ""
     line = one_error_line(raised.stderr)
-    assert re.fullmatch(r"error: (data worker \d+ of \d+ \(pid \d+\) was killed by SIGABRT \(out of memory.*|"
-                        r"--data big.jsonl, line 2049: out of memory while tokenizing it; .*)", line), line
+    assert re.fullmatch(rf"error: --data big.jsonl, line {records}: tokenizing its 9,000,002 bytes of text takes up to "
+                        r"4.3 GiB of memory, and this process has [0-9.]+ MiB free; split it into smaller records, or "
+                        r"tokenize it where more memory is free \(--max-record-bytes refuses such records before they "
+                        r"are read\)", line), line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["big.jsonl"]
+
+
+def test_a_huge_document_of_text_is_refused_before_it_is_tokenized(tmp_path):
+    """Text data is tokenized in batches, each checked against the memory free (here 1 GB of
+    address space): a 9 MB document would take some 3 GB and abort the process silently."""
+    (tmp_path / "doc.txt").write_text("word " * 1_800_000)
+    command = ["prlimit", "--as=1000000000", sys.executable, "-m", "spmd.corpus", "--data", "doc.txt", "--tokenizer",
+               str(SFT / "model" / "tokenizer.json"), "--out", "t.npy"]
+    refused = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                             env=os.environ | {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"})
+    assert refused.returncode == 2 and refused.stdout == ""
+    line = one_error_line(refused.stderr)
+    assert re.fullmatch(r"error: --data doc.txt: tokenizing its 9,000,000 bytes of text takes up to 4.3 GiB of memory, "
+                        r"and this process has [0-9.]+ MiB free; make token files \(.npy\) of it with python -m "
+                        r"spmd.corpus on a larger host, or give less text", line), line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["doc.txt"]
 
 
 # ------------------------------------------------------------------ pre-packed rows

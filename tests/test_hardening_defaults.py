@@ -252,6 +252,35 @@ def test_refused_in_one_line_before_anything_is_written(runs, case):
     assert not any(cwd.iterdir())
 
 
+def test_the_forced_device_count_is_read_once_checked_and_a_mesh_takes_what_it_names(tmp_path):
+    """XLA_FLAGS' forced count of 0 is refused in one line whatever the mesh (JAX failed on
+    it with a traceback); on a host set up with 8 devices, a mesh of one takes one of them
+    (it was refused, where fsdp=2 took 2), in training and in serving."""
+    zero, eight = (_env(0) | {"XLA_FLAGS": "--xla_force_host_platform_device_count=0"}, _env(8))
+    small = ["--steps", "1", "--batch", "2", "--seq", "16"]
+    cases = [("spmd.train", small, zero), ("spmd.train", ["--mesh", "dp=1", *small], zero),
+             ("spmd.generate", ["--init-from", str(GQA), "--prompt", "hi", "--max-new-tokens", "2"], zero),
+             ("spmd.train", ["--mesh", "dp=1", *small], eight),
+             ("spmd.generate", ["--init-from", str(GQA), "--prompt", "hi", "--max-new-tokens", "2", "--mesh", "dp=1"],
+              eight)]
+    batch = []
+    for i, (module, argv, env) in enumerate(cases):
+        (tmp_path / str(i)).mkdir()
+        batch.append({"module": module, "argv": argv, "cwd": str(tmp_path / str(i)),
+                      "env": {"XLA_FLAGS": env["XLA_FLAGS"]}})
+    done = subprocess.run([sys.executable, str(DRIVER)], input=json.dumps(batch), capture_output=True, text=True,
+                          timeout=600, env=_env(None))
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout)
+    for result in results[:3]:
+        assert result["code"] == 2 and result["stdout"] == "", result
+        assert one_error_line(result["stderr"]) == (
+            "error: XLA_FLAGS' --xla_force_host_platform_device_count must be at least 1 and at most 4096, got 0")
+    train, generate = (_ok(result) for result in results[3:])
+    assert train[0].startswith("mesh: single device over 1 x cpu"), train
+    assert any(" (Hugging Face) on single device, placed in " in line for line in generate), generate
+
+
 # The default layouts' choices, in-process (no devices: the run's checks decide). The tiny
 # preset: 8 heads, 4 kv heads, embed 64.
 @pytest.mark.parametrize(("devices", "serving", "batch", "want"), [

@@ -117,7 +117,7 @@ CASES = {
     "export: step against a step dir": ("spmd.export", ["--checkpoint", "{run}/2", "--step", "1", "--out", "e"],
                                         "--step 1 disagrees with --checkpoint"),
     "export: step not an integer": ("spmd.export", ["--checkpoint", "{run}", "--step", "1.5", "--out", "e"],
-                                    "'1.5' is not an integer"),
+                                    "must be an integer, got '1.5'"),
     "export: cpu devices 0": ("spmd.export", ["--checkpoint", "{run}", "--cpu-devices", "0", "--out", "e"],
                               "--cpu-devices must be positive"),
     "export: cpu devices negative": ("spmd.export", ["--checkpoint", "{run}", "--cpu-devices", "-2", "--out", "e"],

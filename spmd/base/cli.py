@@ -4,8 +4,10 @@ what the text says."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import re
+from collections.abc import Sequence
 
 from spmd.base.errors import UserError
 from spmd.base.schema import Bounds
@@ -20,9 +22,19 @@ SEED = Bounds(at_least=0, at_most=2**32 - 1)  # JAX keeps 32 bits of a seed (2**
 # a row's arrays (9 bytes a token, packed) fit any host. Checked before anything is allocated.
 SEQ = Bounds(at_least=1, at_most=2**24)
 # The largest fine-tuning record read (a JSONL line's bytes; a text's or a chat's rendered
-# characters): a record is tokenized whole, in 40 to 250 times its size of memory (250 B a
-# token), so 8 MiB take 0.3 to 2 GiB; 2 million tokens or more, beyond the contexts trained on.
+# characters): a record is tokenized whole, in 250 to 450 times its UTF-8 size of memory
+# (spmd.data.tokenizer.BYTES_PER_TEXT_BYTE), so 8 MiB take 2 to 4 GiB; 2 million tokens or
+# more, beyond the contexts trained on.
 MAX_RECORD_BYTES = 1 << 23
+# Tokens a step holds (--batch x --seq): 2**30, 16 times the largest published batch
+# (DeepSeek-V3's 63M tokens); the rows' arrays on the host (9 bytes a token, packed) stay
+# within 10 GiB.
+TOKENS_PER_STEP = 2**30
+# A count the commands take (a batch's sequences, batches, top-k): within int32, where JAX holds it.
+COUNT = Bounds(at_least=1, at_most=2**31 - 1)
+# What --max-record-bytes may be raised to: a terabyte, beyond any host's memory (a record's
+# tokenizing is checked against the memory free before it starts: spmd.data.records).
+RECORD_BYTES = Bounds(at_least=1, at_most=1 << 40)
 
 
 def flag_of(name: str) -> str:
@@ -30,17 +42,52 @@ def flag_of(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def changed(options, names: Sequence[str]) -> list[str]:
+    """Of the fields `names` of the dataclass `options` (a run's TrainConfig), those given
+    another value than their default."""
+    defaults = {f.name: f.default for f in dataclasses.fields(options)}
+    return [name for name in names if getattr(options, name) != defaults[name]]
+
+
 class OneLineErrorParser(argparse.ArgumentParser):
     def error(self, message: str):
         raise UserError(message)
 
 
-# Argument types: exactly what the text says, nothing reinterpreted. Python's int() would
-# also take "1_000", " 4" and other scripts' digits; float() takes "nan" and "inf".
-def integer(text: str) -> int:
+# The integers spmd reads are 64-bit (every count and size it hands on fits one): a longer
+# number is refused by its length, before Python's int() reads it (which it does for up to
+# 4,300 digits, then raises a ValueError of its own).
+INT64 = Bounds(at_least=-(2**63), at_most=2**63 - 1)
+
+
+def shown(value: object, most: int = 40) -> str:
+    """A value as a one-line message quotes it: its repr, cut at `most` characters."""
+    text = repr(value)
+    if len(text) <= most:
+        return text
+    return text[:most - 3] + "..." + (f" ({len(value):,} characters)" if isinstance(value, str) else "")
+
+
+def parse_integer(text: str, what: str, bounds: Bounds | None = None) -> int:
+    """`text` as an integer, or a UserError "{what} must be ..." (`what` names it: "--steps",
+    "mesh axis dp"). Exactly what the text says: plain ASCII digits with an optional minus
+    (Python's int() would also take "1_000", " 4", "+4" and other scripts' digits), within
+    `bounds` and 64 bits."""
     if not re.fullmatch(r"-?[0-9]+", text):
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer")
-    return int(text)
+        raise UserError(f"{what} must be an integer, got {shown(text)}".lstrip())
+    value = int(text) if len(text.lstrip("-").lstrip("0")) <= 19 else None  # 2**63 has 19 digits
+    if value is None or not INT64.holds(value) or bounds is not None and not bounds.holds(value):
+        wanted = bounds or f"a 64-bit integer ({INT64})"
+        raise UserError(f"{what} must be {wanted}, got {shown(text) if value is None else value}".lstrip())
+    return value
+
+
+# Argument types: exactly what the text says, nothing reinterpreted; float() takes "nan" and "inf".
+def integer(text: str) -> int:
+    try:
+        return parse_integer(text, "")
+    except UserError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 FLOAT32_MAX = 3.4028234663852886e38
@@ -52,9 +99,9 @@ def finite(text: str) -> float:
     except ValueError:
         value = math.nan
     if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+        raise argparse.ArgumentTypeError(f"{shown(text)} is not a finite number")
     if abs(value) > FLOAT32_MAX:  # (the step computes in float32, where it would be infinite)
-        raise argparse.ArgumentTypeError(f"{text!r} is beyond float32's range (at most {FLOAT32_MAX:.4g})")
+        raise argparse.ArgumentTypeError(f"{shown(text)} is beyond float32's range (at most {FLOAT32_MAX:.4g})")
     return value
 
 

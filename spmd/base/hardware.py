@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import re
+import resource
 import tomllib
 from pathlib import Path
 
@@ -85,6 +87,31 @@ def host_memory_bytes() -> int:
     except OSError:
         return total
     return min(total, int(limit)) if limit.isdigit() else total
+
+
+def free_memory_bytes() -> int:
+    """The memory this process can still take: the least of what the host has available
+    (MemAvailable), what its container's limit leaves (cgroup v2), and what its own
+    address-space limit leaves (ulimit -v, prlimit --as). Linux; elsewhere the host's."""
+    free = [host_memory_bytes()]
+    try:
+        free.append(int(re.search(r"^MemAvailable:\s+(\d+) kB", Path("/proc/meminfo").read_text(), re.M)[1]) * 1024)
+    except (OSError, TypeError):  # no /proc (macOS), or no such line
+        pass
+    try:
+        limit, used = (Path("/sys/fs/cgroup", name).read_text().strip() for name in ("memory.max", "memory.current"))
+        if limit.isdigit() and used.isdigit():
+            free.append(int(limit) - int(used))
+    except OSError:
+        pass
+    address_space = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if address_space != resource.RLIM_INFINITY:
+        try:
+            size = int(re.search(r"^VmSize:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M)[1]) * 1024
+        except (OSError, TypeError):
+            size = 0
+        free.append(address_space - size)
+    return max(0, min(free))
 
 
 def usable_cpus() -> int:

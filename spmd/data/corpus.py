@@ -26,26 +26,31 @@ import numpy as np
 
 from spmd.base.cli import TOKEN_DTYPES
 from spmd.base.console import human_bytes
-from spmd.base.errors import UserError, file_kind, optional_module
+from spmd.base.errors import UserError, file_kind, first_line, optional_module
 from spmd.base.hardware import host_memory_bytes
 from spmd.base.paths import read_text
-from spmd.base.schema import Invalid, loads
+from spmd.base.schema import REGULAR, Invalid, loads, not_a_file
 from spmd.data.source import DataSource
-from spmd.data.tokenizer import ByteTokenizer, check_vocab
+from spmd.data.tokenizer import ByteTokenizer, check_memory, check_vocab, text_bytes
 
 TEXT_SUFFIXES = (".txt", ".text", ".md")
+# A UTF-8 byte-order mark: Windows editors begin a file with one. A JSONL file's is read
+# past, as Python's utf-8-sig, pyarrow and `datasets` read past it.
+UTF8_BOM = b"\xef\xbb\xbf"
 SUFFIXES = {**dict.fromkeys(TEXT_SUFFIXES, "text"), ".jsonl": "jsonl", ".parquet": "parquet",
             ".npy": "tokens", ".bin": "tokens"}
 
 
 def data_files(path: str) -> tuple[str, list[Path]]:
     """The kind of data under `path` ('text', 'jsonl', 'parquet' or 'tokens') and its
-    files, in a fixed order (sorted paths, hidden files skipped)."""
+    files, in a fixed order (sorted paths, hidden files skipped). JSONL and Parquet files
+    that hold no record are left out (a folder's empty shard), and refused when all are."""
     root = Path(path)
-    if not root.exists():
+    kind = file_kind(root)
+    if kind == "missing":
         raise UserError(f"--data {path}: no such file or directory")
-    if not (root.is_file() or root.is_dir()):  # a device or a FIFO: nothing to read whole
-        raise UserError(f"--data {path} is {file_kind(root)}, not a file or a folder")
+    if kind not in (REGULAR, "a directory"):  # a device or a FIFO: nothing to read whole; a link into nowhere
+        raise UserError(f"--data {path} {not_a_file(kind, 'a file or a folder')}")
     if root.is_file():
         files = [root]
     else:
@@ -60,7 +65,44 @@ def data_files(path: str) -> tuple[str, list[Path]]:
     kinds = {SUFFIXES.get(p.suffix, "text") for p in files}  # a single file of any name is text
     if len(kinds) > 1:
         raise UserError(f"--data {path} mixes kinds of data ({', '.join(sorted(kinds))}); give one kind")
-    return kinds.pop(), files
+    kind = kinds.pop()
+    if kind in ("jsonl", "parquet"):
+        # Left out here, where every reader finds its files: an empty first file would
+        # otherwise make records read as text (its first record says which they are).
+        held = [(f, _no_records(kind, f)) for f in files]
+        if all(why for _, why in held):
+            if len(files) == 1:
+                raise UserError(f"--data {path} holds no records ({held[0][1]})")
+            raise UserError(f"--data {path} holds no records (none of its {len(files)} "
+                            f"{'JSONL' if kind == 'jsonl' else 'Parquet'} files holds one)")
+        files = [f for f, why in held if not why]
+    return kind, files
+
+
+def _no_records(kind: str, file: Path) -> str:
+    """Why a JSONL or Parquet file holds no record ("" when it holds one): it is empty, or
+    holds only blank lines, or no rows. A JSONL file is read up to its first record."""
+    if kind == "parquet":
+        optional_module("pyarrow", "Parquet files")
+        # An optional dependency (spmd[data]): imported when a Parquet file is read.
+        import pyarrow.parquet as pq
+
+        try:
+            rows = pq.ParquetFile(file).metadata.num_rows
+        except Exception as exc:  # pyarrow's own error types
+            raise UserError(f"--data {file}: not a readable Parquet file ({first_line(exc)})") from None
+        return "" if rows else "0 rows"
+    try:
+        with open(file, "rb") as f:
+            piece = f.read(1 << 20).removeprefix(UTF8_BOM)
+            empty = not piece
+            while piece:
+                if piece.strip():
+                    return ""
+                piece = f.read(1 << 20)
+    except OSError as exc:
+        raise UserError(f"--data {file} cannot be read: {exc.strerror or exc}") from None
+    return "the file is empty" if empty else "only blank lines"
 
 
 def documents(kind: str, files: Sequence[Path], text_field: str) -> Iterator[str]:
@@ -84,7 +126,7 @@ def jsonl_texts(file: Path, field: str, flag: str = "--data", field_flag: str | 
     hint = (f" ({field_flag}), nor the fields of a fine-tuning record ('messages', or 'prompt' and 'completion')"
             if field_flag else "")
     try:
-        data = file.read_bytes()
+        data = file.read_bytes().removeprefix(UTF8_BOM)
     except OSError as exc:
         raise UserError(f"{flag} {file} cannot be read: {exc.strerror or exc}") from None
     # Split as bytes: a line ends at its newline only (str.splitlines also cuts at U+2028,
@@ -170,26 +212,38 @@ def token_stream(path: str, tokenizer=None, text_field: str = "text", token_dtyp
         raise UserError(f"--data {path}: {human_bytes(size)} of text, more than this host's memory "
                         f"({human_bytes(memory)}), and text is tokenized in memory; {advice}")
     try:
-        return _tokenized(documents(kind, files, text_field), tokenizer)
+        return _tokenized(documents(kind, files, text_field), tokenizer, f"--data {path}", advice)
     except MemoryError:
         raise UserError(f"--data {path}: out of memory while tokenizing its {human_bytes(size)} of text; "
                         f"{advice}") from None
 
 
-def _tokenized(texts: Iterator[str], tokenizer) -> np.ndarray:
-    """The texts' tokens, each document followed by the end-of-text token."""
+_BATCH_BYTES = 1 << 24  # the text tokenized at once: up to 1,024 documents, or one larger
+
+
+def _tokenized(texts: Iterator[str], tokenizer, where: str, advice: str) -> np.ndarray:
+    """The texts' tokens, each document followed by the end-of-text token; each batch of
+    them checked against the memory free before it is tokenized (`where`, `advice`: the
+    refusal's)."""
     dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
     pieces: list[np.ndarray] = []
     eos = np.array([tokenizer.eos], dtype)
     batch: list[str] = []
+    size = 0
+
+    def tokenize(batch: list[str], size: int) -> None:
+        check_memory(tokenizer, size, where, advice)
+        pieces.extend(p for ids in tokenizer.encode(batch) for p in (ids.astype(dtype), eos))
+
     for text in texts:
         if not text:
             continue  # an empty document adds no separator either
+        if batch and (len(batch) == 1024 or size + len(text) > _BATCH_BYTES):
+            tokenize(batch, size)
+            batch, size = [], 0
         batch.append(text)
-        if len(batch) == 1024:
-            pieces += [p for ids in tokenizer.encode(batch) for p in (ids.astype(dtype), eos)]
-            batch = []
-    pieces += [p for ids in tokenizer.encode(batch) for p in (ids.astype(dtype), eos)]
+        size += text_bytes(text)
+    tokenize(batch, size)
     return np.concatenate(pieces) if pieces else np.zeros(0, dtype)
 
 

@@ -37,13 +37,17 @@ from typing import NamedTuple
 import numpy as np
 
 from spmd.base.cli import LOSS_ON, MAX_RECORD_BYTES
+from spmd.base.console import human_bytes
 from spmd.base.errors import UserError, first_line, optional_module
 from spmd.base.paths import read_text
 from spmd.base.schema import Invalid, loads, read_json
-from spmd.data.corpus import checked_text, data_files, json_kind
-from spmd.data.tokenizer import CONFIG_LIMIT, TokenizerDirectory
+from spmd.data.corpus import UTF8_BOM, checked_text, data_files, json_kind
+from spmd.data.tokenizer import BYTES_PER_TEXT_BYTE, CONFIG_LIMIT, TokenizerDirectory, check_memory, text_bytes
 
 ROLES = ("system", "user", "assistant", "tool")
+# What a record too large to tokenize in the memory free can become (spmd.data.tokenizer.check_memory).
+TOO_LARGE = ("split it into smaller records, or tokenize it where more memory is free (--max-record-bytes refuses "
+             "such records before they are read)")
 _OPEN, _CLOSE = "\ue000", "\ue001"  # private-use characters that mark assistant content in a second rendering
 
 
@@ -135,6 +139,8 @@ def _lines(file: Path, max_record_bytes: int) -> Iterator[bytes]:
         with open(file, "rb") as f:
             for number, line in enumerate(iter(lambda: f.readline(max_record_bytes + 1), b""), 1):
                 line = line.removesuffix(b"\n")
+                if number == 1:  # read past a byte-order mark (spmd.data.corpus.UTF8_BOM)
+                    line = line.removeprefix(UTF8_BOM)
                 if len(line) > max_record_bytes:
                     check_record_size(len(line) + _rest_of_line(f), max_record_bytes, f"--data {file}, line {number}")
                 yield line
@@ -157,8 +163,9 @@ def check_record_size(size: int, max_record_bytes: int, where: str, unit: str = 
     is read or tokenized."""
     if size > max_record_bytes:
         raise UserError(f"{where}: {size:,} {unit}, more than --max-record-bytes {max_record_bytes:,} (a record is "
-                        f"tokenized whole, in tens to hundreds of times its size of memory); give a larger bound to "
-                        f"read it")
+                        f"tokenized whole, in up to {BYTES_PER_TEXT_BYTE} times its size of memory: "
+                        f"{human_bytes(size * BYTES_PER_TEXT_BYTE)}); give a larger bound to read it where that "
+                        f"much memory is free")
 
 
 def record_format(record: dict, where: str) -> str:
@@ -191,6 +198,21 @@ def fine_tuning_format(path: str, max_record_bytes: int = MAX_RECORD_BYTES) -> s
     return None
 
 
+# The options that apply to one kind of --data only: given for the other, they would change nothing.
+RECORD_OPTIONS = ("loss_on", "overlong", "data_workers", "max_record_bytes")
+TEXT_OPTIONS = ("text_field", "document_mask")
+
+
+def refuse_what_does_not_apply(given: Iterable[str], records: bool, data: str) -> None:
+    """Of the options `given` (another value than their default), the first that `data`'s
+    kind would ignore, refused: fine-tuning records' options for text, and text's for records."""
+    ignored = [name for name in given if name in (TEXT_OPTIONS if records else RECORD_OPTIONS)]
+    if ignored:
+        kind = "fine-tuning records (read by their format)" if records else "text (one token stream)"
+        applies = "text data" if records else "fine-tuning records"
+        raise UserError(f"--{ignored[0].replace('_', '-')} applies to {applies}; --data {data} holds {kind}")
+
+
 def examples_of(items: Iterable[tuple[str, object, tuple[str, str]]], tokenizer, loss_on: str = "completion",
                 max_record_bytes: int = MAX_RECORD_BYTES) -> list[Example]:
     """The examples of records read by spmd.data.index.RecordIndex.read: (where, record or
@@ -221,11 +243,13 @@ def example(record: dict, where: str, tokenizer, loss_on: str = "completion",
     if found == "text":
         text = checked_text(record["text"], where, "text")
         check_record_size(len(text), max_record_bytes, where, "characters of text")
+        check_memory(tokenizer, text_bytes(text), where, TOO_LARGE)
         ids, loss = _text(text, tokenizer, where)
     elif found == "prompt/completion" and not isinstance(record["prompt"], list):
         prompt = checked_text(record["prompt"], where, "prompt")
         completion = checked_text(record["completion"], where, "completion")
         check_record_size(len(prompt) + len(completion), max_record_bytes, where, "characters of prompt and completion")
+        check_memory(tokenizer, text_bytes(prompt) + text_bytes(completion), where, TOO_LARGE)
         ids, start = _prompt_completion(prompt, completion, tokenizer, where)
         loss = np.arange(ids.size) >= start
     else:
@@ -328,6 +352,7 @@ def _chat(record: dict, where: str, tokenizer, conversational_prompt: bool,
         prompt = _messages(record["prompt"], "prompt", where)
         messages = prompt + _messages(record["completion"], "completion", where)
         text, _ = render(messages)
+        check_memory(tokenizer, text_bytes(text), where, TOO_LARGE)
         ids = tokenizer.tokens(text, special=False)[0]
         prompt_ids = tokenizer.tokens(render(prompt, add_generation_prompt=True)[0], special=False)[0]
         return ids, np.arange(ids.size) >= _common_prefix(prompt_ids, ids)
@@ -337,6 +362,7 @@ def _chat(record: dict, where: str, tokenizer, conversational_prompt: bool,
     template = template.for_training()  # as TRL's assistant-only loss swaps a published template it knows
     render = functools.partial(template.render, **options)
     text, spans = render(messages)
+    check_memory(tokenizer, text_bytes(text), where, TOO_LARGE)
     ids, offsets = tokenizer.tokens(text, special=False)
     if not template.has_generation:
         spans = _ended(_content_spans(messages, text, render, where, template.where), ids, offsets,

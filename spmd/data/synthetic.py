@@ -14,9 +14,10 @@ import threading
 import jax
 import numpy as np
 
+from spmd.base.cli import changed
 from spmd.data.corpus import TokenSource, token_stream
 from spmd.data.packed_file import PackedFileSource, read_packed
-from spmd.data.records import fine_tuning_format
+from spmd.data.records import RECORD_OPTIONS, TEXT_OPTIONS, fine_tuning_format, refuse_what_does_not_apply
 from spmd.data.source import DataSource
 from spmd.data.stream import record_source
 from spmd.data.tokenizer import load_tokenizer
@@ -83,7 +84,9 @@ def make_source(cfg, vocab: int):
     held_out = cfg.eval_fraction if cfg.eval_every else 0.0
     if (rows := read_packed(cfg.data)) is not None:
         return PackedFileSource(rows, cfg.seq + 1, cfg.batch, cfg.seed, held_out, name=cfg.data, vocab=vocab)
-    if fine_tuning_format(cfg.data, cfg.max_record_bytes):
+    records = fine_tuning_format(cfg.data, cfg.max_record_bytes)
+    refuse_what_does_not_apply(changed(cfg, RECORD_OPTIONS + TEXT_OPTIONS), records, cfg.data)
+    if records:
         return record_source(cfg.data, cfg.tokenizer, cfg.seq + 1, cfg.batch, cfg.seed, held_out, vocab=vocab,
                              loss_on=cfg.loss_on, overlong=cfg.overlong, workers=cfg.data_workers,
                              max_record_bytes=cfg.max_record_bytes)

@@ -20,7 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
+from spmd.base.console import human_bytes
 from spmd.base.errors import UserError, optional_module
+from spmd.base.hardware import free_memory_bytes
 from spmd.base.paths import regular_file
 from spmd.base.schema import Invalid, read_bytes, read_json
 from spmd.data.chat import ChatTemplate
@@ -30,6 +32,30 @@ CONFIG_LIMIT = 1 << 26  # bytes: a config may list a few hundred thousand added 
 EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>")
 
 
+# The memory tokenizing a text whole takes, per byte of its UTF-8: a Hugging Face tokenizer's
+# encoding (ids, offsets, token strings, masks), then the ids and offsets as Python objects.
+# Measured here from 260 (ASCII words) to 420 (byte-level BPE of many scripts' characters);
+# the bound keeps a margin. A tokenizer that runs out of memory aborts the process without a
+# word, so a text is checked against the memory free before it is tokenized (check_memory).
+BYTES_PER_TEXT_BYTE = 512
+_CHECKED_FROM = 1 << 20  # texts of fewer bytes are not checked (they take at most 512 MiB)
+
+
+def text_bytes(text: str) -> int:
+    """The size of `text` in UTF-8, without encoding it where it is ASCII."""
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+
+
+def check_memory(tokenizer, size: int, where: str, advice: str) -> None:
+    """Tokenizing a text of `size` UTF-8 bytes whole with `tokenizer` must fit the memory
+    this process has free; otherwise a UserError naming `where`, the memory, and what to do."""
+    need = size * getattr(tokenizer, "memory_per_byte", BYTES_PER_TEXT_BYTE)
+    if size < _CHECKED_FROM or need <= (free := free_memory_bytes()):
+        return
+    raise UserError(f"{where}: tokenizing its {size:,} bytes of text takes up to {human_bytes(need)} of memory, and "
+                    f"this process has {human_bytes(free)} free; {advice}")
+
+
 class ByteTokenizer:
     """UTF-8 bytes as tokens (vocabulary 256). NUL, which text files do not hold, is
     dropped from the text and separates documents."""
@@ -37,6 +63,7 @@ class ByteTokenizer:
     vocab_size = 256
     eos = 0
     name = "bytes"
+    memory_per_byte = 16  # the bytes, then their ids as int64 and int32
 
     def encode(self, texts: Sequence[str]) -> list[np.ndarray]:
         return [np.frombuffer(t.encode().replace(b"\0", b""), np.uint8) for t in texts]
@@ -160,8 +187,9 @@ class TokenizerDirectory(HuggingFaceTokenizer):
     def __init__(self, path: Path):  # not HuggingFaceTokenizer's: the end-of-text token is the config's
         tokenizers = optional_module("tokenizers", "a tokenizer directory")
         self.path, self.name = path, path.name
-        if not (path / "tokenizer.json").is_file():
+        if not os.path.lexists(path / "tokenizer.json"):
             raise UserError(f"--tokenizer {path}: no tokenizer.json in the directory")
+        regular_file(str(path / "tokenizer.json"), "--tokenizer")  # (a directory, a FIFO, a broken link: said)
         try:
             self._tok = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
         except Exception as exc:  # the Rust library raises its own exception types

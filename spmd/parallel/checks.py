@@ -114,6 +114,14 @@ def check_expert_slots(cfg, shape: Mapping[str, int], model_cfg: LlamaConfig) ->
                         f"not split over ep={ep} devices")
 
 
+def fewest_empty_layers(model_cfg: LlamaConfig, chunks: int) -> int:
+    """The fewest empty layers after the real ones that even out `chunks` pipeline chunks
+    (an MoE group's layers stay together)."""
+    real = model_cfg.stacked_layers - model_cfg.empty_layers
+    unit = chunks * model_cfg.layers_per_step
+    return -(-real // unit) * unit - real
+
+
 def check_pipeline(cfg, shape: Mapping[str, int], model_cfg: LlamaConfig, for_training: bool) -> Schedule | None:
     """The pipeline schedule of a layout with pp > 1, its divisibility checked."""
     p = shape["pp"]
@@ -139,8 +147,7 @@ def check_pipeline(cfg, shape: Mapping[str, int], model_cfg: LlamaConfig, for_tr
     else:
         why = f"model {cfg.model_name}: {what} do not divide into pp x repeats = {p} x {schedule.repeats} pipeline chunks"
     if layers % chunks:
-        unit = chunks * model_cfg.layers_per_step  # (an MoE group's layers stay together)
-        least = -(-real // unit) * unit - real  # the fewest empty layers after the real ones that even them out
+        least = fewest_empty_layers(model_cfg, chunks)
         raise UserError(f"{why}: give --empty-layers {least} (identity layers that even out the stages)" if least
                         else f"{why}: the {real} layers divide without --empty-layers; give none")
     if schedule.name == "dualpipe" and p % 2:

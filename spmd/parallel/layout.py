@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from spmd.parallel.checks import check_layout, kv_copies
+from spmd.parallel.checks import check_layout, fewest_empty_layers, kv_copies
 from spmd.parallel.defaults import default_layout
 from spmd.parallel.mesh import BATCH_AXES, build_mesh, format_mesh
 from spmd.parallel.pipeline import Schedule
@@ -88,6 +88,11 @@ class Layout:
         """Chunks of layers per pipeline stage: the circular schedule stores the stacked
         layers as (repeats, layers / repeats)."""
         return self.schedule.repeats if self.schedule else 1
+
+    @property
+    def empty_layers_needed(self) -> int:
+        """The fewest empty layers that even out this layout's pipeline chunks (0 without stages)."""
+        return fewest_empty_layers(self.skeleton.model_cfg, self.shape["pp"] * self.repeats) if self.schedule else 0
 
     def stored(self, tree):
         """A model's params (or optimizer state) as this layout stores them."""

@@ -17,7 +17,9 @@ import jax
 from jax.experimental import mesh_utils
 
 from spmd.base import accelerators
+from spmd.base.cli import parse_integer
 from spmd.base.errors import UserError
+from spmd.base.schema import Bounds
 
 AXES = ("pp", "dp", "fsdp", "ep", "sp", "tp")
 BATCH_AXES = ("dp", "fsdp", "ep")  # the axes that split the batch
@@ -33,6 +35,8 @@ FORCED_DEVICE_COUNT = re.compile(r"--xla_force_host_platform_device_count=([0-9]
 # dp=1000000 would build a million before anything else is checked. The presets plan
 # at most 128; this leaves room for planning large clusters.
 MAX_EMULATED_DEVICES = 4096
+# One axis's size: -1 (the rest) or up to 2**20 devices, far beyond any cluster built.
+AXIS_SIZE = Bounds(at_least=REMAINING, at_most=2**20)
 
 
 def parse_mesh(spec: str | Mapping[str, int] | None) -> dict[str, int]:
@@ -91,11 +95,10 @@ def _split_pairs(text: str) -> list[tuple[str, str]]:
 
 
 def _parse_size(axis: str, size: object) -> int:
-    # Plain ASCII digits only: int() would also read "1_000", "+4" and other scripts' digits.
-    if isinstance(size, bool) or not re.fullmatch(r"-?[0-9]+", str(size)):
-        raise UserError(f"mesh axis {axis}={size!r}: the size must be an integer")
-    value = int(str(size))
-    if value == 0 or value < REMAINING:
+    if isinstance(size, bool):  # (YAML's true is no size)
+        raise UserError(f"mesh axis {axis} must be an integer, got {size!r}")
+    value = parse_integer(str(size), f"mesh axis {axis}", AXIS_SIZE)
+    if value == 0:
         raise UserError(f"mesh axis {axis}={value}: the size must be positive (or -1 for the rest)")
     return value
 
@@ -116,9 +119,9 @@ def resolve_mesh(sizes: Mapping[str, int], num_devices: int) -> dict[str, int]:
                 )
             shape[axis] = num_devices // known
     if math.prod(shape.values()) != num_devices:
-        raise UserError(
-            f"mesh {format_mesh(shape)} needs {math.prod(shape.values())} devices, but {num_devices} are available"
-        )
+        given = ",".join(f"{axis}={size}" for axis, size in sizes.items()) or "of one device"
+        needs = math.prod(shape.values())
+        raise UserError(f"mesh {given} needs {needs} device{'s' * (needs != 1)}, but {num_devices} are available")
     return shape
 
 
@@ -165,7 +168,11 @@ def preset_cpu_devices() -> int | None:
     if jax.config.jax_num_cpu_devices > 0:
         return jax.config.jax_num_cpu_devices
     forced = FORCED_DEVICE_COUNT.findall(os.environ.get("XLA_FLAGS", ""))
-    return int(forced[-1]) if forced else None  # (XLA reads the last one given)
+    if not forced:
+        return None
+    # (XLA reads the last one given; 0 would leave JAX no device to start with)
+    return parse_integer(forced[-1], "XLA_FLAGS' --xla_force_host_platform_device_count",
+                         Bounds(at_least=1, at_most=MAX_EMULATED_DEVICES))
 
 
 def emulated_device_count(sizes: Mapping[str, int] | None, cpu_devices: int | None, processes: int = 1,
@@ -177,8 +184,9 @@ def emulated_device_count(sizes: Mapping[str, int] | None, cpu_devices: int | No
     own (one CPU device, unless the host says otherwise)."""
     if accelerator_present():
         return None
+    preset = preset_cpu_devices()  # (read and checked here, whatever else decides the count)
     wanted = cpu_devices
-    if wanted is None and sizes is None and (not trains or preset_cpu_devices() is not None):
+    if wanted is None and sizes is None and (not trains or preset is not None):
         return None
     if wanted is None:
         if sizes is None:  # spmd.train's default on a bare CPU host: its 3-D mesh's 8 devices
@@ -213,13 +221,12 @@ def emulate_cpu_devices(sizes: Mapping[str, int] | None, cpu_devices: int | None
         raise UserError(f"the mesh asks for {wanted:,} emulated CPU devices; at most {MAX_EMULATED_DEVICES} can be "
                         "emulated (check the mesh's sizes)")
 
-    if wanted > 1 or cpu_devices is not None:
-        try:
-            jax.config.update("jax_num_cpu_devices", wanted)
-        except RuntimeError:  # JAX already started (e.g. in a notebook): use what it has
-            if len(jax.devices()) < wanted:
-                raise UserError(f"the mesh needs {wanted} devices, but JAX already started with "
-                                f"{len(jax.devices())}; set the device count before using JAX") from None
+    try:
+        jax.config.update("jax_num_cpu_devices", wanted)
+    except RuntimeError:  # JAX already started (e.g. in a notebook): use what it has
+        if len(jax.devices()) < wanted:
+            raise UserError(f"the mesh needs {wanted} devices, but JAX already started with "
+                            f"{len(jax.devices())}; set the device count before using JAX") from None
 
 
 def check_dcn(shape: Mapping[str, int], dcn: Mapping[str, int]) -> None:

@@ -22,7 +22,9 @@ import os
 import re
 from pathlib import Path
 
+from spmd.base.cli import parse_integer, shown
 from spmd.base.errors import UserError
+from spmd.base.schema import Bounds
 
 DESCRIPTIONS = Path(__file__).with_name("targets")
 # TensorCores per chip in a slice's name: v5p (and v4) count cores, two a chip; v5e and v6e count chips.
@@ -86,42 +88,47 @@ def named_for(hardware: str, devices: int) -> str | None:
 
 def parse(name: str) -> Target:
     """The target a name means, or a UserError listing the forms."""
+    label = f"--target {name if len(name) <= 40 else shown(name)}"  # (how messages name it)
     text = name.strip().lower()
     slices, rest = 1, text
-    if m := re.fullmatch(r"(\d+)x(.+)", text):
-        slices, rest = int(m.group(1)), m.group(2)
-        if slices < 1:
-            raise UserError(f"--target {name}: give at least one slice or node")
-    if re.match(r"v\d", rest) and slices > MAX_SLICES:
-        raise UserError(f"--target {name}: {slices} slices; give 1 to {MAX_SLICES}")
-    if m := re.fullmatch(r"(v5p|v5e|v6e)-(\d+)", rest):
-        generation, cores = m.group(1), int(m.group(2))
-        chips, odd = divmod(cores, CORES_PER_CHIP[generation])
+    if m := re.fullmatch(r"([0-9]+)x(.+)", text):
+        rest = m.group(2)
+        most = MAX_SLICES if re.match(r"v[0-9]", rest) else MAX_GPU_NODES
+        slices = parse_integer(m.group(1), f"{label}: the {'slices' if most == MAX_SLICES else 'nodes'}",
+                               Bounds(at_least=1, at_most=most))
+    if m := re.fullmatch(r"(v5p|v5e|v6e)-([0-9]+)", rest):
+        generation = m.group(1)
+        most = MAX_TPU_CHIPS[generation] * CORES_PER_CHIP[generation]
+        sizes = (f"{generation} slices come in powers of two up to {most}"
+                 f"{' TensorCores (two a chip), from 8' if generation == 'v5p' else ' chips'}")
         try:
-            if odd or not 1 <= chips <= MAX_TPU_CHIPS[generation]:
+            cores = parse_integer(m.group(2), label, Bounds(at_least=1, at_most=most))
+            chips, odd = divmod(cores, CORES_PER_CHIP[generation])
+            if odd or not chips:
                 raise ValueError(chips)
             shape = torus(chips, TORUS_DIMS[generation])
-        except ValueError:
-            raise UserError(f"--target {name}: {generation} slices come in powers of two up to "
-                            f"{MAX_TPU_CHIPS[generation] * CORES_PER_CHIP[generation]}"
-                            f"{' TensorCores (two a chip), from 8' if generation == 'v5p' else ' chips'}") from None
+        except (UserError, ValueError):
+            raise UserError(f"{label}: {sizes}") from None
         return Target(name, "tpu", generation, f"{generation}:{'x'.join(map(str, shape))}", slices,
                       accelerator_type=rest)
-    if m := re.fullmatch(r"(v5p|v5e|v6e):(\d+(?:x\d+)+)", rest):
+    if m := re.fullmatch(r"(v5p|v5e|v6e):([0-9]+(?:x[0-9]+)+)", rest):
         generation, shape = m.group(1), m.group(2)
         if len(shape.split("x")) != TORUS_DIMS[generation]:
-            raise UserError(f"--target {name}: a {generation} topology has {TORUS_DIMS[generation]} sides")
-        chips = math.prod(int(side) for side in shape.split("x"))
-        return Target(name, "tpu", generation, rest, slices,
+            raise UserError(f"{label}: a {generation} topology has {TORUS_DIMS[generation]} sides")
+        most = MAX_TPU_CHIPS[generation]
+        sides = [parse_integer(side, f"{label}: a side", Bounds(at_least=1, at_most=most)) for side in shape.split("x")]
+        chips = math.prod(sides)
+        if chips > most:
+            raise UserError(f"{label}: {chips:,} chips; a {generation} slice has at most {most}")
+        return Target(name, "tpu", generation, f"{generation}:{'x'.join(map(str, sides))}", slices,
                       accelerator_type=f"{generation}-{chips * CORES_PER_CHIP[generation]}")
-    if m := re.fullmatch(r"(h100|h800|h200)x(\d+)", rest):
-        chip, per_node = m.group(1), int(m.group(2))
-        if not 1 <= per_node <= MAX_GPUS_PER_NODE or slices > MAX_GPU_NODES:
-            raise UserError(f"--target {name}: a node holds 1 to {MAX_GPUS_PER_NODE} GPUs, and up to "
-                            f"{MAX_GPU_NODES} nodes can be named")
+    if m := re.fullmatch(r"(h100|h800|h200)x([0-9]+)", rest):
+        chip = m.group(1)
+        per_node = parse_integer(m.group(2), f"{label}: the GPUs of a node", Bounds(at_least=1,
+                                                                                      at_most=MAX_GPUS_PER_NODE))
         config = (DESCRIPTIONS / GPU_CHIPS[chip]).read_text()
         return Target(name, "cuda", chip, f"1x{slices}x{per_node}", 1, config)
-    raise UserError(f"--target {name}: unknown; give a TPU slice (v5p-128, v5e-256, v6e-64, v5p:2x2x4, "
+    raise UserError(f"{label}: unknown; give a TPU slice (v5p-128, v5e-256, v6e-64, v5p:2x2x4, "
                     f"multislice 2xv5p-128) or a GPU node (h100x8, h200x8, 2xh100x8)")
 
 

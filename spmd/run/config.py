@@ -20,8 +20,9 @@ import yaml
 from models import PRESETS
 from models.lora import ATTENTION_TARGETS, MAX_ALPHA, MLP_TARGETS, TARGETS
 from spmd.base import hardware
-from spmd.base.cli import (DTYPES, LOSS_ON, MAX_RECORD_BYTES, OVERLONG, SEED, SEQ, TOKEN_DTYPES, OneLineErrorParser,
-                           finite, flag_of, integer, nonempty)
+from spmd.base.cli import (DTYPES, LOSS_ON, MAX_RECORD_BYTES, OVERLONG, RECORD_BYTES, SEED, SEQ, TOKEN_DTYPES,
+                           TOKENS_PER_STEP, OneLineErrorParser, changed, finite, flag_of, integer, nonempty,
+                           parse_integer, shown)
 from spmd.base.errors import UserError, file_kind
 from spmd.base.schema import Bounds
 from spmd.parallel.mesh import MeshSpec
@@ -36,15 +37,16 @@ MOE_DISPATCH = ("dropless", "capacity")
 BALANCE_LOSSES = ("sequence", "pooled")  # models.moe.MoEConfig.balance_loss
 
 # The upper bounds of the sizes a run's options set, checked before anything is allocated.
-# Warmup steps: optax's schedule computes with them in int32 (beyond, its first step overflows).
-WARMUP = 2**31 - 1
-# Tokens a step holds (--batch x --seq): 2**30, 16 times the largest published batch
-# (DeepSeek-V3's 63M tokens); the rows' arrays on the host (9 bytes a token, packed) stay
-# within 10 GiB. (--seq alone: spmd.base.cli.SEQ.)
-TOKENS_PER_STEP = 2**30
+# Steps (--steps, --warmup, every step a flag names): optax's schedule and the step counter
+# are int32 (beyond, the first step overflows).
+STEPS = 2**31 - 1
 # The model's sizes a flag sets (layers, experts, their copies): far beyond any published
 # model (DeepSeek-V3: 61 layers, 256 experts), so that a typo is refused, not built.
 MODEL_SIZE = 2**16
+# The weight of a loss term beside the main loss (MoE's balance and z-losses, multi-token
+# prediction): DeepSeek-V3 gives 0.3, Mixtral 0.02; a thousand swamps the main loss long
+# before a term of a few nats times it leaves float32's range.
+LOSS_WEIGHT = 1000.0
 # Seconds a process waits for the others: a week, within every clock's and runtime's range
 # (Python's waits end at threading.TIMEOUT_MAX; JAX's distributed runtime takes int seconds).
 WAIT_S = 7 * 24 * 3600
@@ -61,12 +63,12 @@ class TrainConfig:
     cpu_devices: int | None = _field(None, "number of emulated CPU devices (default: what the mesh needs)", at_least=1)
     model: str | None = _field(None, "model preset (see models.PRESETS; default: tiny, or the model of --init-from, or that of the checkpoint --resume names)")
     init_from: str | None = _field(None, "start from the weights of a Hugging Face model directory (config.json and safetensors: Llama, Mixtral); the model is the directory's, and its tokenizer.json tokenizes --data")
-    steps: int = _field(300, "optimizer steps to run", at_least=0)
+    steps: int = _field(300, "optimizer steps to run", at_least=0, at_most=STEPS)
     batch: int = _field(32, "global batch size, in sequences", at_least=1, at_most=TOKENS_PER_STEP)
     seq: int = _field(64, "sequence length, in tokens", SEQ.at_least, at_most=SEQ.at_most)
     seed: int = _field(0, "seed of the initial parameters and of the data order", SEED.at_least, at_most=SEED.at_most)
     lr: float = _field(3e-3, "peak learning rate", above=0)
-    warmup: int = _field(20, "linear warmup steps from 0 to the peak (kept as given: a warmup of --steps or more ends the run before the peak)", at_least=0, at_most=WARMUP)
+    warmup: int = _field(20, "linear warmup steps from 0 to the peak (kept as given: a warmup of --steps or more ends the run before the peak)", at_least=0, at_most=STEPS)
     min_lr_ratio: float = _field(0.1, "final learning rate of the cosine decay, as a fraction of the peak", at_least=0, at_most=1)
     weight_decay: float = _field(0.01, "AdamW weight decay (matrices only)", at_least=0)
     b1: float = _field(0.9, "Adam beta1", at_least=0, below=1)
@@ -74,10 +76,11 @@ class TrainConfig:
     eps: float = _field(1e-8, "Adam epsilon, added to the root of the second moment", above=0)
     clip: float = _field(1.0, "global gradient-norm clipping threshold", above=0)
     scale_lr: bool = _field(False, "linear scaling rule: lr x batch / ref-batch")
-    ref_batch: int = _field(256, "reference batch of --scale-lr", at_least=1)
+    ref_batch: int = _field(256, "reference batch of --scale-lr", at_least=1, at_most=TOKENS_PER_STEP)
     dtype: str = _field("float32", "compute dtype (master weights stay float32)", choices=DTYPES)
     zero: int = _field(0, "ZeRO stage over dp (and ep, for every weight but the experts): 0 replicas, 1 optimizer state, 2 + gradients, 3 + parameters", choices=(0, 1, 2, 3))
-    grad_accum: int = _field(1, "microbatches per step, accumulated in a scan with one gradient reduction", at_least=1)
+    grad_accum: int = _field(1, "microbatches per step, accumulated in a scan with one gradient reduction", at_least=1,
+                             at_most=TOKENS_PER_STEP)
     remat: str = _field("none", "activation checkpointing of each block: none keeps every matmul output, dots those without batch dimensions, full only the block's input; DeepSeek-V3's mla is none but for latent attention's up-projections, made again from their latents", choices=REMAT)
     attention: str = _field("ring", "attention across the sp axis: K/V blocks passed around a ring, or all-gathered", choices=ATTENTION)
     attention_kernel: str = _field("auto", "attention's kernel: auto (cudnn on NVIDIA GPUs, splash on TPU, chunked elsewhere), xla (scores materialized), cudnn (fused flash attention), splash (Pallas, TPU), chunked (flash-style in plain JAX: memory linear in the sequence)", choices=ATTENTION_KERNELS)
@@ -86,28 +89,32 @@ class TrainConfig:
     empty_layers: int = _field(0, "identity layers after the stacked ones, so that pipeline stages of equal depth hold a depth that does not divide (DeepSeek-V3's 58 MoE layers as 16 x 2 chunks of 2: 6); stages run them (their compute and memory), a step without stages skips them; never trained or exported", at_least=0, at_most=MODEL_SIZE)
     pp_schedule: str = _field("gpipe", "pipeline schedule over the pp axis (gpipe, circular with --pp-repeats chunks per stage, 1f1b, interleaved-1f1b: 1f1b on circular's chunks, zb-v: zero bubble, 2 chunks per stage in a V, dualpipe: DeepSeek's two directions, 2 stages per device)", choices=PP_SCHEDULES)
     pp_repeats: int = _field(1, "circular and interleaved-1f1b schedules: chunks of layers per pipeline stage (v)", at_least=1, at_most=MODEL_SIZE)
-    microbatches: int | None = _field(None, "pipeline microbatches per step (default: pp; a multiple of pp)", at_least=1)
+    microbatches: int | None = _field(None, "pipeline microbatches per step (default: pp; a multiple of pp)", at_least=1,
+                                      at_most=TOKENS_PER_STEP)
     experts: int | None = _field(None, "MoE models: number of experts (default: the preset's)", at_least=1, at_most=MODEL_SIZE)
-    top_k: int | None = _field(None, "MoE models: experts per token (default: the preset's)", at_least=1)
+    top_k: int | None = _field(None, "MoE models: experts per token (default: the preset's)", at_least=1,
+                                 at_most=MODEL_SIZE)
     moe_dispatch: str = _field("dropless", "MoE models: every token reaches its experts, or each expert takes at most a capacity of each sequence's tokens (the rest dropped)", choices=MOE_DISPATCH)
     capacity_factor: float = _field(1.25, "capacity mode: slots per expert per sequence = factor x seq x top-k / experts", above=0)
     router_bias_rate: float = _field(0.0, "MoE models: auxiliary-loss-free balancing (DeepSeek-V3): after each step, each expert's selection bias moves by this much towards the mean load (0: off)", at_least=0)
     redundant_experts: int = _field(0, "MoE models: extra expert slots over ep holding copies of the busiest experts (EPLB); experts + this must divide by ep", at_least=0, at_most=MODEL_SIZE)
-    rebalance_every: int | None = _field(None, "with --redundant-experts: recompute the placement of experts on slots from the measured load every N steps (default: 50)", at_least=1)
+    rebalance_every: int | None = _field(None, "with --redundant-experts: recompute the placement of experts on slots from the measured load every N steps (default: 50)", at_least=1, at_most=STEPS)
     balance_loss: str | None = _field(None, "MoE models: the load-balancing loss per sequence (spmd's presets), or pooled over the batch and all MoE layers (transformers' Mixtral and Qwen-MoE); default: the model's (pooled for an imported model)", choices=BALANCE_LOSSES)
-    aux_loss_weight: float | None = _field(None, "MoE models: weight of the load-balancing loss (default: the model's: 0.01 for presets, config.json's router_aux_loss_coef for an imported model)", at_least=0)
-    z_loss_weight: float | None = _field(None, "MoE models: weight of the router z-loss (default: the model's: 0.001 for presets, 0 for an imported model, which has none)", at_least=0)
+    aux_loss_weight: float | None = _field(None, "MoE models: weight of the load-balancing loss (default: the model's: 0.01 for presets, config.json's router_aux_loss_coef for an imported model)", at_least=0, at_most=LOSS_WEIGHT)
+    z_loss_weight: float | None = _field(None, "MoE models: weight of the router z-loss (default: the model's: 0.001 for presets, 0 for an imported model, which has none)", at_least=0, at_most=LOSS_WEIGHT)
     mtp_depth: int = _field(0, "DeepSeek-V3: multi-token prediction modules after the model (the report's D; DeepSeek trained 1), the k-th predicting the token k + 1 beyond the next; trained with the main loss, left out of exported models", at_least=0, at_most=MODEL_SIZE)
-    mtp_weight: float = _field(0.3, "multi-token prediction: the weight of its loss, the mean over its depths (the report's λ)", at_least=0)
+    mtp_weight: float = _field(0.3, "multi-token prediction: the weight of its loss, the mean over its depths (the report's λ)", at_least=0, at_most=LOSS_WEIGHT)
     mtp_weight_later: str | None = _field(None, "multi-token prediction: STEP:WEIGHT, its weight from that optimizer step on (DeepSeek-V3: 0.3, then 0.1 for its last 4.8T of 14.8T tokens)")
-    log_every: int = _field(10, "print a log line every N steps (metrics are fetched from devices only then)", at_least=1)
+    log_every: int = _field(10, "print a log line every N steps (metrics are fetched from devices only then)", at_least=1,
+                           at_most=STEPS)
     profile_steps: str | None = _field(None, "capture a profiler trace of steps A to B (A:B, numbered as in the log line, both included)")
     profile_dir: str = _field("profile", "directory of the --profile-steps trace (TensorBoard's profile plugin, xprof, Perfetto)")
     tensorboard: str | None = _field(None, "also write every metric as TensorBoard scalars into this directory (process 0)")
     metrics_file: str | None = _field(None, "write one JSON object per step to this .jsonl file (a resumed run keeps the records before its checkpoint)")
     out: str | None = _field(None, "directory for checkpoints; a run resumes from its latest checkpoint there")
-    save_every: int = _field(0, "save a checkpoint every N steps (0: only at the end); needs --out", at_least=0)
-    keep: int = _field(3, "checkpoints to keep in --out", at_least=1)
+    save_every: int = _field(0, "save a checkpoint every N steps (0: only at the end); needs --out", at_least=0,
+                            at_most=STEPS)
+    keep: int = _field(3, "checkpoints to keep in --out", at_least=1, at_most=STEPS)
     resume: str | None = _field(None, "resume from this run directory's latest checkpoint, or from one step's directory")
     resume_with_changes: bool = _field(False, "resume although --steps, --batch, --seq, --seed or the learning-rate schedule differ from the checkpoint's run")
     on_nan: str = _field("stop", "on a non-finite loss, drop that update, then stop (naming the last good checkpoint) or skip and go on", choices=ON_NAN)
@@ -119,9 +126,10 @@ class TrainConfig:
     loss_on: str = _field("completion", "fine-tuning records (prompt/completion, chat messages): the tokens the loss is on: the completion and the assistant's turns, or all", choices=LOSS_ON)
     overlong: str = _field("truncate", "a fine-tuning example longer than --seq + 1 tokens: keep its start (truncate) or cut it into pieces, each its own example (split)", choices=OVERLONG)
     data_workers: int | None = _field(None, "fine-tuning records: processes that tokenize them ahead of the steps (0: the trainer's own; default: one per CPU the process may use, less one, at most 8, when there are more than 2,048 records; at most the CPUs it may use)", at_least=0)
-    max_record_bytes: int = _field(MAX_RECORD_BYTES, "fine-tuning records: the largest record read, in bytes of its JSONL line and characters of the text it tokenizes (a chat: its rendering); a record is tokenized whole, in tens to hundreds of times its size of memory", at_least=1)
+    max_record_bytes: int = _field(MAX_RECORD_BYTES, "fine-tuning records: the largest record read, in bytes of its JSONL line and characters of the text it tokenizes (a chat: its rendering); a record is tokenized whole, in hundreds of times its size of memory, checked against the memory free before it is tokenized", at_least=RECORD_BYTES.at_least, at_most=RECORD_BYTES.at_most)
     document_mask: bool = _field(False, "text and token data: documents do not see each other (attention stops at each end-of-text token, positions restart); default: windows of the stream, as in GPT-style pre-training")
-    eval_every: int = _field(0, "every N steps, report the loss on held-out data (0: never)", at_least=0)
+    eval_every: int = _field(0, "every N steps, report the loss on held-out data (0: never)", at_least=0,
+                            at_most=STEPS)
     eval_batches: int = _field(4, "batches of held-out data per evaluation (no more than it holds)", at_least=1,
                                at_most=1_000_000)
     eval_fraction: float = _field(0.05, "share of --data's samples held out for evaluation (when --eval-every is set)", above=0, below=1)
@@ -133,7 +141,7 @@ class TrainConfig:
     step_timeout: float = _field(300.0, "seconds the host waits for a step before deciding a process died or hangs, and exiting with an error", above=0, at_most=WAIT_S)
     join_timeout: int = _field(300, "several processes: seconds to wait for all of them to join the run before giving up", at_least=1, at_most=WAIT_S)
     ignore_fit: bool = _field(False, "train even when the plan says the step does not fit the devices' memory")
-    lora_rank: int | None = _field(None, "train low-rank adapters (LoRA, as PEFT defines them) of this rank on --lora-targets, the base weights frozen (default: a full fine-tune)", at_least=1)
+    lora_rank: int | None = _field(None, "train low-rank adapters (LoRA, as PEFT defines them) of this rank on --lora-targets, the base weights frozen (default: a full fine-tune)", at_least=1, at_most=MODEL_SIZE)
     lora_alpha: float = _field(8.0, "LoRA: the adapters' output is scaled by alpha / rank (PEFT's lora_alpha)", above=0,
                                at_most=MAX_ALPHA)
     lora_targets: str = _field("q_proj,k_proj,v_proj,o_proj", "LoRA: the projections adapted, in Hugging Face names (q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj)")
@@ -174,8 +182,10 @@ class TrainConfig:
             return None
         match = re.fullmatch(r"([0-9]+):([0-9]+)", self.profile_steps)
         if not match:
-            raise UserError(f"--profile-steps must be A:B (first and last step to profile), got {self.profile_steps!r}")
-        first, last = int(match[1]), int(match[2])
+            raise UserError(f"--profile-steps must be A:B (first and last step to profile), got "
+                            f"{shown(self.profile_steps)}")
+        first, last = (parse_integer(match[i], f"--profile-steps {side}", Bounds(at_least=0, at_most=STEPS))
+                       for i, side in ((1, "A"), (2, "B")))
         if not 1 <= first <= last:
             raise UserError(f"--profile-steps {self.profile_steps}: the first step must be at least 1 and at most the last")
         if last > self.steps:
@@ -189,8 +199,13 @@ class TrainConfig:
             return None
         match = re.fullmatch(r"([0-9]+):([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)", self.mtp_weight_later)
         if not match:
-            raise UserError(f"--mtp-weight-later must be STEP:WEIGHT (e.g. 5000:0.1), got {self.mtp_weight_later!r}")
-        return int(match[1]), float(match[2])
+            raise UserError(f"--mtp-weight-later must be STEP:WEIGHT (e.g. 5000:0.1), got "
+                            f"{shown(self.mtp_weight_later)}")
+        step = parse_integer(match[1], "--mtp-weight-later's STEP", Bounds(at_least=0, at_most=STEPS))
+        weight, bounds = float(match[2]), Bounds(at_least=0, at_most=LOSS_WEIGHT)
+        if not bounds.holds(weight):  # (the regex admits no sign, NaN nor infinity; 1e999 is infinite)
+            raise UserError(f"--mtp-weight-later's WEIGHT must be {bounds}, got {shown(match[2])}")
+        return step, weight
 
     @property
     def microbatch(self) -> int:
@@ -250,14 +265,39 @@ class _DuplicateKey(yaml.YAMLError):
         self.key, self.line = key, line
 
 
+class _TooDeep(yaml.YAMLError):
+    """Collections nested deeper than MAX_YAML_DEPTH (`line`: where the deepest starts)."""
+
+    def __init__(self, line: int):
+        super().__init__(line)
+        self.line = line
+
+
+# How deep a config file's collections may nest: options under sections, a mesh under its
+# section, hold three levels. PyYAML composes a level by a call within the last, so a file
+# of a thousand brackets would end in Python's RecursionError.
+MAX_YAML_DEPTH = 16
+
+
 class _UniqueKeyLoader(yaml.SafeLoader):
     """safe_load's loader, refusing a mapping that gives a key twice (PyYAML lets the last
-    win: `steps: 10` then `steps: 1000` would train 1000 steps without a word). A merge
-    (`<<: *defaults`) may still be overridden: its keys are not the mapping's own."""
+    win: `steps: 10` then `steps: 1000` would train 1000 steps without a word), and
+    collections nested deeper than MAX_YAML_DEPTH. A merge (`<<: *defaults`) may still be
+    overridden: its keys are not the mapping's own."""
 
     def __init__(self, stream):
         super().__init__(stream)
         self._checked: set[int] = set()
+        self._depth = 0
+
+    def compose_node(self, parent, index):
+        self._depth += 1
+        try:
+            if self._depth > MAX_YAML_DEPTH:
+                raise _TooDeep(self.peek_event().start_mark.line + 1)
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
 
     def flatten_mapping(self, node):
         # Each mapping is checked once, before its merges are spliced into it (an anchored
@@ -292,6 +332,9 @@ def _read_yaml(path: str):
         return yaml.load(file.read_bytes().decode("utf-8"), Loader=_UniqueKeyLoader)
     except UnicodeDecodeError:
         raise UserError(f"config file {path} is not UTF-8 text") from None
+    except _TooDeep as exc:
+        raise UserError(f"config file {path}: collections nested more than {MAX_YAML_DEPTH} deep (line {exc.line}); "
+                        "options are given under their sections, two levels") from None
     except _DuplicateKey as exc:
         raise UserError(f"config file {path}: {exc.key} is given twice (again on line {exc.line}); give it once") \
             from None
@@ -344,6 +387,9 @@ def _flattened(data: Mapping, path: str) -> list[tuple[object, object]]:
     of it: each must be one of the section's options."""
     pairs = []
     for key, value in data.items():
+        if key in SECTIONS and key not in SECTION_OF and not isinstance(value, Mapping):
+            raise UserError(f"config file {path}: {key} is a section, a mapping of its options "
+                            f"({', '.join(SECTIONS[key])}); got {shown(value)}")
         if key not in SECTIONS or not isinstance(value, Mapping):
             pairs.append((key, value))
             continue
@@ -455,12 +501,12 @@ def _validate_moe(cfg: TrainConfig, model_cfg) -> None:
                         f"give a multiple of {model_cfg.moe.every}")
 
 
-LORA_FLAGS = {"lora_alpha": 8.0, "lora_targets": ",".join(ATTENTION_TARGETS), "lora_dropout": 0.0,
-              "base_dtype": "float32", "adapter": None}
-
-
 def _validate_mtp(cfg: TrainConfig) -> None:
     cfg.mtp_switch  # noqa: B018  (parsed here)
+    if not cfg.mtp_depth:
+        if others := changed(cfg, ("mtp_weight", "mtp_weight_later")):
+            raise UserError(f"{flag_of(others[0])} applies to multi-token prediction; give --mtp-depth D")
+        return
     if cfg.mtp_depth >= cfg.seq:
         raise UserError(f"--mtp-depth {cfg.mtp_depth} predicts beyond --seq {cfg.seq}: give a longer --seq")
 
@@ -469,9 +515,8 @@ def _validate_lora(cfg: TrainConfig, model_cfg) -> None:
     if cfg.adapter and not cfg.init_from:
         raise UserError("--adapter needs --init-from, the base model the adapter was trained on")
     if not cfg.lora_rank:
-        given = [name for name, default in LORA_FLAGS.items() if getattr(cfg, name) != default]
-        if given:
-            raise UserError(f"{flag_of(given[0])} applies to LoRA runs; give --lora-rank R")
+        if others := changed(cfg, ("lora_alpha", "lora_targets", "lora_dropout", "base_dtype", "adapter")):
+            raise UserError(f"{flag_of(others[0])} applies to LoRA runs; give --lora-rank R")
         return
     if not model_cfg.projection_shapes():
         raise UserError(f"--lora-rank: LoRA adapts Llama's projections (q_proj, ...), which {cfg.model_name}'s latent "
@@ -497,13 +542,17 @@ def _validate_lora(cfg: TrainConfig, model_cfg) -> None:
                         "a LoRA run's experts are frozen")
 
 
-def check_empty_layers(cfg: TrainConfig, pp: int) -> None:
-    """Empty layers only even out pipeline stages: a new run on a mesh without them would
-    carry them for nothing. (A resumed run keeps those its checkpoint holds, on any mesh;
-    a model served from one skips them.)"""
+def check_empty_layers(cfg: TrainConfig, pp: int, needed: int = 0) -> None:
+    """Empty layers only even out pipeline stages: a new run would carry more than the
+    stages need (`needed`: spmd.parallel.layout.Layout.empty_layers_needed) for nothing.
+    (A resumed run keeps those its checkpoint holds, on any mesh; a model served from one
+    skips them.)"""
     if cfg.empty_layers and pp == 1:
         raise UserError(f"--empty-layers {cfg.empty_layers} evens out pipeline stages, and the mesh has none (pp=1): "
                         "give a mesh with pp (e.g. --mesh pp=2), or no --empty-layers")
+    if cfg.empty_layers > needed:
+        raise UserError(f"--empty-layers {cfg.empty_layers} is more than the pp={pp} stages need to even out; give "
+                        + (f"--empty-layers {needed}" if needed else "no --empty-layers: the layers divide without"))
 
 
 def _validate_pipeline(cfg: TrainConfig) -> None:

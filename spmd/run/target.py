@@ -85,7 +85,7 @@ def compiled_for(cfg, target: targets.Target):
     elif cfg.dcn:  # GPU nodes: which mesh axes span them changes no bytes, and the devices are one process here
         cfg = dataclasses.replace(cfg, dcn=None)
     layout = make_layout(cfg, devices)
-    check_empty_layers(cfg, layout.shape["pp"])
+    check_empty_layers(cfg, layout.shape["pp"], layout.empty_layers_needed)
     kind = devices[0].device_kind
     start = time.perf_counter()
     try:

@@ -63,7 +63,7 @@ def prepare(cfg: TrainConfig, layout, log=print):
         lock.take()
     source_dir, step, meta = _resume_source(cfg, program)
     if source_dir is None:
-        check_empty_layers(cfg, layout.shape["pp"])
+        check_empty_layers(cfg, layout.shape["pp"], layout.empty_layers_needed)
     if data.finite and cfg.eval_every and not data.has_rows(0, "eval"):
         raise UserError(f"--data {cfg.data}: no target tokens in the held-out examples (--eval-fraction)")
     if source_dir is not None and not data.resume(meta.get("data")) and step:
