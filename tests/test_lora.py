@@ -35,6 +35,19 @@ TOKENS = np.load(BASE / "tokens.npy")
 # Logits of two float32 implementations of one model, summed in other orders (the golden
 # script's and the issue's bound; measured: 1.2e-5 for peft's adapter, 3.6e-6 for ours).
 LOGITS_ATOL = 1e-4
+# A LoRA run against one device: all but a thousandth of the adapters' elements within
+# conftest's BULK_ATOL (1e-6), not all but a ten-thousandth, which of their 9,728 is one.
+# A's gradient is B's times the layer's input, and B is zero until its first update (step 1,
+# after the warmup's lr of 0): at A's first gradient, step 2, a few of its elements are sums
+# over the batch's tokens that cancel to about Adam's eps (k_proj's smallest 9e-9, of sums
+# whose median is 3e-5). There the float32 rounding of the sum in the layout's order (1.1e-3
+# of it, measured) moves Adam's update lr * m / (sqrt(v) + eps), steepest where sqrt(v) is
+# about eps, by up to about lr / 6 times it: that element ends 5.9e-7 off on jaxlib 0.10.2,
+# 6.6e-7 on 0.12 (the largest difference on both), and issue 76's run had 1.27e-6 at 99.99%.
+# Three of A's first gradients are under 1e-7; 99.9% of the elements measured within 2.6e-8
+# (0.10.2) and 3.0e-8 (0.12). A wrong shard still fails it: the smallest adapter (k_proj's B)
+# has 256 elements.
+ADAPTERS_BULK_QUANTILE = 0.999
 
 
 def _plan_matches(run) -> None:
@@ -56,7 +69,7 @@ def test_a_lora_run_starts_as_its_base_trains_only_its_adapters_and_matches_one_
     assert one.losses[0] == reference.losses[0]
     run = train_run("fsdp=2,tp=2", 4, cached=False, lora_rank=4, lora_targets=ALL)
     np.testing.assert_allclose(run.losses, one.losses, rtol=1e-5, atol=0)  # as tests/test_parity.py
-    assert_params_match(run.params, one.params)
+    assert_params_match(run.params, one.params, ADAPTERS_BULK_QUANTILE)
     # The base is bit for bit what it started as; only the adapters moved.
     start = initial_state(init_config(run.cfg))
     for got, want in zip(jax.tree.leaves(run.frozen), jax.tree.leaves(start["frozen"]), strict=True):

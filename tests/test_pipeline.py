@@ -8,6 +8,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import jaxlib.version
 import numpy as np
 import pytest
 from conftest import PARITY, assert_params_match, train_run
@@ -286,6 +287,18 @@ def test_bad_pipeline_layouts_are_refused_before_compiling(overrides, devices, m
         make_layout(cfg, jax.devices()[:devices])
 
 
+def held_from_xla_0_12(differs: str):
+    """What the test holds of the compiled step's buffers is XLA 0.12's (CI's newest JAX);
+    the floor, jaxlib 0.10.2, compiles the step otherwise. `differs`: how, measured there."""
+    return pytest.mark.skipif(jaxlib.version.__version_info__ < (0, 12),
+                              reason=f"XLA 0.12's buffer order (jaxlib {jaxlib.version.__version__} here): on "
+                                     f"jaxlib 0.10.2 {differs}")
+
+
+# XLA:CPU 0.10 removes the step's optimization barriers before it schedules the step (its
+# cse_barrier_expander runs ahead of layout assignment; 0.12's after scheduling), so the
+# order spmd's barriers ask for (`zero_bubble._read`, `models.lookup`) is not kept there.
+BARRIERS_GONE = "XLA:CPU removes the optimization barriers before scheduling"
 
 
 def _ring_copies(text: str, slots) -> collections.Counter:
@@ -295,6 +308,8 @@ def _ring_copies(text: str, slots) -> collections.Counter:
     return collections.Counter(m.group(1) + m.group(2) for m in copies if int(m.group(1)) in slots)
 
 
+@held_from_xla_0_12("XLA:CPU copies the two stages' weights stacked and the ring of what the forwards keep "
+                    "(11 copies): 2.4 stages over the theory's peak, not 0.2")
 def test_dualpipe_copies_no_stage_to_pick_one():
     """A DualPipe device runs its own stage and the one its mirror sends on alternate
     ticks, which of the two by the device's parity: each pass picks its stage where it
@@ -314,6 +329,7 @@ def test_dualpipe_copies_no_stage_to_pick_one():
     assert max(copies.values(), default=0) <= 1, copies
 
 
+@held_from_xla_0_12(f"{BARRIERS_GONE}: zb-v's rings are copied to be written (up to 23 times a step)")
 def test_split_backward_rings_are_written_in_place():
     """zb-v's ticks run two to a loop trip, and a tick's B (and W) reads a ring that the
     next tick's forward (or B) writes: the read is put before the write
@@ -363,6 +379,7 @@ def test_the_heads_conditional_writes_no_head_sized_zeros(schedule):
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "dualpipe"])
+@held_from_xla_0_12(f"{BARRIERS_GONE}: the table's gradient zeros are made before the stages' loop")
 def test_the_tables_gradient_zeros_are_made_after_the_stages(schedule):
     """The table's gradient is its rows' gradients scattered into zeros once the stages
     are done. Written by autodiff, the zeros are a constant, which XLA:CPU's scheduler

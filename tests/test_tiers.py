@@ -1,9 +1,12 @@
 """The tiers (tests/tiers.py) hold what they say: CI's slices of the slow tier cover it
-whole, and every pattern naming slow or floor tests still names a test. Collection only."""
+whole, every pattern naming slow or floor tests still names a test, and the tier options
+refuse in one line what they cannot do. Collection only."""
 
 import json
 import subprocess
 import sys
+import tracemalloc
+import types
 from pathlib import Path
 
 import pytest
@@ -52,3 +55,57 @@ def test_every_pattern_names_a_test(collected):
 def test_ci_runs_the_gate_then_a_slice_chosen_by_the_commit():
     text = (ROOT / ".ci" / "run").read_text()
     assert f"SLICES={CI_SLICES}" in text and "% SLICES" in text and '--tier slow --slow-slice "$slice/$SLICES"' in text
+
+
+def test_a_slice_of_a_million_is_made_without_the_others():
+    """`--slow-slice K/N` makes slice K alone, in memory that N does not change: the N
+    slices were all made first (a list and a heap entry each), 5 GB in 17 s for
+    `--slow-slice 0/100000000` (issue 76). Past the units' number the slices are empty."""
+    tests = [(f"unit{u}", f"test{u}-{i}") for u in range(5) for i in range(u + 1)]  # u + 1 tests of 20 s
+    n = 1_000_000
+    tracemalloc.start()
+    try:
+        first, last = tiers.one_slice(tests, 0, n), tiers.one_slice(tests, n - 1, n)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, f"{peak} bytes for a slice of {n}"  # made whole, the slices took about 150 MB
+    assert first == [f"test4-{i}" for i in range(5)] and last == []  # the costliest unit alone
+    assert [tiers.one_slice(tests, k, 8) for k in range(8)] == tiers.slices(tests, 8)
+    assert [tiers.one_slice(tests, k, 2) for k in range(2)] == tiers.slices(tests, 2)
+
+
+@pytest.mark.parametrize("name,why", [
+    ("{dir}", "is a directory, not a file"),
+    ("{dir}/missing/tiers.json", "no such directory"),
+    ("{file}/tiers.json", "is not a directory"),
+    ("", "takes a file name"),
+    ("/proc/spmd-tiers.json", "cannot make a file in /proc"),  # a place no file can be made, even by root
+])
+def test_a_list_tiers_file_that_cannot_be_written_is_refused_before_collecting(tmp_path, name, why):
+    (tmp_path / "file").write_text("")
+    name = name.format(dir=tmp_path, file=tmp_path / "file")
+    if name.startswith("/proc") and not Path("/proc").is_dir():
+        pytest.skip("no /proc here")
+    with pytest.raises(pytest.UsageError, match=why):
+        tiers.check_list_tiers(name)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+def test_a_slow_slice_of_the_gate_is_refused():
+    """The gate has no slices: `pytest --slow-slice 1/4` ran the whole gate."""
+    options = {"--slow-slice": (1, 4), "--tier": "gate", "--list-tiers": None}
+    config = types.SimpleNamespace(getoption=options.get, addinivalue_line=lambda *_: None)
+    with pytest.raises(pytest.UsageError, match="add --tier slow"):
+        tiers.configure(config)
+
+
+def test_list_tiers_given_a_directory_is_one_error_line(tmp_path):
+    """As pytest runs it: one line and pytest's usage error (4), not an INTERNALERROR after
+    collecting (IsADirectoryError), and nothing written."""
+    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:xdist", "-o", "addopts=",
+                           f"--list-tiers={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    assert done.returncode == pytest.ExitCode.USAGE_ERROR and lines == [
+        f"ERROR: --list-tiers '{tmp_path}': is a directory, not a file"], done.stdout + done.stderr
+    assert not list(tmp_path.iterdir())

@@ -16,7 +16,9 @@ in one place, and `test_tiers.py` fails on a pattern that no longer matches a te
 import argparse
 import heapq
 import json
+import os
 import re
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -193,6 +195,14 @@ FLOOR = [
     "tests/test_sequence_parallel.py::*",
     "tests/test_objective.py::test_the_warmup_is_kept_as_given*",
     "tests/test_cli_errors.py::*",
+    # The gate's tests that say by a marker why they are left out on the floor (libtpu's wheels
+    # are cp312+; XLA 0.10 orders the step's buffers otherwise): the pass lists them with their
+    # reasons (`-rs`). And the LoRA run whose tolerance was set by what both JAX versions round.
+    "tests/test_targets.py::*",
+    "tests/test_pipeline.py::test_dualpipe_copies_no_stage_to_pick_one",
+    "tests/test_pipeline.py::test_split_backward_rings_are_written_in_place",
+    "tests/test_pipeline.py::test_the_tables_gradient_zeros_are_made_after_the_stages*",
+    "tests/test_lora.py::test_a_lora_run_starts_as_its_base_trains_only_its_adapters_and_matches_one_device",
 ]
 
 TIERS = ("gate", "slow", "all")
@@ -203,7 +213,7 @@ def add_options(parser) -> None:
     group.addoption("--tier", choices=TIERS, default="gate",
                     help="gate (default: the README's test command), slow, or all of the suite")
     group.addoption("--slow-slice", metavar="K/N", default=None, type=_slice,
-                    help="of the slow tier, keep only slice K of N (0 <= K < N)")
+                    help="of the slow tier (--tier slow or all), keep only slice K of N (0 <= K < N)")
     group.addoption("--list-tiers", metavar="FILE", default=None,
                     help="write every collected test's id, unit and tier to FILE as JSON (tests/test_tiers.py)")
 
@@ -211,6 +221,33 @@ def add_options(parser) -> None:
 def configure(config) -> None:
     for name, text in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {text}")
+    # Refused here, before collecting (a minute) and before pytest-xdist starts its workers.
+    if config.getoption("--slow-slice") and config.getoption("--tier") == "gate":
+        raise pytest.UsageError("--slow-slice takes a slice of the slow tier: add --tier slow (or --tier all)")
+    if config.getoption("--list-tiers") is not None:
+        check_list_tiers(config.getoption("--list-tiers"))
+
+
+def check_list_tiers(name: str) -> None:
+    """`--list-tiers FILE`: one line saying why FILE cannot be written, and nothing written."""
+    path = Path(name)
+    if not name:
+        why = "takes a file name"
+    elif path.is_dir():
+        why = "is a directory, not a file"
+    elif not path.parent.is_dir():
+        why = f"{path.parent} is not a directory" if path.parent.exists() else f"no such directory: {path.parent}"
+    elif path.exists():
+        if os.access(path, os.W_OK):
+            return
+        why = "permission denied (or a read-only file system)"
+    else:
+        try:  # a file made there and removed at once, as the one written after collecting would be made
+            tempfile.TemporaryFile(dir=path.parent).close()
+            return
+        except OSError as e:
+            why = f"cannot make a file in {path.parent}: {e.strerror}"
+    raise pytest.UsageError(f"--list-tiers {name!r}: {why}")
 
 
 def select(config, items: list) -> None:
@@ -225,13 +262,16 @@ def select(config, items: list) -> None:
             item.add_marker("slow")
         if matches(item, FLOOR):
             item.add_marker("floor")
-    if config.getoption("--list-tiers"):
+    if config.getoption("--list-tiers") is not None:
         listed = [{"id": item.nodeid, "unit": unit(item), "slow": is_slow(item),
                    "floor": item.get_closest_marker("floor") is not None} for item in items]
-        Path(config.getoption("--list-tiers")).write_text(json.dumps(listed))
+        try:  # (checked at configure; what can still fail here, a full disk, is said the same way)
+            Path(config.getoption("--list-tiers")).write_text(json.dumps(listed))
+        except OSError as e:
+            raise pytest.UsageError(f"--list-tiers {config.getoption('--list-tiers')!r}: {e.strerror}") from None
     tier, cut = config.getoption("--tier"), config.getoption("--slow-slice")
     keep = {"gate": lambda i: not is_slow(i), "slow": is_slow, "all": lambda i: True}[tier]
-    chosen = set(slices([(unit(i), i) for i in items if is_slow(i)], cut[1])[cut[0]]) if cut else None
+    chosen = set(one_slice([(unit(i), i) for i in items if is_slow(i)], *cut)) if cut else None
     kept, dropped = [], []
     for item in items:
         wanted = keep(item) and (chosen is None or not is_slow(item) or item in chosen)
@@ -280,6 +320,16 @@ def slices(tests: list[tuple[str, object]], n: int) -> list[list]:
     return out
 
 
+def one_slice(tests: list[tuple[str, object]], k: int, n: int) -> list:
+    """Slice k of `slices(tests, n)`, in memory and time that do not grow with n
+    (`--slow-slice 0/100000000`): while a unit is left to place, one of the first U slices
+    (U units) is still empty, and a tie of costs goes to the lower index, so no unit goes
+    past them; the first U are those of `slices(tests, U)`, the rest empty. For every n,
+    the same tests as `slices`."""
+    parts = slices(tests, min(n, len({name for name, _ in tests})))
+    return parts[k] if k < len(parts) else []
+
+
 # Seconds of test time each unit of the slow tier took on this machine (2 cores, two workers
 # sharing them; the slow tier's durations alone, 2026-12-06), to balance the slices; a unit not
 # listed is guessed at 20 s a test. Rough is enough.
@@ -305,10 +355,11 @@ def unit_cost(name: str, tests: int) -> float:
 
 
 def _slice(text: str) -> tuple[int, int]:
+    shown = repr(text if len(text) <= 40 else text[:40] + "...")  # (a number of 5,000 digits is not echoed whole)
     try:
         k, n = (int(x) for x in text.split("/"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"takes K/N, not {text!r}") from None
+    except ValueError:  # (also a number past Python's 4,300 digits)
+        raise argparse.ArgumentTypeError(f"takes K/N, two whole numbers, not {shown}") from None
     if not 0 <= k < n:
-        raise argparse.ArgumentTypeError(f"{text}: K must be 0 to N-1")
+        raise argparse.ArgumentTypeError(f"{shown}: K must be 0 to N-1")
     return k, n
