@@ -9,14 +9,14 @@ import functools
 import sys
 from collections.abc import Sequence
 
-from spmd.base.cli import (LOSS_ON, MAX_RECORD_BYTES, OVERLONG, RECORD_BYTES, SEQ, OneLineErrorParser, check_bounds,
-                           integer, nonempty)
+from spmd.base.cli import DATA_FLAGS, SEQ, OneLineErrorParser, add_flag, check_bounds, integer, nonempty
 from spmd.base.errors import EXIT_OUTPUT_FAILED, UserError, one_line_errors
 from spmd.base.paths import Output, claim
 from spmd.base.signals import STOPPED
 from spmd.base.signals import serve as serve_signals
 
 
+DATA_OPTIONS = ("text_field", "loss_on", "overlong", "max_record_bytes")  # spmd.base.cli.DATA_FLAGS' it takes
 ROW_TOKENS = 1 << 20  # tokens of the packed rows made at a time (9 bytes each: 9 MiB)
 
 
@@ -26,19 +26,12 @@ def corpus_parser() -> OneLineErrorParser:
     parser.add_argument("--tokenizer", type=nonempty,
                         help="SentencePiece .model, Hugging Face tokenizer.json, or a tokenizer directory (fine-tuning "
                         "records: their chat template too); default: bytes")
-    parser.add_argument("--text-field", type=nonempty, default="text", help="JSONL/Parquet field holding the text")
     parser.add_argument("--out", type=nonempty, required=True,
                         help="the .npy file to write (its directory is made if needed)")
     parser.add_argument("--seq", type=integer, help="fine-tuning records: pack them into rows of --seq + 1 tokens, "
                         "to train with the same --seq (--tokenizer: their tokenizer directory)")
-    parser.add_argument("--loss-on", choices=LOSS_ON, default="completion",
-                        help="fine-tuning records: the tokens the loss is on (the completion and assistant turns, "
-                        "or all)")
-    parser.add_argument("--overlong", choices=OVERLONG, default="truncate",
-                        help="fine-tuning records: an example longer than --seq + 1 tokens is truncated or split")
-    parser.add_argument("--max-record-bytes", type=integer, default=MAX_RECORD_BYTES,
-                        help="fine-tuning records: the largest record read, in bytes of its JSONL line and characters "
-                        f"of the text it tokenizes (a chat: its rendering) (default: {MAX_RECORD_BYTES})")
+    for name in DATA_OPTIONS:
+        add_flag(parser, name, DATA_FLAGS[name])
     return parser
 
 
@@ -48,7 +41,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = corpus_parser()
     with one_line_errors():
         args = parser.parse_args(argv)
-        check_bounds(args, {"seq": SEQ, "max_record_bytes": RECORD_BYTES})
+        check_bounds(args, {"seq": SEQ, "max_record_bytes": DATA_FLAGS["max_record_bytes"].bounds})
         # The library is imported once signals are served, before numpy starts its threads.
         from spmd.data.corpus import data_files, token_stream, write_npy
         from spmd.data.records import fine_tuning_format, refuse_what_does_not_apply
@@ -60,8 +53,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if out.stream is None and not args.out.endswith(".npy"):  # a file to train from, named as one
             raise UserError("--out must name a .npy file")
         records = fine_tuning_format(args.data, args.max_record_bytes)  # (JSONL, Parquet or a datasets folder)
-        refuse_what_does_not_apply([name for name in ("loss_on", "overlong", "max_record_bytes", "text_field")
-                                    if getattr(args, name) != parser.get_default(name)], records, args.data)
+        refuse_what_does_not_apply([name for name in DATA_OPTIONS if getattr(args, name) != DATA_FLAGS[name].default],
+                                   records, args.data)
         if records:
             array, wrote = _packed(args)
         elif data_files(args.data)[0] == "tokens":

@@ -15,15 +15,15 @@ from __future__ import annotations
 import math
 import sys
 
-from spmd.base.cli import (COUNT, LOSS_ON, MAX_RECORD_BYTES, OVERLONG, RECORD_BYTES, SEQ, TOKEN_DTYPES, TOKENS_PER_STEP,
-                           OneLineErrorParser, add_model_source, check_bounds, integer, nonempty)
+from spmd.base.cli import (COUNT, DATA_FLAGS, SEQ, TOKENS_PER_STEP, OneLineErrorParser, add_flag, add_model_source,
+                           check_bounds, integer, nonempty)
 from spmd.base.errors import one_line_errors, quiet_library_threads
 from spmd.base.schema import Bounds
 from spmd.base.signals import STOPPED
 from spmd.base.signals import serve as serve_signals
 
 BOUNDS = {"batch": Bounds(at_least=1, at_most=TOKENS_PER_STEP), "seq": SEQ, "batches": COUNT,
-          "max_record_bytes": RECORD_BYTES}
+          "max_record_bytes": DATA_FLAGS["max_record_bytes"].bounds}
 
 
 def eval_parser() -> OneLineErrorParser:
@@ -32,18 +32,8 @@ def eval_parser() -> OneLineErrorParser:
     parser.add_argument("--data", type=nonempty, required=True,
                         help="a text file or folder (.txt/.md, .jsonl, .parquet) or token files (.npy, .bin)")
     parser.add_argument("--tokenizer", type=nonempty, help="tokenizer of text data (default: the run's)")
-    parser.add_argument("--text-field", type=nonempty, default="text", help="JSONL field / Parquet column of the text")
-    parser.add_argument("--token-dtype", choices=TOKEN_DTYPES, default="uint16", help="dtype of raw .bin token files")
-    parser.add_argument("--loss-on", choices=LOSS_ON, default="completion",
-                        help="fine-tuning records: the tokens the loss is on (the completion and assistant turns, "
-                        "or all)")
-    parser.add_argument("--overlong", choices=OVERLONG, default="truncate",
-                        help="fine-tuning records: an example longer than --seq + 1 tokens is truncated or split")
-    parser.add_argument("--max-record-bytes", type=integer, default=MAX_RECORD_BYTES,
-                        help="fine-tuning records: the largest record read, in bytes of its JSONL line and characters "
-                        f"of the text it tokenizes (a chat: its rendering) (default: {MAX_RECORD_BYTES})")
-    parser.add_argument("--document-mask", action="store_true",
-                        help="text and token data: documents do not see each other")
+    for name in DATA_FLAGS:  # how the data is read, as spmd.train reads it
+        add_flag(parser, name, DATA_FLAGS[name])
     parser.add_argument("--batch", type=integer, help="sequences per batch (default: the run's, or 8)")
     parser.add_argument("--seq", type=integer, help="tokens per sequence (default: the run's, or 512)")
     parser.add_argument("--batches", type=integer, help="batches to read (default: every sample once)")
@@ -64,10 +54,9 @@ def main(argv=None) -> int:
             from spmd.run.bootstrap import start_devices_and_mesh
 
             cfg, checkpoint, tokenizer = model_source(args)
-            cfg = on_mesh(cfg, args, data=args.data, tokenizer=args.tokenizer or tokenizer, text_field=args.text_field,
-                          token_dtype=args.token_dtype, loss_on=args.loss_on, overlong=args.overlong,
-                          max_record_bytes=args.max_record_bytes,
-                          document_mask=args.document_mask, batch=args.batch or (cfg.batch if checkpoint else 8),
+            cfg = on_mesh(cfg, args, data=args.data, tokenizer=args.tokenizer or tokenizer,
+                          **{name: getattr(args, name) for name in DATA_FLAGS},
+                          batch=args.batch or (cfg.batch if checkpoint else 8),
                           seq=args.seq or (cfg.seq if checkpoint else 512), eval_every=0, grad_accum=1)
             cfg, layout_line = start_devices_and_mesh(cfg)
             loss, tokens, batches = evaluate(cfg, checkpoint, args.batches)

@@ -119,6 +119,47 @@ def check_bounds(args: argparse.Namespace, bounds: dict[str, Bounds]) -> None:
             raise UserError(f"{flag_of(name)} must be {b}, got {value}")
 
 
+@dataclasses.dataclass(frozen=True)
+class Flag:
+    """An option every command that reads data takes alike (spmd.train's TrainConfig field,
+    spmd.corpus's and spmd.eval's flags): its default, its help, what it accepts."""
+
+    default: object
+    help: str
+    bounds: Bounds = Bounds()
+    choices: tuple | None = None
+
+
+# How the data is read: one definition for the commands that read it.
+DATA_FLAGS = {
+    "text_field": Flag("text", "the field of JSONL records / column of Parquet files that holds the text"),
+    "token_dtype": Flag("uint16", "dtype of raw .bin token files (.npy files say their own)", choices=TOKEN_DTYPES),
+    "loss_on": Flag("completion", "fine-tuning records (prompt/completion, chat messages): the tokens the loss is on: "
+                    "the completion and the assistant's turns, or all", choices=LOSS_ON),
+    "overlong": Flag("truncate", "a fine-tuning example longer than --seq + 1 tokens: keep its start (truncate) or "
+                     "cut it into pieces, each its own example (split)", choices=OVERLONG),
+    "max_record_bytes": Flag(MAX_RECORD_BYTES, "fine-tuning records: the largest record read, in bytes of its JSONL "
+                             "line and characters of the text it tokenizes (a chat: its rendering); a record is "
+                             "tokenized whole, in hundreds of times its size of memory, checked against the memory "
+                             "free before it is tokenized", RECORD_BYTES),
+    "document_mask": Flag(False, "text and token data: documents do not see each other (attention stops at each "
+                          "end-of-text token, positions restart); default: windows of the stream, as in GPT-style "
+                          "pre-training"),
+}
+
+
+def add_flag(parser, name: str, flag: Flag, **given) -> None:
+    """`--name` on `parser` as `flag` defines it, of the type its default has (`given`:
+    argparse's keywords that differ, e.g. a group's)."""
+    options = {"default": flag.default, "help": f"{flag.help} (default: {flag.default})", **given}
+    if isinstance(flag.default, bool):
+        parser.add_argument(flag_of(name), action=argparse.BooleanOptionalAction, **options)
+    elif flag.choices:
+        parser.add_argument(flag_of(name), choices=flag.choices, **options)
+    else:
+        parser.add_argument(flag_of(name), type=integer if isinstance(flag.default, int) else nonempty, **options)
+
+
 def add_model_source(parser: argparse.ArgumentParser) -> None:
     """The flags that stand a trained model up on a mesh (spmd.generate's and spmd.eval's)."""
     parser.add_argument("--checkpoint", type=nonempty, help="a run directory (latest step) or one step's directory")

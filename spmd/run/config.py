@@ -20,9 +20,8 @@ import yaml
 from models import PRESETS
 from models.lora import ATTENTION_TARGETS, MAX_ALPHA, MLP_TARGETS, TARGETS
 from spmd.base import hardware
-from spmd.base.cli import (DTYPES, LOSS_ON, MAX_RECORD_BYTES, OVERLONG, RECORD_BYTES, SEED, SEQ, TOKEN_DTYPES,
-                           TOKENS_PER_STEP, OneLineErrorParser, changed, finite, flag_of, integer, nonempty,
-                           parse_integer, shown)
+from spmd.base.cli import (DATA_FLAGS, DTYPES, SEED, SEQ, TOKENS_PER_STEP, OneLineErrorParser, changed, finite,
+                           flag_of, integer, nonempty, parse_integer, shown)
 from spmd.base.errors import UserError, file_kind
 from spmd.base.schema import Bounds
 from spmd.parallel.mesh import MeshSpec
@@ -55,6 +54,13 @@ WAIT_S = 7 * 24 * 3600
 def _field(default, help: str, at_least=None, above=None, at_most=None, below=None, **argparse_kwargs):
     bounds = Bounds(at_least, above, at_most, below)
     return dataclasses.field(default=default, metadata={"help": help, "bounds": bounds, **argparse_kwargs})
+
+
+def _data_field(name: str):
+    """A field defined by spmd.base.cli.DATA_FLAGS, as spmd.corpus and spmd.eval take it too."""
+    flag, b = DATA_FLAGS[name], DATA_FLAGS[name].bounds
+    return _field(flag.default, flag.help, b.at_least, b.above, b.at_most, b.below,
+                  **({"choices": flag.choices} if flag.choices else {}))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,13 +127,13 @@ class TrainConfig:
     hardware: str | None = _field(None, "accelerator the layout is planned for (spmd/base/hardware.toml; default: the one found, if listed)")
     data: str | None = _field(None, "local training data: a text file or folder (.txt/.md, .jsonl, .parquet), fine-tuning records (JSONL, Parquet or a datasets folder of prompt/completion or chat messages), or token files (.npy, .bin); default: the built-in synthetic chain")
     tokenizer: str | None = _field(None, "SentencePiece .model, Hugging Face tokenizer.json, or a Hugging Face tokenizer directory (with its chat template: chat records need one) for --data (default: UTF-8 bytes, or --init-from's)")
-    text_field: str = _field("text", "the field of JSONL records / column of Parquet files that holds the text")
-    token_dtype: str = _field("uint16", "dtype of raw .bin token files (.npy files say their own)", choices=TOKEN_DTYPES)
-    loss_on: str = _field("completion", "fine-tuning records (prompt/completion, chat messages): the tokens the loss is on: the completion and the assistant's turns, or all", choices=LOSS_ON)
-    overlong: str = _field("truncate", "a fine-tuning example longer than --seq + 1 tokens: keep its start (truncate) or cut it into pieces, each its own example (split)", choices=OVERLONG)
+    text_field: str = _data_field("text_field")
+    token_dtype: str = _data_field("token_dtype")
+    loss_on: str = _data_field("loss_on")
+    overlong: str = _data_field("overlong")
     data_workers: int | None = _field(None, "fine-tuning records: processes that tokenize them ahead of the steps (0: the trainer's own; default: one per CPU the process may use, less one, at most 8, when there are more than 2,048 records; at most the CPUs it may use)", at_least=0)
-    max_record_bytes: int = _field(MAX_RECORD_BYTES, "fine-tuning records: the largest record read, in bytes of its JSONL line and characters of the text it tokenizes (a chat: its rendering); a record is tokenized whole, in hundreds of times its size of memory, checked against the memory free before it is tokenized", at_least=RECORD_BYTES.at_least, at_most=RECORD_BYTES.at_most)
-    document_mask: bool = _field(False, "text and token data: documents do not see each other (attention stops at each end-of-text token, positions restart); default: windows of the stream, as in GPT-style pre-training")
+    max_record_bytes: int = _data_field("max_record_bytes")
+    document_mask: bool = _data_field("document_mask")
     eval_every: int = _field(0, "every N steps, report the loss on held-out data (0: never)", at_least=0,
                             at_most=STEPS)
     eval_batches: int = _field(4, "batches of held-out data per evaluation (no more than it holds)", at_least=1,
