@@ -9,9 +9,9 @@ the keys of its own example. A sliding window of w (Mistral, Gemma 3's local lay
 hides the keys w or more positions before the query: it sees w keys, itself included
 (transformers' `sliding_window`). Windows and segments combine.
 
-Kernels (`KERNELS`), each `kernel(q, k, v, q_positions, k_positions, q_segments=None,
-k_segments=None, window=None)` (segments: (batch, s) and (batch, t) example ids, or None
-for one example per row; window: an int, or None for none):
+Kernels (`KERNELS`), each `kernel(q, k, v, mask)`, the keys each query sees described by
+a `Mask` (positions; segments: (batch, s) and (batch, t) example ids, or None for one
+example per row; window: an int, or None for none):
 - xla: the scores materialized, softmax, values: the reference. seq x seq per head; with
   a window and positions in order, a band of 2 windows per query block, so that memory
   and FLOPs grow with seq x window.
@@ -50,6 +50,24 @@ class Packing:
     positions: jax.Array
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["q_positions", "k_positions", "q_segments",
+                                                                 "k_segments"], meta_fields=["window"])
+@dataclasses.dataclass(frozen=True)
+class Mask:
+    """Which keys each query of a kernel's call sees: those at positions up to its own
+    (`q_positions` (s,), `k_positions` (t,)), of its own example where rows are packed
+    (`q_segments` (batch, s), `k_segments` (batch, t), or None), and fewer than `window`
+    positions back (an int, static while tracing; None for no window). The arrays are
+    leaves of a pytree, so a mask passes through `lax.cond` and `custom_vjp` as its
+    arrays do; positions known while tracing stay numpy (`in_order` reads them)."""
+
+    q_positions: object
+    k_positions: object
+    q_segments: object = None
+    k_segments: object = None
+    window: int | None = None
+
+
 def same_segment(q_segments, k_segments) -> jax.Array | None:
     """(batch, s, t): whether query and key belong to one example; None without segments."""
     if q_segments is None:
@@ -64,17 +82,17 @@ def visible(q_positions, k_positions, window: int | None = None) -> jax.Array:
     return (behind >= 0) if window is None else (behind >= 0) & (behind < window)
 
 
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array,
-                     k_positions: jax.Array, q_segments=None, k_segments=None, window: int | None = None) -> jax.Array:
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: Mask) -> jax.Array:
     """q (batch, s, kv_heads, groups, head_dim); k, v (batch, t, kv_heads, head_dim);
-    positions (s,) and (t,); segments (batch, s) and (batch, t) or None. Query head (kv, g)
-    reads key/value head kv (grouped-query)."""
-    if window is not None and window < k.shape[1] and in_order(q_positions, k_positions):
-        return _banded_attention(q, k, v, q_segments, window)
-    mask = visible(q_positions, k_positions, window)
-    same = same_segment(q_segments, k_segments)
-    mask = mask if same is None else (mask[None] & same)[:, None, None]
-    return _softmax_values(q, k, v, mask)
+    `mask`: which keys each query sees. Query head (kv, g) reads key/value head kv
+    (grouped-query)."""
+    window = mask.window
+    if window is not None and window < k.shape[1] and in_order(mask.q_positions, mask.k_positions):
+        return _banded_attention(q, k, v, mask.q_segments, window)
+    shown = visible(mask.q_positions, mask.k_positions, window)
+    same = same_segment(mask.q_segments, mask.k_segments)
+    shown = shown if same is None else (shown[None] & same)[:, None, None]
+    return _softmax_values(q, k, v, shown)
 
 
 def _softmax_values(q, k, v, mask) -> jax.Array:
@@ -178,14 +196,15 @@ def _values(weights, v, few: bool) -> jax.Array:
     return out.transpose(0, 3, 1, 2, 4)
 
 
-def cudnn_attention(q, k, v, q_positions, k_positions, q_segments=None, k_segments=None, window=None):
+def cudnn_attention(q, k, v, mask: Mask):
     b, s, kv, g, d = q.shape
+    window = mask.window
     why = (f"it takes bfloat16 or float16, not {q.dtype}" if q.dtype not in (jnp.bfloat16, jnp.float16)
            else "the positions are not 0, 1, 2, ... (its causal mask reads indices)"
-           if not in_order(q_positions, k_positions)
-           else "its path in JAX takes no segment ids (packed rows)" if q_segments is not None else None)
+           if not in_order(mask.q_positions, mask.k_positions)
+           else "its path in JAX takes no segment ids (packed rows)" if mask.q_segments is not None else None)
     if why:
-        return fallback("cudnn", why)(q, k, v, q_positions, k_positions, q_segments, k_segments, window)
+        return fallback("cudnn", why)(q, k, v, mask)
     # Query head (kv, g) is head kv * groups + g: the one jax maps to key/value head kv.
     # A window of w: w - 1 keys before the query, none after.
     try:
@@ -193,15 +212,14 @@ def cudnn_attention(q, k, v, q_positions, k_positions, q_segments=None, k_segmen
                                            local_window_size=None if window is None else (window - 1, 0))
     except NotImplementedError as exc:  # a shape JAX's cuDNN path refuses while tracing: Gemma 3's head dim 256
         why = str(exc).strip().splitlines()[0].rstrip(".") if str(exc).strip() else "JAX's cuDNN path refused it"
-        return fallback("cudnn", why)(q, k, v, q_positions, k_positions, q_segments, k_segments, window)
+        return fallback("cudnn", why)(q, k, v, mask)
     return out.reshape(q.shape)
 
 
 SPLASH_BLOCKS = (512, 256, 128)  # block sizes splash attention tiles the sequence with, largest first
 
 
-def splash_attention(q, k, v, q_positions, k_positions, q_segments=None, k_segments=None, window=None,
-                     interpret: bool = False):
+def splash_attention(q, k, v, mask: Mask, interpret: bool = False):
     """`interpret`: run the Pallas kernel in its interpreter (any backend; for tests).
     Packed rows: splash's own segment ids."""
     # Imported here: the TPU kernels' modules are not needed, and not imported, elsewhere.
@@ -209,19 +227,20 @@ def splash_attention(q, k, v, q_positions, k_positions, q_segments=None, k_segme
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
     b, s, kv, g, d = q.shape
+    window, q_segments, k_segments = mask.window, mask.q_segments, mask.k_segments
     block = next((n for n in SPLASH_BLOCKS if s % n == 0), None)
-    if block is None or not in_order(q_positions, k_positions):
+    if block is None or not in_order(mask.q_positions, mask.k_positions):
         why = (f"the sequence ({s}) is no multiple of {SPLASH_BLOCKS[-1]}" if block is None
                else "the positions are not 0, 1, 2, ... (its causal mask reads indices)")
-        return fallback("splash", why)(q, k, v, q_positions, k_positions, q_segments, k_segments, window)
+        return fallback("splash", why)(q, k, v, mask)
     sizes = kernels.BlockSizes(**{name: block for name in (
         "block_q", "block_kv", "block_kv_compute", "block_q_dkv", "block_kv_dkv", "block_kv_dkv_compute",
         "block_q_dq", "block_kv_dq")})
     # One kernel per key/value head: its query heads share it (multi-query form).
     # Causal, or a window of w: w - 1 keys before the query, none after (splash skips the
     # blocks such a mask hides).
-    mask = masks.CausalMask((s, s)) if window is None else masks.LocalMask((s, s), (window - 1, 0), offset=0)
-    kernel = kernels.make_splash_mqa_single_device(masks.MultiHeadMask([mask] * g), block_sizes=sizes,
+    hidden = masks.CausalMask((s, s)) if window is None else masks.LocalMask((s, s), (window - 1, 0), offset=0)
+    kernel = kernels.make_splash_mqa_single_device(masks.MultiHeadMask([hidden] * g), block_sizes=sizes,
                                                    interpret=interpret)
     heads_first = (q / math.sqrt(d)).astype(q.dtype).transpose(0, 2, 3, 1, 4)  # (b, kv, g, s, d): splash does not scale
     keys, values = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
@@ -264,7 +283,7 @@ def kernel_attention(kernel):
 
 
 def _self_attention(kernel, q, k, v, positions, segments=None, window=None):
-    return kernel(q, k, v, positions, positions, segments, segments, window)
+    return kernel(q, k, v, Mask(positions, positions, segments, segments, window))
 
 
 # Causal self-attention of a sequence with the given positions (and segment ids, for

@@ -7,13 +7,14 @@ and ring attention across sp (spmd.parallel.context), which merges per-chunk res
 `merge` by their log-sum-exp. The mask compares positions, as models.attention does.
 
 Shapes: q (batch, s, kv_heads, groups, head_dim); k, v (batch, t, kv_heads, head_dim);
-positions (s,) and (t,); segment ids of packed rows (batch, s) and (batch, t), or None;
-a sliding window (an int, or None), whose hidden blocks are skipped. The log-sum-exp is
-(batch, kv_heads, groups, s).
+`mask` a models.attention.Mask: positions (s,) and (t,); segment ids of packed rows
+(batch, s) and (batch, t), or None; a sliding window (an int, or None), whose hidden blocks
+are skipped. The log-sum-exp is (batch, kv_heads, groups, s).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -50,40 +51,35 @@ def _block_sizes(s: int, t: int, block: int | None) -> tuple[int, int]:
     return min(block, s), min(block, t)
 
 
-def attention(q, k, v, q_positions, k_positions, q_segments=None, k_segments=None, window: int | None = None,
-              block: int | None = None) -> jax.Array:
+def attention(q, k, v, mask, block: int | None = None) -> jax.Array:
     """Causal attention (softmax(q k^T / sqrt(d)) v, by positions, within segments and the
-    window), in q's dtype."""
-    out, _ = attention_lse(q, k, v, q_positions, k_positions, q_segments, k_segments, window, block)
+    window: `mask`), in q's dtype."""
+    out, _ = attention_lse(q, k, v, mask, block)
     return out.astype(q.dtype)
 
 
-def attention_lse(q, k, v, q_positions, k_positions, q_segments=None, k_segments=None, window: int | None = None,
-                  block: int | None = None) -> tuple[jax.Array, jax.Array]:
+def attention_lse(q, k, v, mask, block: int | None = None) -> tuple[jax.Array, jax.Array]:
     """(attention output in float32, log-sum-exp of each query's visible scores);
     `block`: tokens per block (default: `default_block`)."""
     s, t = q.shape[1], k.shape[1]
     bq, bk = _block_sizes(s, t, block)
-    q_positions, k_positions = jnp.asarray(q_positions, jnp.int32), jnp.asarray(k_positions, jnp.int32)
+    q_positions, k_positions = jnp.asarray(mask.q_positions, jnp.int32), jnp.asarray(mask.k_positions, jnp.int32)
     q, q_positions = _pad(q, q_positions, bq, 0)
     k, k_positions = _pad(k, k_positions, bk, _NOWHERE)
     v, _ = _pad(v, k_positions, bk, _NOWHERE)
-    segments = None
-    if q_segments is not None:
-        segments = (_pad_segments(q_segments, bq), _pad_segments(k_segments, bk))
-    out, lse = _flash(q, k, v, q_positions, k_positions, segments, bq, bk, window)
+    out, lse = _flash(q, k, v, _padded(mask, q_positions, k_positions, (bq, bk)), (bq, bk))
     return out[:, :s], lse[..., :s]
 
 
-def attention_gradients(q, k, v, q_positions, k_positions, q_segments, k_segments, out, lse, d_out,
-                        window: int | None = None, block: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+def attention_gradients(q, k, v, mask, out, lse, d_out, block: int | None = None
+                        ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """float32 (dq, dk, dv) of the share of attention that the keys `k`, `v` hold, given the
     whole attention's float32 output `out` and log-sum-exp `lse` (over these keys and
     others) and the output's cotangent `d_out`: what ring attention's backward pass adds
     up one visiting K/V block at a time."""
     s, t = q.shape[1], k.shape[1]
     bq, bk = _block_sizes(s, t, block)
-    q_positions, k_positions = jnp.asarray(q_positions, jnp.int32), jnp.asarray(k_positions, jnp.int32)
+    q_positions, k_positions = jnp.asarray(mask.q_positions, jnp.int32), jnp.asarray(mask.k_positions, jnp.int32)
     q, padded_positions = _pad(q, q_positions, bq, 0)
     # Padded queries have no output gradient, so they add nothing.
     out, _ = _pad(out, q_positions, bq, 0)
@@ -91,12 +87,18 @@ def attention_gradients(q, k, v, q_positions, k_positions, q_segments, k_segment
     lse = jnp.pad(lse, [(0, 0)] * (lse.ndim - 1) + [(0, q.shape[1] - s)])
     k, k_positions = _pad(k, k_positions, bk, _NOWHERE)
     v, _ = _pad(v, k_positions, bk, _NOWHERE)
-    segments = None
-    if q_segments is not None:
-        segments = (_pad_segments(q_segments, bq), _pad_segments(k_segments, bk))
-    residuals = (q, k, v, padded_positions, k_positions, segments, out, lse)
-    d_q, d_k, d_v = _gradients(bq, bk, window, residuals, (d_out, jnp.zeros_like(lse)))
+    residuals = (q, k, v, _padded(mask, padded_positions, k_positions, (bq, bk)), out, lse)
+    d_q, d_k, d_v = _gradients((bq, bk), residuals, (d_out, jnp.zeros_like(lse)))
     return d_q[:, :s], d_k[:, :t], d_v[:, :t]
+
+
+def _padded(mask, q_positions, k_positions, blocks: tuple[int, int]):
+    """`mask` with the padded positions, and its segment ids padded to whole `blocks`."""
+    segments = {}
+    if mask.q_segments is not None:
+        segments = {"q_segments": _pad_segments(mask.q_segments, blocks[0]),
+                    "k_segments": _pad_segments(mask.k_segments, blocks[1])}
+    return dataclasses.replace(mask, q_positions=q_positions, k_positions=k_positions, **segments)
 
 
 def merge(a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
@@ -169,13 +171,22 @@ def _visible(q_pos, k_pos, window):
     return seen if window is None else seen & (jnp.min(q_pos) - jnp.max(k_pos) < window)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
-def _flash(q, k, v, q_pos, k_pos, segments, bq: int, bk: int, window: int | None):
-    return _forward(q, k, v, q_pos, k_pos, segments, bq, bk, window)
+def _unpacked(mask):
+    """The mask's positions and segment ids ((queries', keys') or None), as the blocks read them."""
+    segments = None if mask.q_segments is None else (mask.q_segments, mask.k_segments)
+    return mask.q_positions, mask.k_positions, segments
 
 
-def _forward(q, k, v, q_pos, k_pos, segments, bq, bk, window):
-    q_pos, k_pos, segments = _varying(q_pos, k_pos, segments, q)
+# The mask's window rides in its static part (models.attention.Mask), and the tokens per
+# query and key block in `blocks`: both static, as nondiff_argnums were.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _flash(q, k, v, mask, blocks: tuple[int, int]):
+    return _forward(q, k, v, mask, blocks)
+
+
+def _forward(q, k, v, mask, blocks: tuple[int, int]):
+    (bq, bk), window = blocks, mask.window
+    q_pos, k_pos, segments = _varying(*_unpacked(mask), q)
     qs_blocks, ks_blocks = _segment_blocks(segments, bq, bk)
     k_blocks, v_blocks, kp_blocks = _blocks(k, bk), _blocks(v, bk), k_pos.reshape(-1, bk)
 
@@ -209,28 +220,29 @@ def _forward(q, k, v, q_pos, k_pos, segments, bq, bk, window):
     return _unblock(out), jnp.moveaxis(lse, 0, -2).reshape(*lse.shape[1:-1], -1)
 
 
-def _flash_forward(q, k, v, q_pos, k_pos, segments, bq, bk, window):
-    out, lse = _forward(q, k, v, q_pos, k_pos, segments, bq, bk, window)
+def _flash_forward(q, k, v, mask, blocks: tuple[int, int]):
+    out, lse = _forward(q, k, v, mask, blocks)
     # Named as activations: a remat policy that keeps those (models.llama's "none") keeps
     # these. Otherwise, keeping matmul outputs, it would keep every block's scores so
     # as to recompute them without a matmul.
     out, lse = checkpoint_name(out, ACTIVATION), checkpoint_name(lse, ACTIVATION)
-    return (out, lse), (q, k, v, q_pos, k_pos, segments, out, lse)
+    return (out, lse), (q, k, v, mask, out, lse)
 
 
-def _flash_backward(bq, bk, window, residuals, cotangents):
+def _flash_backward(blocks, residuals, cotangents):
     q, k, v = residuals[:3]
-    d_q, d_k, d_v = _gradients(bq, bk, window, residuals, cotangents)
-    return d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype), None, None, None
+    d_q, d_k, d_v = _gradients(blocks, residuals, cotangents)
+    return d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype), None
 
 
-def _gradients(bq, bk, window, residuals, cotangents):
+def _gradients(blocks: tuple[int, int], residuals, cotangents):
     """float32 (dq, dk, dv), the scores recomputed block pair by block pair: for each key
     block, a pass over the query blocks accumulates its dK and dV and each query block's
     share of dQ."""
-    q, k, v, q_pos, k_pos, segments, out, lse = residuals
+    q, k, v, mask, out, lse = residuals
+    (bq, bk), window = blocks, mask.window
     d_out, d_lse = cotangents
-    q_pos, k_pos, segments = _varying(q_pos, k_pos, segments, d_out)
+    q_pos, k_pos, segments = _varying(*_unpacked(mask), d_out)
     qs_blocks, ks_blocks = _segment_blocks(segments, bq, bk)
     # d(out)/d(scores) needs each row's sum of d_out * out; d(lse)/d(scores) is the softmax.
     row_term = jnp.moveaxis(jnp.sum(d_out * out, axis=-1), 1, -1) - d_lse  # (b, kv, g, s)

@@ -15,7 +15,7 @@ from helpers import one_error_line
 
 from models import flash
 from models import attention
-from models.attention import causal_attention, cudnn_attention, splash_attention
+from models.attention import Mask, causal_attention, cudnn_attention, splash_attention
 from spmd.config import TrainConfig, validate
 from spmd.parallel import kernels
 from spmd.parallel.context import make_attention, zigzag_order
@@ -41,7 +41,7 @@ def _inputs(seq: int, batch=2, kv_heads=2, groups=3, head_dim=16, seed=0):
 
 def _value_and_grads(kernel, q, k, v, positions, segments=None, window=None):
     def loss(q, k, v):
-        out = kernel(q, k, v, positions, positions, segments, segments, window)
+        out = kernel(q, k, v, Mask(positions, positions, segments, segments, window))
         return jnp.sum(out * jnp.sin(out))  # a loss whose gradient differs per element
 
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
@@ -126,28 +126,28 @@ def test_fused_kernels_take_what_they_can_and_say_when_they_cannot(capsys):
                                     (splash_attention, 128, -1, "the positions are not 0, 1, 2")):
         q, k, v = _inputs(seq, batch=1)
         pos = np.arange(seq)[::order].copy()
-        np.testing.assert_allclose(kernel(q, k, v, pos, pos), causal_attention(q, k, v, pos, pos), atol=1e-5)
+        np.testing.assert_allclose(kernel(q, k, v, Mask(pos, pos)), causal_attention(q, k, v, Mask(pos, pos)), atol=1e-5)
         assert f"the {kernel.__name__.split('_')[0]} kernel cannot take this call ({why}" in capsys.readouterr().out
     # Positions that are values while tracing cannot be read: they might be in any order.
     q, k, v = (x.astype(jnp.bfloat16) for x in _inputs(64, batch=1))
     positions = np.arange(64)
-    traced = jax.jit(lambda q, k, v, p: cudnn_attention(q, k, v, p, p))(q, k, v, positions)
-    want = causal_attention(q, k, v, positions, positions)
+    traced = jax.jit(lambda q, k, v, p: cudnn_attention(q, k, v, Mask(p, p)))(q, k, v, positions)
+    want = causal_attention(q, k, v, Mask(positions, positions))
     np.testing.assert_allclose(traced.astype(jnp.float32), want.astype(jnp.float32), atol=0.02)  # bfloat16 roundings
     assert "(the positions are not 0, 1, 2" in capsys.readouterr().out
     segments = jnp.asarray(_segments(64, 1))  # packed rows: cuDNN's path in JAX takes no segment ids
-    packed = cudnn_attention(q, k, v, positions, positions, segments, segments)
-    want = causal_attention(q, k, v, positions, positions, segments, segments)
+    packed = cudnn_attention(q, k, v, Mask(positions, positions, segments, segments))
+    want = causal_attention(q, k, v, Mask(positions, positions, segments, segments))
     np.testing.assert_allclose(packed.astype(jnp.float32), want.astype(jnp.float32), atol=0.02)
     assert "(its path in JAX takes no segment ids (packed rows))" in capsys.readouterr().out
 
 
-def _masked_scores(q, k, v, q_positions, k_positions, q_segments=None, k_segments=None, window=None):
+def _masked_scores(q, k, v, mask):
     """The reference of a windowed kernel: every score computed, then masked (no band, no skips)."""
-    behind = np.asarray(q_positions)[:, None] - np.asarray(k_positions)[None, :]
-    mask = (behind >= 0) & (behind < (window or len(behind)))
-    same = attention.same_segment(q_segments, k_segments)
-    return attention._softmax_values(q, k, v, mask if same is None else (mask[None] & same)[:, None, None])
+    behind = np.asarray(mask.q_positions)[:, None] - np.asarray(mask.k_positions)[None, :]
+    shown = (behind >= 0) & (behind < (mask.window or len(behind)))
+    same = attention.same_segment(mask.q_segments, mask.k_segments)
+    return attention._softmax_values(q, k, v, shown if same is None else (shown[None] & same)[:, None, None])
 
 
 WINDOWED = {  # kernel, sequence, window: windows shorter than a block and longer, not dividing the sequence

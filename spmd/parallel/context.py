@@ -35,7 +35,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from models import flash
 from models.annotate import ACTIVATION
-from models.attention import causal_attention
+from models.attention import Mask, causal_attention
 from spmd.parallel.mesh import BATCH_AXES, inside_map, still_automatic
 from spmd.parallel.rules import SEQUENCE_AXIS
 
@@ -115,7 +115,7 @@ def _gathered(q, k, v, segments, *, n: int, kernel, window):
     v_all = checkpoint_name(jax.lax.all_gather(v, AXIS, axis=1, tiled=True), ACTIVATION)
     k_positions = jnp.asarray(zigzag_order(2 * n * chunk, n))
     k_segments = None if segments is None else jax.lax.all_gather(segments, AXIS, axis=1, tiled=True)
-    return kernel(q, k_all, v_all, q_positions, k_positions, segments, k_segments, window)
+    return kernel(q, k_all, v_all, Mask(q_positions, k_positions, segments, k_segments, window))
 
 
 # ----------------------------------------------------------------------------- ring
@@ -166,6 +166,10 @@ class _Ring:
     def positions(self, index):
         return _positions(index, self.chunk)
 
+    def mask(self, qi, ki, q_segments, k_segments) -> Mask:
+        """The mask of query chunk qi against key chunk ki (with their segment ids, or Nones)."""
+        return Mask(self.positions(qi), self.positions(ki), q_segments, k_segments, self.window)
+
 
 def _ring_forward_pass(q, k, v, segments, n: int, window):
     """(output in float32, log-sum-exp) of the local queries over the whole sequence: the
@@ -174,15 +178,13 @@ def _ring_forward_pass(q, k, v, segments, n: int, window):
     ring = _Ring(q, segments, n, window)
     q_halves = _halves(q, ring.chunk)
 
-    attend = functools.partial(flash.attention_lse, window=window)  # the window stays static
-
     def visit(states, k, v, k_segments, source):
         k_halves, v_halves, ks_halves = _halves(k, ring.chunk), _halves(v, ring.chunk), _halves(k_segments, ring.chunk)
         states = list(states)
         for i, j, qi, ki in ring.chunk_pairs(source):
-            part = jax.lax.cond(ring.seen(qi, ki), attend, lambda qc, *_: flash.nothing(qc),
-                                q_halves[i], k_halves[j], v_halves[j], ring.positions(qi), ring.positions(ki),
-                                ring.q_segments[i], ks_halves[j])
+            # (The mask's window stays static: Mask's own.)
+            part = jax.lax.cond(ring.seen(qi, ki), flash.attention_lse, lambda qc, *_: flash.nothing(qc),
+                                q_halves[i], k_halves[j], v_halves[j], ring.mask(qi, ki, ring.q_segments[i], ks_halves[j]))
             states[i] = flash.merge(states[i], part)
         return tuple(states)
 
@@ -214,8 +216,6 @@ def _ring_backward(n: int, window, residuals, d_out):
     q_halves, out_halves, d_out_halves = _halves(q, c), _halves(out, c), _halves(d_out, c)
     lse_halves = (lse[..., :c], lse[..., c:])
 
-    gradients = functools.partial(flash.attention_gradients, window=window)  # the window stays static
-
     def nothing(q, k, v, *_):
         return tuple(jnp.zeros(x.shape, jnp.float32) for x in (q, k, v))
 
@@ -224,8 +224,8 @@ def _ring_backward(n: int, window, residuals, d_out):
         d_q, d_k, d_v = list(d_q), list(_halves(d_k, c)), list(_halves(d_v, c))
         for i, j, qi, ki in ring.chunk_pairs(source):
             g_q, g_k, g_v = jax.lax.cond(
-                ring.seen(qi, ki), gradients, nothing, q_halves[i], k_halves[j], v_halves[j], ring.positions(qi),
-                ring.positions(ki), ring.q_segments[i], ks_halves[j], out_halves[i], lse_halves[i], d_out_halves[i])
+                ring.seen(qi, ki), flash.attention_gradients, nothing, q_halves[i], k_halves[j], v_halves[j],
+                ring.mask(qi, ki, ring.q_segments[i], ks_halves[j]), out_halves[i], lse_halves[i], d_out_halves[i])
             d_q[i], d_k[j], d_v[j] = d_q[i] + g_q, d_k[j] + g_k, d_v[j] + g_v
         return tuple(d_q), jnp.concatenate(d_k, axis=1), jnp.concatenate(d_v, axis=1)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import jax
 
-from models.attention import KERNELS, kernel_attention
+from models.attention import KERNELS, Mask, kernel_attention
 from spmd.base.errors import UserError
 from spmd.parallel.mesh import BATCH_AXES, inside_map, still_automatic
 
@@ -52,7 +52,7 @@ def make_kernel(mesh: jax.sharding.Mesh, name: str, batch_axes: tuple[str, ...] 
 
     def attention(q, k, v, positions, segments=None, window=None):
         def local(q, k, v, segments):
-            return kernel(q, k, v, positions, positions, segments, segments, window)
+            return kernel(q, k, v, Mask(positions, positions, segments, segments, window))
 
         rows = jax.P(batch_axes or None)  # segment ids (batch, seq): a device's own rows
         return jax.shard_map(local, mesh=inside_map(mesh), in_specs=(split, split, split, rows), out_specs=split,
