@@ -17,18 +17,12 @@ from models.moe import MoEConfig, Routing
 from models.qwen2 import Qwen2Config
 from models.qwen3 import Qwen3Config
 
-# Each family: its config class -> its module class. A model class tells the trainer what
-# it needs beyond the call (see Llama: STACKED, LOOKUP_TABLE, decays, head_params), and
-# decodes with a cache (cache_layout, decode).
+# Each family: its config class -> its module class. What each owes is code, models.family
+# (Config, Model, Block, Attention, HFLayout), checked for every family here by tests/test_model.py.
 FAMILIES: dict[type, type] = {LlamaConfig: Llama, Qwen3Config: qwen3.Qwen3, Qwen2Config: qwen2.Qwen2,
                               MistralConfig: mistral.Mistral, Gemma3Config: gemma3.Gemma3,
                               DeepSeekV3Config: deepseek3.DeepSeekV3}
-# Each family's Hugging Face layout (see models.llama.hf): ARCHITECTURES it reads (each
-# with the model_type it must be published with),
-# config_values (config.json checked against its field tables), config_from_hf,
-# config_to_hf, supported (why a config has no such layout), tensors, tensor_count (how
-# many published tensors a config implies, before any per-layer loop) and copies
-# (published tensors that may repeat another, as a tied head).
+# Each family's Hugging Face layout module (models.family.HFLayout).
 HF_LAYOUTS: dict[type, ModuleType] = {LlamaConfig: llama.hf, Qwen3Config: qwen3.hf, Qwen2Config: qwen2.hf,
                                       MistralConfig: mistral.hf, Gemma3Config: gemma3.hf,
                                       DeepSeekV3Config: deepseek3.hf}

@@ -135,6 +135,20 @@ def test_adapter_gradients_equal_one_devices(mesh, devices, overrides):
         np.testing.assert_allclose(g, w, rtol=0, atol=1e-5 * np.abs(w).max())
 
 
+# Each family's golden with adapters on every projection, on a mesh whose tp goes beyond
+# its 2 kv heads (keys' and values' adapters computed per copy, models.llama.model._adapted).
+FAMILY_GOLDENS = [("qwen3", "fsdp=2,tp=4")]
+
+
+@pytest.mark.parametrize("golden,mesh", FAMILY_GOLDENS)
+def test_adapter_gradients_equal_one_devices_for_each_family(golden, mesh):
+    family = {"model": None, "init_from": str(GOLDENS / golden), "lora_targets": ALL}
+    want, got = _adapter_grads("", 1, **family), _adapter_grads(mesh, 8, **family)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert np.abs(w).max() > 0
+        np.testing.assert_allclose(g, w, rtol=0, atol=1e-5 * np.abs(w).max())  # as test_adapter_gradients_...
+
+
 def test_dropout_draws_each_steps_masks_alike_on_any_layout():
     """Without microbatches every layout draws the masks of the whole batch from one key."""
     without = _adapter_grads("", 1, lora_targets=ALL)

@@ -46,6 +46,71 @@ def test_real_presets_build_abstractly_with_published_sizes(name):
     assert wkv == ("layers", "embed", "kv_heads", None, "head_dim")
 
 
+# Families whose presets' counts are checked elsewhere (DeepSeek-V3's: 671B and V2-Lite's,
+# active and total, beside its own model).
+COUNTED_ELSEWHERE = {"deepseek_v3": "tests/test_deepseek.py"}
+
+
+def test_every_family_keeps_the_contract_and_has_a_counted_preset():
+    """models.family's interfaces, for every registered family: its config, model class,
+    block, attention and Hugging Face layout module have every member, each method taking
+    the contract's parameters; and a published preset whose count is checked, where
+    `num_params` (from `LlamaConfig.block_norms`, the description the model is built from)
+    meets the built model."""
+    from models import FAMILIES, HF_LAYOUTS, family
+
+    for cfg_cls, model_cls in FAMILIES.items():
+        parts = {"config": (cfg_cls, family.Config), "model": (model_cls, family.Model),
+                 "block": (model_cls.BLOCK, family.Block), "attention": (model_cls.BLOCK.ATTENTION, family.Attention),
+                 "hf layout": (HF_LAYOUTS[cfg_cls], family.HFLayout)}
+        assert {part: family.breaches(obj, protocol) for part, (obj, protocol) in parts.items()} == dict.fromkeys(
+            parts, []), cfg_cls.family
+    counted = {PRESETS[name].family for name in KNOWN_PARAMS} | set(COUNTED_ELSEWHERE)
+    assert counted == {cls.family for cls in FAMILIES}
+
+
+def test_the_contract_check_finds_a_missing_member_and_a_wrong_signature():
+    """`breaches` is what the test above trusts: it must fail a layout that lacks a member
+    or takes other parameters."""
+    import types
+
+    from models import family
+    from models.llama import hf
+
+    broken = types.SimpleNamespace(**{n: getattr(hf, n) for n in ("ARCHITECTURES", "config_values", "config_from_hf",
+                                                                 "config_to_hf", "supported", "tensors", "copies")})
+    broken.supported = lambda config, extra: None
+    assert family.breaches(broken, family.HFLayout) == [
+        "supported: takes ['config', 'extra'], the contract ['cfg']", "tensor_count: missing"]
+
+
+# Every place in the docs that lists the families, and each family's name as they write it
+# (a new family adds its name here, and the test says where the docs lack it).
+FAMILY_NAMES = {"llama": "Llama", "qwen3": "Qwen3", "qwen2": "Qwen2", "mistral": "Mistral", "gemma3": "Gemma 3",
+                "deepseek_v3": "DeepSeek-V3"}
+DOCS_LISTS = {"README.md": "| Hugging Face Llama", "docs/README.md": "Hugging Face Llama/",
+              "docs/huggingface.md": "Start from a published Llama"}
+
+
+def test_the_docs_name_every_family_where_they_list_them():
+    from models import FAMILIES, HF_LAYOUTS
+
+    root = pathlib.Path(__file__).parents[1]
+    assert set(FAMILY_NAMES) == {cls.family for cls in FAMILIES}
+    missing = []
+    for path, anchor in DOCS_LISTS.items():
+        (line,) = [line for line in (root / path).read_text().splitlines() if anchor in line]
+        missing += [f"{path}: {name}" for name in FAMILY_NAMES.values() if name not in line]
+    architecture, hf = (root / "docs" / "architecture.md").read_text(), (root / "docs" / "huggingface.md").read_text()
+    folders = {cls.__module__.split(".")[1] for cls in FAMILIES}
+    missing += [f"docs/architecture.md: {f}" for f in folders
+                if not re.search(rf"^  {f}/ ", architecture, re.M) or f"| `models/{f}` |" not in architecture]
+    missing += [f"docs/huggingface.md: {f}" for f in folders if f"`models/{f}/`" not in hf]
+    missing += [f"docs/huggingface.md: {a}" for layout in HF_LAYOUTS.values() for a in layout.ARCHITECTURES
+                if f"`{a}`" not in hf]
+    assert missing == []
+
+
 def _built(cfg, **kwargs) -> Llama:
     """The model with parameters drawn by one unoptimized compiled program: drawn op by op
     (eagerly), or optimized by LLVM, they take seconds."""

@@ -146,7 +146,7 @@ class DeepSeekV3Config(LlamaConfig):
 
     def num_params(self, active: bool = False) -> int:
         per_layer = self.moe.active_per_layer if active else self.moe.params_per_layer
-        blocks = (self.layers * (self.attention_params() + 2 * self.embed)
+        blocks = (self.layers * (self.attention_params() + self.block_norm_params())
                   + self.dense_layers * 3 * self.embed * self.mlp + self.moe_layers * per_layer(self.embed))
         # Each prediction module: its join of two normed inputs, an MoE block, its norm (the
         # embedding and head are the model's).

@@ -19,6 +19,7 @@ are never written: transformers has no place for them."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Collection
 
 import numpy as np
@@ -154,8 +155,8 @@ def supported(cfg: DeepSeekV3Config) -> str | None:
 
 
 def _blocks(cfg: DeepSeekV3Config) -> list[Block]:
-    layers = cfg.stack_layers("blocks")
-    return [*llama.prefix_block(cfg), Block(("blocks",), len(layers), lambda i: layers[i], True)]
+    layers = functools.cache(lambda: cfg.stack_layers("blocks"))  # listed when first named (models.llama.hf.blocks)
+    return [*llama.prefix_block(cfg), Block(("blocks",), cfg.layer_steps, lambda i: layers()[i], True)]
 
 
 def _rotate_half_order(d: int) -> np.ndarray:
@@ -232,11 +233,7 @@ def tensors(cfg: DeepSeekV3Config) -> list[Tensor]:
     return found
 
 
-def tensor_count(cfg: DeepSeekV3Config) -> tuple[int, str]:
-    attention = 2 + (1 if cfg.q_rank is None else 3) + 4  # norms, the query's, kv_a, its norm, kv_b, o
-    moe = 2 + 3 * cfg.moe.experts + (3 if cfg.moe.shared_experts else 0)  # router, bias, experts, shared
-    count = 3 + cfg.layers * attention + cfg.dense_layers * 3 + cfg.moe_layers * moe
-    return count, f"num_hidden_layers {cfg.layers}, n_routed_experts {cfg.moe.experts}"
+tensor_count = llama.count_of(tensors, "n_routed_experts")
 
 
 def copies(cfg: DeepSeekV3Config) -> dict[str, tuple[str, str]]:

@@ -8,8 +8,6 @@ than default and linear are refused."""
 
 from __future__ import annotations
 
-import dataclasses
-
 from models.gemma3.model import Gemma3Config, layer_types
 from models.llama import hf as llama
 from models.llama.hf import Tensor
@@ -130,20 +128,9 @@ def supported(cfg: Gemma3Config) -> str | None:
 
 
 def tensors(cfg: Gemma3Config) -> list[Tensor]:
-    found = []
-    for t in llama.tensors(cfg):  # the norm before the MLP is published as pre_feedforward_layernorm
-        if t.ours[-2:] == ("mlp_norm", "scale"):
-            t = dataclasses.replace(t, names=lambda i: [f"model.layers.{i}.pre_feedforward_layernorm.weight"])
-        found.append(t)
-    (b,) = llama.blocks(cfg)
-    return found + [
-        Tensor((*b.ours, *ours, "scale"), b.steps, b.names(f"{name}.weight"), [(dim,)], lambda t: t[0], lambda w: [w])
-        for ours, name, dim in ((("post_attn_norm",), "post_attention_layernorm", cfg.embed),
-                                (("post_mlp_norm",), "post_feedforward_layernorm", cfg.embed),
-                                (("attn", "q_norm"), "self_attn.q_norm", cfg.head_dim),
-                                (("attn", "k_norm"), "self_attn.k_norm", cfg.head_dim))]
+    """Llama's: its four norms and q/k norms are the block's (`Gemma3Config.NORMS`), named
+    by `models.llama.hf.norm_name`."""
+    return llama.tensors(cfg)
 
 
-def tensor_count(cfg: Gemma3Config) -> tuple[int, str]:
-    count, fields = llama.tensor_count(cfg)
-    return count + 4 * cfg.layers, fields
+tensor_count = llama.count_of(tensors)

@@ -20,13 +20,10 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from models.llama.config import LlamaConfig
+from models.llama.config import LlamaConfig, Norms
 from models.llama.layers import RMSNorm
 from models.llama.model import Attention, Block, Llama, SwiGLU
-from models.lora import LoRA
-from models.moe import Routing
 
 # What the parts below make of the flags the family's config had when they were Llama's
 # (a run saved then holds them at these values).
@@ -43,7 +40,7 @@ class Gemma3Config(LlamaConfig):
     rope_linear_factor: float = 1.0  # positions slowed by this on the full-attention layers (linear rope scaling)
     query_scale: float | None = None  # scores scaled by query_scale ** -0.5 (query_pre_attn_scalar; None: head_dim)
     family: str = "gemma3"
-    NORMS_PER_BLOCK = 4
+    NORMS = Norms(after=True)  # before and after attention and the MLP
 
     @classmethod
     def from_dict(cls, d: dict) -> Gemma3Config:
@@ -99,18 +96,10 @@ class GeGLU(SwiGLU):
 
 
 class GemmaBlock(Block):
-    """Llama's block of Gemma's parts, and a norm after attention and after the MLP too,
-    before each residual sum."""
+    """Llama's block of Gemma's parts (its config's NORMS adds a norm after attention and
+    after the MLP, before each residual sum)."""
 
     ATTENTION, MLP, NORM = GemmaAttention, GeGLU, OffsetNorm
-
-    def __init__(self, cfg: Gemma3Config, dtype, rngs: nnx.Rngs, routing: Routing | None = None,
-                 lora: LoRA | None = None):
-        super().__init__(cfg, dtype, rngs, routing, lora)
-        self.post_attn_norm, self.post_mlp_norm = self.NORM(cfg.embed, cfg.norm_eps), self.NORM(cfg.embed, cfg.norm_eps)
-
-    def _post(self, y: jax.Array, norm: str) -> jax.Array:
-        return getattr(self, norm)(y)
 
 
 class Gemma3(Llama):

@@ -27,6 +27,21 @@ class RopeScaling:
         return dataclasses.replace(self, factor=factor)
 
 
+@dataclasses.dataclass(frozen=True)
+class Norms:
+    """Where a family's blocks norm (its config's NORMS, not a field: the family states it).
+    `before`: each sublayer's input (`attn_norm`, `mlp_norm`: pre-norm, as Llama);
+    `after`: each sublayer's output, before the residual sum (`post_attn_norm`,
+    `post_mlp_norm`: Gemma 3 has both, OLMo 2 these alone); `qk`: where `qk_norm`, the
+    query and key norms' span: "head" (each head alone, one scale of head_dim shared by
+    every head: Qwen3, Gemma 3) or "projection" (the whole q and k projections, a scale
+    per element: OLMo 2)."""
+
+    before: bool = True
+    after: bool = False
+    qk: str = "head"
+
+
 # Gemma 3's choices, fields of every family's config before they moved to models.gemma3, at
 # the values that leave them off: a run saved then holds them so.
 GEMMA_FIELDS_OFF = {"layer_types": None, "local_rope_theta": None, "rope_linear_factor": 1.0, "query_scale": None,
@@ -58,7 +73,7 @@ class LlamaConfig:
     # depth that does not divide into them (spmd.run.config's --empty-layers): they have
     # weights, which nothing trains or exports, and stages run them without effect.
     empty_layers: int = 0
-    NORMS_PER_BLOCK = 2  # (not a field) before attention and before the MLP; a family's blocks may have more
+    NORMS = Norms()  # (not a field) a block's norms: before attention and before the MLP
     # In an MoE model with MoE in every layer (moe.every 1): the layers whose feed-forward is
     # dense (Qwen3-MoE's mlp_only_layers), at any positions. They are a stack of their own
     # (`dense_positions`), run in the model's order between runs of the MoE stack.
@@ -125,6 +140,27 @@ class LlamaConfig:
             return windowed
         local = float(np.mean(self.local_layers))
         return local * windowed + (1 - local) * seq / 2
+
+    def block_norms(self) -> dict[tuple[str, ...], tuple[tuple[int, ...], tuple[str, ...]]]:
+        """Every norm of a block, from NORMS: its path in the block -> its scale's shape and
+        logical names. The one description the model builds, the Hugging Face layout
+        names (models.llama.hf.norm_tensors) and `num_params` counts."""
+        e, h, k, d, n = self.embed, self.heads, self.kv_heads, self.head_dim, self.NORMS
+        embed = ((e,), ("embed",))
+        norms = {}
+        for sublayer in ("attn", "mlp"):
+            norms |= {(f"{sublayer}_norm",): embed} if n.before else {}
+            norms |= {(f"post_{sublayer}_norm",): embed} if n.after else {}
+        if self.qk_norm and n.qk == "head":
+            norms |= {("attn", "q_norm"): ((d,), ("head_dim",)), ("attn", "k_norm"): ((d,), ("head_dim",))}
+        elif self.qk_norm:  # laid out as the projections' outputs, so that tp splits them alike
+            norms |= {("attn", "q_norm"): ((h, d), ("heads", "head_dim")),
+                      ("attn", "k_norm"): ((k, d), ("kv_heads", "head_dim"))}
+        return norms
+
+    def block_norm_params(self) -> int:
+        """A block's norms' parameters (`block_norms`)."""
+        return sum(math.prod(shape) for shape, _ in self.block_norms().values())
 
     def projection_shapes(self) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
         """Each projection's input and output dimensions as the model lays them out, by its
@@ -234,10 +270,9 @@ class LlamaConfig:
         """Parameter count from the shapes (matches the built model); `active`: only those
         one token multiplies with (its top-k experts)."""
         attn = ((self.embed + self.qkv_bias) * self.head_dim * (self.heads + 2 * self.kv_heads)
-                + self.embed * self.heads * self.head_dim + 2 * self.head_dim * self.qk_norm)
+                + self.embed * self.heads * self.head_dim)
         dense = self.layers - self.moe_layers
-        norms = self.NORMS_PER_BLOCK * self.embed
-        blocks = self.layers * (attn + norms) + dense * 3 * self.embed * self.mlp
+        blocks = self.layers * (attn + self.block_norm_params()) + dense * 3 * self.embed * self.mlp
         if self.moe:
             per_layer = self.moe.active_per_layer if active else self.moe.params_per_layer
             blocks += self.moe_layers * per_layer(self.embed)

@@ -11,8 +11,9 @@ stored for, as `models.llama.rotary` does: no permutation of heads is needed.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -232,7 +233,7 @@ class Tensor:
     ours: tuple[str, ...]
     stacked: int
     names: Callable[[int], list[str]]  # slice -> published names
-    shapes: list[tuple[int, ...]]  # the published tensors' shapes
+    shapes: Sequence[tuple[int, ...]]  # the published tensors' shapes (per slice: as many as names)
     to_ours: Callable[[list[np.ndarray]], np.ndarray]
     to_hf: Callable[[np.ndarray], list[np.ndarray]]
 
@@ -255,12 +256,15 @@ class Block:
 def blocks(cfg: LlamaConfig) -> list[Block]:
     """The blocks of a step: one block per layer; in an MoE model, moe.every - 1 dense
     blocks then an MoE one (models.llama.MoEGroup), and the dense layers at other positions
-    (`dense_positions`) in a stack of their own."""
+    (`dense_positions`) in a stack of their own. Their layers are listed when a layer is
+    first named, not here: `tensor_count` counts from these before a config's depth is
+    checked against the files."""
     if cfg.moe is None:
         return [Block(("blocks",), cfg.layers, lambda i: i, False)]
-    every, steps = cfg.moe.every, cfg.stack_layers("blocks")
-    dense = [Block(("blocks", "dense", j), len(steps), lambda i, j=j: steps[i] + j, False) for j in range(every - 1)]
-    return [*prefix_block(cfg), *dense, Block(("blocks", "moe"), len(steps), lambda i: steps[i] + every - 1, True)]
+    every, steps = cfg.moe.every, functools.cache(lambda: cfg.stack_layers("blocks"))
+    dense = [Block(("blocks", "dense", j), cfg.layer_steps, lambda i, j=j: steps()[i] + j, False)
+             for j in range(every - 1)]
+    return [*prefix_block(cfg), *dense, Block(("blocks", "moe"), cfg.layer_steps, lambda i: steps()[i] + every - 1, True)]
 
 
 def prefix_block(cfg: LlamaConfig) -> list[Block]:
@@ -297,12 +301,31 @@ def tensors(cfg: LlamaConfig, experts: ExpertNames = MIXTRAL_EXPERTS) -> list[Te
     return found
 
 
+def norm_name(cfg: LlamaConfig, path: tuple[str, ...]) -> str:
+    """A block norm's published module (after `model.layers.N.`): transformers names the norm
+    before the MLP post_attention_layernorm where it is the only one after attention (Llama)
+    and pre_feedforward_layernorm where a norm of attention's output takes that name (Gemma 3)."""
+    return {("attn_norm",): "input_layernorm", ("post_attn_norm",): "post_attention_layernorm",
+            ("mlp_norm",): "pre_feedforward_layernorm" if cfg.NORMS.after else "post_attention_layernorm",
+            ("post_mlp_norm",): "post_feedforward_layernorm", ("attn", "q_norm"): "self_attn.q_norm",
+            ("attn", "k_norm"): "self_attn.k_norm"}[path]
+
+
+def norm_tensors(cfg: LlamaConfig, b: Block) -> list[Tensor]:
+    """Every norm of block `b`, from the description the model builds them from
+    (`LlamaConfig.block_norms`); published flat, as torch's RMSNorm holds a scale."""
+    found = []
+    for path, (shape, _) in cfg.block_norms().items():
+        size = math.prod(shape)
+        found.append(Tensor((*b.ours, *path, "scale"), b.steps, b.names(f"{norm_name(cfg, path)}.weight"), [(size,)],
+                            lambda t, shape=shape: t[0].reshape(shape), lambda w, size=size: [w.reshape(size)]))
+    return found
+
+
 def _attention(cfg: LlamaConfig, b: Block) -> list[Tensor]:
     e, h, k, d = cfg.embed, cfg.heads, cfg.kv_heads, cfg.head_dim
     return [
-        Tensor((*b.ours, "attn_norm", "scale"), b.steps, b.names("input_layernorm.weight"), [(e,)], only, listed),
-        Tensor((*b.ours, "mlp_norm", "scale"), b.steps, b.names("post_attention_layernorm.weight"), [(e,)],
-               only, listed),
+        *norm_tensors(cfg, b),
         Tensor((*b.ours, "attn", "wq"), b.steps, b.names("self_attn.q_proj.weight"), [(h * d, e)],
                lambda t: t[0].T.reshape(e, h, d), lambda w: [w.reshape(e, h * d).T]),
         # Query head n reads key/value head n // (h / k), as transformers' repeat_kv.
@@ -326,13 +349,15 @@ def mlp_tensors(cfg: LlamaConfig, b: Block) -> list[Tensor]:
 
 def expert_tensors(cfg: LlamaConfig, b: Block, names: ExpertNames) -> list[Tensor]:
     e, n, m = cfg.embed, cfg.moe.experts, cfg.moe.expert_mlp
-    each = lambda *templates: b.names(*(t.format(j=j) for t in templates for j in range(n)))  # noqa: E731
+    # Named when a layer is read, not here: a config's expert count is checked against the
+    # files (`tensor_count`, counted from these) before any list as long as the experts.
+    each = lambda *templates: lambda i: b.names(*(t.format(j=j) for t in templates for j in range(n)))(i)  # noqa: E731
     return [
         Tensor((*b.ours, "mlp", "router"), b.steps, b.names(names.router), [(n, e)], lambda t: t[0].T, lambda w: [w.T]),
-        Tensor((*b.ours, "mlp", "gate_up"), b.steps, each(names.gate, names.up), [(m, e)] * (2 * n),
+        Tensor((*b.ours, "mlp", "gate_up"), b.steps, each(names.gate, names.up), Repeated((m, e), 2 * n),
                lambda t: np.stack([np.stack(t[:n]), np.stack(t[n:])], axis=2).transpose(0, 3, 2, 1),
                lambda w: [w[j, :, s].T for s in (0, 1) for j in range(n)]),
-        Tensor((*b.ours, "mlp", "down"), b.steps, each(names.down), [(e, m)] * n,
+        Tensor((*b.ours, "mlp", "down"), b.steps, each(names.down), Repeated((e, m), n),
                lambda t: np.stack(t).transpose(0, 2, 1), lambda w: list(w.transpose(0, 2, 1))),
     ]
 
@@ -370,15 +395,42 @@ def adapter_tensors(cfg: LlamaConfig, targets: tuple[str, ...], rank: int) -> li
     return found
 
 
-def tensor_count(cfg: LlamaConfig) -> tuple[int, str]:
-    """How many published tensors `tensors(cfg)` names, by arithmetic, and the config.json
-    fields that decide it: a loader checks a config's depth against the files before it
-    makes any list as long as the model."""
-    attention = 6  # two norms, q, k, v, o
-    count = 2 + (not cfg.tie_embeddings) + cfg.layers * attention + (cfg.layers - cfg.moe_layers) * 3
-    count += cfg.moe_layers * (1 + 3 * cfg.moe.experts) if cfg.moe else 0  # router and experts
-    fields = f"num_hidden_layers {cfg.layers}" + (f", num_local_experts {cfg.moe.experts}" if cfg.moe else "")
-    return count, fields
+class Repeated(Sequence):
+    """One shape `n` times, without a list of n (a config's expert count is checked against
+    the files only after `tensor_count` has counted them)."""
+
+    def __init__(self, shape: tuple[int, ...], n: int):
+        self.shape, self.n = shape, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self.shape] * len(range(*i.indices(self.n)))
+        if not -self.n <= i < self.n:
+            raise IndexError(i)
+        return self.shape
+
+
+def counted(found: list[Tensor]) -> int:
+    """How many published tensors `found` names over every slice, without naming them."""
+    return sum(len(t.shapes) * (t.stacked or 1) for t in found)
+
+
+def count_of(tensors_of: Callable[[LlamaConfig], list[Tensor]], experts_field: str = "num_local_experts"
+             ) -> Callable[[LlamaConfig], tuple[int, str]]:
+    """A layout's `tensor_count`: how many published tensors `tensors_of(cfg)` names, counted
+    from that same list (never restated), and the config.json fields that decide it. A
+    loader checks a config's depth against the files with it before any per-layer work."""
+    def tensor_count(cfg: LlamaConfig) -> tuple[int, str]:
+        fields = f"num_hidden_layers {cfg.layers}" + (f", {experts_field} {cfg.moe.experts}" if cfg.moe else "")
+        return counted(tensors_of(cfg)), fields
+
+    return tensor_count
+
+
+tensor_count = count_of(tensors)
 
 
 TIED_HEAD = "config.json ties it to (tie_word_embeddings true); set it false to use this head"

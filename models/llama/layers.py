@@ -43,16 +43,25 @@ def zeros_param(shape: tuple[int, ...], names: tuple[str, ...]) -> nnx.Param:
 
 
 class RMSNorm(nnx.Module):
-    """`offset`: scaled by 1 + its weight, which starts at 0 (Gemma's form)."""
+    """`dim`: the normed size, or a shape whose elements are normed together (the last
+    len(shape) axes: OLMo 2's q and k norms over whole projections, (heads, head_dim));
+    `offset`: scaled by 1 + its weight, which starts at 0 (Gemma's form)."""
 
-    def __init__(self, dim: int, eps: float, names: tuple[str, ...] = ("embed",), offset: bool = False):
-        self.scale = zeros_param((dim,), names) if offset else _ones((dim,), names)
+    def __init__(self, dim: int | tuple[int, ...], eps: float, names: tuple[str, ...] = ("embed",),
+                 offset: bool = False):
+        shape = (dim,) if isinstance(dim, int) else tuple(dim)
+        self.scale = zeros_param(shape, names) if offset else _ones(shape, names)
         self.eps, self.offset = eps, offset
+        self.axes = -1 if len(shape) == 1 else tuple(range(-len(shape), 0))
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, copies: int = 1) -> jax.Array:
+        """`copies`: how many times x holds each row of a scale of several axes (the key
+        heads' copies when tp splits them more finely, models.annotate.copies): the mean
+        over the copies is the mean over the rows, and the scale is repeated to match."""
         x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=self.axes, keepdims=True) + self.eps)
         scale = weight(self.scale, jnp.float32)
+        scale = jnp.repeat(scale, copies, axis=0) if copies > 1 else scale
         return (normed * (1.0 + scale if self.offset else scale)).astype(x.dtype)
 
 

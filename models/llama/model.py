@@ -59,9 +59,9 @@ class Attention(nnx.Module):
         if cfg.qkv_bias:  # laid out as wq and wkv are
             self.bq = zeros_param((h, d), ("heads", "head_dim"))
             self.bkv = zeros_param((k, 2, d), ("kv_heads", None, "head_dim"))
-        if cfg.qk_norm:  # one scale per head dimension, shared by every head
-            self.q_norm = self.NORM(d, cfg.norm_eps, ("head_dim",))
-            self.k_norm = self.NORM(d, cfg.norm_eps, ("head_dim",))
+        if cfg.qk_norm:  # per head, or over the whole projection (`LlamaConfig.block_norms`)
+            (q_shape, q_names), (k_shape, k_names) = (cfg.block_norms()[("attn", n)] for n in ("q_norm", "k_norm"))
+            self.q_norm, self.k_norm = self.NORM(q_shape, cfg.norm_eps, q_names), self.NORM(k_shape, cfg.norm_eps, k_names)
         embed, kv = ((e,), ("embed",)), ((k, d), ("kv_heads", "head_dim"))
         for target, (inputs, in_names), (outputs, out_names) in (
                 ("q_proj", embed, ((h, d), ("heads", "head_dim"))), ("k_proj", embed, kv), ("v_proj", embed, kv),
@@ -115,7 +115,14 @@ class Attention(nnx.Module):
                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Queries (batch, seq, kv slots, heads per slot, head_dim), keys and values (batch,
         seq, kv slots, head_dim), rotated by their positions. A slot is a kv head, or one of
-        its `copies` (models.annotate) when a trainer splits the query heads more finely."""
+        its `copies` (models.annotate) when a trainer splits the query heads more finely.
+
+        For a family: keys and values are computed once per slot, not per kv head, so that
+        every device holds the kv heads its query heads read without a gather. What a family
+        adds per kv head (a bias, a norm's scale, an adapter's output) is repeated `copies`
+        times along the kv_heads axis here, and what it computes over all the keys (a norm
+        over the whole projection) is unchanged by equal copies (RMSNorm's `copies`); the
+        cache (`decode`) keeps one copy of each."""
         cfg, dt = self.cfg, self.dtype
         b, s = x.shape[:2]
         c = copies("kv_heads")
@@ -139,8 +146,9 @@ class Attention(nnx.Module):
         v = qkv[:, :, :, per_slot + 1]
         q = _adapted(self, q, x, "q_proj")
         k, v = (_adapted(self, w, x, target, c) for w, target in ((k, "k_proj"), (v, "v_proj")))
-        if cfg.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
+        if cfg.qk_norm:  # over each head, or the whole projection (the keys' with each kv head c times)
+            whole = cfg.NORMS.qk == "projection"
+            q, k = self.q_norm(q), self.k_norm(k, c if whole else 1)
         freqs = self._frequencies(local)
         q = self._scaled(q)
         q = constrain(rotary(q, positions, freqs), "batch", "seq", "heads", "head_dim")
@@ -203,8 +211,9 @@ class SwiGLU(nnx.Module):
 
 class Block(nnx.Module):
     """Attention then a feed-forward layer: SwiGLU, or a mixture of experts (`routing`),
-    each after a norm. A family whose blocks differ subclasses it and names its parts
-    (models.deepseek3's attention, models.gemma3's norms and MLP)."""
+    with the norms the config's NORMS states: before each sublayer (pre-norm), after each
+    on its output before the residual sum, or both. A family whose blocks differ subclasses
+    it and names its parts (models.deepseek3's attention, models.gemma3's norm and MLP)."""
 
     ATTENTION = Attention
     MLP = SwiGLU
@@ -212,39 +221,45 @@ class Block(nnx.Module):
 
     def __init__(self, cfg: LlamaConfig, dtype, rngs: nnx.Rngs, routing: Routing | None = None,
                  lora: LoRA | None = None):
-        self.attn_norm = self.NORM(cfg.embed, cfg.norm_eps)
+        norms = cfg.block_norms()
+        if ("attn_norm",) in norms:
+            self.attn_norm = self.NORM(cfg.embed, cfg.norm_eps)
         self.attn = self.ATTENTION(cfg, dtype, rngs, lora)
-        self.mlp_norm = self.NORM(cfg.embed, cfg.norm_eps)
+        if ("mlp_norm",) in norms:
+            self.mlp_norm = self.NORM(cfg.embed, cfg.norm_eps)
         self.mlp = self.MLP(cfg, dtype, rngs, lora) if routing is None else MoE(cfg.embed, cfg.moe, routing, dtype, rngs)
+        for name in ("post_attn_norm", "post_mlp_norm"):
+            if (name,) in norms:
+                setattr(self, name, self.NORM(cfg.embed, cfg.norm_eps))
 
     def __call__(self, x: jax.Array, positions: jax.Array, packing: Packing | None = None,
                  local: jax.Array | None = None) -> tuple[jax.Array, dict]:
         """The new residual stream, and the MoE layer's statistics (empty if dense)."""
         # The residual stream (and the norms on it) may be split along the sequence more
         # finely than the attention and MLP inside ("residual_seq", e.g. Megatron-SP).
-        y = self.attn(constrain(self.attn_norm(x), "batch", "seq", "embed"), positions, packing, local)
-        x = constrain(x + self._post(y, "post_attn_norm"), "batch", "residual_seq", "embed")
-        normed = constrain(self.mlp_norm(x), "batch", "seq", "embed")
+        y = self.attn(constrain(self._normed(x, "attn_norm"), "batch", "seq", "embed"), positions, packing, local)
+        x = constrain(x + self._normed(y, "post_attn_norm"), "batch", "residual_seq", "embed")
+        normed = constrain(self._normed(x, "mlp_norm"), "batch", "seq", "embed")
         if isinstance(self.mlp, MoE):
             y, stats = self.mlp(normed, positions)
         else:
             y, stats = self.mlp(normed), {}
-        return constrain(x + self._post(y, "post_mlp_norm"), "batch", "residual_seq", "embed"), stats
+        return constrain(x + self._normed(y, "post_mlp_norm"), "batch", "residual_seq", "embed"), stats
 
     def decode(self, x: jax.Array, positions: jax.Array, cache: dict, block: tuple[jax.Array, int], at: Decoding,
                local: jax.Array | None = None):
         """As a call, for new tokens against a key/value cache (see Attention.decode)."""
-        y, cache = self.attn.decode(constrain(self.attn_norm(x), "batch", "seq", "embed"), positions, cache, block, at,
-                                    local)
-        x = x + self._post(y, "post_attn_norm")
-        normed = constrain(self.mlp_norm(x), "batch", "seq", "embed")
+        y, cache = self.attn.decode(constrain(self._normed(x, "attn_norm"), "batch", "seq", "embed"), positions, cache,
+                                    block, at, local)
+        x = x + self._normed(y, "post_attn_norm")
+        normed = constrain(self._normed(x, "mlp_norm"), "batch", "seq", "embed")
         y = self.mlp(normed, at.slots(x.shape[1]))[0] if isinstance(self.mlp, MoE) else self.mlp(normed)
-        return constrain(x + self._post(y, "post_mlp_norm"), "batch", "seq", "embed"), cache
+        return constrain(x + self._normed(y, "post_mlp_norm"), "batch", "seq", "embed"), cache
 
-    def _post(self, y: jax.Array, norm: str) -> jax.Array:
-        """A sublayer's output as added to the residual stream (`norm`: the norm a block with
-        sandwich norms applies first)."""
-        return y
+    def _normed(self, x: jax.Array, norm: str) -> jax.Array:
+        """`x` through the block's norm `norm`, or unchanged where NORMS gives it none."""
+        module = getattr(self, norm, None)
+        return x if module is None else module(x)
 
 
 class MoEGroup(nnx.Module):

@@ -74,6 +74,4 @@ def tensors(cfg: Qwen2Config) -> list[Tensor]:
     return llama.tensors(cfg) + biases
 
 
-def tensor_count(cfg: Qwen2Config) -> tuple[int, str]:
-    count, fields = llama.tensor_count(cfg)
-    return count + 3 * cfg.layers, fields
+tensor_count = llama.count_of(tensors)

@@ -99,11 +99,8 @@ def supported(cfg: Qwen3Config) -> str | None:
 
 
 def tensors(cfg: Qwen3Config) -> list[Tensor]:
-    norms = [Tensor((*b.ours, "attn", f"{x}_norm", "scale"), b.steps, b.names(f"self_attn.{x}_norm.weight"),
-                    [(cfg.head_dim,)], lambda t: t[0], lambda w: [w]) for b in llama.blocks(cfg) for x in ("q", "k")]
-    return llama.tensors(cfg, EXPERTS) + norms
+    """Llama's, its q/k norms among the block's norms (`LlamaConfig.block_norms`), and Qwen's experts' names."""
+    return llama.tensors(cfg, EXPERTS)
 
 
-def tensor_count(cfg: Qwen3Config) -> tuple[int, str]:
-    count, fields = llama.tensor_count(cfg)
-    return count + 2 * cfg.layers, fields
+tensor_count = llama.count_of(tensors)
