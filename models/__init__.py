@@ -2,7 +2,7 @@
 
 from types import ModuleType
 
-from models import deepseek3, gemma3, llama, mistral, qwen2, qwen3
+from models import deepseek3, gemma3, llama, mistral, olmo2, qwen2, qwen3
 from models.deepseek3 import DeepSeekV3Config
 from models.gemma3 import Gemma3Config
 from models.llama import Llama, LlamaConfig, RopeScaling
@@ -13,6 +13,7 @@ from models.llama.hf import MAX_CONFIG_BYTES, Tensor, adapter_tensors
 from models.llama.layers import Decoding
 from models.llama.model import REMAT_POLICIES
 from models.mistral import MistralConfig
+from models.olmo2 import Olmo2Config
 from models.moe import MoEConfig, Routing
 from models.qwen2 import Qwen2Config
 from models.qwen3 import Qwen3Config
@@ -21,11 +22,11 @@ from models.qwen3 import Qwen3Config
 # (Config, Model, Block, Attention, HFLayout), checked for every family here by tests/test_model.py.
 FAMILIES: dict[type, type] = {LlamaConfig: Llama, Qwen3Config: qwen3.Qwen3, Qwen2Config: qwen2.Qwen2,
                               MistralConfig: mistral.Mistral, Gemma3Config: gemma3.Gemma3,
-                              DeepSeekV3Config: deepseek3.DeepSeekV3}
+                              DeepSeekV3Config: deepseek3.DeepSeekV3, Olmo2Config: olmo2.Olmo2}
 # Each family's Hugging Face layout module (models.family.HFLayout).
 HF_LAYOUTS: dict[type, ModuleType] = {LlamaConfig: llama.hf, Qwen3Config: qwen3.hf, Qwen2Config: qwen2.hf,
                                       MistralConfig: mistral.hf, Gemma3Config: gemma3.hf,
-                                      DeepSeekV3Config: deepseek3.hf}
+                                      DeepSeekV3Config: deepseek3.hf, Olmo2Config: olmo2.hf}
 
 
 def model_class(cfg) -> type:
@@ -52,8 +53,8 @@ def hf_layout(cfg=None, architectures: list | None = None) -> ModuleType:
 
 # Every family's presets, by name.
 PRESETS: dict[str, LlamaConfig] = {**llama.PRESETS, **qwen3.PRESETS, **qwen2.PRESETS, **mistral.PRESETS,
-                                   **gemma3.PRESETS, **deepseek3.PRESETS}
+                                   **gemma3.PRESETS, **deepseek3.PRESETS, **olmo2.PRESETS}
 
 __all__ = ["FAMILIES", "DeepSeekV3Config", "MAX_CONFIG_BYTES", "PRESETS", "REMAT_POLICIES", "Decoding", "Gemma3Config", "Llama", "LlamaConfig",
-           "MistralConfig", "MoEConfig", "Qwen2Config", "Qwen3Config", "RopeScaling", "Routing", "Tensor",
+           "MistralConfig", "MoEConfig", "Olmo2Config", "Qwen2Config", "Qwen3Config", "RopeScaling", "Routing", "Tensor",
            "adapter_tensors", "config_from_dict", "hf_layout", "model_class"]

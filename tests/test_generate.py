@@ -112,7 +112,8 @@ def test_greedy_with_the_cache_equals_recomputation_with_experts(tiny):
                                        ("qwen2", "fsdp=2,tp=4"), ("mistral", "dp=1"), ("mistral", "fsdp=2,tp=2"),
                                        ("qwen3-moe", "ep=2,tp=2"), ("qwen3-moe-dense", "ep=2,tp=2"), ("gemma3", "dp=1"),
                                        ("gemma3", "fsdp=2,tp=2"),
-                                       ("deepseek-v3", "dp=1"), ("deepseek-v3-q", "fsdp=2,ep=2,tp=2")])
+                                       ("deepseek-v3", "dp=1"), ("deepseek-v3-q", "fsdp=2,ep=2,tp=2"),
+                                       ("olmo2", "dp=1"), ("olmo2", "fsdp=2,tp=4")])
 def test_greedy_equals_transformers_generate(name, mesh):
     folder = GOLDENS / name
     layout = _layout(mesh, init_from=str(folder))

@@ -137,7 +137,7 @@ def test_adapter_gradients_equal_one_devices(mesh, devices, overrides):
 
 # Each family's golden with adapters on every projection, on a mesh whose tp goes beyond
 # its 2 kv heads (keys' and values' adapters computed per copy, models.llama.model._adapted).
-FAMILY_GOLDENS = [("qwen3", "fsdp=2,tp=4")]
+FAMILY_GOLDENS = [("qwen3", "fsdp=2,tp=4"), ("olmo2", "fsdp=2,tp=4")]
 
 
 @pytest.mark.parametrize("golden,mesh", FAMILY_GOLDENS)

@@ -34,6 +34,9 @@ KNOWN_PARAMS = {
     # 27,432,406,640 adds its vision tower (416,866,032) and projector (6,194,304).
     "gemma3-1b": 999_885_952,
     "gemma3-27b": 27_009_346_304,
+    # OLMo 2's model cards: 7.3B and 13.7B; these are the counts of the published shapes.
+    "olmo2-7b": 7_298_617_344,
+    "olmo2-13b": 13_716_198_400,
 }
 
 
@@ -87,7 +90,7 @@ def test_the_contract_check_finds_a_missing_member_and_a_wrong_signature():
 # Every place in the docs that lists the families, and each family's name as they write it
 # (a new family adds its name here, and the test says where the docs lack it).
 FAMILY_NAMES = {"llama": "Llama", "qwen3": "Qwen3", "qwen2": "Qwen2", "mistral": "Mistral", "gemma3": "Gemma 3",
-                "deepseek_v3": "DeepSeek-V3"}
+                "deepseek_v3": "DeepSeek-V3", "olmo2": "OLMo 2"}
 DOCS_LISTS = {"README.md": "| Hugging Face Llama", "docs/README.md": "Hugging Face Llama/",
               "docs/huggingface.md": "Start from a published Llama"}
 

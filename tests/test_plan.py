@@ -268,7 +268,10 @@ def test_a_model_of_two_kinds_of_layer_with_a_tied_table_matches_theory():
 # kv heads): every collective kind per mesh-axis group within 2% of theory (the issue's
 # bound: a family whose parts add collectives teaches the planner). The runs are those of
 # test_parity's FAMILY_LAYOUTS, compiled once for both.
-FAMILY_PLANS = [("qwen3", "fsdp=2,tp=4")]
+FAMILY_PLANS = [("qwen3", "fsdp=2,tp=4"), pytest.param("olmo2", "fsdp=2,tp=4", marks=pytest.mark.xfail(
+    strict=True, reason="the planner does not yet count OLMo 2's q/k norms over the whole projections: their "
+    "statistics summed over tp (all-reduce tp 1.04 of theory), their scales' gradients (all-reduce fsdp)"))]
+SCALAR_SUMS = 256  # bytes: the step's scalar reductions (loss, gradient norm) ride on the smallest rows
 
 
 @pytest.mark.parametrize("golden,mesh", FAMILY_PLANS)
@@ -277,8 +280,9 @@ def test_a_familys_compiled_collectives_match_theory_within_two_percent(golden, 
     plan = make_plan(run.cfg, run.layout, compiled=run.compiled)
     rows = [r for r in plan.rows if r.theory]
     assert rows and not any(r.unexpected for r in plan.rows)
-    assert {(r.op, r.axes): round(r.measured / r.theory, 3) for r in rows
-            if not 0.98 <= r.measured / r.theory <= 1.02} == {}
+    off = {(r.op, r.axes): (round(r.measured / r.theory, 3), r.measured, r.theory) for r in rows
+           if not 0.98 <= r.measured / r.theory <= 1.02 and not 0 <= r.measured - r.theory < SCALAR_SUMS}
+    assert off == {}
 
 
 def test_json_has_the_documented_keys():

@@ -10,7 +10,8 @@ sharded checkpoint with its index, tied embeddings with Llama 3.1 rope scaling (
 that all three frequency bands occur within the sequence), a Mixtral MoE, a Qwen3 (query
 and key norms, its own head size, tied), a Qwen2 (q/k/v biases), a Mistral (a sliding
 window), two Qwen3-MoEs (dense and MoE layers: every other one, and at the
-layers mlp_only_layers lists), a Gemma 3 (sliding and global layers) and two
+layers mlp_only_layers lists), a Gemma 3 (sliding and global layers), an OLMo 2 (norms after each sublayer,
+q/k norms over the whole projections) and two
 DeepSeek-V3s (latent attention with and without a query rank, a dense prefix, grouped
 routing with a selection bias, YaRN).
 
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import (AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM,
+from transformers import (AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, Olmo2Config, Olmo2ForCausalLM,
                           MistralConfig, MistralForCausalLM,
                           MixtralConfig, MixtralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
                           Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
@@ -76,6 +77,10 @@ GOLDENS = {
         **(SHAPE | dict(num_hidden_layers=4)), sliding_window=6, sliding_window_pattern=3, query_pre_attn_scalar=12,
         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}), None),
+    # Norms after attention and the MLP, none before; q/k norms over the whole projections
+    # (4 x 8 and 2 x 8: tp=4 on the mesh test goes beyond the 2 kv heads); untied.
+    "olmo2": (Olmo2ForCausalLM, Olmo2Config(**SHAPE, rms_norm_eps=1e-6,
+                                            rope_parameters={"rope_type": "default", "rope_theta": 500000.0}), None),
     # Latent attention with a low-rank query; 2 dense layers, then 2 MoE layers of 8
     # experts in 4 groups (2 kept) with a shared expert; YaRN whose attention factor is not
     # 1 (mscale differs from mscale_all_dim), so both the rotation's and the softmax's
