@@ -169,13 +169,6 @@ class LlamaConfig:
         return {"q_proj": ((e,), (h, d)), "k_proj": ((e,), (k, d)), "v_proj": ((e,), (k, d)), "o_proj": ((h, d), (e,)),
                 "gate_proj": ((e,), (m,)), "up_proj": ((e,), (m,)), "down_proj": ((m,), (e,))}
 
-    def adapter_params(self, rank: int, targets: tuple[str, ...]) -> int:
-        """Parameters of LoRA adapters of `rank` on `targets` (none on experts)."""
-        shapes = self.projection_shapes()
-        size = lambda t: rank * (math.prod(shapes[t][0]) + math.prod(shapes[t][1]))  # noqa: E731
-        mlp = sum(size(t) for t in targets if t in ("gate_proj", "up_proj", "down_proj"))
-        return self.layers * sum(size(t) for t in targets) - self.moe_layers * mlp
-
     @property
     def dense_positions(self) -> tuple[int, ...]:
         """The layers of an MoE model that are dense and not in the stacked blocks: a stack
