@@ -5,13 +5,12 @@ import functools
 import subprocess
 import sys
 
-import conftest
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_params_match, train_run
-from helpers import one_error_line
+from support.parity import assert_params_match, train_run
+from support.commands import one_error_line
 
 from models import flash
 from models import attention
@@ -23,7 +22,7 @@ from spmd.parallel.layout import make_layout
 from spmd.parallel.mesh import build_mesh
 from spmd.parallel.step import build_program
 
-pytestmark = pytest.mark.xdist_group("layouts")  # the parity runs share conftest's compiled reference
+pytestmark = pytest.mark.xdist_group("layouts")  # the parity runs share support.parity's compiled reference
 
 # Float32: the kernels sum the same products in another order (blockwise, rescaled by a
 # running maximum). Measured: outputs within 1e-6 and gradients within ~1e-5 of the
@@ -212,7 +211,7 @@ def test_kernels_train_like_todays_attention(monkeypatch, kernel, mesh, devices)
     8-token chunks one block each."""
     reference = train_run("", 1, attention_kernel="xla")
     monkeypatch.setattr(flash, "BLOCK", 12)
-    run = conftest._run(mesh, devices, (("attention_kernel", kernel),))  # not cached: BLOCK differs
+    run = train_run(mesh, devices, cached=False, attention_kernel=kernel)  # not cached: BLOCK differs
     np.testing.assert_allclose(run.losses, reference.losses, rtol=1e-5, atol=0)
     np.testing.assert_allclose(run.metrics["grad_norm"], reference.metrics["grad_norm"], rtol=1e-4)
     assert_params_match(run.params, reference.params)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import run_cases, snapshot
+from support.commands import run_cases, snapshot
 
 from spmd.base.cli import MAX_RECORD_BYTES, SEQ
 from spmd.base.schema import BOOLEAN, INTEGER, LIST, MAPPING, NUMBER, REQUIRED, STRING

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import snapshot
+from support.commands import snapshot
 
 from spmd.base.cli import finite, integer, nonempty
 from spmd.base.schema import Bounds

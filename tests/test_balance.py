@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_params_match, train_run
+from support.parity import assert_params_match, train_run
 from flax import nnx
 from test_parity import LOSS_RTOL
 

@@ -27,7 +27,7 @@ import jax
 import numpy as np
 import pytest
 import tensorstore as ts
-from helpers import losses_by_step, one_error_line, snapshot
+from support.commands import losses_by_step, one_error_line, snapshot
 
 from spmd.base.errors import UserError
 from spmd.config import TrainConfig, validate

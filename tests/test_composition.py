@@ -4,7 +4,7 @@ collectives match the plan's theory."""
 
 import numpy as np
 import pytest
-from conftest import assert_params_match, train_run
+from support.parity import assert_params_match, train_run
 from test_parity import LOSS_RTOL
 
 from spmd.planner.plan import make_plan

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_params_match, train_run
+from support.parity import assert_params_match, train_run
 from flax import nnx
 from jax.ad_checkpoint import print_saved_residuals
 
@@ -30,7 +30,7 @@ LOSS_RTOL = 1e-5  # as test_parity's: float32 sums in another order
 BIASED = MODEL | dict(router_bias_rate=0.01)  # the selection bias moves against the measured load every step
 
 
-SHARED = pytest.mark.xdist_group("deepseek")  # one worker: they share the reference run (conftest)
+SHARED = pytest.mark.xdist_group("deepseek")  # one worker: they share the reference run (support.parity)
 
 
 @pytest.mark.parametrize("mesh,devices,overrides", [

@@ -13,7 +13,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from helpers import in_namespace, one_error_line
+from support.commands import in_namespace, one_error_line
 
 from spmd.formats.checkpoint import finalized_steps
 from spmd.launch import free_port, process_env

@@ -14,7 +14,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from helpers import one_error_line
+from support.commands import one_error_line
 
 from spmd.config import TrainConfig, validate
 from spmd.data.index import read_examples

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import one_error_line
+from support.commands import one_error_line
 
 from spmd.base.hardware import GIB, get, host_memory_bytes
 

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import one_error_line, snapshot
+from support.commands import one_error_line, snapshot
 
 from models import PRESETS, Llama, attention
 from spmd.config import TrainConfig, validate

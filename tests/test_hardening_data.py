@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import one_error_line, run_cases, snapshot
+from support.commands import one_error_line, run_cases, snapshot
 
 from spmd.base.errors import UserError
 from spmd.base.hardware import usable_cpus

@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import one_error_line
+from support.commands import one_error_line
 
 from models.llama.hf import WIDEST_WINDOW
 from spmd.base.errors import UserError

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import one_error_line, run_cases, snapshot
+from support.commands import one_error_line, run_cases, snapshot
 
 from spmd.base.errors import UserError
 from spmd.config import TrainConfig, validate

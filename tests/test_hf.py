@@ -18,7 +18,7 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import one_error_line
+from support.commands import one_error_line
 
 from models import PRESETS, hf_layout
 from models.llama.hf import config_from_hf

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import one_error_line
+from support.commands import one_error_line
 
 from models import PRESETS, hf_layout
 from spmd.base.errors import UserError

@@ -4,7 +4,7 @@ import math
 
 import jax
 import pytest
-from conftest import train_run
+from support.parity import train_run
 
 from spmd.planner import hlo, traffic
 

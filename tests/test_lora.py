@@ -12,7 +12,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import PARITY, assert_params_match, init_config, initial_state, train_run
+from support.parity import PARITY, assert_params_match, init_config, initial_state, train_run
 from flax import traverse_util
 
 from spmd.config import TrainConfig, validate
@@ -36,7 +36,7 @@ TOKENS = np.load(BASE / "tokens.npy")
 # script's and the issue's bound; measured: 1.2e-5 for peft's adapter, 3.6e-6 for ours).
 LOGITS_ATOL = 1e-4
 # A LoRA run against one device: all but a thousandth of the adapters' elements within
-# conftest's BULK_ATOL (1e-6), not all but a ten-thousandth, which of their 9,728 is one.
+# support.parity's BULK_ATOL (1e-6), not all but a ten-thousandth, which of their 9,728 is one.
 # A's gradient is B's times the layer's input, and B is zero until its first update (step 1,
 # after the warmup's lr of 0): at A's first gradient, step 2, a few of its elements are sums
 # over the batch's tokens that cancel to about Adam's eps (k_proj's smallest 9e-9, of sums
@@ -225,7 +225,7 @@ def test_lora_run_checkpoints_adapters_resumes_on_another_mesh_and_exports(tmp_p
     np.testing.assert_allclose(resumed, losses, rtol=1e-5, atol=0)  # another mesh: float32 sums reordered
     assert resumed[-1] < resumed[0]
     for got, want in zip(jax.tree.leaves(_tensors_of_checkpoint(run)), jax.tree.leaves(adapters), strict=True):
-        np.testing.assert_allclose(got, want, rtol=0, atol=0.1 * 1e-2)  # a tenth of lr: conftest.PARAM_ATOL's reason
+        np.testing.assert_allclose(got, want, rtol=0, atol=0.1 * 1e-2)  # a tenth of lr: support.parity.PARAM_ATOL's reason
 
     _run("-m", "spmd.export", "--checkpoint", str(run), "--format", "peft", "--out", str(tmp_path / "peft"))
     _run("-m", "spmd.export", "--checkpoint", str(run), "--format", "hf", "--out", str(tmp_path / "merged"))

@@ -8,7 +8,7 @@ import sys
 import jax
 import numpy as np
 import pytest
-from conftest import assert_params_match, train_run
+from support.parity import assert_params_match, train_run
 from test_parity import LOSS_RTOL
 
 from models.moe import MoEConfig, Routing

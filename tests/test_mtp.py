@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_params_match, train_run
+from support.parity import assert_params_match, train_run
 from flax import nnx, traverse_util
 
 from models import PRESETS, Routing, hf_layout
@@ -134,7 +134,7 @@ MTP = dict(model="deepseek-v3-tiny", mtp_depth=1)
     # Expert copies in the model's layers, moved every 2 steps; the module's experts have none.
     ("pp=2,ep=2", 4, dict(pp_schedule="dualpipe", microbatches=4, redundant_experts=2, rebalance_every=2)),
 ], ids=["pp=2,ep=2-dualpipe", "pp=2,dp=2-1f1b", "sp=2,tp=2-accum", "pp=2,ep=2-dualpipe-copies"])
-@pytest.mark.xdist_group("mtp")  # one worker: they share the reference run (conftest)
+@pytest.mark.xdist_group("mtp")  # one worker: they share the reference run (support.parity)
 def test_layout_matches_one_device(mesh, devices, overrides):
     reference = train_run("", 1, **MTP)
     run = train_run(mesh, devices, **MTP, **overrides)

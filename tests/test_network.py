@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import losses_by_step
+from support.commands import losses_by_step
 
 from spmd.formats.checkpoint import finalized_steps
 

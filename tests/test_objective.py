@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import train_run
+from support.parity import train_run
 from test_parity import LOSS_RTOL
 
 from spmd.base.errors import UserError

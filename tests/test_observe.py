@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import in_namespace, one_error_line
+from support.commands import in_namespace, one_error_line
 
 from spmd.run.loop import log_line
 from spmd.run.observe import duration, peak_memory_bytes

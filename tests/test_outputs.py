@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import one_error_line
+from support.commands import one_error_line
 
 from spmd.base.errors import UserError
 from spmd.config import TrainConfig

@@ -9,7 +9,7 @@ import functools
 import jax
 import numpy as np
 import pytest
-from conftest import assert_params_match, init_config, initial_state
+from support.parity import assert_params_match, init_config, initial_state
 
 from spmd.config import TrainConfig, validate
 from spmd.parallel.layout import make_layout
@@ -135,4 +135,4 @@ def test_a_step_is_the_same_with_gradient_accumulation():
     assert len(set(counted.sum(axis=1).reshape(2, 4).sum(axis=0))) > 1
     np.testing.assert_allclose(metrics_4["loss"], metrics_1["loss"], rtol=1e-5)
     np.testing.assert_allclose(metrics_4["grad_norm"], metrics_1["grad_norm"], rtol=1e-5)
-    assert_params_match(params_4, params_1)  # after Adam's first step: conftest says why its tolerances
+    assert_params_match(params_4, params_1)  # after Adam's first step: support.parity says why its tolerances

@@ -8,9 +8,9 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import PARAM_ATOL, assert_params_match, train_run
+from support.parity import PARAM_ATOL, assert_params_match, train_run
 
-pytestmark = pytest.mark.xdist_group("layouts")  # they share compiled runs (conftest)
+pytestmark = pytest.mark.xdist_group("layouts")  # they share compiled runs (support.parity)
 
 LAYOUTS = [
     # (mesh, devices, overrides)
@@ -44,7 +44,7 @@ LAYOUTS = [
 # The spec asks for 1e-5 relative on the loss. Measured: at most ~3e-7, i.e. a few
 # float32 roundings of sums taken in another order.
 LOSS_RTOL = 1e-5
-# Parameters: conftest.assert_params_match says why its tolerances.
+# Parameters: support.parity.assert_params_match says why its tolerances.
 
 
 @pytest.mark.parametrize("mesh,devices,overrides", LAYOUTS,
@@ -84,7 +84,7 @@ def test_family_layout_matches_one_device(golden, mesh, devices, options):
     if golden == "qwen2":
         # A key bias adds q.b to every score of a query alike, which the softmax ignores:
         # its gradient is 0 in exact arithmetic, so Adam turns rounding (1e-9) into steps
-        # of up to lr in any direction, different on each layout (conftest's PARAM_ATOL case;
+        # of up to lr in any direction, different on each layout (support.parity's PARAM_ATOL case;
         # measured up to 7e-6 here, on 6 of its 32 elements).
         key_bias = [r.params["blocks"]["attn"]["bkv"][..., 0, :] for r in (run, reference)]
         np.testing.assert_allclose(*key_bias, rtol=0, atol=PARAM_ATOL)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import jaxlib.version
 import numpy as np
 import pytest
-from conftest import PARITY, assert_params_match, train_run
+from support.parity import PARITY, assert_params_match, train_run
 
 from models.llama.presets import PRESETS
 from spmd.base.errors import UserError
@@ -26,7 +26,7 @@ from spmd.planner import hlo
 from spmd.planner.hlo import chunk_dot_flops
 from spmd.planner.plan import make_plan
 
-pytestmark = pytest.mark.xdist_group("pipeline")  # they share compiled runs (conftest)
+pytestmark = pytest.mark.xdist_group("pipeline")  # they share compiled runs (support.parity)
 
 DEEP = {"layers": 8}  # divides into pp x repeats = 2 x 2, 4 x 2 chunks
 
@@ -61,7 +61,7 @@ LAYOUTS = [
 IDS = [f"{m}{''.join(f'-{k}{v}' for k, v in o.items())}" for m, _, o in LAYOUTS]
 
 # As in test_parity: 1e-5 relative on the loss is the spec (measured: at most ~4e-7); the
-# parameters as conftest.assert_params_match says.
+# parameters as support.parity.assert_params_match says.
 LOSS_RTOL = 1e-5
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import train_run
+from support.parity import train_run
 
 from spmd.base import hardware
 from spmd.config import TrainConfig, model_config, validate
@@ -21,7 +21,7 @@ from spmd.planner.plan import make_plan
 from spmd.planner.report import roofline_lines
 from spmd.planner.roofline import predict
 
-pytestmark = pytest.mark.xdist_group("layouts")  # they share compiled runs (conftest)
+pytestmark = pytest.mark.xdist_group("layouts")  # they share compiled runs (support.parity)
 
 PSI = 131_392  # parameters of the tiny model
 STACKED = 98_560  # of which in the 2 stacked blocks (gathered again in the backward pass)

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import snapshot
+from support.commands import snapshot
 
 from spmd.formats.checkpoint import finalized_steps, read_meta
 

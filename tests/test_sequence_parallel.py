@@ -2,12 +2,12 @@
 
 import numpy as np
 import pytest
-from conftest import train_run
+from support.parity import train_run
 
 from spmd.parallel.context import zigzag_order
 from spmd.planner.plan import make_plan
 
-pytestmark = pytest.mark.xdist_group("layouts")  # they share compiled runs (conftest)
+pytestmark = pytest.mark.xdist_group("layouts")  # they share compiled runs (support.parity)
 
 
 def test_zigzag_gives_each_rank_an_early_and_a_late_chunk():

@@ -3,13 +3,13 @@
 import jax
 import numpy as np
 import pytest
-from conftest import init_config, initial_state, train_run
+from support.parity import init_config, initial_state, train_run
 
 from spmd.config import TrainConfig, validate
 from spmd.parallel.layout import bytes_per_device, make_layout
 from spmd.parallel.step import build_program
 
-pytestmark = pytest.mark.xdist_group("layouts")  # they share compiled runs (conftest)
+pytestmark = pytest.mark.xdist_group("layouts")  # they share compiled runs (support.parity)
 
 PSI = 131_392  # parameters of the tiny model; every one has an `embed` dimension that divides 8
 N = 8

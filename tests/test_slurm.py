@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import losses_by_step
+from support.commands import losses_by_step
 from slurm_cluster import Slurm, install
 
 from spmd.formats.checkpoint import finalized_steps

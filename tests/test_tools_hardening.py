@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import in_namespace, one_error_line, snapshot
+from support.commands import in_namespace, one_error_line, snapshot
 
 pytestmark = pytest.mark.xdist_group("tools")
 

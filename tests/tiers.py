@@ -90,7 +90,7 @@ MARKERS = {
 # a sibling: other layouts of a mechanism the gate trains once, plans of many devices, runs
 # of several processes and hosts (SLURM, a real network), the notebooks.
 SLOW = [
-    # More layouts of what the gate's parity tests hold once each (conftest's shared runs).
+    # More layouts of what the gate's parity tests hold once each (support.parity's shared runs).
     "tests/test_parity.py::*",
     "tests/test_pipeline.py::test_pipeline_matches_one_device*",
     "tests/test_pipeline.py::test_plan_matches_the_compiled_pipeline*",

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-DRIVER = Path(__file__).with_name("cli_driver.py")
+DRIVER = Path(__file__).parents[1] / "cli_driver.py"
 
 
 def one_error_line(stderr: str) -> str:
