@@ -13,6 +13,7 @@ from support.parity import assert_params_match, init_config, initial_state
 
 from spmd.config import TrainConfig, validate
 from spmd.parallel.layout import make_layout
+from spmd.parallel.staged import Auxiliary
 from spmd.parallel.step import build_program, target_counts
 
 SEQ = 32
@@ -76,7 +77,7 @@ def _params(program):
 
 def _loss_and_grads(program, rows: dict):
     def loss_and_grads(params, rows):
-        metrics, grads = program._loss_and_grads(params, rows, None, target_counts(rows))
+        metrics, grads = program._loss_and_grads(params, rows, Auxiliary(denominator=target_counts(rows)))
         return metrics["loss"], grads
 
     with jax.set_mesh(program.layout.mesh):

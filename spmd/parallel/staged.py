@@ -21,11 +21,25 @@ from spmd.parallel.layout import Layout
 from spmd.parallel.mesh import BATCH_AXES
 from spmd.parallel.objective import (AuxLosses, Columns, aux_weights_per_layer, model_columns, moe_metrics, objective,
                                      predicted_further, prediction_depth)
-from spmd.parallel.pipeline import (SPLIT_BACKWARD, MapSpecs, batch_axes, from_microbatches, manual_axes, manual_spec,
-                                    one_f_one_b, pipeline, stacked_spec, to_microbatches)
+from spmd.parallel.pipeline import (SPLIT_BACKWARD, Head, MapSpecs, PipelineRun, StageProgram, batch_axes,
+                                    from_microbatches, manual_axes, manual_spec, one_f_one_b, pipeline, stacked_spec,
+                                    to_microbatches)
 from spmd.parallel.rules import spec_for
 from spmd.parallel.skeleton import is_names
 from spmd.parallel.pipeline.zero_bubble import zb_v
+
+
+class Auxiliary(NamedTuple):
+    """What a step's loss reads besides the trained parameters and the rows: the terms added
+    to it (`aux`; None: the run's, as evaluated, spmd.parallel.step fills it in), the MoE
+    layers' router state (`router`, spmd.parallel.balance; None if the model keeps none),
+    the count of targets its mean is over (`denominator`: packed rows'; None: each
+    microbatch's own mean) and the parameters that are not trained (`frozen`: a LoRA run's
+    base; None if all are)."""
+    aux: AuxLosses | None = None
+    router: dict | None = None
+    denominator: jax.Array | None = None
+    frozen: dict | None = None
 
 
 class StageParts(NamedTuple):
@@ -56,24 +70,28 @@ LAYER_STRUCTURE = ("layer_kinds", "layer_indices", "layer_filled")
 
 
 def stage_parts(graphdef, params, rows, in_stage, stacked: str, order: np.ndarray | None,
-                 router=None, repeats: int = 1, frozen=None, depth: int = 0) -> StageParts:
+                inputs: Auxiliary = Auxiliary(), layout: Layout | None = None) -> StageParts:
     """What a pipelined step is made of: the model less its stages' weights (a model of
     their shapes holds their place; `model_of(outer)`), the non-stacked parameters, the
     batch's columns (in the order sp lays them out), the stages' input `blocks`, and
     `stage(chunk, x, packing)`, which runs a chunk of them on one microbatch (of packed
     rows: with its examples) under the rules inside the stages and returns its output and
-    its layers' statistics (MoE layers'). `depth`: multi-token prediction's columns (0: none).
+    its layers' statistics (MoE layers'). `layout`: the run's, for how the stacked layers
+    are stored (circular's repeats) and, where `inputs.aux` weighs multi-token prediction,
+    its columns; None: one chunk per stage, no prediction further.
 
     The blocks are the stacked weights, with the MoE layers' router state if the model
-    keeps one (spmd.parallel.balance): the schedules differentiate whole chunks, so it rides in them
-    as float32 (exact for slot numbers), with a zero gradient (it only chooses experts);
-    `_weights_of` takes it out of their gradients.
+    keeps one (`inputs.router`, spmd.parallel.balance): the schedules differentiate whole
+    chunks, so it rides in them as float32 (exact for slot numbers), with a zero gradient
+    (it only chooses experts); `_weights_of` takes it out of their gradients.
 
     What the stages read and no one differentiates is `fixed`, which every schedule slices
-    as it slices the blocks and passes beside each chunk: the stacked part of `frozen`
+    as it slices the blocks and passes beside each chunk: the stacked part of `inputs.frozen`
     (parameters that are not trained: a LoRA run's base, `params` being the adapters), and
     the layers' structure where they differ (`LAYER_STRUCTURE`: Gemma 3's kinds, empty
     layers, dropout's indices), so that each chunk runs its own layers' pattern."""
+    router, frozen = inputs.router, inputs.frozen
+    repeats, depth = (1, 0) if layout is None else (layout.repeats, _depth(inputs.aux, layout))
     columns = model_columns(rows, order, depth)
     positions = columns.positions  # a constant (numpy), which the stages' map may close over
     every = params if frozen is None else joined(frozen, params)
@@ -99,6 +117,11 @@ def stage_parts(graphdef, params, rows, in_stage, stacked: str, order: np.ndarra
                                               filled=None if filled is None else filled == 1)
 
     return StageParts(model_of, outer, columns, blocks, stage, fixed)
+
+
+def _depth(aux: AuxLosses | None, layout: Layout) -> int:
+    """Multi-token prediction's columns in the batch: the model's depth where `aux` weighs it, else 0."""
+    return 0 if aux is None or aux.mtp_weight is None else prediction_depth(layout.skeleton.model_cfg)
 
 
 def _layer_structure(model, stored: tuple[int, ...]) -> dict:
@@ -146,40 +169,42 @@ def map_specs(layout: Layout, parts: StageParts, head=None) -> MapSpecs:
                     specs(parts.fixed or {}, names[stacked], True))
 
 
-def _row_spec(layout: Layout) -> jax.P:
-    """One microbatch of the residual stream (batch, seq, embed) as the rules lay it out."""
-    return spec_for(("batch", "residual_seq", "embed"), {**layout.rules.activations, "batch": BATCH_AXES})
+def _pipeline_run(layout: Layout, specs: MapSpecs) -> PipelineRun:
+    """The run's pipeline: its mesh and schedule, one microbatch of the residual stream
+    (batch, seq, embed) as the rules lay it out, and the weights' `specs`."""
+    rows = spec_for(("batch", "residual_seq", "embed"), {**layout.rules.activations, "batch": BATCH_AXES})
+    return PipelineRun(layout.mesh, layout.schedule, rows, specs)
 
 
-def pipelined_loss(graphdef, params, rows, layout: Layout, in_stage, order, aux: AuxLosses, router=None,
-                    denominator=None) -> tuple[jax.Array, dict]:
+def pipelined_loss(graphdef, params, rows, layout: Layout, in_stage, order, inputs: Auxiliary) -> tuple[jax.Array, dict]:
     """`model_loss` with the stacked layers run as pipeline stages (spmd.parallel.pipeline); the
-    embedding, head and loss run outside, on rows split over the data axes and pp."""
+    embedding, head and loss run outside, on rows split over the data axes and pp. `params`:
+    all the model's (a frozen base joined to them: autodiff takes what is trained), so
+    `inputs.frozen` is not read; `inputs.aux` is given."""
     schedule, shards = layout.schedule, layout.batch_shards
-    model_cfg = layout.skeleton.model_cfg
-    depth = 0 if aux.mtp_weight is None else prediction_depth(model_cfg)
-    parts = stage_parts(graphdef, params, rows, in_stage, model_class(model_cfg).STACKED, order, router,
-                        layout.repeats, depth=depth)
+    aux, denominator = inputs.aux, inputs.denominator
+    parts = stage_parts(graphdef, params, rows, in_stage, model_class(layout.skeleton.model_cfg).STACKED, order,
+                        inputs._replace(frozen=None), layout)
     model, columns = parts.model_of(parts.outer), parts.columns
     x = to_microbatches(parts.embedded(), shards, schedule)
-    out, stats = pipeline(layout.mesh, schedule, parts.stage, parts.blocks, x, _row_spec(layout), map_specs(layout, parts),
-                          model.remat_policy(), parts.side(shards, schedule), parts.fixed)
+    out, stats = pipeline(_pipeline_run(layout, map_specs(layout, parts)),
+                          StageProgram(parts.stage, parts.blocks, parts.side(shards, schedule), parts.fixed), x,
+                          model.remat_policy())
     hidden = from_microbatches(out, shards, schedule)
     loss, metrics = objective(model.logits(hidden), columns.targets, _of_layers(stats, model.cfg), aux,
                               columns.weights, denominator)
     return predicted_further(model, hidden, columns, aux, loss, metrics | _stacked_loads(stats), denominator)
 
 
-def one_f_one_b_grads(graphdef, params, rows, layout: Layout, in_stage, order, aux: AuxLosses, router=None,
-                       denominator=None, frozen=None) -> tuple[dict, dict]:
+def one_f_one_b_grads(graphdef, params, rows, layout: Layout, in_stage, order, inputs: Auxiliary) -> tuple[dict, dict]:
     """Metrics and gradients of `pipelined_loss` under the 1F1B schedule, which computes
     the stages' gradients itself (spmd.parallel.pipeline.one_f_one_b); autodiff does the rest.
-    Gradients of `params` only, not of the `frozen` rest (a LoRA run's base)."""
+    Gradients of `params` only, not of the `inputs.frozen` rest (a LoRA run's base);
+    `inputs.aux` is given."""
     schedule, shards = layout.schedule, layout.batch_shards
+    aux, denominator = inputs.aux, inputs.denominator
     family = model_class(layout.skeleton.model_cfg)
-    depth = 0 if aux.mtp_weight is None else prediction_depth(layout.skeleton.model_cfg)
-    parts = stage_parts(graphdef, params, rows, in_stage, family.STACKED, order, router, layout.repeats, frozen,
-                        depth)
+    parts = stage_parts(graphdef, params, rows, in_stage, family.STACKED, order, inputs, layout)
     model_of, outer, columns = parts.model_of, parts.outer, parts.columns
     trained = {name: value for name, value in params.items() if name != family.STACKED}  # of the outer ones
     head_names = [name for name in family.head_params(layout.skeleton.model_cfg) if name in trained]
@@ -205,9 +230,9 @@ def one_f_one_b_grads(graphdef, params, rows, layout: Layout, in_stage, order, a
                           (columns.targets, columns.weights, columns.later, columns.packing))
     head_params = {name: outer[name] for name in head_names}
     head_metrics, d_blocks, d_head, dx, stats = run(
-        layout.mesh, schedule, parts.stage, head, parts.blocks, head_params, x, labels, _row_spec(layout),
-        map_specs(layout, parts, head_params), aux_weights_per_layer(aux, layout.skeleton.model_cfg.moe_layers),
-        parts.side(shards, schedule), parts.fixed)
+        _pipeline_run(layout, map_specs(layout, parts, head_params)),
+        StageProgram(parts.stage, parts.blocks, parts.side(shards, schedule), parts.fixed),
+        Head(head, head_params, aux_weights_per_layer(aux, layout.skeleton.model_cfg.moe_layers)), x, labels)
     (grads,) = embed_vjp(dx)
     grads = grads | {name: jax.tree.map(jnp.add, grads[name], d_head[name]) for name in head_names}
     d_blocks = _weights_of(d_blocks, params[family.STACKED])

@@ -43,7 +43,7 @@ from spmd.parallel.optim import applied_updates, make_optimizer, schedule
 from spmd.parallel.pipeline import manual_axes
 from spmd.parallel.rules import EXPERT_AXIS, spec_for
 from spmd.parallel.skeleton import DTYPES, build_model, is_names, lora, routing
-from spmd.parallel.staged import one_f_one_b_grads, pipelined_loss
+from spmd.parallel.staged import Auxiliary, one_f_one_b_grads, pipelined_loss
 
 
 def _split_locally(rows: jax.Array, shards: int, k: int) -> jax.Array:
@@ -240,18 +240,19 @@ class Program:
     def metrics_and_grads(self, state, rows):
         """The step's metrics and the gradients of the trained parameters (the adapters of a
         LoRA run), for one global batch, whatever accumulates or pipelines them."""
-        params, router, frozen = state["params"], state.get("routing"), state.get("frozen")
+        params = state["params"]
         # Packed rows: the loss is a mean over the step's counted targets, wherever they are.
         depth = prediction_depth(self.layout.skeleton.model_cfg)
         denominator = target_counts(rows, depth) if self.packed else None
         aux = aux_losses(self.cfg, state["step"])  # (multi-token prediction's weight changes with the step)
+        inputs = Auxiliary(aux, state.get("routing"), denominator, state.get("frozen"))
         # Adapters' dropout: masks drawn anew each step (and each microbatch of it).
         with lora_dropout(self.cfg.lora_dropout, jax.random.fold_in(jax.random.key(self.cfg.seed), state["step"])):
             if self.cfg.grad_accum == 1:
-                return self._loss_and_grads(params, rows, router, denominator, frozen, aux)
+                return self._loss_and_grads(params, rows, inputs)
             if self.layout.schedule:
-                return self._pipeline_rounds(params, rows, router, denominator, frozen, aux)
-            return self._accumulated(params, rows, router, denominator, frozen, aux)
+                return self._pipeline_rounds(params, rows, inputs)
+            return self._accumulated(params, rows, inputs)
 
     def _train_step(self, state, rows):
         cfg, params, router, frozen = self.cfg, state["params"], state.get("routing"), state.get("frozen")
@@ -306,7 +307,8 @@ class Program:
         it is the mean of (so that means over batches can be weighted exactly)."""
         count = target_count(rows)
         with self._annotated():
-            return {"loss": self._loss(params, rows, router, count[None] if self.packed else None)[1]["loss"],
+            inputs = Auxiliary(router=router, denominator=count[None] if self.packed else None)
+            return {"loss": self._loss(params, rows, inputs)[1]["loss"],
                     "tokens": count}
 
     # ------------------------------------------------------------ their parts
@@ -318,28 +320,28 @@ class Program:
         # Inside a stage the map is manual over pp, dp and ep (spmd.parallel.pipeline): none splits `batch` there.
         return self._annotated(manual_axes(self.layout.shape), BATCH_AXES)
 
-    def _loss(self, params, rows, router=None, denominator=None, frozen=None, aux: AuxLosses | None = None):
-        """The loss of `params` (the trained ones, with the `frozen` rest if any); `aux`: what
-        is added to it (default: the run's, without multi-token prediction, as evaluated)."""
-        params = params if frozen is None else joined(frozen, params)
-        aux = aux or aux_losses(self.cfg)
+    def _loss(self, params, rows, inputs: Auxiliary = Auxiliary()):
+        """The loss of `params` (the trained ones, with the `inputs.frozen` rest if any);
+        `inputs.aux`: what is added to it (None: the run's, without multi-token prediction,
+        as evaluated)."""
+        params = params if inputs.frozen is None else joined(inputs.frozen, params)
+        aux = inputs.aux or aux_losses(self.cfg)
         if self.layout.schedule:
-            return pipelined_loss(self.graphdef, params, rows, self.layout, self._in_stage, self.order, aux, router,
-                                  denominator)
-        return model_loss(self.graphdef, params, rows, self.order, aux, router, denominator)
+            return pipelined_loss(self.graphdef, params, rows, self.layout, self._in_stage, self.order,
+                                  inputs._replace(aux=aux))
+        return model_loss(self.graphdef, params, rows, self.order, aux, inputs.router, inputs.denominator)
 
-    def _loss_and_grads(self, params, rows, router=None, denominator=None, frozen=None, aux: AuxLosses | None = None):
-        """Metrics, and the gradients of the trained `params` (not of the `frozen` rest)."""
+    def _loss_and_grads(self, params, rows, inputs: Auxiliary = Auxiliary()):
+        """Metrics, and the gradients of the trained `params` (not of the `inputs.frozen` rest)."""
         schedule = self.layout.schedule
         with self._annotated():
             if schedule and schedule.writes_backward:
                 return one_f_one_b_grads(self.graphdef, params, rows, self.layout, self._in_stage, self.order,
-                                          aux or aux_losses(self.cfg), router, denominator, frozen)
-            (_, metrics), grads = jax.value_and_grad(self._loss, has_aux=True)(params, rows, router, denominator,
-                                                                               frozen, aux)
+                                          inputs._replace(aux=inputs.aux or aux_losses(self.cfg)))
+            (_, metrics), grads = jax.value_and_grad(self._loss, has_aux=True)(params, rows, inputs)
             return metrics, grads
 
-    def _accumulated(self, params, rows, router=None, denominator=None, frozen=None, aux: AuxLosses | None = None):
+    def _accumulated(self, params, rows, inputs: Auxiliary):
         """Gradient accumulation: each shard of the accumulation axes sums its own
         microbatches' gradients (a vmap over those shards), and the shards are summed
         once after the scan. Inside the vmap, the other axes (sp, tp, and ep with split
@@ -355,12 +357,12 @@ class Program:
         micro = jax.lax.with_sharding_constraint(micro, jax.P(None, axes, inner or None))
         per_shard_spec = layout.per_shard_specs(axes)
         # Each part's loss over its share of the step's count: the parts' mean is the step's.
-        part = None if denominator is None else denominator / (k * shards)
+        part = None if inputs.denominator is None else inputs.denominator / (k * shards)
 
         def shard_grads(p, shard_rows):
             with self._annotated(local_axes=axes):
-                (_, metrics), grads = jax.value_and_grad(self._loss, has_aux=True)(p, shard_rows, router, part,
-                                                                                   frozen, aux)
+                (_, metrics), grads = jax.value_and_grad(self._loss, has_aux=True)(
+                    p, shard_rows, inputs._replace(denominator=part))
                 return metrics, grads
 
         per_shard = jax.vmap(shard_grads, in_axes=(None, 0), spmd_axis_name=axes)
@@ -384,23 +386,22 @@ class Program:
         return (jax.tree.map(lambda m: jnp.sum(m, axis=0) * scale, metrics),
                 jax.tree.map(lambda g: jnp.sum(g, axis=0) * scale, grads))
 
-    def _pipeline_rounds(self, params, rows, router=None, denominator=None, frozen=None,
-                         aux: AuxLosses | None = None):
+    def _pipeline_rounds(self, params, rows, inputs: Auxiliary):
         """Accumulation with pipeline stages: one full pipeline pass per round (each
         reduces its gradients over dp as it ends), summed in a scan."""
         layout = self.layout
         k, shards = self.cfg.grad_accum, math.prod(layout.shape[a] for a in layout.data_axes)
         rounds = jax.tree.map(lambda r: _split_locally(r, shards, k).reshape(k, r.shape[0] // k, r.shape[1]), rows)
         rounds = jax.lax.with_sharding_constraint(rounds, jax.P(None, layout.data_axes))
-        part = None if denominator is None else denominator / k  # each round's share of the step's count
+        part = None if inputs.denominator is None else inputs.denominator / k  # each round's share of the step's count
+        inputs = inputs._replace(denominator=part)
 
         def body(total, round_rows):
             round_rows, i = round_rows
             with folded(i):
-                return jax.tree.map(jnp.add, total, self._loss_and_grads(params, round_rows, router, part, frozen,
-                                                                         aux)), None
+                return jax.tree.map(jnp.add, total, self._loss_and_grads(params, round_rows, inputs)), None
 
-        shapes = jax.eval_shape(lambda p, r: self._loss_and_grads(p, r, router, part, frozen, aux), params,
+        shapes = jax.eval_shape(lambda p, r: self._loss_and_grads(p, r, inputs), params,
                                 jax.tree.map(lambda r: r[0], rounds))
         total, _ = jax.lax.scan(body, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), (rounds, jnp.arange(k)))
         return jax.tree.map(lambda x: x / k, total)

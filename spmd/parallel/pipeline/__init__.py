@@ -55,7 +55,8 @@ Schedules:
   on device d and the microbatches entering at both ends. Both keep the rows where they
   live and move them to where they enter (kit.Conveyor), not a copy on every stage.
 
-The package: `schedule` (Schedule and the map's axes), `kit` (what every schedule's tick is
+The package: `schedule` (Schedule, the map's axes, and what a schedule is given: where it
+runs, `PipelineRun`; what the stages run, `StageProgram`; the loss at the end, `Head`), `kit` (what every schedule's tick is
 made of), `split` (a chunk's backward as B and W), and one module per family of schedules:
 `forward` (gpipe, circular), `one_f_one_b` (1f1b, interleaved-1f1b), `zero_bubble` (zb-v,
 dualpipe).
@@ -64,11 +65,12 @@ dualpipe).
 from spmd.parallel.pipeline.forward import pipeline
 from spmd.parallel.pipeline.kit import layer_statistics, micro
 from spmd.parallel.pipeline.one_f_one_b import one_f_one_b
-from spmd.parallel.pipeline.schedule import (AXIS, PP_SCHEDULES, REPEATED_SCHEDULES, SPLIT_BACKWARD, WRITTEN_OUT,
-                                             MapSpecs, Schedule, batch_axes, from_microbatches, manual_axes,
-                                             manual_spec, stacked_spec, stage_view, to_microbatches)
+from spmd.parallel.pipeline.schedule import (AXIS, PP_SCHEDULES, REPEATED_SCHEDULES, SPLIT_BACKWARD, WRITTEN_OUT, Head,
+                                             MapSpecs, PipelineRun, Schedule, StageProgram, batch_axes,
+                                             from_microbatches, manual_axes, manual_spec, stacked_spec, stage_view,
+                                             to_microbatches)
 from spmd.parallel.pipeline.zero_bubble import zb_v
 
-__all__ = ["AXIS", "PP_SCHEDULES", "REPEATED_SCHEDULES", "SPLIT_BACKWARD", "WRITTEN_OUT", "MapSpecs", "Schedule",
-           "batch_axes", "from_microbatches", "layer_statistics", "manual_axes", "manual_spec", "micro", "one_f_one_b",
+__all__ = ["AXIS", "PP_SCHEDULES", "REPEATED_SCHEDULES", "SPLIT_BACKWARD", "WRITTEN_OUT", "Head", "MapSpecs",
+           "PipelineRun", "Schedule", "StageProgram", "batch_axes", "from_microbatches", "layer_statistics", "manual_axes", "manual_spec", "micro", "one_f_one_b",
            "pipeline", "stacked_spec", "stage_view", "to_microbatches", "zb_v"]

@@ -7,25 +7,20 @@ import jax.numpy as jnp
 
 from spmd.parallel.pipeline.kit import (add_statistics, from_stage_0, layer_statistics, micro, no_statistics,
                                         only_stage_0, ring_pairs, run_chunk, stage_copies, stage_statistics)
-from spmd.parallel.pipeline.schedule import AXIS, MapSpecs, Schedule, batch_axes, manual_axes, stage_view
+from spmd.parallel.pipeline.schedule import AXIS, PipelineRun, StageProgram, batch_axes, manual_axes, stage_view
 
 
-def pipeline(mesh, schedule: Schedule, stage_fn, blocks, x: jax.Array, rows: jax.P, specs: MapSpecs, policy=None,
-             side=None, fixed=None):
-    """Run microbatches x (m, mb, ...), split over pp along m, through the stages;
-    differentiable by `jax.grad`. `stage_fn(chunk, x, side, fixed) -> (y, statistics)` runs
-    one chunk of stacked layers (leading axis: the chunk's layers) on one microbatch (with
-    its `side` inputs, or None, and its part of `fixed`) and reports per-layer statistics
-    (MoE layers'; a dict of arrays with a leading layer axis, empty for dense layers);
-    `rows`: one microbatch's spec; `specs`: how `blocks` and `fixed` enter the map
-    (`MapSpecs`); `policy`: the model's remat policy; `side`: the microbatches' side inputs
-    (module docstring), or None; `fixed`: what the stages read but do not differentiate,
-    stored as `blocks` are (as for `one_f_one_b`), or None.
-    Returns the outputs, laid out like x, and the statistics of every layer, each a mean
-    over the microbatches (`layer_statistics`)."""
+def pipeline(run: PipelineRun, stages: StageProgram, x: jax.Array, policy=None):
+    """Run microbatches x (m, mb, ...), split over pp along m, through the `stages`
+    (`StageProgram`) as `run` says (`PipelineRun`: its specs say how the blocks and the
+    fixed part enter the map); differentiable by `jax.grad`. `policy`: the model's remat
+    policy. Returns the outputs, laid out like x, and the statistics of every layer, each a
+    mean over the microbatches (`layer_statistics`)."""
+    mesh, schedule, rows, specs = run
+    stage_fn, blocks, side, fixed = stages
     p, m, v = schedule.stages, schedule.microbatches, schedule.repeats
 
-    def run(blocks, x, side, fixed):
+    def on_device(blocks, x, side, fixed):
         stage, x = jax.lax.axis_index(AXIS), x[0]
         chunks, fixed_chunks = (jax.tree.map(lambda w: stage_view(w, v), tree) for tree in (blocks, fixed))
 
@@ -52,8 +47,8 @@ def pipeline(mesh, schedule: Schedule, stage_fn, blocks, x: jax.Array, rows: jax
 
     manual = manual_axes(mesh.shape)
     copies = jax.P(AXIS, None, batch_axes(manual))
-    out, stats = jax.shard_map(run, mesh=mesh, in_specs=(specs.blocks, copies, jax.P(None, batch_axes(manual)),
-                                                         specs.fixed),
+    out, stats = jax.shard_map(on_device, mesh=mesh,
+                               in_specs=(specs.blocks, copies, jax.P(None, batch_axes(manual)), specs.fixed),
                                out_specs=(copies, jax.P(AXIS)), axis_names=frozenset(manual),
                                check_vma=False)(blocks, stage_copies(x, mesh, rows), side, fixed or {})
     return from_stage_0(out, mesh, rows), layer_statistics(stats)

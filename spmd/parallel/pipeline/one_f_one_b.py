@@ -13,8 +13,8 @@ import jax.numpy as jnp
 from spmd.parallel.pipeline.kit import (add_metrics, add_statistics, from_stage_0, head_vjp, mean_metrics, layer_statistics, micro, no_statistics,
                                         only_stage_0, ring_pairs, split_vjp, stage_copies, stage_statistics,
                                         weighted_statistics)
-from spmd.parallel.pipeline.schedule import (AXIS, MapSpecs, Schedule, batch_axes, manual_axes, map_batch_axes, stage_view,
-                                             summed_over_shards)
+from spmd.parallel.pipeline.schedule import (AXIS, Head, PipelineRun, Schedule, StageProgram, batch_axes, manual_axes,
+                                             map_batch_axes, stage_view, summed_over_shards)
 
 
 def interleaved_order(i, p: int, v: int):
@@ -26,32 +26,26 @@ def interleaved_order(i, p: int, v: int):
     return rest // p, group * p + rest % p, group * p * v
 
 
-def one_f_one_b(mesh, schedule: Schedule, stage_fn, head_fn, blocks, head, x: jax.Array, targets,
-                rows: jax.P, specs: MapSpecs, statistics_weights=None, side=None, fixed=None):
+def one_f_one_b(run: PipelineRun, stages: StageProgram, head: Head, x: jax.Array, targets):
     """Loss and gradients with the 1F1B schedule, or interleaved 1F1B (`repeats` v > 1:
     stage s holds chunks s, s+p, ... stored as for circular), with no `jax.grad` around
     it: the backward pass is interleaved with the forward here.
 
-    `stage_fn(chunk, x, side) -> (y, statistics)` runs a chunk of the stage's layers on one
-    microbatch (statistics and side inputs as for `pipeline`); `head_fn(head, y, targets) ->
-    (loss, metrics)` is the loss of one microbatch from the last stage's output (its mean,
-    or its share of the step's: the schedule averages them) and its metrics, `head` the parameters it uses
-    (replicated over pp). `statistics_weights(statistics) -> weights`: how much
-    each statistic adds to what is minimized, per microbatch of the whole batch (e.g. an
-    MoE balance loss's weight over the number of MoE layers); None: nothing.
+    `stages` (`StageProgram`) run the chunks of each stage's layers on one microbatch;
+    `head` (`Head`) is each microbatch's loss on the last stage, and how much the layers'
+    statistics add to it; `run` (`PipelineRun`): its specs say how the blocks, the head's
+    parameters and the fixed part enter the map.
     x: (m, mb, ...) embedded microbatches, split over pp along m; targets (m, mb, ...), or
-    a tree of such arrays; `rows`: one microbatch's spec; `specs`: how `blocks`, `head` and
-    `fixed` enter the map (`MapSpecs`); `side`: the microbatches' side inputs;
-    `fixed`: stacked weights stored as `blocks` are, which the stages read but which are not
-    differentiated (a frozen base), passed to `stage_fn(chunk, x, side, fixed_chunk)`.
+    a tree of such arrays.
     Returns (metrics, d_blocks, d_head, dx, statistics): the head's mean metrics, the gradients of the
-    stacked layers (split over pp) and of `head`, dx, the gradient of x (laid out like x),
+    stacked layers (split over pp) and of the head's parameters, dx, the gradient of x (laid out like x),
     from which the embedding's follows, and the layers' statistics (`layer_statistics`)."""
+    mesh, schedule, rows, specs = run
     p, m, v = schedule.stages, schedule.microbatches, schedule.repeats
 
-    def run(blocks, head_params, x, targets, side, fixed):
-        stage = _Stage.of(schedule, stage_fn, head_fn, blocks, head_params, x[0], targets, side, fixed,
-                          statistics_weights)
+    def on_device(blocks, head_params, x, targets, side, fixed):
+        stage = _Stage.of(schedule, stages._replace(blocks=blocks, side=side, fixed=fixed),
+                          head._replace(params=head_params), x[0], targets)
         carry = stage.start(head_params)
         # Warm-up (forwards only), steady state (both), cool-down (backwards only).
         first, both = stage.first_backward, v * m + p - 1
@@ -68,10 +62,10 @@ def one_f_one_b(mesh, schedule: Schedule, stage_fn, head_fn, blocks, head, x: ja
     copies = jax.P(AXIS, None, batch_axes(manual))
     per_microbatch = jax.P(None, batch_axes(manual))
     metrics, d_blocks, d_head, dx, stats = jax.shard_map(
-        run, mesh=mesh, in_specs=(specs.blocks, specs.head, copies, per_microbatch, per_microbatch, specs.fixed),
+        on_device, mesh=mesh, in_specs=(specs.blocks, specs.head, copies, per_microbatch, per_microbatch, specs.fixed),
         out_specs=(jax.P(), specs.blocks, specs.head, copies, jax.P(AXIS)), axis_names=frozenset(manual),
         check_vma=False,
-    )(blocks, head, stage_copies(x, mesh, rows), targets, side, fixed or {})
+    )(stages.blocks, head.params, stage_copies(x, mesh, rows), targets, stages.side, stages.fixed or {})
     return metrics, d_blocks, d_head, from_stage_0(dx, mesh, rows), layer_statistics(stats)
 
 
@@ -112,8 +106,9 @@ class _Stage:
     no_metrics: dict
 
     @classmethod
-    def of(cls, schedule: Schedule, stage_fn, head_fn, blocks, head_params, x, targets, side, fixed,
-           statistics_weights) -> _Stage:
+    def of(cls, schedule: Schedule, stages: StageProgram, head: Head, x, targets) -> _Stage:
+        """The stage inside the map, from its own views of the `stages` and of the `head`."""
+        stage_fn, blocks, side, fixed = stages
         p, m, v = schedule.stages, schedule.microbatches, schedule.repeats
         chunks, fixed_chunks = (jax.tree.map(lambda w: stage_view(w, v), tree) for tree in (blocks, fixed))
         first = lambda tree: jax.tree.map(lambda w: w[0], tree)  # noqa: E731
@@ -123,8 +118,8 @@ class _Stage:
         no_stats = no_statistics(stage_fn, chunks, x[0], micro(side, 0), fixed_chunks)
         return cls(p, m, v, schedule.residual_slots, v * p - 1, jax.lax.axis_index(AXIS), x, side, chunks,
                    fixed_chunks, forward, backward, shapes, no_stats,
-                   weighted_statistics(no_stats, statistics_weights, seed),
-                   *head_vjp(head_fn, head_params, targets, seed, x[0]))
+                   weighted_statistics(no_stats, head.statistics_weights, seed),
+                   *head_vjp(head.fn, head.params, targets, seed, x[0]))
 
     def pick(self, r, tree):
         """Chunk `r` of the stage's `tree` (with one chunk, the same weights every tick)."""

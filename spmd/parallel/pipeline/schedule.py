@@ -175,6 +175,43 @@ class MapSpecs(NamedTuple):
     fixed: object = jax.P()
 
 
+class PipelineRun(NamedTuple):
+    """Where and how a step's microbatches go through the stages: the `mesh`, the
+    `schedule`, one microbatch's spec (`rows`) and how the weights enter the map (`specs`)."""
+    mesh: jax.sharding.Mesh
+    schedule: Schedule
+    rows: jax.P
+    specs: MapSpecs
+
+
+class StageProgram(NamedTuple):
+    """What every stage runs and reads. `fn(chunk, x, side, fixed) -> (y, statistics)` runs
+    one chunk of stacked layers (leading axis: the chunk's layers) on one microbatch (with
+    its `side` inputs, or None, and its part of `fixed`) and reports per-layer statistics
+    (MoE layers'; a dict of arrays with a leading layer axis, empty for dense layers);
+    `blocks`: the stacked layers, differentiated; `side`: the microbatches' side inputs
+    (the package's docstring), or None; `fixed`: what the stages read but do not
+    differentiate (a frozen base, the layers' structure), stored as `blocks` are, or None.
+    Inside the map, a stage's own views of them."""
+    fn: object
+    blocks: object
+    side: object = None
+    fixed: object = None
+
+
+class Head(NamedTuple):
+    """The loss at the last stage's end, for the schedules that write their backward pass:
+    `fn(params, y, targets) -> (loss, metrics)` is one microbatch's loss from the last
+    stage's output (its mean, or its share of the step's: the schedule averages them) and
+    its metrics; `params` the parameters it uses (replicated over pp);
+    `statistics_weights(statistics) -> weights`: how much each statistic adds to what is
+    minimized, per microbatch of the whole batch (e.g. an MoE balance loss's weight over
+    the number of MoE layers), or None: nothing."""
+    fn: object
+    params: object
+    statistics_weights: object = None
+
+
 def summed_over_shards(grads, specs, also: tuple[str, ...] = ()):
     """Inside the map: each shard's gradients (summed over its ticks) summed over the batch
     axes the weight is whole on (`specs`: the map's, per leaf), and over `also`."""

@@ -48,8 +48,8 @@ from models.annotate import RUNS_SCOPE
 from spmd.parallel.pipeline.kit import (Conveyor, add_metrics, add_statistics, counted_switch, head_vjp,
                                         layer_statistics, mean_metrics, micro, no_statistics, stage_statistics,
                                         weighted_statistics)
-from spmd.parallel.pipeline.schedule import (AXIS, MapSpecs, Schedule, batch_axes, manual_axes, map_batch_axes, stage_view,
-                                             summed_over_shards)
+from spmd.parallel.pipeline.schedule import (AXIS, Head, PipelineRun, Schedule, StageProgram, batch_axes, manual_axes,
+                                             map_batch_axes, stage_view, summed_over_shards)
 from spmd.parallel.pipeline.split import split_backward, whole_backward
 
 # ------------------------------------------------------------------------- the schedule
@@ -189,11 +189,11 @@ class Route:
         return ends + [Conveyor(self.p, self.m, self.p - 1, self.m - 1, -1, n)] if self.dual else ends
 
 
-def zb_v(mesh, schedule: Schedule, stage_fn, head_fn, blocks, head, x: jax.Array, targets,
-         rows: jax.P, specs: MapSpecs, statistics_weights=None, side=None, fixed=None):
+def zb_v(run: PipelineRun, stages: StageProgram, head: Head, x: jax.Array, targets):
     """Loss and gradients with the zb-v or the DualPipe schedule; arguments and results as
     `spmd.parallel.pipeline.one_f_one_b`'s (zb-v's blocks stored as circular's with 2
     chunks, DualPipe's as 1f1b's)."""
+    mesh, schedule, rows, specs = run
     p, m, dual = schedule.stages, schedule.microbatches, schedule.name == "dualpipe"
     table = timetable(p, m, schedule.defers_weights, dual)
     mirror = [(s, p - 1 - s) for s in range(p)]  # zb-v: chunk p+s is chunk 2p-1-(p-1-s); DualPipe: stage p-1-s
@@ -212,11 +212,11 @@ def zb_v(mesh, schedule: Schedule, stage_fn, head_fn, blocks, head, x: jax.Array
         back = jax.lax.ppermute(other, AXIS, mirror)
         return (own + back)[None] if dual else jnp.stack([own, back])
 
-    def run(blocks, head_params, x, targets, side, fixed):
+    def on_device(blocks, head_params, x, targets, side, fixed):
         odd = jax.lax.axis_index(AXIS) % 2 == 1
         chunks, fixed_chunks = chunks_of(blocks), chunks_of(fixed)
-        stage = _VStage.of(schedule, table, stage_fn, head_fn, chunks, fixed_chunks, head_params, x, targets, side,
-                           statistics_weights)
+        stage = _VStage.of(schedule, table, stages._replace(blocks=chunks, side=side, fixed=fixed_chunks),
+                           head._replace(params=head_params), x, targets)
         carry = stage.start(head_params)
         # One loop over every pair, each doing its kinds of work (a switch): with a scan per
         # run (one-pair runs unrolled), XLA:GPU's program sent 1.06 to 1.18 times the pp
@@ -247,10 +247,10 @@ def zb_v(mesh, schedule: Schedule, stage_fn, head_fn, blocks, head, x: jax.Array
     queue, per_microbatch = jax.P(AXIS, batch_axes(manual)), jax.P(None, batch_axes(manual))
     split = jax.NamedSharding(mesh, jax.P(AXIS, *rows))
     metrics, d_blocks, d_head, dx, stats = jax.shard_map(
-        run, mesh=mesh, in_specs=(specs.blocks, specs.head, queue, per_microbatch, per_microbatch, specs.fixed),
+        on_device, mesh=mesh, in_specs=(specs.blocks, specs.head, queue, per_microbatch, per_microbatch, specs.fixed),
         out_specs=(jax.P(), specs.blocks, specs.head, queue, jax.P(AXIS)), axis_names=frozenset(manual),
         check_vma=False,
-    )(blocks, head, jax.lax.with_sharding_constraint(x, split), targets, side, fixed or {})
+    )(stages.blocks, head.params, jax.lax.with_sharding_constraint(x, split), targets, stages.side, stages.fixed or {})
     # zb-v: device d's second chunk is stored on device p-1-d, and its statistics go there.
     if not dual:
         stats = jax.tree.map(lambda x: jnp.stack([x[:, 0], x[::-1, 1]], axis=1), stats)
@@ -328,8 +328,10 @@ class _VStage:
     no_metrics: dict
 
     @classmethod
-    def of(cls, schedule: Schedule, table: dict, stage_fn, head_fn, chunks, fixed_chunks, head_params, x, targets,
-           side, statistics_weights) -> _VStage:
+    def of(cls, schedule: Schedule, table: dict, stages: StageProgram, head: Head, x, targets) -> _VStage:
+        """The device inside the map: `stages` with its two chunks as the blocks and the
+        fixed part (`zb_v`'s chunks_of), and its own microbatches and view of the `head`."""
+        stage_fn, chunks, side, fixed_chunks = stages
         m = schedule.microbatches
         seed = 1.0 / (m * jax.lax.psum(1, map_batch_axes()))
         *passes, shapes = (split_backward if schedule.defers_weights else whole_backward)(
@@ -337,8 +339,8 @@ class _VStage:
         no_stats = no_statistics(stage_fn, chunks[0], x[0], micro(side, 0), fixed_chunks[0], count=2)
         route = Route(schedule.stages, m, schedule.name == "dualpipe")
         return cls(route, table, jax.lax.axis_index(AXIS), x, side, chunks, fixed_chunks, tuple(passes),
-                   shapes, no_stats, weighted_statistics(no_stats, statistics_weights, seed),
-                   *head_vjp(head_fn, head_params, targets, seed, x[0]))
+                   shapes, no_stats, weighted_statistics(no_stats, head.statistics_weights, seed),
+                   *head_vjp(head.fn, head.params, targets, seed, x[0]))
 
     def on_slot(self, at: int, fn):
         """fn(weights, fixed) on the chunk in slot `at` (`slot`): the device's own on even
