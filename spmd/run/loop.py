@@ -78,25 +78,47 @@ class MetricsFile:
         pass
 
 
+@dataclasses.dataclass(frozen=True)
+class RunSetup:
+    """What the trainer sets up for the loop (spmd.run.trainer): the options, layout and
+    plan; the compiled programs; the state and step it starts from; the data; where it
+    saves and logs."""
+    cfg: object  # the run's options
+    layout: object  # spmd.parallel.layout.Layout
+    plan: object  # the planner's, which the first lines describe
+    step_fn: object  # the compiled training step
+    state: dict  # the state the run starts from
+    start_step: int
+    checkpoints: object  # where it saves (spmd.formats.checkpoint.Checkpoints), or None
+    setup_s: float  # seconds from the start to the first step
+    source: object  # the data (spmd.data.source.DataSource)
+    eval_fn: object = None  # the compiled evaluation, with --eval-every
+    skipped: int = 0  # updates skipped for a non-finite loss before this run (a resumed run's)
+    log: object = print  # prints the run's lines (process 0's job)
+    lock: object = None  # on the checkpoint directory (spmd.base.paths.DirectoryLock), released at the end
+    resumed: bool = False  # from a checkpoint: its first step is saved already
+    rebalance: object = None  # places expert copies anew (spmd.parallel.balance), or None
+
+
 class Run:
     """`log` prints the run's lines (process 0's job); `say` prints this process's own."""
 
-    def __init__(self, cfg, layout, plan, step_fn, state, start_step, checkpoints, setup_s, source, eval_fn=None,
-                 skipped=0, log=print, lock=None, resumed=False, rebalance=None):
-        self.cfg, self.layout, self.plan, self.step_fn = cfg, layout, plan, step_fn
-        self.state, self.start_step, self.checkpoints = state, start_step, checkpoints
-        self.setup_s, self.skipped, self.log = setup_s, skipped, log
-        self.source, self.eval_fn = source, eval_fn
+    def __init__(self, setup: RunSetup):
+        cfg = setup.cfg
+        self.cfg, self.layout, self.plan, self.step_fn = cfg, setup.layout, setup.plan, setup.step_fn
+        self.state, self.start_step, self.checkpoints = setup.state, setup.start_step, setup.checkpoints
+        self.setup_s, self.skipped, self.log = setup.setup_s, setup.skipped, setup.log
+        self.source, self.eval_fn = setup.source, setup.eval_fn
         # Expert copies placed anew every --rebalance-every steps (spmd.parallel.balance).
-        self.rebalance, self.rebalance_every = rebalance, cfg.rebalance_every or REBALANCE_EVERY
+        self.rebalance, self.rebalance_every = setup.rebalance, cfg.rebalance_every or REBALANCE_EVERY
         # A resumed run's first step is saved already; a fresh run with --steps 0 saves its
         # start (e.g. a Hugging Face model, converted).
-        self.last_saved: int | None = start_step if resumed else None
+        self.last_saved: int | None = setup.start_step if setup.resumed else None
         self.primary = jax.process_index() == 0
         self.watchdog = Watchdog(cfg.step_timeout)
-        self.lock = lock  # on the checkpoint directory (spmd.base.paths.DirectoryLock), released at the end
+        self.lock = setup.lock  # on the checkpoint directory (spmd.base.paths.DirectoryLock), released at the end
         # Several processes must stop after the same step, whichever got the signal.
-        self.stop_vote = StopVote(layout.mesh) if jax.process_count() > 1 else None
+        self.stop_vote = StopVote(setup.layout.mesh) if jax.process_count() > 1 else None
 
     def save(self, step: int) -> None:
         if self.checkpoints is None or self.last_saved == step:

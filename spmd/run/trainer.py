@@ -32,7 +32,7 @@ from spmd.parallel.defaults import mesh_flag
 from spmd.parallel.step import build_program, with_fresh_predictions
 from spmd.planner.plan import default_hardware, make_plan
 from spmd.run.config import TrainConfig, check_empty_layers
-from spmd.run.loop import Run
+from spmd.run.loop import Run, RunSetup
 
 
 def train(cfg: TrainConfig, layout, log=print) -> tuple[list[dict], dict]:
@@ -102,9 +102,9 @@ def prepare(cfg: TrainConfig, layout, log=print):
     if cfg.out:
         out = Checkpoints(cfg.out, keep=cfg.keep)
     setup_s = time.perf_counter() - started
-    return Run(cfg, layout, plan, step_fn, state, step, out, setup_s, data, eval_fn,
-               skipped=meta.get("skipped_updates", 0), log=log, lock=lock, resumed=source_dir is not None,
-               rebalance=program.rebalance if program.copies else None)
+    return Run(RunSetup(cfg, layout, plan, step_fn, state, step, out, setup_s, data, eval_fn,
+                        skipped=meta.get("skipped_updates", 0), log=log, lock=lock, resumed=source_dir is not None,
+                        rebalance=program.rebalance if program.copies else None))
 
 
 def fresh_state(cfg, program, log=print) -> dict:
