@@ -83,14 +83,14 @@ def _packed(args):
     import numpy as np
 
     from spmd.data.packed_file import as_packed
-    from spmd.data.stream import packed_rows, record_source
+    from spmd.data.stream import Rows, packed_rows, record_source
 
     if args.seq is None:
         raise UserError(f"--data {args.data} holds fine-tuning records: give --seq to pack them into rows "
                         f"(and train with the same --seq)")
     # Rows are made a batch at a time, of at most ROW_TOKENS tokens (a row at least), whatever --seq.
     batch = max(1, ROW_TOKENS // (args.seq + 1))
-    source = record_source(args.data, args.tokenizer, args.seq + 1, batch=batch, loss_on=args.loss_on,
+    source = record_source(args.data, args.tokenizer, Rows(args.seq + 1, batch), loss_on=args.loss_on,
                            overlong=args.overlong, max_record_bytes=args.max_record_bytes)
     try:
         batches, targets = packed_rows(source)

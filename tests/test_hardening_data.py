@@ -38,7 +38,7 @@ from spmd.data.index import RecordIndex, read_examples
 from spmd.data.packed_file import PackedFileSource, as_packed
 from spmd.data.packing import pack
 from spmd.data.records import example, fine_tuning_format
-from spmd.data.stream import RecordSource
+from spmd.data.stream import RecordSource, Rows
 from spmd.data.tokenizer import ByteTokenizer, TokenizerDirectory, load_tokenizer_directory
 from spmd.data.workers import Tokenizing
 from spmd.formats.checkpoint import finalized_steps
@@ -261,8 +261,8 @@ def test_a_record_beyond_the_bound_stops_training_when_it_is_reached(tmp_path, m
     tokenizer = TokenizerDirectory(SFT / "model")
     tokenizing = Tokenizing(tokenizer, str(SFT / "model"), "completion", 1, 300)
     try:
-        source = RecordSource(RecordIndex(str(tmp_path / "pc.jsonl"), 300), tokenizing, 33, batch=2, seed=seed,
-                              eval_fraction=0.1)
+        source = RecordSource(RecordIndex(str(tmp_path / "pc.jsonl"), 300), tokenizing,
+                              Rows(33, batch=2, seed=seed, eval_fraction=0.1))
         assert source.rows(0, 0, 2, 33)["loss_mask"].any()
         # In order, the rows of windows 0 and 1 come, then record 40's window stops them.
         before = sum(pack([example(r, "", tokenizer) for r in records[w:w + 16]], 33).rows for w in (0, 16))

@@ -19,7 +19,7 @@ from spmd.data import stream
 from spmd.data.index import RecordIndex, read_examples
 from spmd.data.packing import best_fit_decreasing, pack, positions
 from spmd.data.records import Example, example, fine_tuning_format, text_examples
-from spmd.data.stream import RecordSource
+from spmd.data.stream import RecordSource, Rows
 from spmd.data.tokenizer import ByteTokenizer, TokenizerDirectory, load_tokenizer, load_tokenizer_directory
 from spmd.data.workers import Tokenizing
 
@@ -333,7 +333,7 @@ def pc_records(count: int, seed: int = 0) -> list[dict]:
 
 def streamed(path: Path, tokenizers, workers: int = 0, seed: int = 7, eval_fraction: float = 0.1) -> RecordSource:
     tokenizing = Tokenizing(tokenizers["chatml"], str(SFT / "chatml"), "completion", workers)
-    return RecordSource(RecordIndex(str(path)), tokenizing, 33, batch=8, seed=seed, eval_fraction=eval_fraction,
+    return RecordSource(RecordIndex(str(path)), tokenizing, Rows(33, batch=8, seed=seed, eval_fraction=eval_fraction),
                         name="pc", tokenizer="chatml")
 
 
@@ -403,7 +403,7 @@ def test_records_stream_by_step_whatever_the_processes_and_resume(tmp_path, toke
 def test_records_pack_end_to_end(tmp_path, tokenizers):
     write_jsonl(tmp_path / "chats.jsonl", RECORDS * 5)
     source = RecordSource(RecordIndex(str(tmp_path / "chats.jsonl")),
-                          Tokenizing(tokenizers["llama"], str(SFT / "llama"), "completion", 0), 65, batch=2, seed=0)
+                          Tokenizing(tokenizers["llama"], str(SFT / "llama"), "completion", 0), Rows(65, batch=2))
     rows = source.rows(0, 0, 2, 65)
     check_rows(rows, 65)
     assert rows["tokens"][:, 0].tolist() == [tokenizers["llama"].token_id("<|begin_of_text|>")] * 2

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import dataclasses
 import threading
 
 import numpy as np
@@ -96,19 +97,33 @@ class _Stream:
         return packing
 
 
+@dataclasses.dataclass(frozen=True)
+class Rows:
+    """The rows a source is asked for: `length` tokens each, `batch` of them a step, the
+    training examples in an order drawn from `seed` each epoch, the last `eval_fraction` of
+    the examples held out for evaluation."""
+    length: int
+    batch: int
+    seed: int = 0
+    eval_fraction: float = 0.0
+
+
 class RecordSource(DataSource):
-    """Fine-tuning records (a spmd.data.index.RecordIndex), packed into rows of `length`
-    tokens as they are asked for; tokenized by `tokenizing` (spmd.data.workers)."""
+    """Fine-tuning records (a spmd.data.index.RecordIndex), packed into `rows` (`Rows`) as
+    they are asked for, a record longer than a row cut as `overlong` says; tokenized by
+    `tokenizing` (spmd.data.workers). `name` and `tokenizer` name the data and the
+    tokenizer in what it says."""
 
     packed = True  # its rows are dicts of tokens, segments and loss masks (spmd.parallel.step)
     finite = True  # an evaluation visits each example once (spmd.inference.evaluation)
 
-    def __init__(self, index, tokenizing, length: int, batch: int, seed: int, eval_fraction: float = 0.0,
-                 name: str = "data", tokenizer: str = "tokens", overlong: str = "truncate"):
-        self.index, self.tokenizing, self.length, self.batch, self.seed = index, tokenizing, length, batch, seed
+    def __init__(self, index, tokenizing, rows: Rows, name: str = "data", tokenizer: str = "tokens",
+                 overlong: str = "truncate"):
+        length, seed = rows.length, rows.seed
+        self.index, self.tokenizing, self.length, self.batch, self.seed = index, tokenizing, length, rows.batch, seed
         self.name, self.tokenizer, self.overlong = name, tokenizer, overlong
         examples = len(index)
-        self.train_examples, self.held_out = held_out_split(examples, eval_fraction,
+        self.train_examples, self.held_out = held_out_split(examples, rows.eval_fraction,
                                                             f"--data {name}: {examples:,} example(s)")
         self.epoch_windows = -(-self.train_examples // WINDOW)
         self.counts = collections.Counter()  # of the training windows packed so far (first packing of each)
@@ -213,11 +228,11 @@ class RecordSource(DataSource):
         self.tokenizing.close()
 
 
-def record_source(data: str, tokenizer: str, length: int, batch: int, seed: int = 0, eval_fraction: float = 0.0,
-                  vocab: int | None = None, loss_on: str = "completion", overlong: str = "truncate",
-                  workers: int | None = None, max_record_bytes: int = MAX_RECORD_BYTES) -> RecordSource:
-    """The fine-tuning records of `data` in rows of `length`, tokenized by `tokenizer` (a
-    tokenizer directory) in `workers` processes (default: spmd.data.workers.default_workers
+def record_source(data: str, tokenizer: str, rows: Rows, vocab: int | None = None, loss_on: str = "completion",
+                  overlong: str = "truncate", workers: int | None = None,
+                  max_record_bytes: int = MAX_RECORD_BYTES) -> RecordSource:
+    """The fine-tuning records of `data` in `rows` (`Rows`), tokenized by `tokenizer` (a
+    tokenizer directory, checked against a model's `vocab` if given) in `workers` processes (default: spmd.data.workers.default_workers
     when there is more than one window of records, else this process); a record of more
     than `max_record_bytes` is refused."""
     directory = load_tokenizer_directory(tokenizer)
@@ -225,8 +240,8 @@ def record_source(data: str, tokenizer: str, length: int, batch: int, seed: int 
         check_vocab(directory, vocab)
     index = RecordIndex(data, max_record_bytes)
     workers = workers if workers is not None else default_workers() if len(index) > WINDOW else 0
-    return RecordSource(index, Tokenizing(directory, tokenizer, loss_on, workers, max_record_bytes), length, batch,
-                        seed, eval_fraction, name=data, tokenizer=directory.name, overlong=overlong)
+    return RecordSource(index, Tokenizing(directory, tokenizer, loss_on, workers, max_record_bytes), rows, name=data,
+                        tokenizer=directory.name, overlong=overlong)
 
 
 def packed_rows(source: RecordSource) -> tuple[list[dict[str, np.ndarray]], int]:

@@ -19,7 +19,7 @@ from spmd.data.corpus import TokenSource, token_stream
 from spmd.data.packed_file import PackedFileSource, read_packed
 from spmd.data.records import RECORD_OPTIONS, TEXT_OPTIONS, fine_tuning_format, refuse_what_does_not_apply
 from spmd.data.source import DataSource
-from spmd.data.stream import record_source
+from spmd.data.stream import Rows, record_source
 from spmd.data.tokenizer import load_tokenizer
 
 SUCCESSORS = 4  # each token can be followed by this many tokens
@@ -87,7 +87,7 @@ def make_source(cfg, vocab: int):
     records = fine_tuning_format(cfg.data, cfg.max_record_bytes)
     refuse_what_does_not_apply(changed(cfg, RECORD_OPTIONS + TEXT_OPTIONS), records, cfg.data)
     if records:
-        return record_source(cfg.data, cfg.tokenizer, cfg.seq + 1, cfg.batch, cfg.seed, held_out, vocab=vocab,
+        return record_source(cfg.data, cfg.tokenizer, Rows(cfg.seq + 1, cfg.batch, cfg.seed, held_out), vocab=vocab,
                              loss_on=cfg.loss_on, overlong=cfg.overlong, workers=cfg.data_workers,
                              max_record_bytes=cfg.max_record_bytes)
     tokenizer = load_tokenizer(cfg.tokenizer)
