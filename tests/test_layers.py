@@ -111,3 +111,22 @@ def test_no_function_is_longer_than_80_lines():
             for fn in ast.walk(ast.parse(path.read_text()))
             if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and fn.end_lineno - fn.lineno + 1 > 80]
     assert long == []
+
+
+def _parameters(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
+    """The names `fn` takes (`*args` and `**kwargs` count), a method's `self` or `cls` aside."""
+    args = fn.args
+    names = [a.arg for a in (*args.posonlyargs, *args.args, *args.kwonlyargs)]
+    names += [a.arg for a in (args.vararg, args.kwarg) if a is not None]
+    return names[1:] if names[:1] in (["self"], ["cls"]) else names
+
+
+def test_no_function_takes_more_than_8_parameters():
+    """A long argument list is a long body moved to the call sites: what travels together
+    gets a name of its own (the kernels' `Mask`, the schedules' `PipelineRun`,
+    `StageProgram` and `Head`, the loss's `Auxiliary`, the loop's `RunSetup`)."""
+    many = [f"{path.relative_to(ROOT)}:{fn.lineno} {fn.name} ({len(_parameters(fn))} parameters)"
+            for path in sorted([*ROOT.glob("spmd/**/*.py"), *ROOT.glob("models/**/*.py")])
+            for fn in ast.walk(ast.parse(path.read_text()))
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and len(_parameters(fn)) > 8]
+    assert many == []
