@@ -16,8 +16,8 @@ from spmd.parallel.rules import axes_of
 from spmd.parallel.skeleton import routing
 from spmd.parallel.objective import prediction_depth
 from spmd.planner.counting import (SMALL_BYTES, Expected, expert_rows, head_in_stages, head_runs, live, params,
-                                   picks_again, prediction_layers, spec_axes, stage_overhead, table_scatter_axes,
-                                   tokens_per_device, ways)
+                                   picks_again, prediction_layers, spec_axes, split_norms, stage_overhead,
+                                   table_scatter_axes, tokens_per_device, ways)
 
 
 def adapters_over_tp(cfg, layout: Layout, token_bytes: float, per_layer: float) -> list[Expected]:
@@ -123,7 +123,9 @@ def tensor_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
     if cfg.remat == "full":
         # The forward is recomputed up to the MLP (its output is not needed for gradients),
         # an MoE layer's shared expert included (XLA reduces it with the experts' output).
-        again = moe_runs if shared else 0
+        # Where a norm follows each sublayer (the config's NORMS.after: Gemma 3, OLMo 2) its
+        # backward pass reads its input, the MLP's output: every MLP's is made again.
+        again = mlp_runs if model.NORMS.after else moe_runs if shared else 0
         if cfg.megatron_sp:  # attention input and output, and the MLP's input, again
             out.append(Expected("all-gather", "tp", 2 * layer_runs * (t - 1) / t * activation, "remat"))
             out.append(Expected("reduce-scatter", "tp", (layer_runs + again) * (t - 1) / t * activation, "remat"))
@@ -136,6 +138,22 @@ def tensor_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
         again = attention_whole + mlp_whole if lora else 2 * layer_runs
         out.append(Expected("all-gather", "tp", again * (t - 1) / t * activation, "remat: gathered inputs again"))
     return out + _vocab_split(cfg, layout, compute_bytes)
+
+
+def norm_statistics(cfg, layout: Layout) -> list[Expected]:
+    """Norms over elements that devices split (counting.split_norms: OLMo 2's q/k norms over
+    the whole projections, under tp): per layer, each one's mean of squares is summed over
+    the axes that split it, in float32, a value per token, three times: forward, made again
+    in the backward pass (no remat policy keeps a reduction's output), and its input
+    gradient's sum of x times the output gradient. In pipeline stages in every tick."""
+    model, tokens = layout.skeleton.model_cfg, tokens_per_device(cfg, layout.shape)
+    layers = model.stacked_layers * stage_overhead(layout) + model.prefix_layers + prediction_layers(layout)
+    out = []
+    for axes in split_norms(layout):
+        n = ways(axes, layout.shape)
+        out.append(Expected("all-reduce", "+".join(axes), layers * 3 * tokens * 4 * 2 * (n - 1) / n,
+                            "norms over split projections: the mean of squares, forward, again and backward"))
+    return out
 
 
 def _vocab_split(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:

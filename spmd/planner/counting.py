@@ -205,6 +205,23 @@ def expert_rows(cfg, layout: Layout, copies: bool = True) -> int:
     return tokens * ep * min(moe.top_k, slots // ep)
 
 
+def split_norms(layout: Layout) -> list[tuple[str, ...]]:
+    """Per norm of a block (the config's `block_norms`) that normalizes over elements split
+    across devices where used, the mesh axes its mean of squares is summed over: a norm
+    over a whole projection (OLMo 2's q/k norms, laid out as the heads) under a split of the
+    heads. Norms over the residual stream or within a head read elements one device holds.
+    A key norm's heads are split as the query heads are where tp goes beyond the kv heads
+    (each device computes the copies of the one it shares: models.llama's `_project`)."""
+    model_cfg, table = layout.skeleton.model_cfg, layout.rules.activations
+    found = []
+    for shape, names in model_cfg.block_norms().values():
+        names = tuple("heads" if n == "kv_heads" and layout.kv_copies > 1 else n for n in names)
+        axes = live(spec_axes(names, table), layout.shape)
+        if axes:
+            found.append(axes)
+    return found
+
+
 def by_op_and_axes(expected: list[Expected]) -> dict[tuple[str, str], float]:
     totals: dict[tuple[str, str], float] = {}
     for e in expected:

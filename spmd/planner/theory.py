@@ -24,7 +24,10 @@ all-reduce over N devices moves 2(N-1)/N of its buffer, an all-gather or reduce-
   experts' outputs again under "dots" too, and Megatron-SP's gathered projection inputs
   under "dots": spmd.planner.activations.tensor_parallel); a vocab split over tp adds one
   all-reduce for the embedding lookup, one for the output head's input gradient and
-  three small ones for the softmax statistics (max, sum, target logit);
+  three small ones for the softmax statistics (max, sum, target logit); a norm over
+  elements the heads' split divides (OLMo 2's q/k norms over the whole projections, the
+  config's `block_norms`) sums each token's mean of squares over tp three times a layer
+  (spmd.planner.activations.norm_statistics);
 - expert parallelism exchanges tokens by all-to-all over ep in each MoE layer (spmd.
   experts): there and back forward, their gradients backward (and there and back again
   under remat other than "none", which recomputes the forward). Each exchange sends the
@@ -71,8 +74,8 @@ from models import model_class
 from spmd.parallel import pipeline
 from spmd.parallel.layout import Layout
 from spmd.parallel.skeleton import DTYPES
-from spmd.planner.activations import (expert_parallel, pipeline_stages, sequence_parallel, stage_statistics,
-                                      tensor_parallel)
+from spmd.planner.activations import (expert_parallel, norm_statistics, pipeline_stages, sequence_parallel,
+                                      stage_statistics, tensor_parallel)
 from spmd.planner.counting import (Expected, Param, compute_table, head_in_stages, in_head, is_vector, live, params,
                                    picks_again, rows_moved, spec_axes, stage_overhead, table_scatter_axes, tokens_per_device,
                                    uses, ways)
@@ -164,6 +167,7 @@ def collectives(cfg, layout: Layout) -> list[Expected]:
             out.append(Expected("all-gather", "+".join(regather), (n - 1) / n * stored,
                                 "parameters after the sharded optimizer update (ZeRO-1/2)"))
     out += tensor_parallel(cfg, layout, compute_bytes)
+    out += norm_statistics(cfg, layout)
     out += sequence_parallel(cfg, layout, compute_bytes)
     out += expert_parallel(cfg, layout, compute_bytes)
     out += [e for e in pipeline_stages(cfg, layout, compute_bytes) if e.bytes_per_device]
