@@ -41,6 +41,7 @@ def main() -> int:
     import numpy as np
 
     from models import attention
+    from models.attention import Mask
 
     kernels = getattr(attention, "KERNELS", None)
     if kernels is None:
@@ -66,7 +67,7 @@ def main() -> int:
 
     def forward_and_grads(kernel, dtype):
         def run(q, k, v, cotangent):
-            out, vjp = jax.vjp(lambda q, k, v: kernel(q, k, v, positions, positions), q, k, v)
+            out, vjp = jax.vjp(lambda q, k, v: kernel(q, k, v, Mask(positions, positions)), q, k, v)
             return (out, *vjp(cotangent.astype(out.dtype)))
         return jax.jit(run), tuple(x.astype(dtype) for x in (q32, k32, v32, cotangent32))
 

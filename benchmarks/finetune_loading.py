@@ -61,8 +61,9 @@ def main() -> None:
     jax.config.update("jax_num_cpu_devices", 8)
 
     from spmd.config import TrainConfig, validate
-    from spmd.data.stream import WINDOW, record_source
-    from spmd.data.synthetic import MarkovSource, global_batch
+    from spmd.data.stream import WINDOW, Rows, record_source
+    from spmd.data.feed import global_batch
+    from spmd.data.synthetic import MarkovSource
     from spmd.data.workers import default_workers
     from spmd.parallel.layout import make_layout
     from spmd.parallel.step import build_program
@@ -79,7 +80,7 @@ def main() -> None:
             os.close(fd)
 
         started = time.perf_counter()
-        source = record_source(str(path), str(ROOT / "tests" / "sft" / "chatml"), cfg.seq + 1, cfg.batch, cfg.seed)
+        source = record_source(str(path), str(ROOT / "tests" / "sft" / "chatml"), Rows(cfg.seq + 1, cfg.batch, cfg.seed))
         startup = time.perf_counter() - started
         first = source.first.rows
 

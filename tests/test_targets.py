@@ -49,8 +49,9 @@ def test_target_names_mean_the_slices_and_nodes_clouds_sell(name, topology, slic
 
 
 @pytest.mark.parametrize("name,why", [("v5p-4", "from 8"), ("v5p-12", "powers of two"), ("v5e-512", "up to 256"),
-                                      ("v5e:4x4x4", "2 sides"), ("h100x9", "1 to 8 GPUs"), ("65xv5p-8", "1 to 64"),
-                                      ("257xh100x8", "up to 256 nodes"),
+                                      ("v5e:4x4x4", "2 sides"), ("h100x9", "the GPUs of a node must be at least 1 and at most 8"),
+                                      ("65xv5p-8", "the slices must be at least 1 and at most 64"),
+                                      ("257xh100x8", "the nodes must be at least 1 and at most 256"),
                                       ("a100x8", "unknown")])
 def test_target_names_that_mean_nothing_are_refused(name, why):
     with pytest.raises(Exception, match=why):

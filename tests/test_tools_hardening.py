@@ -300,13 +300,16 @@ def test_text_beyond_memory_is_refused_in_one_line_before_or_while_tokenizing(tm
     assert done.returncode == 2
     assert "of text, more than this host's memory" in one_error_line(done.stderr)
     # Less than the host's memory, more than the process may have (an address-space limit
-    # of 1.5 GB against 350 MB of text, its decoded string and two bytes a token).
+    # of 1.5 GB against 350 MB of text, its decoded string and two bytes a token): refused
+    # before it is tokenized (spmd.data.tokenizer.check_memory), naming both amounts.
     (tmp_path / "big.txt").write_text(("the quick brown fox jumps over the lazy dog " * 20 + "\n") * 400_000)
     limit = lambda: resource.setrlimit(resource.RLIMIT_AS, (1_500_000_000, 1_500_000_000))  # noqa: E731
     done = subprocess.run([sys.executable, "-m", "spmd.corpus", "--data", "big.txt", "--out", "t.npy"], cwd=tmp_path,
                           capture_output=True, text=True, timeout=120, preexec_fn=limit)
     assert done.returncode == 2, done.stderr
-    assert "out of memory while tokenizing its 336.1 MiB of text" in one_error_line(done.stderr)
+    assert re.fullmatch(r"error: --data big.txt: tokenizing its 352,400,000 bytes of text takes up to 5.3 GiB of "
+                        r"memory, and this process has [0-9.]+ MiB free; make token files \(.npy\) of it with "
+                        r"python -m spmd.corpus on a larger host, or give less text", one_error_line(done.stderr))
     assert not (tmp_path / "t.npy").exists()
 
 
