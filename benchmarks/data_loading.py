@@ -55,7 +55,7 @@ def main() -> None:
 
     from spmd.config import TrainConfig, validate
     from spmd.data.corpus import token_stream
-    from spmd.data.synthetic import make_source
+    from spmd.data.feed import make_source
     from spmd.parallel.layout import make_layout
 
     tmp = Path(tempfile.mkdtemp(prefix="spmd-data-bench-"))
@@ -89,7 +89,7 @@ def _build_and_step(cfg, layout, source, steps: int) -> tuple[float, float]:
     """Median seconds to build a batch on the host, and to run the compiled step on it."""
     import jax
 
-    from spmd.data.synthetic import global_batch
+    from spmd.data.feed import global_batch
     from spmd.parallel.step import build_program
 
     program = build_program(cfg, layout)

@@ -68,7 +68,8 @@ def bytes_table() -> None:
 
 
 def step_seconds(cfg, steps: int) -> float:
-    from spmd.data.synthetic import MarkovSource, global_batch
+    from spmd.data.feed import global_batch
+    from spmd.data.synthetic import MarkovSource
     from spmd.parallel.step import build_program
 
     layout = make_layout(cfg, jax.devices()[:8])

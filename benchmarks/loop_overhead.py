@@ -16,7 +16,8 @@ import time
 def bare_step_seconds(program, layout, cfg, steps: int, in_flight_limit: int) -> float:
     import jax
 
-    from spmd.data.synthetic import MarkovSource, global_batch
+    from spmd.data.feed import global_batch
+    from spmd.data.synthetic import MarkovSource
 
     with jax.set_mesh(layout.mesh):
         state = program.init(jax.random.key(0))

@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
         import jax
 
         from spmd.parallel import kernels
-        from spmd.data.synthetic import global_batch, make_source
+        from spmd.data.feed import global_batch, make_source
         from spmd.base.hardware import detect, train_flops_per_token
         from spmd.parallel.layout import make_layout
         from spmd.parallel.skeleton import DTYPES

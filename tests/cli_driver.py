@@ -20,7 +20,7 @@ import time
 MODULES = ("spmd.train", "spmd.plan", "spmd.export", "spmd.launch", "spmd.corpus", "spmd.generate", "spmd.eval")
 # What the commands import on their way (the models, Orbax, the layout): loaded once here.
 PRELOAD = ("models", "spmd.parallel.layout", "spmd.formats.checkpoint", "spmd.run.loop", "spmd.parallel.step",
-           "spmd.data.synthetic", "spmd.data.corpus", "spmd.data.tokenizer", "spmd.data.records", "spmd.run.resolve",
+           "spmd.data.feed", "spmd.data.corpus", "spmd.data.tokenizer", "spmd.data.records", "spmd.run.resolve",
            "spmd.run.bootstrap", "spmd.run.trainer", "spmd.run.export", "spmd.planner.plan", "spmd.planner.report",
            "spmd.inference.generation", "spmd.inference.evaluation")
 

@@ -14,7 +14,8 @@ from test_parity import LOSS_RTOL
 
 from models.moe import MoE, MoEConfig, Routing, swiglu_experts
 from spmd.config import TrainConfig, validate
-from spmd.data.synthetic import MarkovSource, global_batch
+from spmd.data.feed import global_batch
+from spmd.data.synthetic import MarkovSource
 from spmd.parallel import balance
 from spmd.parallel.layout import make_layout
 from spmd.parallel.step import build_program

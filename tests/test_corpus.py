@@ -12,7 +12,7 @@ import pytest
 
 from spmd.base.errors import UserError
 from spmd.data.corpus import TokenSource, token_stream
-from spmd.data.synthetic import global_batch
+from spmd.data.feed import global_batch
 from spmd.data.tokenizer import load_tokenizer
 from spmd.parallel.mesh import build_mesh, resolve_mesh
 

@@ -3,7 +3,8 @@
 import jax
 import numpy as np
 
-from spmd.data.synthetic import MarkovSource, global_batch
+from spmd.data.feed import global_batch
+from spmd.data.synthetic import MarkovSource
 from spmd.parallel.mesh import build_mesh, resolve_mesh
 
 

@@ -180,7 +180,8 @@ def test_a_step_that_does_not_fit_is_refused_before_anything_is_allocated(tmp_pa
 
 def test_a_non_finite_update_is_dropped_even_when_loss_and_gradient_are_finite():
     from spmd.config import TrainConfig, validate
-    from spmd.data.synthetic import MarkovSource, global_batch
+    from spmd.data.feed import global_batch
+    from spmd.data.synthetic import MarkovSource
     from spmd.parallel.layout import make_layout
     from spmd.parallel.step import build_program
 

@@ -16,7 +16,8 @@ from support.parity import PARITY, assert_params_match, init_config, initial_sta
 from flax import traverse_util
 
 from spmd.config import TrainConfig, validate
-from spmd.data.synthetic import MarkovSource, global_batch
+from spmd.data.feed import global_batch
+from spmd.data.synthetic import MarkovSource
 from spmd.formats.safetensors import SafeTensors
 from spmd.hf import from_pretrained
 from spmd.parallel.layout import make_layout

@@ -21,7 +21,7 @@ from spmd.base.errors import UserError
 from spmd.config import TrainConfig, model_config, validate
 from spmd.parallel.layout import make_layout
 from spmd.parallel.optim import make_optimizer, schedule
-from spmd.parallel.step import AuxLosses, aux_losses, model_loss
+from spmd.parallel.objective import AuxLosses, aux_losses, model_loss
 
 MIXTRAL = Path(__file__).parent / "hf" / "mixtral"
 

@@ -87,7 +87,8 @@ def test_pipeline_matches_one_device(deep_reference, i):
 def test_evaluation_through_the_stages_gives_one_devices_loss(deep_reference):
     """Held-out loss of a 1F1B run (evaluated as GPipe: forward only) against one device's,
     each on its own final parameters, which agree as the parity test says."""
-    from spmd.data.synthetic import MarkovSource, global_batch
+    from spmd.data.feed import global_batch
+    from spmd.data.synthetic import MarkovSource
 
     losses = []
     for run in (_run(2), deep_reference):  # 1F1B on pp=4, one device

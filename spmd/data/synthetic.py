@@ -1,26 +1,14 @@
-"""The built-in data (a seeded random Markov chain), and batches as global arrays.
+"""The built-in data: a seeded random Markov chain.
 
 Its entropy is known exactly, so a run can be judged against the best loss any model can
-reach (the floor). Row `r` of the batch of step `k` is a pure function of (seed, k, r):
-the order never depends on the mesh or the number of processes, and each process builds
-only the rows its own devices hold.
+reach (the floor). Row `r` of the batch of step `k` is a pure function of (seed, k, r).
 """
 
 from __future__ import annotations
 
-import queue
-import threading
-
-import jax
 import numpy as np
 
-from spmd.base.cli import changed
-from spmd.data.corpus import TokenSource, token_stream
-from spmd.data.packed_file import PackedFileSource, read_packed
-from spmd.data.records import RECORD_OPTIONS, TEXT_OPTIONS, fine_tuning_format, refuse_what_does_not_apply
 from spmd.data.source import DataSource
-from spmd.data.stream import Rows, record_source
-from spmd.data.tokenizer import load_tokenizer
 
 SUCCESSORS = 4  # each token can be followed by this many tokens
 
@@ -72,93 +60,3 @@ class MarkovSource(DataSource):
             choice = (self._cdf[prev] < uniforms[:, t : t + 1]).sum(axis=1)
             tokens[:, t] = self.successors[prev, np.minimum(choice, self.successors.shape[1] - 1)]
         return tokens
-
-
-def make_source(cfg, vocab: int):
-    """The run's data: fine-tuning records packed into rows as training reaches them
-    (spmd.data.stream.RecordSource), rows packed by spmd.corpus
-    (spmd.data.packed_file.PackedFileSource), other `--data` as windows of its token
-    stream (spmd.data.corpus.TokenSource), else the synthetic chain."""
-    if not cfg.data:
-        return MarkovSource(vocab, cfg.seed)
-    held_out = cfg.eval_fraction if cfg.eval_every else 0.0
-    if (rows := read_packed(cfg.data)) is not None:
-        return PackedFileSource(rows, cfg.seq + 1, cfg.batch, cfg.seed, held_out, name=cfg.data, vocab=vocab)
-    records = fine_tuning_format(cfg.data, cfg.max_record_bytes)
-    refuse_what_does_not_apply(changed(cfg, RECORD_OPTIONS + TEXT_OPTIONS), records, cfg.data)
-    if records:
-        return record_source(cfg.data, cfg.tokenizer, Rows(cfg.seq + 1, cfg.batch, cfg.seed, held_out), vocab=vocab,
-                             loss_on=cfg.loss_on, overlong=cfg.overlong, workers=cfg.data_workers,
-                             max_record_bytes=cfg.max_record_bytes)
-    tokenizer = load_tokenizer(cfg.tokenizer)
-    stream = token_stream(cfg.data, tokenizer, cfg.text_field, cfg.token_dtype, vocab)
-    return TokenSource(stream, cfg.seq + 1, cfg.batch, cfg.seed, held_out, name=cfg.data,
-                       tokenizer=cfg.tokenizer or "UTF-8 bytes",
-                       document_end=tokenizer.eos if cfg.document_mask else None)
-
-
-def global_batch(source, step: int, batch: int, length: int, sharding: jax.sharding.Sharding,
-                 split: str = "train") -> jax.Array | dict:
-    """Step `step`'s batch (batch, length) as one global array, built from this process's
-    rows of `source` (a MarkovSource, a spmd.data.corpus.TokenSource or a
-    spmd.data.stream.RecordSource): a dict of such arrays when the source's rows are
-    packed (tokens, segments, loss_mask).
-
-    Every distinct row range that a local device holds is generated once (devices that
-    replicate a range, e.g. along tp, share it).
-    """
-    shape = (batch, length)
-    index_map = sharding.addressable_devices_indices_map(shape)
-    cache: dict[tuple[int, int], np.ndarray | dict] = {}
-    pieces = []
-    for index in index_map.values():
-        key = _row_range(index, batch)
-        if key not in cache:
-            cache[key] = source.rows(step, *key, length, split)
-        pieces.append(jax.tree.map(lambda rows: rows[:, index[1]], cache[key]))
-    arrays = jax.device_put(pieces, list(index_map))  # one batched transfer
-    if not isinstance(pieces[0], dict):
-        return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
-    return {name: jax.make_array_from_single_device_arrays(shape, sharding, [a[name] for a in arrays])
-            for name in pieces[0]}
-
-
-def _row_range(index: tuple[slice, ...], batch: int) -> tuple[int, int]:
-    rows = index[0]
-    return (rows.start or 0, batch if rows.stop is None else rows.stop)
-
-
-class Prefetcher:
-    """Builds the batches of steps [start, stop) on a background thread, `depth` ahead,
-    so the host's data work overlaps the devices' step instead of adding to it."""
-
-    def __init__(self, make_batch, start: int, stop: int, depth: int = 2):
-        self._queue: queue.Queue = queue.Queue(maxsize=depth)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._fill, args=(make_batch, start, stop), daemon=True)
-        self._thread.start()
-
-    def _fill(self, make_batch, start: int, stop: int) -> None:
-        for step in range(start, stop):
-            try:
-                item = (make_batch(step), None)
-            except Exception as exc:  # handed to the consumer, raised there
-                item = (None, exc)
-            while not self._stop.is_set():
-                try:
-                    self._queue.put(item, timeout=0.1)
-                    break
-                except queue.Full:
-                    continue
-            if item[1] is not None or self._stop.is_set():
-                return
-
-    def next(self) -> jax.Array:
-        batch, exc = self._queue.get()
-        if exc is not None:
-            raise exc
-        return batch
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join()

@@ -9,7 +9,7 @@ from collections.abc import Iterable
 import jax
 
 from spmd.base.errors import UserError
-from spmd.data.synthetic import global_batch, make_source
+from spmd.data.feed import global_batch, make_source
 from spmd.parallel.layout import make_layout
 from spmd.parallel.step import build_program
 from spmd.run.loop import MAX_STEPS_IN_FLIGHT, weighted_mean

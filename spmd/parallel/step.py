@@ -37,8 +37,7 @@ from spmd.parallel.kernels import make_kernel
 from spmd.parallel.kernels import resolve as resolve_kernel
 from spmd.parallel.layout import Layout
 from spmd.parallel.mesh import BATCH_AXES
-from spmd.parallel.objective import (AuxLosses, aux_losses, model_loss, prediction_depth, target_count,
-                                     target_counts)
+from spmd.parallel.objective import aux_losses, model_loss, prediction_depth, target_count, target_counts
 from spmd.parallel.optim import applied_updates, make_optimizer, schedule
 from spmd.parallel.pipeline import manual_axes
 from spmd.parallel.rules import EXPERT_AXIS, spec_for

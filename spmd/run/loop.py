@@ -21,7 +21,7 @@ from spmd.base.console import emit, human_bytes
 from spmd.base.errors import OutputFailed, UserError, why_io_failed
 from spmd.base.hardware import peak_tflops, train_flops_per_token
 from spmd.base.signals import StopSignals
-from spmd.data.synthetic import Prefetcher, global_batch
+from spmd.data.feed import Prefetcher, global_batch
 from spmd.formats.checkpoint import finalized_steps, make_meta
 from spmd.parallel.balance import REBALANCE_EVERY
 from spmd.parallel.step import model_params

@@ -22,7 +22,7 @@ from spmd.base.errors import UserError
 from spmd.base.hardware import device_memory
 from spmd.base.paths import LOCK_NAME, DirectoryLock
 from spmd.base.signals import served
-from spmd.data import make_source
+from spmd.data.feed import make_source
 from spmd.formats.checkpoint import (Checkpoints, check_compatible, check_resumable, finalized_steps, keeps_router,
                                      locate, read_meta)
 from spmd.formats.hf import Directory, load_params

@@ -17,7 +17,8 @@ import jax
 import numpy as np
 
 from spmd.config import TrainConfig, validate
-from spmd.data.synthetic import MarkovSource, global_batch
+from spmd.data.feed import global_batch
+from spmd.data.synthetic import MarkovSource
 from spmd.parallel.balance import REBALANCE_EVERY
 from spmd.parallel.layout import make_layout
 from spmd.parallel.step import build_program
