@@ -27,6 +27,8 @@ from pathlib import Path
 
 import pytest
 
+from models import PRESETS
+
 ROOT = Path(__file__).parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SHELL_BLOCKS = {"", "bash", "sh", "shell", "console"}
@@ -408,3 +410,11 @@ def test_the_architecture_pages_package_table_lists_every_module():
         named = set(re.findall(r"`([\w.]+)`", text))
         assert modules <= named, (package, modules - named)
         assert int(count) == len(modules), (package, sorted(modules))
+
+
+def test_the_model_option_names_every_preset():
+    """docs/training.md's `--model` row lists what `--model` takes: a new preset (a new
+    family's, as the recipe of docs/architecture.md says) is named there."""
+    row = next(line for line in (ROOT / "docs" / "training.md").read_text().splitlines() if line.startswith("| `--model`"))
+    named = set(re.findall(r"`([a-z0-9.-]+)`", row))
+    assert set(PRESETS) - named == set() and named - set(PRESETS) - {"--model", "--resume"} == set()
