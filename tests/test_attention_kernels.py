@@ -54,6 +54,7 @@ def _assert_same(got, want):
 
 @pytest.mark.parametrize("order", ["in order", "zig-zag", "shuffled"])
 @pytest.mark.parametrize("block", [16, 24])  # 24: the 100 tokens do not fill the last block (padding)
+@pytest.mark.floor  # the kernels' numbers can differ between JAX versions
 def test_chunked_kernel_equals_materialized_scores(order, block):
     seq = 100 if block == 24 else 96
     positions = {"in order": np.arange(seq), "zig-zag": zigzag_order(seq, 2) if seq % 4 == 0 else np.arange(seq),
@@ -88,6 +89,7 @@ def test_chunked_kernel_keeps_packed_examples_apart(order):
 
 
 @pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.floor  # Pallas differs between JAX versions
 def test_splash_kernel_in_the_pallas_interpreter_equals_materialized_scores(packed):
     """The TPU kernel runs here in Pallas' interpreter: the same program, emulated; packed
     rows through its segment ids."""
@@ -99,6 +101,7 @@ def test_splash_kernel_in_the_pallas_interpreter_equals_materialized_scores(pack
 
 
 @pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.floor  # Pallas and the partitioner differ between JAX versions
 def test_splash_in_a_map_over_rows_and_heads_equals_one_device(packed):
     """On a mesh a fused kernel runs per device, in a map over the row and head axes (and
     each device's rows' segment ids)."""

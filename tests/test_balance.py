@@ -141,8 +141,10 @@ def balanced_reference():
     return train_run("", 1, cached=False, **BALANCED)  # the bias on, all experts on one device, once each
 
 
-@pytest.mark.parametrize("mesh,devices,mode", [("ep=4", 4, {}), ("ep=4", 4, NO_DROPS), ("ep=4", 4, {"grad_accum": 2})],
-                         ids=["ep4-dropless", "ep4-capacity", "ep4-accum"])
+@pytest.mark.parametrize("mesh,devices,mode", [  # the gate keeps one: capacity; the others are more layouts
+    pytest.param("ep=4", 4, {}, marks=pytest.mark.slow), ("ep=4", 4, NO_DROPS),
+    pytest.param("ep=4", 4, {"grad_accum": 2}, marks=pytest.mark.slow),
+], ids=["ep4-dropless", "ep4-capacity", "ep4-accum"])
 def test_expert_copies_match_one_device_across_a_rebalancing(balanced_reference, mesh, devices, mode):
     reference = (balanced_reference if not mode.get("moe_dispatch")
                  else train_run("", 1, cached=False, **BALANCED, **NO_DROPS))
@@ -182,6 +184,7 @@ def staged_reference():
     {"pp_schedule": "zb-v", "microbatches": 2, "redundant_experts": 4, "rebalance_every": 2},
     {"pp_schedule": "dualpipe", "microbatches": 2, "redundant_experts": 4, "rebalance_every": 2},
 ], ids=["interleaved-1f1b", "zb-v-copies", "dualpipe-copies"])
+@pytest.mark.slow  # another layout of what the gate's parity tests hold once
 def test_balancing_in_pipeline_stages_matches_one_device(staged_reference, schedule):
     reference, run = staged_reference, train_run("pp=2,ep=2", 4, cached=False, **STAGED, **schedule)
     np.testing.assert_allclose(run.losses, reference.losses, rtol=LOSS_RTOL, atol=0)
@@ -199,6 +202,7 @@ def test_balancing_in_pipeline_stages_matches_one_device(staged_reference, sched
         assert {row: ratio for row, ratio in ratios.items() if not 0.95 <= ratio <= 1.05} == {}
 
 
+@pytest.mark.slow  # another layout of what the gate's parity tests hold once
 def test_a_run_with_copies_and_bias_resumes_on_another_ep_size_and_serves_as_trained(tmp_path):
     """Saved after step 4 (rebalanced after steps 2 and 4) on ep=4, resumed on ep=2: the
     same losses as the run that went on, the placement and bias as saved."""

@@ -33,6 +33,7 @@ def uninterrupted(tmp_path_factory):
     return out, [r["loss"] for r in records], jax.device_get(state["params"])
 
 
+@pytest.mark.floor  # Orbax's checkpoints can differ between versions
 def test_resume_on_the_same_mesh_is_bit_identical(uninterrupted):
     out, losses, params = uninterrupted
     assert Checkpoints(out).steps() == [4, 8]
@@ -43,12 +44,12 @@ def test_resume_on_the_same_mesh_is_bit_identical(uninterrupted):
         np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("mesh,devices,zero", [
-    ("fsdp=8", 8, 0),
-    ("tp=4,dp=2", 8, 0),
-    ("dp=8", 8, 1),
-    ("fsdp=2,tp=2", 4, 0),  # another device count
-    ("ep=2,sp=2,tp=2", 8, 0),
+@pytest.mark.parametrize("mesh,devices,zero", [  # the gate keeps one, also on the floor (Orbax's versions)
+    pytest.param("fsdp=8", 8, 0, marks=pytest.mark.slow),
+    pytest.param("tp=4,dp=2", 8, 0, marks=pytest.mark.slow),
+    pytest.param("dp=8", 8, 1, marks=pytest.mark.slow),
+    pytest.param("fsdp=2,tp=2", 4, 0, marks=pytest.mark.floor),  # another device count
+    pytest.param("ep=2,sp=2,tp=2", 8, 0, marks=pytest.mark.slow),
 ])
 def test_resume_on_another_mesh_continues_the_run(uninterrupted, mesh, devices, zero):
     out, losses, _ = uninterrupted

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 # One worker runs them all: the module's fixture runs every case, through one driver.
-pytestmark = pytest.mark.xdist_group("cli")
+pytestmark = [pytest.mark.xdist_group("cli"),
+              pytest.mark.floor]  # what can differ between JAX versions
 DRIVER = Path(__file__).with_name("cli_driver.py")
 HF = Path(__file__).with_name("hf")
 

@@ -9,7 +9,8 @@ from test_parity import LOSS_RTOL
 
 from spmd.planner.plan import make_plan
 
-pytestmark = pytest.mark.xdist_group("composition")
+pytestmark = [pytest.mark.xdist_group("composition"),
+              pytest.mark.slow]  # more layouts of what the gate's parity tests hold once each
 
 MOE = {"model": "moe-tiny", "layers": 4}  # 2 scan steps of a dense and an MoE block: one per stage
 LAYOUTS = [

@@ -43,6 +43,7 @@ SHARED = pytest.mark.xdist_group("deepseek")  # one worker: they share the refer
     # 16 experts in 4 groups, 2 kept, over 4 devices.
     pytest.param("ep=4", 4, BIASED, id="ep=4-biased"),
 ])
+@pytest.mark.slow  # another layout of what the gate's parity tests hold once
 def test_layout_matches_one_device(mesh, devices, overrides):
     reference = train_run("", 1, **overrides | dict(microbatches=None, pp_schedule="gpipe"))
     run = train_run(mesh, devices, **overrides)
@@ -55,6 +56,7 @@ def test_layout_matches_one_device(mesh, devices, overrides):
         assert np.abs(reference.router["blocks"]["mlp"]["bias"]).max() > 0
 
 
+@pytest.mark.slow  # another layout of what the gate's parity tests hold once
 def test_empty_layers_even_out_the_stages_without_changing_the_numbers():
     """3 MoE layers as zb-v's 2 x pp = 4 chunks: one empty layer after them, which passes
     its input on, adds nothing to the balance loss or the metrics, and stays zeros; the
@@ -85,6 +87,7 @@ def test_presets_have_the_published_sizes():
     assert lite.num_params(active=True) - lite.vocab * lite.embed == 2_451_435_008
 
 
+@pytest.mark.slow  # another layout of what the gate's parity tests hold once
 def test_the_checkpoints_selection_bias_moves_with_the_run_and_is_exported(tmp_path):
     """The Hugging Face round trip through a run: a run that moves the selection bias
     (--router-bias-rate) keeps it as router state, starting from the checkpoint's

@@ -13,6 +13,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from support.commands import in_namespace, one_error_line
 
 from spmd.formats.checkpoint import finalized_steps
@@ -22,6 +23,7 @@ FAST = ["--batch", "8", "--seq", "32", "--log-every", "1"]
 TRAIN = [sys.executable, "-m", "spmd.train", *FAST]
 
 
+@pytest.mark.slow  # test_outputs' too, in the gate
 def test_an_out_that_cannot_be_written_is_refused_before_anything_runs(tmp_path):
     (tmp_path / "ro").mkdir()
     (tmp_path / "theirs").mkdir()
@@ -80,6 +82,7 @@ def test_a_metrics_file_on_a_full_disk_ends_in_one_line_and_leaves_no_empty_out(
     assert not (tmp_path / "run").exists()  # made by this run, never saved into: removed
 
 
+@pytest.mark.slow  # a fault of two processes
 def test_two_processes_stop_after_the_same_step_when_one_is_told_to(tmp_path):
     port = free_port()
     cmd = [*TRAIN, "--steps", "100000", "--out", str(tmp_path / "run"), "--step-timeout", "60"]
@@ -178,6 +181,7 @@ def test_a_step_that_does_not_fit_is_refused_before_anything_is_allocated(tmp_pa
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow  # a fault past those the gate holds (full disks, kill -9, signals)
 def test_a_non_finite_update_is_dropped_even_when_loss_and_gradient_are_finite():
     from spmd.config import TrainConfig, validate
     from spmd.data.feed import global_batch

@@ -53,9 +53,11 @@ def packed(tmp_path_factory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("name, mesh", [("prompt_completion", ""), ("prompt_completion", "fsdp=2,tp=2"),
-                                        ("prompt_completion", "sp=2"), ("chat", "dp=2,tp=2"),
-                                        ("pre-packed prompt_completion", "dp=2")])
+@pytest.mark.parametrize("name, mesh", [  # the gate keeps one: chat on a mesh
+    pytest.param("prompt_completion", "", marks=pytest.mark.slow),
+    pytest.param("prompt_completion", "fsdp=2,tp=2", marks=pytest.mark.slow),
+    pytest.param("prompt_completion", "sp=2", marks=pytest.mark.slow), ("chat", "dp=2,tp=2"),
+    pytest.param("pre-packed prompt_completion", "dp=2", marks=pytest.mark.slow)])
 def test_eval_is_transformers_mean_loss_over_the_targets(name, mesh, request):
     # float32 throughout on both sides; the sums differ in order only: 1e-5 relative.
     data = request.getfixturevalue("packed") if name.startswith("pre-packed") else FILES[name]

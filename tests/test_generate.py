@@ -34,6 +34,8 @@ from spmd.inference.decode import Decoder, Sampling, bucket, filtered, left_padd
 from spmd.parallel.layout import make_layout
 
 pytestmark = pytest.mark.xdist_group("generate")
+# The gate holds the goldens' generation (a dense and an MoE family) and the sampling's
+# filters; the other tests here (`pytest.mark.slow`) repeat it on more meshes, families and commands.
 
 GOLDENS = Path(__file__).with_name("hf")
 DRIVER = Path(__file__).with_name("cli_driver.py")
@@ -87,6 +89,7 @@ def _recomputed(params, prompts, new: int, model: str = "tiny") -> np.ndarray:
     return np.stack(out, axis=1)
 
 
+@pytest.mark.slow
 def test_greedy_with_the_cache_equals_recomputation_on_every_mesh(tiny):
     params, prompts = tiny
     want = _recomputed(params, prompts, NEW)
@@ -95,6 +98,7 @@ def test_greedy_with_the_cache_equals_recomputation_on_every_mesh(tiny):
         np.testing.assert_array_equal(got, want, err_msg=mesh)
 
 
+@pytest.mark.slow
 def test_greedy_with_the_cache_equals_recomputation_with_experts(tiny):
     """An MoE model whose scanned unit is a dense block then an MoE block (moe-tiny), with
     a shared expert; on one device and with its experts over ep."""
@@ -107,13 +111,13 @@ def test_greedy_with_the_cache_equals_recomputation_with_experts(tiny):
                                       err_msg=mesh)
 
 
-@pytest.mark.parametrize("name,mesh", [("llama-gqa", "dp=1"), ("llama-tied-rope", "fsdp=2,tp=2"),
-                                       ("mixtral", "dp=1"), ("mixtral", "dp=2,ep=2,tp=2"), ("qwen3", "fsdp=2,tp=2"),
-                                       ("qwen2", "fsdp=2,tp=4"), ("mistral", "dp=1"), ("mistral", "fsdp=2,tp=2"),
-                                       ("qwen3-moe", "ep=2,tp=2"), ("qwen3-moe-dense", "ep=2,tp=2"), ("gemma3", "dp=1"),
-                                       ("gemma3", "fsdp=2,tp=2"),
-                                       ("deepseek-v3", "dp=1"), ("deepseek-v3-q", "fsdp=2,ep=2,tp=2"),
-                                       ("olmo2", "dp=1"), ("olmo2", "fsdp=2,tp=4")])
+@pytest.mark.parametrize("name,mesh", [  # the gate keeps a dense and an MoE golden; the other families are slow
+    ("llama-gqa", "dp=1"), *[pytest.param(*case, marks=pytest.mark.slow) for case in [
+        ("llama-tied-rope", "fsdp=2,tp=2"), ("mixtral", "dp=1")]],
+    ("mixtral", "dp=2,ep=2,tp=2"), *[pytest.param(*case, marks=pytest.mark.slow) for case in [
+        ("qwen3", "fsdp=2,tp=2"), ("qwen2", "fsdp=2,tp=4"), ("mistral", "dp=1"), ("mistral", "fsdp=2,tp=2"),
+        ("qwen3-moe", "ep=2,tp=2"), ("qwen3-moe-dense", "ep=2,tp=2"), ("gemma3", "dp=1"), ("gemma3", "fsdp=2,tp=2"),
+        ("deepseek-v3", "dp=1"), ("deepseek-v3-q", "fsdp=2,ep=2,tp=2"), ("olmo2", "dp=1"), ("olmo2", "fsdp=2,tp=4")]]])
 def test_greedy_equals_transformers_generate(name, mesh):
     folder = GOLDENS / name
     layout = _layout(mesh, init_from=str(folder))
@@ -126,6 +130,7 @@ def test_greedy_equals_transformers_generate(name, mesh):
 
 
 @pytest.mark.parametrize("name,mesh", [("mistral", "dp=1"), ("gemma3", "fsdp=2,tp=2")])
+@pytest.mark.slow
 def test_greedy_reading_the_cache_in_small_chunks(monkeypatch, tiny, name, mesh):
     """Decoding reads the cache a chunk at a time, up to the newest token (the online
     softmax of models.attention.cached_attention). Chunks of 8 slots make the goldens'
@@ -139,6 +144,7 @@ def test_greedy_reading_the_cache_in_small_chunks(monkeypatch, tiny, name, mesh)
                                   _recomputed(params, prompts, NEW))
 
 
+@pytest.mark.slow
 def test_sampling_gives_the_same_tokens_on_any_mesh(tiny):
     params, prompts = tiny
     sampling = Sampling(temperature=1.0, top_k=50, top_p=0.95)
@@ -192,6 +198,7 @@ def run_dir(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.mark.slow
 def test_generate_and_eval_commands(run_dir, tmp_path):
     out = tmp_path / "completions.jsonl"
     prompts = ["the cat", "the mat. the", "é"]  # the last: two bytes
@@ -310,6 +317,7 @@ def _model_dir(root: Path, name: str, positions=256, extra_tokens: int = 0) -> s
     return str(folder)
 
 
+@pytest.mark.slow
 def test_bad_input_gives_one_error_line_and_exit_2(run_dir, tmp_path):
     from spmd.base.hardware import host_memory_bytes
 
@@ -355,6 +363,7 @@ def _mknod(path: Path, major: int, minor: int) -> None:
         pytest.skip("making a device node needs root")
 
 
+@pytest.mark.slow
 def test_output_streams_to_a_fifo_stdout_or_the_null_device_and_never_replaces_a_special_file(run_dir, tmp_path):
     _mknod(tmp_path / "full", 1, 7)  # /dev/full: every write fails with ENOSPC
     _mknod(tmp_path / "null", 1, 3)
@@ -417,6 +426,7 @@ def _stopped(command: list[str], signum: int, ready) -> tuple[int, str, str]:
     return proc.returncode, out, err
 
 
+@pytest.mark.slow
 def test_a_signal_stops_generate_in_one_line(run_dir, tmp_path):
     command = [sys.executable, "-m", "spmd.generate", "--checkpoint", str(run_dir / "run"), "--prompt", "the cat",
                "--max-new-tokens", "4", "--output", str(tmp_path / "out.jsonl")]

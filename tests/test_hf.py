@@ -48,6 +48,7 @@ def _tensors(directory: Path) -> dict[str, np.ndarray]:
 
 @pytest.mark.parametrize("mesh", ["one device", "mesh"])
 @pytest.mark.parametrize("name", MESHES)
+@pytest.mark.floor  # the goldens' numbers can differ between JAX versions
 def test_logits_equal_transformers(name, mesh):
     model = from_pretrained(GOLDENS / name, mesh=MESHES[name] if mesh == "mesh" else None)
     leaves = jax.tree.leaves(nnx_state(model))
@@ -134,6 +135,7 @@ def _run(*argv, cwd=None) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("name", [name for name in MESHES if not name.startswith("deepseek")])  # (test_deepseek.py)
+@pytest.mark.slow  # the gate holds every family's logits; the round trips are here
 def test_import_then_export_gives_the_same_tensors(name, tmp_path):
     """HF -> spmd checkpoint (--steps 0 saves the start) -> export --format hf: every tensor
     bit for bit, in shards with their index; the export reads back to the same logits."""

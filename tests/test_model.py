@@ -136,7 +136,7 @@ def test_a_token_never_sees_the_future():
     assert not np.allclose(a[:, 10:], b[:, 10:])
 
 
-@pytest.mark.parametrize("policy", ["full", "dots"])
+@pytest.mark.parametrize("policy", ["full", pytest.param("dots", marks=pytest.mark.slow)])  # the gate keeps one policy
 def test_remat_changes_memory_not_gradients(policy):
     tokens = jax.random.randint(jax.random.key(2), (2, 16), 0, 256)
 
@@ -191,6 +191,7 @@ def test_moe_presets_build_abstractly(name):
 
 
 @pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+@pytest.mark.slow  # another layout of what the gate's parity tests hold once
 def test_moe_layer_capacity_without_drops_equals_dropless(scoring):
     cfg = dataclasses.replace(PRESETS["moe-tiny"], moe=dataclasses.replace(PRESETS["moe-tiny"].moe, scoring=scoring))
     tokens = jax.random.randint(jax.random.key(3), (4, 16), 0, 256)

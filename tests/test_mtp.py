@@ -73,7 +73,8 @@ def _loss_from_sums(sums, counts):
     return means[0] + WEIGHT * mtp, mtp
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
+@pytest.mark.parametrize("packed", [pytest.param(False, marks=pytest.mark.slow), True],  # the gate keeps packed rows
+                         ids=["rows", "packed"])
 def test_the_loss_and_its_gradients_are_the_reports_equations(packed):
     """Rolled columns whose wrapped ends are masked (as the model computes them, so that
     the sequence keeps its length and its split) give the loss and gradients of the
@@ -135,6 +136,7 @@ MTP = dict(model="deepseek-v3-tiny", mtp_depth=1)
     ("pp=2,ep=2", 4, dict(pp_schedule="dualpipe", microbatches=4, redundant_experts=2, rebalance_every=2)),
 ], ids=["pp=2,ep=2-dualpipe", "pp=2,dp=2-1f1b", "sp=2,tp=2-accum", "pp=2,ep=2-dualpipe-copies"])
 @pytest.mark.xdist_group("mtp")  # one worker: they share the reference run (support.parity)
+@pytest.mark.slow  # the gate holds the reference's equations on packed rows
 def test_layout_matches_one_device(mesh, devices, overrides):
     reference = train_run("", 1, **MTP)
     run = train_run(mesh, devices, **MTP, **overrides)
@@ -159,15 +161,16 @@ def test_the_prediction_modules_stay_out_of_the_export(tmp_path):
                                    for n in t.names(i))
 
 
-@pytest.mark.parametrize("mesh,overrides", [
+@pytest.mark.parametrize("mesh,overrides", [  # the gate keeps DualPipe's; the other layouts are slow
     ("pp=2,ep=2", dict(mtp_depth=2, pp_schedule="dualpipe", microbatches=4)),
-    ("pp=2,sp=2", dict(mtp_depth=1)),  # GPipe: the modules after the stages, the dense prefix before them, over sp
-    ("fsdp=2,tp=2", dict(mtp_depth=2)),
-    ("sp=2,ep=2", dict(mtp_depth=1, moe_dispatch="capacity")),
-    ("pp=2,dp=2", dict(mtp_depth=1, pp_schedule="1f1b", microbatches=4, zero=1)),
+    # GPipe: the modules after the stages, the dense prefix before them, over sp
+    pytest.param("pp=2,sp=2", dict(mtp_depth=1), marks=pytest.mark.slow),
+    pytest.param("fsdp=2,tp=2", dict(mtp_depth=2), marks=pytest.mark.slow),
+    pytest.param("sp=2,ep=2", dict(mtp_depth=1, moe_dispatch="capacity"), marks=pytest.mark.slow),
+    pytest.param("pp=2,dp=2", dict(mtp_depth=1, pp_schedule="1f1b", microbatches=4, zero=1), marks=pytest.mark.slow),
     # The layers' experts with copies, the module's without: capacity buffers of each size.
-    ("pp=2,ep=2", dict(mtp_depth=1, pp_schedule="dualpipe", microbatches=4, redundant_experts=2,
-                       moe_dispatch="capacity")),
+    pytest.param("pp=2,ep=2", dict(mtp_depth=1, pp_schedule="dualpipe", microbatches=4, redundant_experts=2,
+                                   moe_dispatch="capacity"), marks=pytest.mark.slow),
 ], ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}{x}" for k, x in v.items()))
 def test_the_plan_counts_the_prediction_modules(mesh, overrides):
     """Every collective row of a layout with multi-token prediction within 0.95-1.05 of
@@ -268,6 +271,7 @@ def test_a_prediction_layer_is_whole_or_refused(tmp_path, edit, message):
         Directory(_with_prediction_layer(tmp_path, edit))
 
 
+@pytest.mark.slow  # another layout of what the gate's parity tests hold once
 def test_a_run_with_expert_copies_and_prediction_exports_the_model(tmp_path):
     """DeepSeek-V3 trained with expert copies and a prediction module, its selection bias
     kept in the router state (no --router-bias-rate): the export is the model of one

@@ -88,6 +88,7 @@ def test_a_checkpoint_of_two_processes_resumes_in_one(runs):
     assert resumed[-1]["eval_loss"] == pytest.approx(one[-1]["eval_loss"], rel=1e-5)
 
 
+@pytest.mark.slow  # a fault of two processes
 def test_killing_one_process_makes_the_other_exit_with_an_error(runs):
     port = free_port()
     cmd = _train("--data", str(runs["corpus"]), "--steps", "100000", "--log-every", "1", "--eval-every", "0",

@@ -20,7 +20,8 @@ from support.commands import losses_by_step
 
 from spmd.formats.checkpoint import finalized_steps
 
-pytestmark = pytest.mark.xdist_group("multihost")  # one worker for the runs of several processes
+pytestmark = [pytest.mark.xdist_group("multihost"),  # one worker for the runs of several processes
+              pytest.mark.slow]  # processes on two network namespaces
 
 SUBNET = "10.77.0"
 PORT = 7010

@@ -37,6 +37,7 @@ def test_notebooks_are_stored_clean_and_linked_from_the_readme():
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+@pytest.mark.slow  # the notebooks, each a kernel's run of the docs' examples
 def test_notebook_runs_top_to_bottom(path, tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(ROOT))  # the kernel imports the checked-out code
     if path.stem in OPTIMIZED:

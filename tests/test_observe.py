@@ -60,6 +60,7 @@ def test_profile_steps_write_a_trace_of_exactly_those_steps(runs):
     assert written and lines[start + 1].startswith("[2/6") and written[0] == start + 2  # after step 2's log line
 
 
+@pytest.mark.slow  # beyond what the gate holds of --profile: a resumed run
 def test_a_run_resumed_past_the_profiled_steps_says_so_and_traces_nothing(runs):
     _, _, resumed, trace = runs
     assert "profile: steps 2-3 come before step 4, where this resumed run starts; no trace is taken" in resumed

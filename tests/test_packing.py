@@ -91,17 +91,19 @@ def _one_per_row(layers: int):
                            ONE_PER_ROW)
 
 
-@pytest.mark.parametrize("mesh, devices, overrides", [
+@pytest.mark.parametrize("mesh, devices, overrides", [  # the gate keeps the first; the others are more layouts
     ("", 1, dict(attention_kernel="xla")),
-    ("", 1, dict(attention_kernel="chunked")),
-    ("sp=2", 2, dict(attention_kernel="chunked")),
-    ("sp=4", 4, dict(attention_kernel="xla")),
-    ("dp=2,sp=2", 4, dict(attention_kernel="xla", attention="all-gather")),
-    # Pipelines: the stages read each microbatch's examples; the head counts its targets.
-    ("pp=2,dp=2", 4, dict(microbatches=4)),
-    ("pp=2,dp=2", 4, dict(pp_schedule="1f1b", microbatches=2, grad_accum=2)),
-    ("pp=2,sp=2", 4, dict(pp_schedule="interleaved-1f1b", pp_repeats=2, layers=4, microbatches=2)),
-    ("pp=2", 2, dict(pp_schedule="zb-v", layers=4, microbatches=4)),
+    *[pytest.param(*case, marks=pytest.mark.slow) for case in [
+        ("", 1, dict(attention_kernel="chunked")),
+        ("sp=2", 2, dict(attention_kernel="chunked")),
+        ("sp=4", 4, dict(attention_kernel="xla")),
+        ("dp=2,sp=2", 4, dict(attention_kernel="xla", attention="all-gather")),
+        # Pipelines: the stages read each microbatch's examples; the head counts its targets.
+        ("pp=2,dp=2", 4, dict(microbatches=4)),
+        ("pp=2,dp=2", 4, dict(pp_schedule="1f1b", microbatches=2, grad_accum=2)),
+        ("pp=2,sp=2", 4, dict(pp_schedule="interleaved-1f1b", pp_repeats=2, layers=4, microbatches=2)),
+        ("pp=2", 2, dict(pp_schedule="zb-v", layers=4, microbatches=4)),
+    ]],
 ])
 def test_packed_rows_train_as_one_example_per_row(mesh, devices, overrides):
     # float32 sums of the same terms in another order (rows, blocks, ranks): 1e-5 relative.

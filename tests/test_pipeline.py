@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import jaxlib.version
 import numpy as np
 import pytest
+from support.cases import tiered
 from support.parity import PARITY, assert_params_match, train_run
 
 from models.llama.presets import PRESETS
@@ -75,7 +76,13 @@ def _run(i):
     return train_run(mesh, devices, **DEEP, **overrides)
 
 
-@pytest.mark.parametrize("i", range(len(LAYOUTS)), ids=IDS)
+# The gate trains each schedule once (1F1B also with dp and tp); the other layouts are slow.
+# The floor pass repeats GPipe, 1F1B with dp and tp, and zb-v: each schedule's shard_map.
+@pytest.mark.parametrize("i", tiered(range(len(LAYOUTS)), IDS, gate=[
+    "pp=4-microbatches8", "pp=4-pp_schedulecircular-pp_repeats2-microbatches4", "pp=4-pp_schedule1f1b-microbatches8",
+    "pp=4-pp_scheduleinterleaved-1f1b-pp_repeats2-microbatches8", "pp=2,dp=2,tp=2-pp_schedule1f1b-microbatches4",
+    "pp=4-pp_schedulezb-v-microbatches8", "pp=2-pp_scheduledualpipe-microbatches4"], floor=[
+    "pp=4-microbatches8", "pp=2,dp=2,tp=2-pp_schedule1f1b-microbatches4", "pp=4-pp_schedulezb-v-microbatches8"]))
 def test_pipeline_matches_one_device(deep_reference, i):
     run = _run(i)
     np.testing.assert_allclose(run.losses, deep_reference.losses, rtol=LOSS_RTOL, atol=0)
@@ -122,6 +129,7 @@ def test_one_f_one_b_keeps_fewer_activations_than_gpipe():
     assert one_f_one_b < 0.8 * gpipe, (one_f_one_b, gpipe)
 
 
+@pytest.mark.slow  # another layout of what the gate's parity tests hold once
 def test_interleaved_one_f_one_b_keeps_about_one_f_one_bs_activations():
     """pp=4, m=8, v=2: a ring of 2vp - 1 = 15 chunk residuals, 7.5 stages' worth of
     microbatches, against 1F1B's 7 and GPipe's 11."""
@@ -136,6 +144,7 @@ def test_interleaved_one_f_one_b_keeps_about_one_f_one_bs_activations():
 
 @pytest.mark.parametrize("layout", ["pp=2-pp_schedulezb-v-microbatches4", "pp=2-pp_scheduledualpipe-microbatches4",
                                     "pp=4-pp_scheduledualpipe-microbatches8"])
+@pytest.mark.slow  # the gate holds the formula of GPipe, circular, 1F1B
 def test_split_backward_executes_its_formula(deep_reference, layout):
     """zb-v runs 2m + 2p - 2 chunk forwards and input gradients (B) per device and exactly
     2m weight gradients (W), DualPipe m + p - 2 stage forwards and B's and m W's:
@@ -211,6 +220,7 @@ def test_dualpipe_timetable(p, m):
     assert remat.compute_overhead == pytest.approx(1 + (p - 2) / m) and remat.kept_microbatches == 2 * p - 1
 
 
+@pytest.mark.slow  # another layout of what the gate's parity tests hold once
 def test_zb_v_activations_do_not_grow_with_microbatches():
     """zb-v's rings hold a bounded number of chunk residuals (4p - 1 for B, 5p - 2 of the
     matmuls' inputs for W, 2p - 1 cotangents from B to W), whatever m is: doubling m at
@@ -250,6 +260,7 @@ def test_a_pipelines_checkpoint_restores_onto_a_layout_without_pipeline(tmp_path
 
 
 @pytest.mark.parametrize("i", [1, 2, 3, 8, 10, 12, 14, 16], ids=[IDS[i] for i in (1, 2, 3, 8, 10, 12, 14, 16)])
+@pytest.mark.slow  # another layout of what the gate's parity tests hold once
 def test_plan_matches_the_compiled_pipeline(i):
     """spmd.plan's theory of pipeline stages (the pp permutes, the rows entering and
     leaving, the bubble ticks' tp traffic, dp reduced once) against the compiled step."""
@@ -311,6 +322,7 @@ def _ring_copies(text: str, slots) -> collections.Counter:
 
 @held_from_xla_0_12("XLA:CPU copies the two stages' weights stacked and the ring of what the forwards keep "
                     "(11 copies): 2.4 stages over the theory's peak, not 0.2")
+@pytest.mark.floor  # skipped on the floor: the pass lists the reason (-rs)
 def test_dualpipe_copies_no_stage_to_pick_one():
     """A DualPipe device runs its own stage and the one its mirror sends on alternate
     ticks, which of the two by the device's parity: each pass picks its stage where it
@@ -331,6 +343,7 @@ def test_dualpipe_copies_no_stage_to_pick_one():
 
 
 @held_from_xla_0_12(f"{BARRIERS_GONE}: zb-v's rings are copied to be written (up to 23 times a step)")
+@pytest.mark.floor  # skipped on the floor: the pass lists the reason (-rs)
 def test_split_backward_rings_are_written_in_place():
     """zb-v's ticks run two to a loop trip, and a tick's B (and W) reads a ring that the
     next tick's forward (or B) writes: the read is put before the write
@@ -381,6 +394,7 @@ def test_the_heads_conditional_writes_no_head_sized_zeros(schedule):
 
 @pytest.mark.parametrize("schedule", ["1f1b", "dualpipe"])
 @held_from_xla_0_12(f"{BARRIERS_GONE}: the table's gradient zeros are made before the stages' loop")
+@pytest.mark.floor  # skipped on the floor: the pass lists the reason (-rs)
 def test_the_tables_gradient_zeros_are_made_after_the_stages(schedule):
     """The table's gradient is its rows' gradients scattered into zeros once the stages
     are done. Written by autodiff, the zeros are a constant, which XLA:CPU's scheduler

@@ -40,6 +40,7 @@ def _wait_for_line(proc, prefix: str, timeout: float = 120) -> list[str]:
     raise AssertionError(f"no line starting with {prefix!r}: {''.join(lines)}{proc.stderr.read()}")
 
 
+@pytest.mark.slow  # a job stopped as a scheduler stops it: processes and signals
 def test_sigterm_finishes_the_step_saves_and_exits_0(tmp_path):
     """As a scheduler stops a job: SIGTERM to every process of it, the data's worker
     processes too (which leave the stop to the trainer, then end with it). The checkpoint

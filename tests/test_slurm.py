@@ -19,7 +19,8 @@ from slurm_cluster import Slurm, install
 
 from spmd.formats.checkpoint import finalized_steps
 
-pytestmark = pytest.mark.xdist_group("multihost")  # one worker for the runs of several processes
+pytestmark = [pytest.mark.xdist_group("multihost"),  # one worker for the runs of several processes
+              pytest.mark.slow]  # a SLURM cluster's processes and hosts
 
 SCRIPT = Path(__file__).parents[1] / "examples" / "slurm" / "train.sbatch"
 STEPS = 100

@@ -1,6 +1,6 @@
 """The tiers (tests/tiers.py) hold what they say: CI's slices of the slow tier cover it
-whole, every pattern naming slow or floor tests still names a test, and the tier options
-refuse in one line what they cannot do. Collection only."""
+whole, every test's tier is declared where the test is defined (a marker pytest knows), and
+the tier options refuse in one line what they cannot do. Collection only."""
 
 import json
 import subprocess
@@ -22,11 +22,13 @@ SLICE_BUDGET_S = 900
 
 @pytest.fixture(scope="module")
 def collected(tmp_path_factory) -> list[dict]:
-    """Every test of the suite, both tiers, as one collection (no worker processes) sees it."""
+    """Every test of the suite, both tiers, as one collection (no worker processes) sees it.
+    With --strict-markers: a misspelt tier (`pytest.mark.slwo`) fails here, where it would
+    leave a slow test in the gate unseen."""
     out = tmp_path_factory.mktemp("tiers") / "tiers.json"
-    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:xdist", "-o", "addopts=",
-                           "--tier", "all", f"--list-tiers={out}"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-n", "0", "-o", "addopts=",
+                           "--strict-markers", "--tier", "all", f"--list-tiers={out}"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)  # (xdist loaded, no workers: it registers xdist_group)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     return json.loads(out.read_text())
 
@@ -46,10 +48,25 @@ def test_the_ci_slices_cover_the_slow_tier_once(collected):
     assert max(costs) <= SLICE_BUDGET_S, costs
 
 
-def test_every_pattern_names_a_test(collected):
-    ids = [t["id"] for t in collected]
-    stale = [p for p in tiers.SLOW + tiers.GATE + tiers.FLOOR if not any(tiers.pattern_matches(p, i) for i in ids)]
-    assert not stale, f"these patterns of tests/tiers.py match no test: {stale}"
+def test_every_tier_is_declared_where_its_test_is_defined(collected):
+    """`slow` and `floor` come from the test's module, class, function or case, never from a
+    hook (tests/tiers.py only reads them); a test whose cases are split between the tiers
+    marks its slow cases one by one (`pytest.param`, `support.cases.tiered`), and every
+    module of a marked test has its areas."""
+    elsewhere = [(t["id"], name) for t in collected for name, where in t["declared"].items() if where == "elsewhere"]
+    assert not elsewhere, f"markers not declared with their tests: {elsewhere[:10]}"
+    cases: dict[str, list[dict]] = {}
+    for t in collected:
+        cases.setdefault(t["id"].partition("[")[0], []).append(t)
+    split = {name for name, ts in cases.items() if len({t["slow"] for t in ts}) == 2}
+    assert split, "no parametrized test keeps some cases in the gate (the parity layouts did)"
+    loose = [t["id"] for name in split for t in cases[name] if t["slow"] and t["declared"]["slow"] != "case"]
+    assert not loose, f"slow cases of a split test not marked by their case: {loose[:10]}"
+    unknown = {t["id"].partition("::")[0] for t in collected if t["declared"]} - {
+        f"tests/{module}.py" for module in tiers.AREAS}
+    assert not unknown, f"marked tests in modules without areas (tests/tiers.py AREAS): {unknown}"
+    print(f"{len(split)} tests split between the tiers; slow tests: {sum(t['slow'] for t in collected)}, "
+          f"floor: {sum(t['floor'] for t in collected)}")
 
 
 def test_ci_runs_the_gate_then_a_slice_chosen_by_the_commit():

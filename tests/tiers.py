@@ -9,15 +9,17 @@
 - Every test also carries the marker of its *area* (`-m pipelines`, `-m "hf or lora"`), and
   the tests that CI repeats on the oldest supported JAX carry `floor`.
 
-What is slow is listed here, by test id, rather than marked in each file: the gate is read
-in one place, and `test_tiers.py` fails on a pattern that no longer matches a test.
+A test's tier is declared where the test is defined: `@pytest.mark.slow` on a slow test,
+`pytestmark` for a slow module, `pytest.param(..., marks=pytest.mark.slow)` for the slow cases
+of a parametrized test whose other cases stay in the gate (`support.cases.tiered` for a list
+built elsewhere), and `floor` likewise. This module keeps the options, the areas, the markers'
+registration, the selection by marker and the balancing of the slow tier's slices.
 """
 
 import argparse
 import heapq
 import json
 import os
-import re
 import tempfile
 from pathlib import Path
 
@@ -84,127 +86,6 @@ MARKERS = {
     **{area: f"area: {area}" for area in sorted({a for areas in AREAS.values() for a in areas})},
 }
 
-# The slow tier. Each area keeps in the gate (GATE) its strongest tests: a parity layout per
-# axis and per schedule, the goldens against transformers and peft, the bad-input tables,
-# checkpoints and faults, the docs' cheap commands. What goes slow here is held in the gate by
-# a sibling: other layouts of a mechanism the gate trains once, plans of many devices, runs
-# of several processes and hosts (SLURM, a real network), the notebooks.
-SLOW = [
-    # More layouts of what the gate's parity tests hold once each (support.parity's shared runs).
-    "tests/test_parity.py::*",
-    "tests/test_pipeline.py::test_pipeline_matches_one_device*",
-    "tests/test_pipeline.py::test_plan_matches_the_compiled_pipeline*",
-    "tests/test_pipeline.py::test_zb_v_activations_do_not_grow_with_microbatches",
-    "tests/test_pipeline.py::test_interleaved_one_f_one_b_keeps_about_one_f_one_bs_activations",
-    "tests/test_pipeline.py::test_split_backward_executes_its_formula*",  # the gate holds the formula of GPipe, circular, 1F1B
-    "tests/test_composition.py::*",
-    "tests/test_moe.py::test_expert_parallel_layout_matches_one_device*",
-    "tests/test_moe.py::test_tokens_move_by_all_to_all*",
-    "tests/test_moe.py::test_with_sp_capacity_drops_what_one_device_drops",
-    "tests/test_balance.py::test_balancing_in_pipeline_stages_matches_one_device*",
-    "tests/test_balance.py::test_expert_copies_match_one_device_across_a_rebalancing*",
-    "tests/test_balance.py::test_a_run_with_copies_and_bias_resumes_on_another_ep_size_and_serves_as_trained",
-    "tests/test_deepseek.py::test_layout_matches_one_device*",
-    "tests/test_deepseek.py::test_empty_layers_even_out_the_stages_without_changing_the_numbers",
-    "tests/test_deepseek.py::test_the_checkpoints_selection_bias_moves_with_the_run_and_is_exported",
-    "tests/test_mtp.py::test_layout_matches_one_device*",  # the gate holds the reference's equations on packed rows
-    "tests/test_mtp.py::test_the_loss_and_its_gradients_are_the_reports_equations[rows]",
-    "tests/test_mtp.py::test_the_plan_counts_the_prediction_modules*",
-    "tests/test_mtp.py::test_a_run_with_expert_copies_and_prediction_exports_the_model",  # but DualPipe's, in the gate (GATE)
-    # A TPU compile of DeepSeek's stages (the gate compiles the default kernel for a TPU slice).
-    "tests/test_targets.py::test_a_dense_prefix_attends_to_its_own_rows_outside_the_stages",
-    "tests/test_lora.py::test_adapter_gradients_equal_one_devices*",
-    "tests/test_lora.py::test_lora_run_checkpoints_adapters_resumes_on_another_mesh_and_exports",
-    "tests/test_packing.py::test_packed_rows_train_as_one_example_per_row*",
-    "tests/test_objective.py::test_the_pooled_balance_loss_is_the_same_on_any_layout",
-    "tests/test_model.py::test_moe_layer_capacity_without_drops_equals_dropless*",
-    "tests/test_model.py::test_remat_changes_memory_not_gradients[dots]",
-    "tests/test_finetune.py::test_eval_is_transformers_mean_loss_over_the_targets*",
-    "tests/test_checkpoint.py::test_resume_on_another_mesh_continues_the_run*",
-    "tests/test_plan.py::test_every_row_of_a_pair_of_features_matches_theory*",
-    "tests/test_plan.py::test_llama3_70b_plans_on_tp_16_beyond_its_8_kv_heads",
-    "tests/test_hlo.py::test_grad_accumulation_with_sp_or_split_experts*",
-    # The goldens: every family's logits stay in the gate; the rest of the generation and round trips here.
-    "tests/test_generate.py::*",
-    "tests/test_hf.py::test_import_then_export_gives_the_same_tensors*",
-    # Plans of real clusters' presets (up to 128 emulated devices).
-    "tests/test_presets.py::test_preset_plans_cleanly_and_fits*",
-    # Several processes and hosts: SLURM, two network namespaces; faults of two processes.
-    "tests/test_slurm.py::*",
-    "tests/test_network.py::*",
-    "tests/test_multihost.py::test_killing_one_process_makes_the_other_exit_with_an_error",
-    "tests/test_faults.py::test_two_processes_stop_after_the_same_step_when_one_is_told_to",
-    "tests/test_faults.py::test_a_non_finite_update_is_dropped_even_when_loss_and_gradient_are_finite",
-    "tests/test_faults.py::test_an_out_that_cannot_be_written_is_refused_before_anything_runs",  # test_outputs' too
-    "tests/test_observe.py::test_a_run_resumed_past_the_profiled_steps_says_so_and_traces_nothing",
-    "tests/test_preemption.py::test_sigterm_finishes_the_step_saves_and_exits_0",
-    "tests/test_notebooks.py::test_notebook_runs_top_to_bottom*",
-    # The docs' commands that train or plan a layout the gate's tests hold (README's examples).
-    "tests/test_readme.py::test_readme_command_runs_as_written*",
-]
-# Held in the gate though a pattern above names them: one of each kind.
-GATE = [
-    *[f"tests/test_parity.py::test_layout_matches_one_device[{layout}]" for layout in (
-        "dp=8", "fsdp=8", "dp=2,fsdp=2,tp=2", "dp=8-zero1", "dp=4,tp=2-zero3", "1dev-grad_accum4", "tp=8",
-        "ep=2,sp=2,tp=2", "sp=4-attentionring", "sp=4-attentionall-gather", "tp=2-megatron_spTrue")],
-    "tests/test_parity.py::test_family_layout_matches_one_device[qwen3-fsdp=2,tp=4]",
-    *[f"tests/test_pipeline.py::test_pipeline_matches_one_device[{layout}]" for layout in (
-        "pp=4-microbatches8", "pp=4-pp_schedulecircular-pp_repeats2-microbatches4", "pp=4-pp_schedule1f1b-microbatches8",
-        "pp=4-pp_scheduleinterleaved-1f1b-pp_repeats2-microbatches8", "pp=2,dp=2,tp=2-pp_schedule1f1b-microbatches4",
-        "pp=4-pp_schedulezb-v-microbatches8", "pp=2-pp_scheduledualpipe-microbatches4")],
-    *[f"tests/test_moe.py::test_expert_parallel_layout_matches_one_device[{layout}]" for layout in (
-        "ep=2-dropless", "ep=4-dropless", "ep=2,fsdp=2,tp=2-capacity", "sp=2-dropless-accum")],
-    "tests/test_balance.py::test_expert_copies_match_one_device_across_a_rebalancing[ep4-capacity]",
-    "tests/test_lora.py::test_adapter_gradients_equal_one_devices[fsdp=2,tp=2]",
-    "tests/test_lora.py::test_adapter_gradients_equal_one_devices[pp=2,dp=2-1f1b]",
-    "tests/test_packing.py::test_packed_rows_train_as_one_example_per_row[-1-overrides0]",
-    "tests/test_finetune.py::test_eval_is_transformers_mean_loss_over_the_targets[chat-dp=2,tp=2]",
-    "tests/test_checkpoint.py::test_resume_on_another_mesh_continues_the_run[fsdp=2,tp=2-4-0]",
-    "tests/test_plan.py::test_every_row_of_a_pair_of_features_matches_theory[fsdp+LoRA]",
-    "tests/test_plan.py::test_every_row_of_a_pair_of_features_matches_theory[sp+MoE+grad-accum]",
-    *[f"tests/test_generate.py::{name}" for name in (
-        "test_greedy_equals_transformers_generate[llama-gqa-dp=1]",
-        "test_greedy_equals_transformers_generate[mixtral-dp=2,ep=2,tp=2]",
-        "test_greedy_is_the_argmax_and_filters_keep_the_best", "test_sampling_follows_temperature_top_k_and_top_p*")],
-    "tests/test_presets.py::test_preset_plans_cleanly_and_fits[llama3-8b-8xh100]",
-    "tests/test_mtp.py::test_the_plan_counts_the_prediction_modules[pp=2,ep=2-mtp_depth2-*]",
-    # The docs' commands that make and read files (checkpoints, exports, adapters, tokens), and
-    # those refused here by the fit check.
-    *[f"tests/test_readme.py::test_readme_command_runs_as_written[*{text}*]" for text in (
-        "runs/", "tokens.npy", "packed.npy", "exported", "Llama-3.2-1B-ft", "llama3-8b-8xh100.yaml --steps")],
-]
-
-# The floor pass (.ci/run on the oldest JAX): what can differ between JAX versions — the
-# partitioner's programs (one parity layout per axis, each schedule's shard_map), the MoE
-# exchange, Orbax's checkpoints, the goldens' numbers, the plan's reading of the HLO.
-FLOOR = [
-    *[f"tests/test_parity.py::test_layout_matches_one_device[{layout}]" for layout in (
-        "dp=8", "fsdp=8", "dp=2,fsdp=2,tp=2", "dp=8-zero1", "1dev-grad_accum4", "ep=2,sp=2,tp=2", "sp=4-attentionring",
-        "tp=2-megatron_spTrue")],
-    *[f"tests/test_pipeline.py::test_pipeline_matches_one_device[{layout}]" for layout in (
-        "pp=4-microbatches8", "pp=2,dp=2,tp=2-pp_schedule1f1b-microbatches4", "pp=4-pp_schedulezb-v-microbatches8")],
-    "tests/test_moe.py::test_expert_parallel_layout_matches_one_device[ep=2-dropless]",
-    "tests/test_moe.py::test_ragged_*",
-    "tests/test_checkpoint.py::test_resume_on_the_same_mesh_is_bit_identical",
-    "tests/test_checkpoint.py::test_resume_on_another_mesh_continues_the_run[fsdp=2,tp=2-4-0]",
-    "tests/test_hf.py::test_logits_equal_transformers*",
-    "tests/test_attention_kernels.py::test_splash_*",
-    "tests/test_attention_kernels.py::test_chunked_kernel_equals_materialized_scores*",
-    "tests/test_hlo.py::*",
-    "tests/test_plan.py::test_compiled_collectives_and_state_match_theory*",
-    "tests/test_sequence_parallel.py::*",
-    "tests/test_objective.py::test_the_warmup_is_kept_as_given*",
-    "tests/test_cli_errors.py::*",
-    # The gate's tests that say by a marker why they are left out on the floor (libtpu's wheels
-    # are cp312+; XLA 0.10 orders the step's buffers otherwise): the pass lists them with their
-    # reasons (`-rs`). And the LoRA run whose tolerance was set by what both JAX versions round.
-    "tests/test_targets.py::*",
-    "tests/test_pipeline.py::test_dualpipe_copies_no_stage_to_pick_one",
-    "tests/test_pipeline.py::test_split_backward_rings_are_written_in_place",
-    "tests/test_pipeline.py::test_the_tables_gradient_zeros_are_made_after_the_stages*",
-    "tests/test_lora.py::test_a_lora_run_starts_as_its_base_trains_only_its_adapters_and_matches_one_device",
-]
-
 TIERS = ("gate", "slow", "all")
 
 
@@ -215,7 +96,8 @@ def add_options(parser) -> None:
     group.addoption("--slow-slice", metavar="K/N", default=None, type=_slice,
                     help="of the slow tier (--tier slow or all), keep only slice K of N (0 <= K < N)")
     group.addoption("--list-tiers", metavar="FILE", default=None,
-                    help="write every collected test's id, unit and tier to FILE as JSON (tests/test_tiers.py)")
+                    help="write every collected test's id, unit, tiers and where they are declared to FILE as JSON "
+                         "(tests/test_tiers.py)")
 
 
 def configure(config) -> None:
@@ -251,20 +133,18 @@ def check_list_tiers(name: str) -> None:
 
 
 def select(config, items: list) -> None:
-    """Mark every test with its areas and tiers, then keep those of the tier asked for."""
+    """Mark every test with its areas, then keep those of the tier asked for (its markers)."""
     for item in items:
         module = item.module.__name__
         if module not in AREAS:
             raise pytest.UsageError(f"{module} has no area: add it to AREAS in tests/tiers.py")
         for name in AREAS[module]:
             item.add_marker(name)
-        if matches(item, SLOW) and not matches(item, GATE):
-            item.add_marker("slow")
-        if matches(item, FLOOR):
-            item.add_marker("floor")
     if config.getoption("--list-tiers") is not None:
         listed = [{"id": item.nodeid, "unit": unit(item), "slow": is_slow(item),
-                   "floor": item.get_closest_marker("floor") is not None} for item in items]
+                   "floor": item.get_closest_marker("floor") is not None,
+                   "declared": {name: declared(item, name) for name in ("slow", "floor")
+                                if item.get_closest_marker(name)}} for item in items]
         try:  # (checked at configure; what can still fail here, a full disk, is said the same way)
             Path(config.getoption("--list-tiers")).write_text(json.dumps(listed))
         except OSError as e:
@@ -281,14 +161,19 @@ def select(config, items: list) -> None:
         items[:] = kept
 
 
-def matches(item, patterns: list[str]) -> bool:
-    # (Read before pytest-xdist's workers add `@group` to the id: conftest's hook runs first.)
-    return any(pattern_matches(p, item.nodeid) for p in patterns)
-
-
-def pattern_matches(pattern: str, name: str) -> bool:
-    """`*` matches anything; every other character only itself (test ids hold brackets)."""
-    return re.fullmatch(".*".join(map(re.escape, pattern.split("*"))), name) is not None
+def declared(item, name: str) -> str:
+    """Where the test's `name` marker is declared: on its case (`pytest.param`), its function,
+    its class or its module (`pytestmark`); "elsewhere" when none holds it (a hook added it)."""
+    def holds(marks) -> bool:
+        return any(m.name == name for m in (marks if isinstance(marks, list) else [marks]))
+    callspec = getattr(item, "callspec", None)
+    for where, marks in (("case", callspec.marks if callspec else []),
+                         ("function", getattr(item.function, "pytestmark", [])),
+                         ("class", getattr(item.cls, "pytestmark", []) if item.cls else []),
+                         ("module", getattr(item.module, "pytestmark", []))):
+        if holds(marks):
+            return where
+    return "elsewhere"
 
 
 def is_slow(item) -> bool:
