@@ -116,6 +116,7 @@ TRAIN = {
                                              "--empty-layers 3 is more than the pp=2 stages need to even out; give "
                                              "--empty-layers 1"),
     "config nested 1,000 deep": (["--config", "{deep_yaml}"], "collections nested more than 16 deep (line 2)"),
+    "config of 2 GiB": (["--config", "{huge_yaml}"], "is 2,147,483,648 bytes; an options file holds a few kilobytes"),
     "config: a section that is null": (["--config", "{null_section}"], "training is a section, a mapping of its "
                                                                       "options (steps, batch"),
     "config: a section that is a list": (["--config", "{list_section}"], "optimizer is a section, a mapping of its "
@@ -219,6 +220,8 @@ def _files(tmp: Path) -> dict[str, str]:
     for name, text in files.values():
         (tmp / name).write_text(text)
     (tmp / "binary.yaml").write_bytes(bytes(range(256)))
+    with open(tmp / "huge.yaml", "wb") as f:  # sparse: no disk used
+        f.truncate(2 << 30)
     (tmp / "folder").mkdir()
     (tmp / "locked" / ".spmd-lock").mkdir(parents=True)  # where a run records its holder
     (tmp / "linked").mkdir()
@@ -226,7 +229,8 @@ def _files(tmp: Path) -> dict[str, str]:
     (tmp / "data_link").symlink_to(tmp / "corpus.txt")
     os.link(tmp / "corpus.txt", tmp / "data_hard_link")
     return {f"{{{key}}}": str(tmp / name) for key, (name, _) in files.items()} | {
-        "{binary}": str(tmp / "binary.yaml"), "{folder}": str(tmp / "folder"), "{locked}": str(tmp / "locked"),
+        "{binary}": str(tmp / "binary.yaml"), "{huge_yaml}": str(tmp / "huge.yaml"), "{folder}": str(tmp / "folder"),
+        "{locked}": str(tmp / "locked"),
         "{linked_lock}": str(tmp / "linked"),
         "{data_link}": str(tmp / "data_link"), "{data_hard_link}": str(tmp / "data_hard_link")}
 

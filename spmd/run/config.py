@@ -13,20 +13,18 @@ import math
 import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
-
-import yaml
 
 from models import PRESETS
 from models.lora import ATTENTION_TARGETS, MAX_ALPHA, MLP_TARGETS, TARGETS
 from spmd.base import hardware
 from spmd.base.cli import (DATA_FLAGS, DTYPES, SEED, SEQ, TOKENS_PER_STEP, OneLineErrorParser, changed, finite,
                            flag_of, integer, nonempty, parse_integer, shown)
-from spmd.base.errors import UserError, file_kind
+from spmd.base.errors import UserError
 from spmd.base.schema import Bounds
 from spmd.parallel.mesh import MeshSpec
 from spmd.parallel.pipeline import PP_SCHEDULES, REPEATED_SCHEDULES, WRITTEN_OUT
 from spmd.parallel.skeleton import REMAT, model_config
+from spmd.run.config_file import read_config_file
 from spmd.run.distributed import MAX_PROCESSES
 
 ON_NAN = ("stop", "skip")
@@ -263,100 +261,11 @@ def cli_fields() -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(TrainConfig) if f.metadata.get("cli", True)]
 
 
-class _DuplicateKey(yaml.YAMLError):
-    """A key given twice in one mapping (`line`: the second's)."""
-
-    def __init__(self, key, line: int):
-        super().__init__(key, line)
-        self.key, self.line = key, line
-
-
-class _TooDeep(yaml.YAMLError):
-    """Collections nested deeper than MAX_YAML_DEPTH (`line`: where the deepest starts)."""
-
-    def __init__(self, line: int):
-        super().__init__(line)
-        self.line = line
-
-
-# How deep a config file's collections may nest: options under sections, a mesh under its
-# section, hold three levels. PyYAML composes a level by a call within the last, so a file
-# of a thousand brackets would end in Python's RecursionError.
-MAX_YAML_DEPTH = 16
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """safe_load's loader, refusing a mapping that gives a key twice (PyYAML lets the last
-    win: `steps: 10` then `steps: 1000` would train 1000 steps without a word), and
-    collections nested deeper than MAX_YAML_DEPTH. A merge (`<<: *defaults`) may still be
-    overridden: its keys are not the mapping's own."""
-
-    def __init__(self, stream):
-        super().__init__(stream)
-        self._checked: set[int] = set()
-        self._depth = 0
-
-    def compose_node(self, parent, index):
-        self._depth += 1
-        try:
-            if self._depth > MAX_YAML_DEPTH:
-                raise _TooDeep(self.peek_event().start_mark.line + 1)
-            return super().compose_node(parent, index)
-        finally:
-            self._depth -= 1
-
-    def flatten_mapping(self, node):
-        # Each mapping is checked once, before its merges are spliced into it (an anchored
-        # mapping is flattened again wherever it is merged or aliased).
-        if id(node) not in self._checked:
-            self._checked.add(id(node))
-            self._check_unique(node)
-        super().flatten_mapping(node)
-
-    def _check_unique(self, node) -> None:
-        seen = set()
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":
-                continue
-            key = self.construct_object(key_node, deep=True)
-            try:
-                twice = key in seen
-            except TypeError:  # unhashable: the base class refuses it in its own words
-                continue
-            if twice:
-                raise _DuplicateKey(key, key_node.start_mark.line + 1)
-            seen.add(key)
-
-
-def _read_yaml(path: str):
-    file = Path(path)
-    if not file.is_file():
-        kind = file_kind(file)
-        raise UserError(f"config file not found: {path}" if kind == "missing" else f"config file {path} is {kind}, "
-                        "not a regular file")
-    try:
-        return yaml.load(file.read_bytes().decode("utf-8"), Loader=_UniqueKeyLoader)
-    except UnicodeDecodeError:
-        raise UserError(f"config file {path} is not UTF-8 text") from None
-    except _TooDeep as exc:
-        raise UserError(f"config file {path}: collections nested more than {MAX_YAML_DEPTH} deep (line {exc.line}); "
-                        "options are given under their sections, two levels") from None
-    except _DuplicateKey as exc:
-        raise UserError(f"config file {path}: {exc.key} is given twice (again on line {exc.line}); give it once") \
-            from None
-    except yaml.YAMLError as exc:
-        where = getattr(exc, "problem_mark", None)
-        at = f" (line {where.line + 1})" if where else ""
-        raise UserError(f"config file {path} is not valid YAML{at}") from None
-    except OSError as exc:
-        raise UserError(f"config file {path} cannot be read: {exc.strerror}") from None
-
-
 def _yaml_to_argv(path: str) -> list[str]:
     """The file's options as flags. Each value must have its flag's type: YAML's null,
     booleans, numbers and lists are never turned into text (`out: null` is no directory
     named None; `scale_lr: "false"` is no boolean)."""
-    data = _read_yaml(path)
+    data = read_config_file(path)
     if data is None:
         return []
     if not isinstance(data, Mapping):
