@@ -221,14 +221,14 @@ class TrainConfig:
 # (`optimizer: {lr: 3.0e-4, warmup: 500}`) as well as flat. `model` is also an option: a
 # mapping under it is the section, a name the preset.
 SECTIONS: dict[str, tuple[str, ...]] = {
-    "model": ("model", "init_from", "layers", "empty_layers", "dtype", "remat", "attention_kernel"),
+    "model": ("model", "init_from", "layers", "empty_layers", "dtype", "remat", "attention_kernel", "mtp_depth",
+              "mtp_weight", "mtp_weight_later"),
     "training": ("steps", "batch", "seq", "seed", "grad_accum", "on_nan"),
     "optimizer": ("lr", "warmup", "min_lr_ratio", "weight_decay", "b1", "b2", "eps", "clip", "scale_lr", "ref_batch"),
     "parallelism": ("mesh", "dcn", "cpu_devices", "zero", "megatron_sp", "attention", "pp_schedule", "pp_repeats",
                     "microbatches", "hardware", "ignore_fit"),
     "moe": ("experts", "top_k", "moe_dispatch", "capacity_factor", "router_bias_rate", "redundant_experts",
-            "rebalance_every", "balance_loss", "aux_loss_weight", "z_loss_weight", "mtp_depth", "mtp_weight",
-            "mtp_weight_later"),
+            "rebalance_every", "balance_loss", "aux_loss_weight", "z_loss_weight"),
     "lora": ("lora_rank", "lora_alpha", "lora_targets", "lora_dropout", "base_dtype", "adapter"),
     "data": ("data", "tokenizer", "text_field", "token_dtype", "loss_on", "overlong", "data_workers",
              "max_record_bytes", "document_mask", "eval_every", "eval_batches", "eval_fraction"),
