@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 
 from spmd.config import TrainConfig, validate  # noqa: E402
-from spmd.parallel.layout import make_layout  # noqa: E402
+from spmd.layout import make_layout  # noqa: E402
 from spmd.train import train  # noqa: E402
 
 STEPS = 100
@@ -63,7 +63,7 @@ def main() -> None:
               "device imbalance = max / mean choices per ep device")
         print(f"{'mode':<14} {'steps 1-10':>10} {'41-50':>7} {'91-100':>7} {'all':>7} {'per expert':>11} {'loss':>7}")
         for name, options in MODES.items():
-            cfg = validate(TrainConfig(**BASE, **options, data=data))
+            cfg = validate(TrainConfig.of(**BASE, **options, data=data))
             records, _ = train(cfg, make_layout(cfg, jax.devices()[:4]), log=lambda _: None)
             device = np.array([r["device_imbalance"] for r in records])
             expert = np.mean([r["imbalance"] for r in records])

@@ -29,19 +29,19 @@ def main():
     from models import PRESETS
     from spmd.formats.checkpoint import Checkpoints, make_meta
     from spmd.config import TrainConfig, validate
-    from spmd.parallel.layout import make_layout
+    from spmd.layout import make_layout
     from spmd.parallel.step import build_program
 
     PRESETS["bench-100m"] = dataclasses.replace(PRESETS["small"], vocab=32000, embed=768, layers=6, heads=12,
                                                 kv_heads=4, head_dim=64, mlp=3072)
-    cfg = validate(TrainConfig(mesh=args.mesh, model="bench-100m", batch=8, seq=64))
+    cfg = validate(TrainConfig.of(mesh=args.mesh, model="bench-100m", batch=8, seq=64))
     layout = make_layout(cfg)
-    program = build_program(cfg, layout)
+    program = build_program(cfg.step, layout)
     with jax.set_mesh(layout.mesh):
         state = jax.block_until_ready(program.init(jax.random.key(0)))
     size = sum(x.nbytes for x in jax.tree.leaves(state))
     root = Path(args.dir or tempfile.mkdtemp(prefix="spmd-ckpt-bench-"))
-    meta = make_meta(cfg, 0, state["params"])
+    meta = make_meta(cfg.record(), cfg.model.name, 0, state["params"])
     results = {}
     for async_save in (True, False):
         blocked, total = [], []

@@ -16,14 +16,14 @@ import jax
 def compile_seconds(mesh: str, layers: int) -> float:
     from models import PRESETS
     from spmd.config import TrainConfig, validate
-    from spmd.parallel.layout import make_layout
+    from spmd.layout import make_layout
     from spmd.parallel.step import build_program
 
     name = f"tiny-{layers}-layers"
     PRESETS[name] = dataclasses.replace(PRESETS["tiny"], layers=layers)
-    cfg = validate(TrainConfig(mesh=mesh, model=name, batch=16, seq=64))
+    cfg = validate(TrainConfig.of(mesh=mesh, model=name, batch=16, seq=64))
     start = time.perf_counter()
-    program = build_program(cfg, make_layout(cfg))
+    program = build_program(cfg.step, make_layout(cfg))
     program.compile_step()
     return time.perf_counter() - start
 

@@ -56,7 +56,7 @@ def main() -> None:
     from spmd.config import TrainConfig, validate
     from spmd.data.corpus import token_stream
     from spmd.data.feed import make_source
-    from spmd.parallel.layout import make_layout
+    from spmd.layout import make_layout
 
     tmp = Path(tempfile.mkdtemp(prefix="spmd-data-bench-"))
     corpus = make_corpus(tmp)
@@ -67,10 +67,10 @@ def main() -> None:
     print(f"{'source':12}{'start-up s':>11}{'build ms':>10}{'step ms':>9}{'build/step':>12}"
           f"{'waited/step':>13}{'rows/step':>11}")
     for name, data in (("synthetic", None), ("text", str(corpus)), ("token file", str(tokens_file))):
-        cfg = validate(TrainConfig(mesh=args.mesh, data=data, steps=args.steps, log_every=args.steps))
+        cfg = validate(TrainConfig.of(mesh=args.mesh, data=data, steps=args.steps, log_every=args.steps))
         layout = make_layout(cfg)
         started = time.perf_counter()
-        source = make_source(cfg, layout.skeleton.model_cfg.vocab)
+        source = make_source(cfg.data, cfg.training, layout.skeleton.model_cfg.vocab)
         startup = time.perf_counter() - started
         build, step = _build_and_step(cfg, layout, source, args.steps)
         waited, step_s, rows = _loop_wait(cfg, layout)
@@ -92,11 +92,11 @@ def _build_and_step(cfg, layout, source, steps: int) -> tuple[float, float]:
     from spmd.data.feed import global_batch
     from spmd.parallel.step import build_program
 
-    program = build_program(cfg, layout)
+    program = build_program(cfg.step, layout)
     step = program.compile_step()
     with jax.set_mesh(layout.mesh):
         state = program.init(jax.random.key(0))
-    make = lambda k: global_batch(source, k, cfg.batch, cfg.seq + 1, layout.batch_sharding)  # noqa: E731
+    make = lambda k: global_batch(source, k, cfg.training.batch, cfg.training.seq + 1, layout.batch_sharding)  # noqa: E731
     state, _ = step(state, make(0))  # warm up
     build_s, step_s = [], []
     for k in range(1, steps + 1):
@@ -133,7 +133,7 @@ def _loop_wait(cfg, layout) -> tuple[float, float, float]:
         spmd.run.loop.Prefetcher.next = real_next
     steady = slice(1, None)  # the first step waits for the prefetch thread's start
     step_s = statistics.mean(r["step_time_s"] for r in result.records[steady])
-    return statistics.mean(waited[steady]), step_s, run.source.rows_read / cfg.steps
+    return statistics.mean(waited[steady]), step_s, run.source.rows_read / cfg.training.steps
 
 
 if __name__ == "__main__":

@@ -45,9 +45,9 @@ def main():
     from models import PRESETS, model_class
     from spmd.config import TrainConfig, validate
     from spmd.inference.decode import Decoder, Sampling, left_padded
-    from spmd.parallel.layout import make_layout
+    from spmd.layout import make_layout
 
-    layout = make_layout(validate(TrainConfig(model=args.model, mesh=args.mesh)), for_training=False)
+    layout = make_layout(validate(TrainConfig.of(model=args.model, mesh=args.mesh)), for_training=False)
     params = nnx.to_pure_dict(nnx.state(model_class(PRESETS[args.model])(PRESETS[args.model], rngs=nnx.Rngs(0)),
                                         nnx.Param))
     params = jax.device_put(params, layout.shardings(layout.rules.params))
@@ -136,7 +136,7 @@ def main():
         allocated = decoder.cache_bytes_per_device() / (args.batch * decoder.length * config.layers)
         for name, cfg, per_layer in ((args.model, config, allocated / jnp.dtype(Decoder.cache_dtype).itemsize),
                                      ("deepseek-v3", PRESETS["deepseek-v3"], None)):
-            latent = per_layer or cache_per_token(cfg) / cfg.layers
+            latent = per_layer or cache_per_token(cfg) / cfg.model.layers
             heads = cfg.heads * (cfg.head_dim + cfg.v_dim)  # keys of head_dim and values of v_dim, per head
             print(f"cache per token and layer, {name}: {latent:,.0f} numbers (latent {cfg.kv_rank} + rotary key "
                   f"{cfg.rope_dim}{', as allocated' if per_layer else ''}); keys and values per head would be "

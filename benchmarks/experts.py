@@ -30,7 +30,7 @@ jax.config.update("jax_num_cpu_devices", 64)
 
 from models import PRESETS, MoEConfig  # noqa: E402
 from spmd.config import TrainConfig, validate  # noqa: E402
-from spmd.parallel.layout import make_layout  # noqa: E402
+from spmd.layout import make_layout  # noqa: E402
 from spmd.planner.plan import make_plan  # noqa: E402
 from spmd.base.console import human_bytes  # noqa: E402
 from spmd.planner.activations import expert_exchange  # noqa: E402
@@ -55,10 +55,10 @@ def bytes_table() -> None:
           f"{'GPU/TPU':>11}{'CPU / GPU':>10}")
     for model, mesh, devices, dtype, extra in LAYOUTS:
         for dispatch in ("capacity", "dropless"):
-            cfg = validate(TrainConfig(**{"model": model, "mesh": mesh, "dtype": dtype, "moe_dispatch": dispatch,
+            cfg = validate(TrainConfig.of(**{"model": model, "mesh": mesh, "dtype": dtype, "moe_dispatch": dispatch,
                                           "batch": 32, "seq": 32, **extra}))
             layout = make_layout(cfg, jax.devices()[:devices])
-            rows = [r for r in make_plan(cfg, layout).rows if r.op == "all-to-all"]
+            rows = [r for r in make_plan(cfg.step, layout).rows if r.op == "all-to-all"]
             measured, theory = sum(r.measured for r in rows), sum(r.theory for r in rows)
             # What a GPU or TPU sends: dropless by ragged all-to-all, the rows there are.
             accelerator = sum(e.bytes_per_device for e in expert_exchange(
@@ -73,11 +73,11 @@ def step_seconds(cfg, steps: int) -> float:
     from spmd.parallel.step import build_program
 
     layout = make_layout(cfg, jax.devices()[:8])
-    program = build_program(cfg, layout)
+    program = build_program(cfg.step, layout)
     with jax.set_mesh(layout.mesh):
         state = program.init(jax.random.key(0))
     step = program.compile_step()
-    batch = global_batch(MarkovSource(layout.skeleton.model_cfg.vocab, 0), 0, cfg.batch, cfg.seq + 1,
+    batch = global_batch(MarkovSource(layout.skeleton.model_cfg.vocab, 0), 0, cfg.training.batch, cfg.training.seq + 1,
                          layout.batch_sharding)
     state, metrics = step(state, batch)  # warm-up
     jax.block_until_ready(metrics)
@@ -92,7 +92,7 @@ def timing(rounds: int, steps: int) -> None:
     print("\nstep time, bench-moe (embed 256, 4 layers, 8 experts of 512, top-2), dp=2,ep=4, batch 16 x 256, float32")
     ratios = []
     for i in range(rounds):
-        times = {d: step_seconds(validate(TrainConfig(model="bench-moe", mesh="dp=2,ep=4", batch=16, seq=256,
+        times = {d: step_seconds(validate(TrainConfig.of(model="bench-moe", mesh="dp=2,ep=4", batch=16, seq=256,
                                                       moe_dispatch=d)), steps) for d in ("capacity", "dropless")}
         ratios.append(times["dropless"] / times["capacity"])
         print(f"round {i}: capacity {times['capacity'] * 1e3:.1f} ms, dropless {times['dropless'] * 1e3:.1f} ms, "

@@ -65,10 +65,10 @@ def main() -> None:
     from spmd.data.feed import global_batch
     from spmd.data.synthetic import MarkovSource
     from spmd.data.workers import default_workers
-    from spmd.parallel.layout import make_layout
+    from spmd.layout import make_layout
     from spmd.parallel.step import build_program
 
-    cfg = validate(TrainConfig(model="small"))  # the default run's mesh, batch and seq, on the small model
+    cfg = validate(TrainConfig.of(model="small"))  # the default run's mesh, batch and seq, on the small model
     tmp = Path(tempfile.mkdtemp(prefix="spmd-finetune-bench-"))
     path = tmp / "chats.jsonl"
     try:
@@ -80,30 +80,30 @@ def main() -> None:
             os.close(fd)
 
         started = time.perf_counter()
-        source = record_source(str(path), str(ROOT / "tests" / "sft" / "chatml"), Rows(cfg.seq + 1, cfg.batch, cfg.seed))
+        source = record_source(str(path), str(ROOT / "tests" / "sft" / "chatml"), Rows(cfg.training.seq + 1, cfg.training.batch, cfg.training.seed))
         startup = time.perf_counter() - started
         first = source.first.rows
 
         # Every row of the next --windows windows, read as training reads them: the workers
         # tokenize ahead while the rows are read.
-        started, rows, step = time.perf_counter(), 0, first // cfg.batch + 1
+        started, rows, step = time.perf_counter(), 0, first // cfg.training.batch + 1
         while source.counts["examples"] < (args.windows + 1) * WINDOW:
-            batch = source.rows(step, 0, cfg.batch, cfg.seq + 1)
+            batch = source.rows(step, 0, cfg.training.batch, cfg.training.seq + 1)
             rows += int(np.count_nonzero(batch["segments"].any(axis=1)))
             step += 1
-        prepared = rows * cfg.seq / (time.perf_counter() - started)
+        prepared = rows * cfg.training.seq / (time.perf_counter() - started)
         source.close()
     finally:
         path.unlink()
         tmp.rmdir()
 
     layout = make_layout(cfg)
-    program = build_program(cfg, layout)
+    program = build_program(cfg.step, layout)
     step_fn = program.compile_step()
     with jax.set_mesh(layout.mesh):
         state = program.init(jax.random.key(0))
     chain = MarkovSource(layout.skeleton.model_cfg.vocab, 0)
-    batches = [global_batch(chain, k, cfg.batch, cfg.seq + 1, layout.batch_sharding) for k in range(args.steps + 1)]
+    batches = [global_batch(chain, k, cfg.training.batch, cfg.training.seq + 1, layout.batch_sharding) for k in range(args.steps + 1)]
     state, metrics = step_fn(state, batches[0])
     jax.block_until_ready(metrics)
     times = []
@@ -112,14 +112,14 @@ def main() -> None:
         state, metrics = step_fn(state, batch)
         jax.block_until_ready(metrics)
         times.append(time.perf_counter() - t0)
-    consumed = cfg.batch * cfg.seq / statistics.median(times)
+    consumed = cfg.training.batch * cfg.training.seq / statistics.median(times)
 
     print(f"{records:,} chat records, {size / 2**30:.2f} GiB of JSONL; windows of {WINDOW:,} records, the first "
-          f"packed into {first:,} rows of {cfg.seq + 1}; {default_workers()} worker process(es) on "
+          f"packed into {first:,} rows of {cfg.training.seq + 1}; {default_workers()} worker process(es) on "
           f"{os.cpu_count()} CPUs")
     print(f"prepared: {prepared:,.0f} tokens/s ({args.windows} windows: reading, chat template, tokenizer, packing)")
-    print(f"consumed: {consumed:,.0f} tokens/s (the default step: model small, mesh {cfg.mesh}, batch {cfg.batch} x "
-          f"{cfg.seq}, {statistics.median(times) * 1e3:.1f} ms)")
+    print(f"consumed: {consumed:,.0f} tokens/s (the default step: model small, mesh {cfg.parallelism.mesh}, batch {cfg.training.batch} x "
+          f"{cfg.training.seq}, {statistics.median(times) * 1e3:.1f} ms)")
     print(f"prepared / consumed: {prepared / consumed:.1f} (goal: at least 10)")
     print(f"start-up: {startup:.1f} s for {size / 2**30:.2f} GiB (indexing its lines, then packing the first window)")
 

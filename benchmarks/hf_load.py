@@ -95,20 +95,19 @@ def main():
     from spmd.parallel.mesh import emulate_cpu_devices, parse_mesh
 
     emulate_cpu_devices(parse_mesh(args.mesh), None)
-    import dataclasses
 
     import jax
 
     from spmd.config import TrainConfig
     from spmd.formats.hf import Directory, load_params
-    from spmd.parallel.layout import make_layout
+    from spmd.layout import make_layout
 
     root = Path(args.dir or tempfile.mkdtemp(prefix="spmd-hf-bench-"))
     root.mkdir(parents=True, exist_ok=True)
     try:
         total, largest = write_checkpoint(root)
         directory = Directory(root)
-        layout = make_layout(dataclasses.replace(TrainConfig(), mesh=args.mesh, architecture=directory.cfg),
+        layout = make_layout(TrainConfig.of(mesh=args.mesh, architecture=directory.cfg),
                              for_training=False)
         jax.block_until_ready(jax.numpy.zeros(8))  # the backend started before the baseline
         baseline = rss_bytes()

@@ -22,7 +22,7 @@ def bare_step_seconds(program, layout, cfg, steps: int, in_flight_limit: int) ->
     with jax.set_mesh(layout.mesh):
         state = program.init(jax.random.key(0))
     step = program.compile_step()
-    batch = global_batch(MarkovSource(layout.skeleton.model_cfg.vocab, 0), 0, cfg.batch, cfg.seq + 1,
+    batch = global_batch(MarkovSource(layout.skeleton.model_cfg.vocab, 0), 0, cfg.training.batch, cfg.training.seq + 1,
                          layout.batch_sharding)
     for warmup in range(2):
         state, metrics = step(state, batch)
@@ -54,15 +54,15 @@ def main():
 
     emulate_cpu_devices(parse_mesh(args.mesh), None)
     from spmd.config import TrainConfig, validate
-    from spmd.parallel.layout import make_layout
+    from spmd.layout import make_layout
     from spmd.parallel.step import build_program
     from spmd.run.loop import MAX_STEPS_IN_FLIGHT
     from spmd.train import train
 
-    cfg = validate(TrainConfig(mesh=args.mesh, model=args.model, batch=args.batch, seq=args.seq,
+    cfg = validate(TrainConfig.of(mesh=args.mesh, model=args.model, batch=args.batch, seq=args.seq,
                                steps=args.steps + args.log_every, log_every=args.log_every))
     layout = make_layout(cfg)
-    program = build_program(cfg, layout)
+    program = build_program(cfg.step, layout)
     ratios = []
     for round_ in range(args.rounds):
         bare = bare_step_seconds(program, layout, cfg, args.steps, MAX_STEPS_IN_FLIGHT)

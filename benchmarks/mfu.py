@@ -59,10 +59,10 @@ def largest_matmul(cfg, layout) -> tuple[str, int, int, int]:
     if c.moe is not None:
         outputs["expert mlp"] = c.moe.expert_mlp
     what, width = max(outputs.items(), key=lambda item: item[1])
-    rows = cfg.batch // cfg.grad_accum // layout.batch_shards
+    rows = cfg.training.batch // cfg.training.grad_accum // layout.batch_shards
     if layout.schedule:
-        rows //= cfg.microbatches or shape["pp"]
-    tokens = max(1, rows * cfg.seq // shape["sp"])
+        rows //= cfg.parallelism.microbatches or shape["pp"]
+    tokens = max(1, rows * cfg.training.seq // shape["sp"])
     return what, tokens, c.embed, -(-width // shape["tp"])
 
 
@@ -107,7 +107,7 @@ def step_seconds(step, state, batches, steps: int):
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     from spmd.run import xla_flags
-    from spmd.config import model_config, parse_with_extras
+    from spmd.config import parse_with_extras
     from spmd.base.errors import one_line_errors
     from spmd.parallel.mesh import emulate_cpu_devices
 
@@ -117,14 +117,14 @@ def main(argv: list[str] | None = None) -> None:
                                         description=__doc__.splitlines()[0], add_extras=add_extras)
         # Before anything starts JAX's backend, as the trainer does.
         flag_lines = [] if extras.no_xla_flags else xla_flags.configure(
-            backend, model_config(cfg), cfg.dtype, double_buffered=xla_flags.double_buffers(cfg))
-        emulate_cpu_devices(cfg.mesh_spec.sizes, cfg.cpu_devices)
+            backend, cfg.model_cfg, cfg.model.dtype, double_buffered=xla_flags.double_buffers(cfg))
+        emulate_cpu_devices(cfg.parallelism.mesh_spec.sizes, cfg.parallelism.cpu_devices)
         import jax
 
         from spmd.parallel import kernels
         from spmd.data.feed import global_batch, make_source
         from spmd.base.hardware import detect, train_flops_per_token
-        from spmd.parallel.layout import make_layout
+        from spmd.layout import make_layout
         from spmd.parallel.skeleton import DTYPES
         from spmd.parallel.step import build_program
 
@@ -137,22 +137,22 @@ def main(argv: list[str] | None = None) -> None:
         print(line)
     if extras.no_xla_flags:
         print("XLA flags of spmd.run.xla_flags: not set (--no-xla-flags)")
-    print(f"model {cfg.model_name} ({model_cfg.num_params() / 1e6:,.1f}M parameters), batch {cfg.batch} x seq "
-          f"{cfg.seq}, {cfg.dtype}, remat {cfg.remat}, attention kernel {kernels.describe(cfg.attention_kernel, device)}; mesh "
+    print(f"model {cfg.model.name} ({model_cfg.num_params() / 1e6:,.1f}M parameters), batch {cfg.training.batch} x seq "
+          f"{cfg.training.seq}, {cfg.model.dtype}, remat {cfg.model.remat}, attention kernel {kernels.describe(cfg.model.attention_kernel, device)}; mesh "
           f"{layout.describe()} on {devices} {device.platform} device(s) ({device.device_kind}); jax {jax.__version__}")
-    per_token = train_flops_per_token(model_cfg, cfg.seq)
-    per_step_device = per_token * cfg.batch * cfg.seq / devices
+    per_token = train_flops_per_token(model_cfg, cfg.training.seq)
+    per_step_device = per_token * cfg.training.batch * cfg.training.seq / devices
     print(f"model FLOPs per token {per_token:.4g} = 6 x matmul parameters + causal attention 6 x layers x heads x "
           f"head_dim x seq, recomputation excluded (spmd.base.hardware.train_flops_per_token, as the log line); "
           f"{per_step_device:.4g} per step per device")
 
     started = time.perf_counter()
-    program = build_program(cfg, layout)
+    program = build_program(cfg.step, layout)
     step = program.compile_step()
     with jax.set_mesh(layout.mesh):
-        state = program.init(jax.random.key(cfg.seed))
-    source = make_source(cfg, model_cfg.vocab)
-    batches = [global_batch(source, k, cfg.batch, cfg.seq + 1, layout.batch_sharding) for k in range(2)]
+        state = program.init(jax.random.key(cfg.training.seed))
+    source = make_source(cfg.data, cfg.training, model_cfg.vocab)
+    batches = [global_batch(source, k, cfg.training.batch, cfg.training.seq + 1, layout.batch_sharding) for k in range(2)]
     _, state, metrics = step_seconds(step, state, batches, extras.warmup_steps)
     print(f"compiled and warmed up in {time.perf_counter() - started:.1f} s (loss {float(metrics['loss']):.4f})")
 
@@ -160,16 +160,16 @@ def main(argv: list[str] | None = None) -> None:
     matmul = largest_matmul(cfg, layout) if on_cpu else None
     ratios = []
     for round_ in range(extras.rounds):
-        seconds, state, metrics = step_seconds(step, state, batches, cfg.steps)
+        seconds, state, metrics = step_seconds(step, state, batches, cfg.training.steps)
         achieved = per_step_device / seconds
-        line = (f"round {round_}: step {seconds * 1e3:.1f} ms, {cfg.batch * cfg.seq / seconds / devices:,.0f} "
+        line = (f"round {round_}: step {seconds * 1e3:.1f} ms, {cfg.training.batch * cfg.training.seq / seconds / devices:,.0f} "
                 f"tokens/s and {achieved / 1e12:.4g} TFLOP/s per device")
         if on_cpu:
             what, m, k, n = matmul
-            per_call, calls = matmul_seconds(layout, m, k, n, DTYPES[cfg.dtype], seconds * cfg.steps)
+            per_call, calls = matmul_seconds(layout, m, k, n, DTYPES[cfg.model.dtype], seconds * cfg.training.steps)
             peak = 2 * m * k * n / per_call
             ratios.append(achieved / peak)
-            line += (f"; matmul ({m}x{k} @ {k}x{n}, {what}, {cfg.dtype}, x{calls}) {peak / 1e12:.4g} TFLOP/s per "
+            line += (f"; matmul ({m}x{k} @ {k}x{n}, {what}, {cfg.model.dtype}, x{calls}) {peak / 1e12:.4g} TFLOP/s per "
                      f"device: roofline fraction {ratios[-1]:.3f}")
         elif hardware is not None:
             ratios.append(achieved / (hardware.bf16_tflops * 1e12))

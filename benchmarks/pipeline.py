@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from spmd.planner import hlo  # noqa: E402
 from spmd.config import TrainConfig, validate  # noqa: E402
-from spmd.parallel.layout import make_layout  # noqa: E402
+from spmd.layout import make_layout  # noqa: E402
 from spmd.parallel.pipeline import Schedule  # noqa: E402
 from spmd.parallel.staged import stage_parts  # noqa: E402
 from spmd.parallel.step import build_program  # noqa: E402
@@ -55,8 +55,8 @@ BASE = dict(model="small", layers=8, seq=128, remat="none")
 
 
 def program(mesh: str, devices: int, **overrides):
-    cfg = validate(TrainConfig(mesh=mesh, **{**BASE, **overrides}))
-    return build_program(cfg, make_layout(cfg, jax.devices()[:devices]))
+    cfg = validate(TrainConfig.of(mesh=mesh, **{**BASE, **overrides}))
+    return build_program(cfg.step, make_layout(cfg, jax.devices()[:devices]))
 
 
 def compiled(mesh: str, devices: int, **overrides):

@@ -19,7 +19,6 @@ skipped), with the flags spmd.train sets there, and XLA's peak is printed beside
 theory's.
 """
 
-import dataclasses
 import os
 import sys
 
@@ -29,7 +28,7 @@ import jax  # noqa: E402
 jax.config.update("jax_num_cpu_devices", 64)
 
 from spmd.config import TrainConfig, validate  # noqa: E402
-from spmd.parallel.layout import make_layout  # noqa: E402
+from spmd.layout import make_layout  # noqa: E402
 from spmd.planner import matrix  # noqa: E402
 from spmd.planner.plan import make_plan  # noqa: E402
 
@@ -80,7 +79,7 @@ def plan_of(cfg, devices: int, kind: str | None):
     """The plan of `cfg` on `devices` emulated CPU devices, or compiled for that many of the
     accelerator `kind` (None: no target holds that many)."""
     if kind is None:
-        return make_plan(cfg, make_layout(cfg, jax.devices()[:devices]))
+        return make_plan(cfg.step, make_layout(cfg, jax.devices()[:devices]))
     from spmd.planner import targets
     from spmd.run import xla_flags
     from spmd.run.target import compiled_for
@@ -89,9 +88,9 @@ def plan_of(cfg, devices: int, kind: str | None):
     if name is None:
         return None
     target = targets.parse(name)
-    xla_flags.configure("tpu" if target.platform == "tpu" else "gpu", cfg.model_cfg, cfg.dtype,
+    xla_flags.configure("tpu" if target.platform == "tpu" else "gpu", cfg.model_cfg, cfg.model.dtype,
                         accelerator_type=target.accelerator_type)
-    return compiled_for(dataclasses.replace(cfg, hardware=None), target)[1]
+    return compiled_for(cfg.replace(hardware=None), target)[1]
 
 
 def main() -> int:
@@ -105,7 +104,7 @@ def main() -> int:
     rows = worst = 0
     worst_row = None
     for name, devices, fields in chosen:
-        cfg = validate(TrainConfig(**fields))
+        cfg = validate(TrainConfig.of(**fields))
         plan = plan_of(cfg, devices, kind)
         if plan is None:
             print(f"{name:34}no {kind} target of {devices} devices", flush=True)

@@ -19,7 +19,7 @@ import jax  # noqa: E402
 jax.config.update("jax_num_cpu_devices", 8)
 
 from spmd.config import TrainConfig, validate  # noqa: E402
-from spmd.parallel.layout import make_layout  # noqa: E402
+from spmd.layout import make_layout  # noqa: E402
 from spmd.planner.plan import make_plan  # noqa: E402
 from spmd.base.console import human_bytes  # noqa: E402
 
@@ -37,8 +37,8 @@ def main() -> int:
         for sp in (1, 2, 4, 8):
             if mode == "all-gather" and sp == 1:
                 continue
-            cfg = validate(TrainConfig(model=args.model, mesh=f"sp={sp}", batch=1, seq=args.seq, attention=mode))
-            plan = make_plan(cfg, make_layout(cfg, jax.devices()[:sp]))
+            cfg = validate(TrainConfig.of(model=args.model, mesh=f"sp={sp}", batch=1, seq=args.seq, attention=mode))
+            plan = make_plan(cfg.step, make_layout(cfg, jax.devices()[:sp]))
             temp = plan.xla["temp"]
             base = base or temp
             kv = [r for r in plan.rows if r.axes == "sp" and r.op != "all-reduce"]

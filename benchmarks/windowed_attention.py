@@ -21,7 +21,7 @@ import jax  # noqa: E402
 from models import PRESETS  # noqa: E402
 from spmd.base.console import human_bytes  # noqa: E402
 from spmd.config import TrainConfig, validate  # noqa: E402
-from spmd.parallel.layout import make_layout  # noqa: E402
+from spmd.layout import make_layout  # noqa: E402
 from spmd.parallel.step import build_program  # noqa: E402
 
 SEQS = (1024, 2048, 4096)
@@ -29,8 +29,8 @@ SEQS = (1024, 2048, 4096)
 
 def temporaries(kernel: str, seq: int, window: int | None) -> int:
     model = dataclasses.replace(PRESETS["small"], window=window)
-    cfg = validate(TrainConfig(mesh="", model=None, architecture=model, batch=1, seq=seq, attention_kernel=kernel))
-    compiled = build_program(cfg, make_layout(cfg, jax.devices()[:1])).compile_step()
+    cfg = validate(TrainConfig.of(mesh="", model=None, architecture=model, batch=1, seq=seq, attention_kernel=kernel))
+    compiled = build_program(cfg.step, make_layout(cfg, jax.devices()[:1])).compile_step()
     return compiled.memory_analysis().temp_size_in_bytes
 
 

@@ -6,8 +6,8 @@
 from spmd.config import TrainConfig, validate
 from spmd.mesh import emulate_cpu_devices, parse_mesh
 
-cfg = validate(TrainConfig(mesh="fsdp=4,tp=2", steps=100, log_every=25))
-emulate_cpu_devices(parse_mesh(cfg.mesh), None)  # before JAX starts: 8 CPU devices if no GPU/TPU
+cfg = validate(TrainConfig.of(mesh="fsdp=4,tp=2", steps=100, log_every=25))
+emulate_cpu_devices(parse_mesh(cfg.parallelism.mesh), None)  # before JAX starts: 8 CPU devices if no GPU/TPU
 
 from spmd.layout import make_layout  # noqa: E402
 from spmd.train import train  # noqa: E402

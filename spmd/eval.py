@@ -56,16 +56,16 @@ def main(argv=None) -> int:
             cfg, checkpoint, tokenizer = model_source(args)
             cfg = on_mesh(cfg, args, data=args.data, tokenizer=args.tokenizer or tokenizer,
                           **{name: getattr(args, name) for name in DATA_FLAGS},
-                          batch=args.batch or (cfg.batch if checkpoint else 8),
-                          seq=args.seq or (cfg.seq if checkpoint else 512), eval_every=0, grad_accum=1)
+                          batch=args.batch or (cfg.training.batch if checkpoint else 8),
+                          seq=args.seq or (cfg.training.seq if checkpoint else 512), eval_every=0, grad_accum=1)
             cfg, layout_line = start_devices_and_mesh(cfg)
             loss, tokens, batches = evaluate(cfg, checkpoint, args.batches)
     finally:
         restore()
     if layout_line:
         print(layout_line)
-    print(f"{cfg.data}: loss {loss:.4f} nats/token, perplexity {math.exp(loss):.4f} "
-          f"({batches} batches of {cfg.batch} x {cfg.seq}: {tokens:,} target tokens; model {cfg.model_name})")
+    print(f"{cfg.data.path}: loss {loss:.4f} nats/token, perplexity {math.exp(loss):.4f} "
+          f"({batches} batches of {cfg.training.batch} x {cfg.training.seq}: {tokens:,} target tokens; model {cfg.model.name})")
     return 0
 
 

@@ -115,7 +115,7 @@ def main(argv=None) -> int:
         restore()
     what = {"hf": "a Hugging Face directory", "peft": "a PEFT adapter directory"}.get(args.format, "the parameters")
     source = checkpoint.where if checkpoint else f"{args.init_from} with the adapter {args.adapter}"
-    print(f"exported {what} of {source} ({cfg.model_name}) to {out}")
+    print(f"exported {what} of {source} ({cfg.model.name}) to {out}")
     return 0
 
 

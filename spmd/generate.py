@@ -89,7 +89,7 @@ def main(argv=None) -> int:
             prompts = read_prompts(args)
             cfg, checkpoint, tokenizer_path = model_source(args)
             output = claim_output(args, source_inputs(args, checkpoint))
-            cfg = on_mesh(cfg, args, moe_dispatch="dropless", dtype=args.dtype or cfg.dtype)
+            cfg = on_mesh(cfg, args, moe_dispatch="dropless", dtype=args.dtype or cfg.model.dtype)
 
             if args.chat:
                 tokenizer = load_tokenizer_directory(tokenizer_path, "chat prompts (--chat)")

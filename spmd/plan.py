@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from collections.abc import Sequence
@@ -60,8 +59,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             from spmd.run.target import plan_target
 
             return plan_target(cfg, extras.target, extras.json)
-        spec = cfg.mesh_spec
-        count = extras.devices if extras.devices is not None else spec.devices if cfg.mesh else DEFAULT_CPU_DEVICES
+        spec = cfg.parallelism.mesh_spec
+        count = extras.devices if extras.devices is not None else spec.devices if cfg.parallelism.mesh else DEFAULT_CPU_DEVICES
         if count < 1:
             raise UserError(f"--devices must be positive, got {count}")
         if count > MAX_EMULATED_DEVICES and not accelerator_present():
@@ -70,28 +69,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         if spec.has_remaining and not extras.devices and not extras.auto:
             raise UserError("a mesh axis of -1 needs --devices N to plan for")
         devices, planned_on = plan_devices(count)
-        hardware = default_hardware(cfg, devices)
+        hardware = default_hardware(cfg.parallelism, devices)
         layout_line = None
         if not extras.auto:  # (no --mesh: spmd.train's default layout of the devices planned for)
             cfg, layout_line = with_mesh(cfg, devices=count)
-        if cfg.dcn:  # the emulated devices are one process: plan the mesh; which devices span DCN changes no bytes
-            if cfg.mesh is not None:  # (--auto searches the meshes)
-                check_dcn(cfg.mesh_spec.resolve(count), cfg.mesh_spec.dcn)
-            cfg = dataclasses.replace(cfg, dcn=None)
+        if cfg.parallelism.dcn:  # the emulated devices are one process: plan the mesh; which devices span DCN changes no bytes
+            if cfg.parallelism.mesh is not None:  # (--auto searches the meshes)
+                check_dcn(cfg.parallelism.mesh_spec.resolve(count), cfg.parallelism.mesh_spec.dcn)
+            cfg = cfg.replace(dcn=None)
         if extras.auto:
             check_empty_layers(cfg, pp=1)  # (it searches meshes without stages)
             if hardware is None:
                 raise UserError("--auto needs --hardware (one of the entries in spmd/base/hardware.toml)")
             with json_only(extras.json):
-                plans, searched = auto(cfg, devices, hardware, planned_on)
+                plans, searched = auto(cfg.step, devices, hardware, planned_on)
             print(json.dumps([p.as_json() for p in plans], indent=2) if extras.json
                   else "\n".join([*report.auto_table(plans), searched]))
             return 0
 
-        layout = make_layout(cfg, devices)
+        layout = make_layout(cfg.step, devices)
         check_empty_layers(cfg, layout.shape["pp"], layout.empty_layers_needed)
         with json_only(extras.json):
-            plan = make_plan(cfg, layout, hardware=hardware, planned_on=planned_on)
+            plan = make_plan(cfg.step, layout, hardware=hardware, planned_on=planned_on)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2

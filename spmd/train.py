@@ -56,10 +56,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         procs = processes(cfg)
         flag_lines = start_devices(cfg, procs)
     with one_line_errors(hold_stderr=False):  # a native abort while joining must still show its message
-        initialize(procs, cfg.heartbeat_timeout, cfg.join_timeout)
+        initialize(procs, cfg.processes.heartbeat_timeout, cfg.processes.join_timeout)
     with one_line_errors():
         cfg, layout_line = with_mesh(cfg)  # (no --mesh: the default layout of the devices found)
-        layout = make_layout(cfg)
+        layout = make_layout(cfg.step)
         log = _first_saying(layout_line, emit) if jax.process_index() == 0 else _silent
         for line in flag_lines:
             log(line)
@@ -91,26 +91,26 @@ def check_outputs(cfg, config_file: str | None = None) -> None:
     another's."""
     from spmd.formats.checkpoint import locate  # (imported by main, after signals)
 
-    resumed_run = str(locate(cfg.resume)[0]) if cfg.resume else None
-    out = Path(cfg.out).resolve() if cfg.out else None
+    resumed_run = str(locate(cfg.checkpoint.resume)[0]) if cfg.checkpoint.resume else None
+    out = Path(cfg.checkpoint.out).resolve() if cfg.checkpoint.out else None
     writes_on = bool(out and resumed_run) and out == Path(resumed_run).resolve()
-    metrics_in_out = bool(out and cfg.metrics_file) and Path(cfg.metrics_file).resolve().parent == out
-    if metrics_in_out and Path(cfg.metrics_file).name == LOCK_NAME:
-        raise UserError(f"--metrics-file {cfg.metrics_file} is the lock file of --out {cfg.out}; choose another name")
+    metrics_in_out = bool(out and cfg.logging.metrics_file) and Path(cfg.logging.metrics_file).resolve().parent == out
+    if metrics_in_out and Path(cfg.logging.metrics_file).name == LOCK_NAME:
+        raise UserError(f"--metrics-file {cfg.logging.metrics_file} is the lock file of --out {cfg.checkpoint.out}; choose another name")
     claim(
-        [Output("--out", cfg.out, directory=True, holds="checkpoints"),
+        [Output("--out", cfg.checkpoint.out, directory=True, holds="checkpoints"),
          # Written beside the checkpoints when it sits in --out, made with it.
-         Output("--metrics-file", cfg.metrics_file, parents=metrics_in_out, reopened=True),
-         Output("--tensorboard", cfg.tensorboard, directory=True),
-         Output("--profile-dir", cfg.profile_dir if cfg.profile_steps else None, directory=True)],
+         Output("--metrics-file", cfg.logging.metrics_file, parents=metrics_in_out, reopened=True),
+         Output("--tensorboard", cfg.logging.tensorboard, directory=True),
+         Output("--profile-dir", cfg.logging.profile_dir if cfg.logging.profile_steps else None, directory=True)],
         run_inputs(cfg, config_file, resumed_run),
         # A run may write on into the directory it resumes (the metrics file with it); a
         # trace may go with the scalars (TensorBoard's layout: DIR/plugins/profile).
         allowed={("--profile-dir", "--tensorboard"), *([("--out", "--resume"), ("--metrics-file", "--resume")]
                                                         if writes_on else []),
                  *([("--metrics-file", "--out")] if metrics_in_out else [])})
-    if cfg.out:
-        DirectoryLock(cfg.out).check()
+    if cfg.checkpoint.out:
+        DirectoryLock(cfg.checkpoint.out).check()
 
 
 def run_inputs(cfg, config_file: str | None, resumed_run: str | None) -> dict:
@@ -120,9 +120,9 @@ def run_inputs(cfg, config_file: str | None, resumed_run: str | None) -> dict:
     (A tokenizer taken from --init-from is named after it: that name comes first.)"""
     from spmd.data.tokenizer import tokenizer_inputs  # (imported by main, after signals)
 
-    return {"--config": config_file, "--data": cfg.data, "--init-from": cfg.init_from, "--adapter": cfg.adapter,
+    return {"--config": config_file, "--data": cfg.data.path, "--init-from": cfg.model.init_from, "--adapter": cfg.lora.adapter,
             "--resume": resumed_run, "the resumed run's --init-from": _resumed_base(cfg),
-            **tokenizer_inputs(cfg.tokenizer, "--tokenizer")}
+            **tokenizer_inputs(cfg.data.tokenizer, "--tokenizer")}
 
 
 def _resumed_base(cfg) -> str | None:
@@ -130,8 +130,8 @@ def _resumed_base(cfg) -> str | None:
     --init-from names none: the one its checkpoint started from (spmd.run.trainer)."""
     from spmd.formats.checkpoint import finalized_steps, saved_config  # (imported by main, after signals)
 
-    resumed = cfg.resume or (cfg.out if cfg.out and finalized_steps(Path(cfg.out)) else None)
-    if not cfg.lora_rank or cfg.init_from or not resumed:
+    resumed = cfg.checkpoint.resume or (cfg.checkpoint.out if cfg.checkpoint.out and finalized_steps(Path(cfg.checkpoint.out)) else None)
+    if not cfg.lora.lora_rank or cfg.model.init_from or not resumed:
         return None
     return saved_config(resumed).get("init_from")
 

@@ -18,7 +18,7 @@ from models.attention import Mask, causal_attention, cudnn_attention, splash_att
 from spmd.config import TrainConfig, validate
 from spmd.parallel import kernels
 from spmd.parallel.context import make_attention, zigzag_order
-from spmd.parallel.layout import make_layout
+from spmd.layout import make_layout
 from spmd.parallel.mesh import build_mesh
 from spmd.parallel.step import build_program
 
@@ -221,8 +221,8 @@ def test_kernels_train_like_todays_attention(monkeypatch, kernel, mesh, devices)
 
 
 def _temporaries(kernel: str, seq: int) -> int:
-    cfg = validate(TrainConfig(mesh="", model="tiny", batch=1, seq=seq, attention_kernel=kernel))
-    compiled = build_program(cfg, make_layout(cfg, jax.devices()[:1])).compile_step()
+    cfg = validate(TrainConfig.of(mesh="", model="tiny", batch=1, seq=seq, attention_kernel=kernel))
+    compiled = build_program(cfg.step, make_layout(cfg, jax.devices()[:1])).compile_step()
     return compiled.memory_analysis().temp_size_in_bytes
 
 

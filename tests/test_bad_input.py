@@ -9,7 +9,6 @@ finite, and empty. Hand-written cases add the values that only make sense for on
 """
 
 import argparse
-import dataclasses
 import json
 import os
 import subprocess
@@ -21,7 +20,7 @@ from support.commands import snapshot
 
 from spmd.base.cli import finite, integer, nonempty
 from spmd.base.schema import Bounds
-from spmd.config import TrainConfig, train_parser
+from spmd.config import train_parser
 from spmd.corpus import corpus_parser
 from spmd.eval import BOUNDS as EVAL_BOUNDS
 from spmd.eval import eval_parser
@@ -30,11 +29,12 @@ from spmd.generate import BOUNDS as GENERATE_BOUNDS
 from spmd.generate import generate_parser
 from spmd.launch import MAX_PROCESSES, launch_parser
 from spmd.plan import plan_flags
+from spmd.run.config import cli_options
 
 pytestmark = pytest.mark.xdist_group("cli")
 
 DRIVER = Path(__file__).with_name("cli_driver.py")
-BOUNDS = {f.name: f.metadata["bounds"] for f in dataclasses.fields(TrainConfig)} | {
+BOUNDS = {option: f.metadata["bounds"] for option, f in cli_options()} | {
     # The other commands' own numbers.
     "devices": Bounds(at_least=1), "step": Bounds(at_least=0), "nproc": Bounds(at_least=1, at_most=MAX_PROCESSES),
     "port": Bounds(at_least=1, at_most=65535), "grace": Bounds(at_least=0)} | GENERATE_BOUNDS | EVAL_BOUNDS

@@ -2,7 +2,6 @@
 expert copies (EPLB) train to the numbers of one device across a rebalancing, and a run
 with both resumes on another ep size."""
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +16,7 @@ from spmd.config import TrainConfig, validate
 from spmd.data.feed import global_batch
 from spmd.data.synthetic import MarkovSource
 from spmd.parallel import balance
-from spmd.parallel.layout import make_layout
+from spmd.layout import make_layout
 from spmd.parallel.step import build_program
 from spmd.planner import matrix
 from spmd.planner.plan import make_plan
@@ -159,7 +158,7 @@ def test_expert_copies_match_one_device_across_a_rebalancing(balanced_reference,
     assert run.metrics["device_imbalance"][-1] < run.metrics["device_imbalance"][1]
     # What spmd.plan expects of the compiled step: the copies' all-to-all rows and their
     # gradients' sum over ep, within 5% per collective as for every layout (test_plan).
-    plan = make_plan(run.cfg, run.layout, compiled=run.compiled)
+    plan = make_plan(run.cfg.step, run.layout, compiled=run.compiled)
     assert any(r.op == "all-reduce" and r.axes == "ep" for r in plan.rows if r.theory)
     for row in plan.rows:
         assert not row.unexpected and (not row.theory or row.measured == pytest.approx(row.theory, rel=0.05)), row
@@ -197,7 +196,7 @@ def test_balancing_in_pipeline_stages_matches_one_device(staged_reference, sched
         # layers it holds, with no gather of the stack over pp (a reshape that merged the
         # chunks' and the stages' dimensions made all-gather pp 9.9 of theory, and the tie
         # counted over every layer and W with the bubble put all-reduce ep at 0.84).
-        ratios = matrix.ratios(make_plan(run.cfg, run.layout, compiled=run.compiled))
+        ratios = matrix.ratios(make_plan(run.cfg.step, run.layout, compiled=run.compiled))
         assert {"all-reduce ep", "all-gather pp", "collective-permute pp"} <= set(ratios)
         assert {row: ratio for row, ratio in ratios.items() if not 0.95 <= ratio <= 1.05} == {}
 
@@ -209,7 +208,7 @@ def test_a_run_with_copies_and_bias_resumes_on_another_ep_size_and_serves_as_tra
     base = dict(COPIES, batch=16, seq=32, steps=6, warmup=2, log_every=2)
 
     def run(mesh, devices, **more):
-        cfg = validate(TrainConfig(mesh=mesh, **base | more))
+        cfg = validate(TrainConfig.of(mesh=mesh, **base | more))
         return train(cfg, make_layout(cfg, jax.devices()[:devices]), log=lambda _: None)
 
     records, trained = run("ep=4", 4, out=str(tmp_path), save_every=4)
@@ -229,12 +228,12 @@ def test_a_run_with_copies_and_bias_resumes_on_another_ep_size_and_serves_as_tra
     # bias a weight. On ep=2 the served model gives the trained run's loss on a held-out
     # batch (1e-6: the same float32 sums in another order).
     cfg, checkpoint = checkpoint_config(str(tmp_path))
-    assert cfg.redundant_experts == 0 and cfg.router_bias_weight
-    cfg = validate(dataclasses.replace(cfg, mesh="ep=2"))
-    served = build_program(cfg, make_layout(cfg, jax.devices()[:2]))
+    assert cfg.moe.redundant_experts == 0 and cfg.moe.router_bias_weight
+    cfg = validate(cfg.replace(mesh="ep=2"))
+    served = build_program(cfg.step, make_layout(cfg, jax.devices()[:2]))
     params = restore_params(checkpoint, cfg, served.layout)
-    trained_cfg = validate(TrainConfig(mesh="ep=4", **base))
-    program = build_program(trained_cfg, make_layout(trained_cfg, jax.devices()[:4]))
+    trained_cfg = validate(TrainConfig.of(mesh="ep=4", **base))
+    program = build_program(trained_cfg.step, make_layout(trained_cfg, jax.devices()[:4]))
     rows = global_batch(MarkovSource(256, seed=0), 0, 16, 33, served.layout.batch_sharding, "eval")
     want = program.compile_eval()(trained["params"], jax.device_put(rows, program.layout.batch_sharding),
                                   trained["routing"])["loss"]
@@ -247,6 +246,6 @@ def test_a_learned_bias_has_no_hugging_face_layout():
     from spmd.base.errors import UserError
     from spmd.run.export import hf_parts
 
-    cfg = validate(TrainConfig(model="moe-tiny", router_bias_weight=True))
+    cfg = validate(TrainConfig.of(model="moe-tiny", router_bias_weight=True))
     with pytest.raises(UserError, match="has no selection bias; the default format keeps it"):
         hf_parts(cfg, {})

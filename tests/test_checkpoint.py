@@ -12,7 +12,7 @@ import pytest
 import spmd.parallel.step
 from spmd.config import TrainConfig, validate
 from spmd.formats.checkpoint import Checkpoints
-from spmd.parallel.layout import make_layout
+from spmd.layout import make_layout
 from spmd.parallel.optim import schedule
 from spmd.parallel.skeleton import model_skeleton
 from spmd.train import prepare, train
@@ -21,7 +21,7 @@ BASE = dict(mesh="dp=2,fsdp=2,tp=2", batch=16, seq=32, steps=8, lr=3e-3, warmup=
 
 
 def _train(devices=8, **overrides):
-    cfg = validate(TrainConfig(**dict(BASE, **overrides)))
+    cfg = validate(TrainConfig.of(**dict(BASE, **overrides)))
     return train(cfg, make_layout(cfg, jax.devices()[:devices]), log=lambda _: None)
 
 
@@ -99,7 +99,7 @@ def test_on_nan_skip_drops_the_update_and_goes_on(poisoned_loss):
     records, state = _train(mesh="", devices=1, on_nan="skip", grad_accum=1)
     assert [r["skipped"] for r in records] == [False, False, True, True, False, False, False, False]
     # The logged rate is the one applied: the schedule stays where the dropped updates left it.
-    lr_at = schedule(validate(TrainConfig(**BASE)))
+    lr_at = schedule(validate(TrainConfig.of(**BASE)))
     assert [r["lr"] for r in records] == [float(lr_at(n)) for n in (0, 1, 2, 2, 2, 3, 4, 5)]
     assert all(np.isnan(r["loss"]) for r in records[2:4])
     assert all(np.isfinite(r["loss"]) for r in records[4:])
@@ -107,7 +107,7 @@ def test_on_nan_skip_drops_the_update_and_goes_on(poisoned_loss):
 
 
 def test_on_nan_stop_names_the_last_good_checkpoint(poisoned_loss, tmp_path, capsys):
-    cfg = validate(TrainConfig(**dict(BASE, mesh="", on_nan="stop", out=str(tmp_path), save_every=1, log_every=1)))
+    cfg = validate(TrainConfig.of(**dict(BASE, mesh="", on_nan="stop", out=str(tmp_path), save_every=1, log_every=1)))
     result = prepare(cfg, make_layout(cfg, jax.devices()[:1]), log=lambda _: None).loop()
     assert not result.ok
     assert len(result.records) == 3  # steps 0, 1 and the bad step 2

@@ -14,7 +14,6 @@ to decode) is made by rewriting one element through TensorStore, which writes a
 well-formed new chunk and manifest.
 """
 
-import dataclasses
 import functools
 import json
 import re
@@ -33,13 +32,13 @@ from spmd.base.errors import UserError
 from spmd.config import TrainConfig, validate
 from spmd.formats.checkpoint import Checkpoints, check_resumable, read_meta
 from spmd.formats.checksum import array_checksum, checksums
-from spmd.parallel.layout import make_layout
+from spmd.layout import make_layout
 from spmd.parallel.step import build_program
 
 pytestmark = pytest.mark.xdist_group("integrity")  # the tests share one saved run
 
 RUN = ["--batch", "8", "--seq", "32", "--steps", "4", "--log-every", "1"]  # default mesh dp=2,fsdp=2,tp=2
-CONFIG = TrainConfig(batch=8, seq=32, steps=4, log_every=1)
+CONFIG = TrainConfig.of(batch=8, seq=32, steps=4, log_every=1)
 
 
 def _train(*args) -> subprocess.CompletedProcess:
@@ -80,8 +79,8 @@ def _flip_a_bit(item: Path, array: str, index: tuple, bit: int) -> None:
 
 @functools.lru_cache(maxsize=None)
 def _abstract_state(mesh: str, devices: int) -> dict:
-    cfg = validate(dataclasses.replace(CONFIG, mesh=mesh))
-    return build_program(cfg, make_layout(cfg, jax.devices()[:devices])).abstract_state
+    cfg = validate(CONFIG.replace(mesh=mesh))
+    return build_program(cfg.step, make_layout(cfg, jax.devices()[:devices])).abstract_state
 
 
 def _restore(run: Path, step: int, mesh="dp=2,fsdp=2,tp=2", devices=8, **kwargs) -> dict:
@@ -219,15 +218,15 @@ def test_check_resumable_names_each_changed_option_and_lets_the_layout_change(sa
     run, _ = saved
     meta, where = read_meta(run, 2), run / "2"
     # ref_batch too: it is read only with --scale-lr, which neither run has.
-    same = dataclasses.replace(CONFIG, mesh="fsdp=4", dtype="bfloat16", grad_accum=2, zero=1, remat="full",
-                               save_every=1, log_every=2, eval_every=2, ref_batch=64)
-    check_resumable(meta, same, where)
-    changed = dataclasses.replace(CONFIG, batch=16, seed=3, lr=1e-3, warmup=5, min_lr_ratio=0.5, scale_lr=True,
-                                  seq=64)
+    same = CONFIG.replace(mesh="fsdp=4", dtype="bfloat16", grad_accum=2, zero=1, remat="full",
+                          save_every=1, log_every=2, eval_every=2, ref_batch=64)
+    check_resumable(meta, same.record(), where)
+    changed = CONFIG.replace(batch=16, seed=3, lr=1e-3, warmup=5, min_lr_ratio=0.5, scale_lr=True,
+                             seq=64)
     with pytest.raises(UserError) as error:
-        check_resumable(meta, changed, where)
+        check_resumable(meta, changed.record(), where)
     assert str(error.value) == (
         f"checkpoint {where} was written by a run with --batch 8 --seq 32 --seed 0 --lr 0.003 --warmup 20 "
         "--min-lr-ratio 0.1 --no-scale-lr; this run has --batch 16 --seq 64 --seed 3 --lr 0.001 --warmup 5 "
         "--min-lr-ratio 0.5 --scale-lr; pass --resume-with-changes to continue with the new values")
-    check_resumable(meta, dataclasses.replace(changed, resume_with_changes=True), where)
+    check_resumable(meta, changed.replace(resume_with_changes=True).record(), where)

@@ -37,12 +37,12 @@ def test_each_jobset_starts_one_process_per_host_for_the_mesh_of_its_command(nam
     cfg = parse_args(command[3:])
     [(kind, per_pod)] = [(k, v) for k, v in container["resources"]["limits"].items() if k in DEVICES_PER_POD]
     processes = job["parallelism"] * replicated["replicas"]
-    assert explicit_product(cfg.mesh_spec.sizes) == processes * per_pod, (kind, cfg.mesh)
-    if cfg.mesh_spec.dcn:
-        assert explicit_product(cfg.mesh_spec.dcn) == processes  # --dcn spans the pods (hosts)
+    assert explicit_product(cfg.parallelism.mesh_spec.sizes) == processes * per_pod, (kind, cfg.parallelism.mesh)
+    if cfg.parallelism.mesh_spec.dcn:
+        assert explicit_product(cfg.parallelism.mesh_spec.dcn) == processes  # --dcn spans the pods (hosts)
     env = {e["name"]: e for e in container.get("env", [])}
     ports = {p["containerPort"] for p in container["ports"]}
-    if cfg.coordinator == "auto":  # a TPU slice: JAX reads GKE's TPU_WORKER_* variables
+    if cfg.processes.coordinator == "auto":  # a TPU slice: JAX reads GKE's TPU_WORKER_* variables
         assert kind == "google.com/tpu" and not env
         return
     # Otherwise the three variables spmd reads, the coordinator being pod 0 of the headless service.

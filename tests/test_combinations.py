@@ -34,7 +34,7 @@ def test_readme_states_the_table_of_what_combines():
 def _config(names) -> tuple:
     """A small run that uses exactly the features `names` (on 2 devices per axis)."""
     fields, devices = example(names)
-    return validate(TrainConfig(**fields)), resolve_mesh({axis: 2 for axis in AXES if axis in names}, devices)
+    return validate(TrainConfig.of(**fields)), resolve_mesh({axis: 2 for axis in AXES if axis in names}, devices)
 
 
 @pytest.mark.parametrize("pair", list(itertools.combinations(FEATURES, 2)), ids="+".join)
@@ -42,9 +42,9 @@ def test_every_pair_of_features_passes_the_checks_unless_refused(pair):
     cfg, shape = _config(pair)
     if frozenset(pair) in REFUSED:
         with pytest.raises(UserError, match=re.escape(REFUSED[frozenset(pair)])):
-            check_layout(cfg, shape)
+            check_layout(cfg.step, shape)
     else:
-        check_layout(cfg, shape)  # raises UserError if refused
+        check_layout(cfg.step, shape)  # raises UserError if refused
 
 
 def test_a_refused_combination_is_refused_with_its_reason(monkeypatch):
@@ -52,5 +52,5 @@ def test_a_refused_combination_is_refused_with_its_reason(monkeypatch):
     monkeypatch.setitem(REFUSED, frozenset({"sp", "grad-accum"}), "made up: sp with accumulation")
     cfg, shape = _config(("sp", "grad-accum"))
     with pytest.raises(UserError, match="made up: sp with accumulation"):
-        check_layout(cfg, shape)
+        check_layout(cfg.step, shape)
     check_layout(*_config(("sp",)))  # a part of it passes

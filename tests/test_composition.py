@@ -52,7 +52,7 @@ def test_pipeline_composes_and_matches_one_device(mesh, devices, overrides):
 def test_pipeline_compositions_collectives_match_theory(i):
     mesh, devices, overrides = LAYOUTS[i]
     run = train_run(mesh, devices, **overrides)  # compiled once, shared with the parity test
-    plan = make_plan(run.cfg, run.layout, compiled=run.compiled)
+    plan = make_plan(run.cfg.step, run.layout, compiled=run.compiled)
     assert not any(r.unexpected for r in plan.rows)
     # Within 5% per collective and axes. Rows under 1 KiB are scalars (the loss, a norm
     # scale's gradient) that XLA folds into whichever reduction comes next.
@@ -75,6 +75,6 @@ def test_stages_reduce_the_gradients_of_whole_weights_over_ep_once():
     whole = [p for p in params(run.layout, run.cfg) if p.stacked and p.trained and "experts" not in p.names]
     assert whole and any("experts" in p.names for p in params(run.layout, run.cfg))
     once = sum(p.numel / 2 * 4 for p in whole)  # a stage's half of the layers, float32, 2 (ep - 1) / ep = 1
-    plan = make_plan(run.cfg, run.layout, compiled=run.compiled)
+    plan = make_plan(run.cfg.step, run.layout, compiled=run.compiled)
     (row,) = [r for r in plan.rows if (r.op, r.axes) == ("all-reduce", "ep")]
     assert row.measured == pytest.approx(once, rel=0.01)  # (and 48 bytes of scalars, summed with them)

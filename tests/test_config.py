@@ -17,7 +17,7 @@ def test_flags_override_the_yaml_file(tmp_path):
     file = tmp_path / "run.yaml"
     file.write_text("mesh: {dp: 2, tp: 4}\ndcn: {dp: 2}\nsteps: 7\nlr: 0.01\nscale_lr: true\n")
     cfg = parse_args(["--config", str(file), "--steps", "9"])
-    assert (cfg.mesh, cfg.dcn, cfg.steps, cfg.lr, cfg.scale_lr) == ("dp=2,tp=4", "dp=2", 9, 0.01, True)
+    assert (cfg.parallelism.mesh, cfg.parallelism.dcn, cfg.training.steps, cfg.optimizer.lr, cfg.optimizer.scale_lr) == ("dp=2,tp=4", "dp=2", 9, 0.01, True)
 
 
 def test_a_yaml_file_by_sections_is_the_flat_one(tmp_path):
@@ -27,9 +27,9 @@ def test_a_yaml_file_by_sections_is_the_flat_one(tmp_path):
     import yaml
 
     from spmd.config import train_parser
-    from spmd.run.config import SECTION_OF, SECTIONS, cli_fields
+    from spmd.run.config import SECTION_OF, SECTIONS, cli_options
 
-    assert sorted(SECTION_OF) == sorted(f.name for f in cli_fields())
+    assert sorted(SECTION_OF) == sorted(option for option, _ in cli_options())
     assert sum(map(len, SECTIONS.values())) == len(SECTION_OF)
     flat = yaml.safe_load((ROOT / "mesh_configs" / "deepseek-v3-2048xh800.yaml").read_text())
     nested: dict = {}
@@ -48,12 +48,46 @@ def test_a_yaml_file_by_sections_is_the_flat_one(tmp_path):
     assert "optimizer options:" in train_parser().format_help()
 
 
+def test_the_options_are_held_and_handed_down_by_section():
+    """The run's options object is its sections, one dataclass each (10 fields where there
+    were 83 flat ones); flat names reach every option (`TrainConfig.of`, `.replace`,
+    `.record`, as the command line and a checkpoint's record have them); the layout, the
+    program and the planner take the step's sections (`TrainConfig.step`) and refuse the
+    whole set, which holds the data, checkpoint, logging and processes sections besides."""
+    import dataclasses
+
+    from spmd.config import TrainConfig, validate
+    from spmd.parallel.layout import make_layout
+    from spmd.parallel.step import build_program
+    from spmd.planner.plan import make_plan
+    from spmd.run.config import SECTIONS
+    from spmd.run.options import OPTIONS
+
+    assert [f.name for f in dataclasses.fields(TrainConfig)] == list(SECTIONS)
+    assert all(dataclasses.is_dataclass(f.default_factory) for f in dataclasses.fields(TrainConfig))
+    cfg = validate(TrainConfig.of(model="tiny", data="notes.txt", lr=1e-3, mesh="dp=1", steps=5, mtp_weight=0.3))
+    assert (cfg.model.preset, cfg.data.path, cfg.optimizer.lr, cfg.training.steps) == ("tiny", "notes.txt", 1e-3, 5)
+    assert cfg.replace(lr=2e-3, remat="full").optimizer.lr == 2e-3 and cfg.optimizer.lr == 1e-3
+    assert set(cfg.record()) == set(OPTIONS) and cfg.record()["model"] == "tiny"
+    with pytest.raises(TypeError, match="no option named 'rank'"):
+        cfg.replace(rank=4)
+    step = cfg.step
+    assert [f.name for f in dataclasses.fields(step)] == [
+        "model", "training", "optimizer", "parallelism", "moe", "lora", "model_cfg"]
+    assert step.model_cfg is cfg.model_cfg  # resolved once
+    for lower in (lambda c: make_layout(c, jax.devices()[:1]), lambda c: build_program(c, None),
+                  lambda c: make_plan(c, None)):
+        with pytest.raises(TypeError, match=r"TrainConfig\.step\), not TrainConfig"):
+            lower(cfg)
+    assert make_layout(step, jax.devices()[:1]).shape["dp"] == 1
+
+
 def test_every_preset_file_is_a_valid_config():
     presets = sorted(ROOT.joinpath("mesh_configs").glob("*.yaml"))
     assert presets
     for preset in presets:
         cfg = parse_args(["--config", str(preset)])
-        parse_mesh(cfg.mesh)
+        parse_mesh(cfg.parallelism.mesh)
 
 
 def test_mesh_flag_fills_unnamed_axes_and_the_rest():

@@ -186,12 +186,12 @@ def test_a_non_finite_update_is_dropped_even_when_loss_and_gradient_are_finite()
     from spmd.config import TrainConfig, validate
     from spmd.data.feed import global_batch
     from spmd.data.synthetic import MarkovSource
-    from spmd.parallel.layout import make_layout
+    from spmd.layout import make_layout
     from spmd.parallel.step import build_program
 
-    cfg = validate(TrainConfig(mesh="", batch=4, seq=16, steps=2))
+    cfg = validate(TrainConfig.of(mesh="", batch=4, seq=16, steps=2))
     layout = make_layout(cfg, jax.devices()[:1])
-    program = build_program(cfg, layout)
+    program = build_program(cfg.step, layout)
     with jax.set_mesh(layout.mesh):
         state = program.init(jax.random.key(0))
     # A second moment gone bad (as a NaN learning rate would make the update): the loss and
@@ -200,7 +200,7 @@ def test_a_non_finite_update_is_dropped_even_when_loss_and_gradient_are_finite()
     poisoned = adam._replace(nu=jax.tree.map(lambda v: jnp.full_like(v, jnp.nan), adam.nu))
     state["opt_state"] = (state["opt_state"][0], (poisoned, *state["opt_state"][1][1:]), *state["opt_state"][2:])
     before = jax.device_get(state["params"])
-    batch = global_batch(MarkovSource(layout.skeleton.model_cfg.vocab, 0), 0, cfg.batch, cfg.seq + 1,
+    batch = global_batch(MarkovSource(layout.skeleton.model_cfg.vocab, 0), 0, cfg.training.batch, cfg.training.seq + 1,
                          layout.batch_sharding)
     state, metrics = program.compile_step()(state, batch)
     assert np.isfinite(metrics["loss"]) and np.isfinite(metrics["grad_norm"])

@@ -62,8 +62,8 @@ def test_eval_is_transformers_mean_loss_over_the_targets(name, mesh, request):
     # float32 throughout on both sides; the sums differ in order only: 1e-5 relative.
     data = request.getfixturevalue("packed") if name.startswith("pre-packed") else FILES[name]
     name = name.removeprefix("pre-packed ")
-    cfg = validate(TrainConfig(init_from=str(MODEL), data=str(data), mesh=mesh, batch=4, seq=64))
-    loss, targets, _ = evaluate(cfg, None, None, jax.devices()[:cfg.mesh_spec.devices])
+    cfg = validate(TrainConfig.of(init_from=str(MODEL), data=str(data), mesh=mesh, batch=4, seq=64))
+    loss, targets, _ = evaluate(cfg, None, None, jax.devices()[:cfg.parallelism.mesh_spec.devices])
     assert targets == GOLDEN[name]["targets"]
     np.testing.assert_allclose(loss, GOLDEN[name]["mean"], rtol=1e-5)
 

@@ -31,7 +31,7 @@ from models import PRESETS, Llama, attention
 from spmd.config import TrainConfig, validate
 from spmd.formats.hf import Directory, load_params
 from spmd.inference.decode import Decoder, Sampling, bucket, filtered, left_padded, sample
-from spmd.parallel.layout import make_layout
+from spmd.layout import make_layout
 
 pytestmark = pytest.mark.xdist_group("generate")
 # The gate holds the goldens' generation (a dense and an MoE family) and the sampling's
@@ -44,7 +44,7 @@ PROMPT_LENGTHS, NEW = (3, 9, 17), 12
 
 
 def _layout(mesh: str, **cfg):
-    cfg = validate(TrainConfig(mesh=mesh, **cfg))
+    cfg = validate(TrainConfig.of(mesh=mesh, **cfg))
     devices = int(np.prod([int(p.split("=")[1]) for p in mesh.split(",")]))
     return make_layout(cfg, jax.devices()[:devices], for_training=False)
 

@@ -122,9 +122,9 @@ REFUSED = {
 def _checkpoint(run: Path, cfg: TrainConfig) -> None:
     """`run` holding step 1's record of a run of `cfg` (spmd.formats.checkpoint.make_meta:
     the shapes of what it trains), without its arrays."""
-    skeleton = skeleton_for(cfg)
+    skeleton = skeleton_for(cfg.step)
     (run / "1" / "meta").mkdir(parents=True)
-    (run / "1" / "meta" / "metadata").write_text(json.dumps(make_meta(cfg, 1, skeleton.trained(skeleton.shapes))))
+    (run / "1" / "meta" / "metadata").write_text(json.dumps(make_meta(cfg.record(), cfg.model.name, 1, skeleton.trained(skeleton.shapes))))
 
 
 def _mistral(directory: Path, window) -> str:
@@ -141,9 +141,9 @@ def _mistral(directory: Path, window) -> str:
 def _files(tmp: Path) -> dict[str, str]:
     preset = (TESTS.parent / "mesh_configs" / "llama3-8b-8xh100.yaml").read_text()
     (tmp / "huge_seq.yaml").write_text(re.sub(r"(?m)^seq: [0-9]+$", "seq: 1000000000000", preset))
-    _checkpoint(tmp / "empty_run", validate(TrainConfig(model="tiny", layers=4, empty_layers=2, mesh="pp=2", batch=8,
+    _checkpoint(tmp / "empty_run", validate(TrainConfig.of(model="tiny", layers=4, empty_layers=2, mesh="pp=2", batch=8,
                                                         seq=16, steps=2)))
-    _checkpoint(tmp / "lora_run", validate(TrainConfig(model="tiny", lora_rank=4, lora_targets="q_proj,v_proj",
+    _checkpoint(tmp / "lora_run", validate(TrainConfig.of(model="tiny", lora_rank=4, lora_targets="q_proj,v_proj",
                                                        mesh="dp=1", batch=8, seq=16, steps=2)))
     return {"huge_seq": str(tmp / "huge_seq.yaml"), "empty_run": str(tmp / "empty_run"),
             "lora_run": str(tmp / "lora_run"), "float_window": _mistral(tmp / "float_window", "1e15"),
@@ -294,13 +294,13 @@ def test_the_forced_device_count_is_read_once_checked_and_a_mesh_takes_what_it_n
     (4, False, 2, "fsdp=2,tp=2"),  # ... with tp, where the batch does not split 4 ways
 ])
 def test_the_default_layout_is_the_first_the_run_holds(devices, serving, batch, want):
-    cfg = validate(TrainConfig(model="tiny", batch=batch))
-    assert format_mesh(default_layout(cfg, devices, serving, for_training=not serving)[0]) == want
+    cfg = validate(TrainConfig.of(model="tiny", batch=batch))
+    assert format_mesh(default_layout(cfg.step, devices, serving, for_training=not serving)[0]) == want
 
 
 def test_no_default_layout_names_why_the_replicas_do_not_hold_the_run():
     """16 devices: the batch of 3 splits over none of the batch axes, the 8 heads not 16 ways."""
-    cfg = validate(TrainConfig(model="tiny", batch=3))
+    cfg = validate(TrainConfig.of(model="tiny", batch=3))
     with pytest.raises(UserError, match=r"without --mesh, no layout of the 16 devices holds the run \(dp=16: --batch 3 "
                                         r"does not divide by the batch axes .*\); give --mesh"):
-        default_layout(cfg, 16)
+        default_layout(cfg.step, 16)

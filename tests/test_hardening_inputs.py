@@ -116,7 +116,7 @@ def _checkpoint(run: Path, cfg: TrainConfig) -> None:
     writes it), without its arrays."""
     meta = run / "1" / "meta"
     meta.mkdir(parents=True)
-    record = {"format": FORMAT, "step": 1, "model": cfg.model_name, "config": dataclasses.asdict(cfg)}
+    record = {"format": FORMAT, "step": 1, "model": cfg.model.name, "config": cfg.record()}
     (meta / "metadata").write_text(json.dumps(record))
 
 
@@ -136,7 +136,7 @@ def _inputs(tmp: Path) -> dict[str, str]:
     (tmp / "twice.yaml").write_text("steps: 10\nbatch: 8\nsteps: 1000\n")
     (tmp / "twice_mesh.yaml").write_text("mesh:\n  dp: 1\n  dp: 2\n")
     (tmp / "two_spellings.yaml").write_text("grad_accum: 1\ngrad-accum: 2\n")
-    lora = validate(TrainConfig(init_from=str(tmp / "base"), lora_rank=2, mesh="dp=1", data=str(tmp / "text.txt"),
+    lora = validate(TrainConfig.of(init_from=str(tmp / "base"), lora_rank=2, mesh="dp=1", data=str(tmp / "text.txt"),
                                 tokenizer=str(tmp / "tokenizer" / "tokenizer.json")))
     _checkpoint(tmp / "lora_run", lora)
     names = {"base": "base", "adapter": "adapter", "tokenizer": "tokenizer", "text": "text.txt",
@@ -238,13 +238,13 @@ def test_a_failure_in_any_process_gives_the_others_grace_then_ends_them(tmp_path
 ], ids=["no processes", "id = count", "negative id", "SLURM id = tasks", "negative SLURM id"])
 def test_a_process_environment_out_of_bounds_is_refused_naming_the_variable(environ, message):
     with pytest.raises(UserError, match=message):
-        processes(TrainConfig(), environ)
+        processes(TrainConfig.of(), environ)
 
 
 def test_the_flags_bounds_name_the_flags():
     with pytest.raises(UserError, match=r"--process-id 2 is not one of 2 processes \(--num-processes 2\)"):
-        processes(TrainConfig(coordinator="h:1", num_processes=2, process_id=2), {})
-    assert processes(TrainConfig(), {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_PROCID": "3",
+        processes(TrainConfig.of(coordinator="h:1", num_processes=2, process_id=2), {})
+    assert processes(TrainConfig.of(), {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_PROCID": "3",
                                          "SLURM_STEP_NODELIST": "n[1-4]"}).index == 3
 
 

@@ -25,7 +25,7 @@ from models.llama.hf import config_from_hf
 from spmd.config import TrainConfig, validate
 from spmd.formats.safetensors import SafeTensors, Writer
 from spmd.hf import Directory, from_pretrained, load_params
-from spmd.parallel.layout import make_layout
+from spmd.layout import make_layout
 from spmd.parallel.step import build_program
 
 pytestmark = pytest.mark.xdist_group("hf")
@@ -71,9 +71,9 @@ def test_windowed_models_over_sp_give_the_loss_of_transformers_logits(name):
     top = logits.max(-1, keepdims=True)
     log_probs = logits - top - np.log(np.sum(np.exp(logits - top), -1, keepdims=True))
     want = -np.mean(np.take_along_axis(log_probs, tokens[:, 1:, None], axis=-1))
-    cfg = validate(TrainConfig(mesh="sp=2,tp=2", model=None, init_from=str(folder), batch=2, seq=60))
+    cfg = validate(TrainConfig.of(mesh="sp=2,tp=2", model=None, init_from=str(folder), batch=2, seq=60))
     layout = make_layout(cfg, jax.devices()[:4])
-    program = build_program(cfg, layout)
+    program = build_program(cfg.step, layout)
     params = load_params(Directory(folder), layout)
     with jax.set_mesh(layout.mesh):
         got = program.evaluate(params, jax.device_put(tokens.astype(np.int32), layout.batch_sharding))

@@ -2,7 +2,6 @@
 frozen, planned, checkpointed without the base, and in and out of PEFT's format (goldens
 made by tests/hf/make_lora_goldens.py with torch, transformers and peft)."""
 
-import dataclasses
 import functools
 import json
 import subprocess
@@ -21,7 +20,7 @@ from spmd.data.feed import global_batch
 from spmd.data.synthetic import MarkovSource
 from spmd.formats.safetensors import SafeTensors
 from spmd.hf import from_pretrained
-from spmd.parallel.layout import make_layout
+from spmd.layout import make_layout
 from spmd.parallel.skeleton import restack
 from spmd.parallel.step import build_program
 from spmd.planner import footprint
@@ -55,7 +54,7 @@ ADAPTERS_BULK_QUANTILE = 0.999
 def _plan_matches(run) -> None:
     """The compiled step's collectives within 5% of theory, nothing unexpected, and the
     state XLA takes as arguments what theory says (plus the int32 step counters)."""
-    plan = make_plan(run.cfg, run.layout, compiled=run.compiled)
+    plan = make_plan(run.cfg.step, run.layout, compiled=run.compiled)
     for row in (r for r in plan.rows if r.theory):
         assert row.measured == pytest.approx(row.theory, rel=0.05), row
     assert not any(r.unexpected for r in plan.rows)
@@ -99,15 +98,15 @@ def _adapter_grads(mesh: str, devices: int, **overrides) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def _cached_grads(mesh: str, devices: int, overrides: tuple) -> dict:
-    cfg = validate(TrainConfig(mesh=mesh, **(PARITY | {"lora_rank": 4} | dict(overrides))))
+    cfg = validate(TrainConfig.of(mesh=mesh, **(PARITY | {"lora_rank": 4} | dict(overrides))))
     layout = make_layout(cfg, jax.devices()[:devices])
-    program = build_program(cfg, layout)
+    program = build_program(cfg.step, layout)
     state = dict(initial_state(init_config(cfg)))
     rng = np.random.default_rng(0)
     state["params"] = jax.tree_util.tree_map_with_path(
         lambda path, x: rng.normal(0, 0.1, x.shape).astype(np.float32) if path[-1].key == "b" else x, state["params"])
     state = jax.device_put(layout.stored(state), jax.tree.map(lambda s: s.sharding, program.abstract_state))
-    batch = global_batch(MarkovSource(layout.skeleton.model_cfg.vocab, cfg.seed), 0, cfg.batch, cfg.seq + 1,
+    batch = global_batch(MarkovSource(layout.skeleton.model_cfg.vocab, cfg.training.seed), 0, cfg.training.batch, cfg.training.seq + 1,
                          layout.batch_sharding)
     grads = jax.jit(lambda s, b: program.metrics_and_grads(s, b)[1])
     with jax.set_mesh(layout.mesh):
@@ -167,10 +166,10 @@ def test_plan_shows_the_saving_for_llama_8b_rank_16_on_fsdp_8():
     fsdp splits every dimension named embed (or vocab) 8 ways; the adapters' rank-side
     dimensions stay whole: per layer, A of q, k, v (embed x 16) split, B of q (16 x 4096),
     of k and v (16 x 1024 each) and A of o (4096 x 16) whole, B of o (16 x embed) split."""
-    cfg = validate(TrainConfig(model="llama3.1-8b", mesh="fsdp=8", batch=8, seq=512, lora_rank=16))
+    cfg = validate(TrainConfig.of(model="llama3.1-8b", mesh="fsdp=8", batch=8, seq=512, lora_rank=16))
     layout = make_layout(cfg, jax.devices()[:8])
-    full_cfg = validate(TrainConfig(model="llama3.1-8b", mesh="fsdp=8", batch=8, seq=512))
-    lora, full = footprint.memory(cfg, layout), footprint.memory(full_cfg, make_layout(full_cfg, jax.devices()[:8]))
+    full_cfg = validate(TrainConfig.of(model="llama3.1-8b", mesh="fsdp=8", batch=8, seq=512))
+    lora, full = footprint.memory(cfg.step, layout), footprint.memory(full_cfg.step, make_layout(full_cfg, jax.devices()[:8]))
     n, e, r = 8_030_261_248, 4096, 16  # the published parameter count; embed; rank
     per_layer = 3 * e * r / 8 + r * 4096 + 2 * r * 1024 + 4096 * r + r * e / 8
     adapters = 32 * per_layer * 4
@@ -266,6 +265,6 @@ def test_lora_run_checkpoints_adapters_resumes_on_another_mesh_and_exports(tmp_p
 def _tensors_of_checkpoint(run: Path) -> dict:
     """The adapters of a run's latest checkpoint, read as a model would serve them."""
     cfg, checkpoint = checkpoint_config(str(run))
-    cfg = validate(dataclasses.replace(cfg, mesh="dp=1"))
+    cfg = validate(cfg.replace(mesh="dp=1"))
     layout = make_layout(cfg, jax.devices()[:1], for_training=False)
     return jax.device_get(layout.skeleton.trained(restore_params(checkpoint, cfg, layout)))

@@ -73,7 +73,7 @@ def test_expert_parallel_layout_matches_one_device(moe_reference, mesh, devices,
 @pytest.mark.slow  # another layout of what the gate's parity tests hold once
 def test_tokens_move_by_all_to_all_and_expert_weights_are_never_gathered_over_ep(mesh, devices, mode):
     run = train_run(mesh, devices, model="moe-tiny", **mode)  # compiled once, shared with the parity test
-    rows = {(r.op, r.axes): r for r in make_plan(run.cfg, run.layout, compiled=run.compiled).rows}
+    rows = {(r.op, r.axes): r for r in make_plan(run.cfg.step, run.layout, compiled=run.compiled).rows}
     to_all = rows[("all-to-all", "ep")]
     # There and back forward, the gradients of both backward, in every microbatch; dropless
     # also sends the expert index of each row.

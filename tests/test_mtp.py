@@ -21,7 +21,7 @@ from spmd.base.errors import UserError
 from spmd.formats.hf import Directory, write_hf
 from spmd.formats.safetensors import SafeTensors, Writer
 from spmd.hf import from_pretrained
-from spmd.parallel.layout import make_layout
+from spmd.layout import make_layout
 from spmd.parallel.objective import AuxLosses, aux_losses, model_loss
 from spmd.parallel.skeleton import build_model, model_skeleton
 from spmd.parallel.step import build_program, initial_params
@@ -116,10 +116,10 @@ def test_the_loss_and_its_gradients_are_the_reports_equations(packed):
 
 
 def test_the_weight_switches_at_its_step():
-    cfg = TrainConfig(model="deepseek-v3-tiny", mtp_depth=1, mtp_weight_later="5:0.1")
-    weights = [float(aux_losses(cfg, jnp.int32(step)).mtp_weight) for step in (0, 4, 5, 9)]
+    cfg = TrainConfig.of(model="deepseek-v3-tiny", mtp_depth=1, mtp_weight_later="5:0.1")
+    weights = [float(aux_losses(cfg.step, jnp.int32(step)).mtp_weight) for step in (0, 4, 5, 9)]
     np.testing.assert_allclose(weights, [0.3, 0.3, 0.1, 0.1], rtol=1e-7)
-    assert aux_losses(cfg).mtp_weight is None  # evaluation: the model's loss alone
+    assert aux_losses(cfg.step).mtp_weight is None  # evaluation: the model's loss alone
 
 
 MTP = dict(model="deepseek-v3-tiny", mtp_depth=1)
@@ -181,12 +181,12 @@ def test_the_plan_counts_the_prediction_modules(mesh, overrides):
     half (tiny DeepSeek, pp=2,ep=2 DualPipe: all-to-all over ep 1.50). Scalar rows (under
     1 KiB a collective: the loss, MoE statistics) are left out, as spmd.plan flags none."""
     from spmd.config import validate
-    from spmd.parallel.layout import make_layout
+    from spmd.layout import make_layout
     from spmd.planner.counting import SMALL_BYTES
     from spmd.planner.plan import make_plan
 
-    cfg = validate(TrainConfig(mesh=mesh, model="deepseek-v3-tiny", batch=8, seq=32, **overrides))
-    plan = make_plan(cfg, make_layout(cfg, jax.devices()[:4]))
+    cfg = validate(TrainConfig.of(mesh=mesh, model="deepseek-v3-tiny", batch=8, seq=32, **overrides))
+    plan = make_plan(cfg.step, make_layout(cfg, jax.devices()[:4]))
     rows = {f"{r.op} {r.axes}": r.measured / r.theory if r.theory else float("inf")
             for r in plan.rows if r.measured >= SMALL_BYTES * r.count or r.theory >= SMALL_BYTES * max(r.count, 1)}
     assert len(rows) >= 3, rows
@@ -223,16 +223,16 @@ def test_deepseeks_prediction_layer_is_read_into_the_first_module(tmp_path):
     decoder layer read as the model's layers are; depth 2, which the files lack, is what
     a fresh run draws. Without `--mtp-depth` the layer is dropped, as transformers drops it."""
     directory = _with_prediction_layer(tmp_path)
-    cfg = validate(TrainConfig(init_from=str(directory), mtp_depth=2, mesh="", batch=2, seq=16, steps=1))
+    cfg = validate(TrainConfig.of(init_from=str(directory), mtp_depth=2, mesh="", batch=2, seq=16, steps=1))
     layout, said = make_layout(cfg, jax.devices()[:1]), []
-    state = fresh_state(cfg, build_program(cfg, layout), log=said.append)  # (what spmd.train starts from)
+    state = fresh_state(cfg, build_program(cfg.step, layout), log=said.append)  # (what spmd.train starts from)
     assert f"multi-token prediction: 1 of the 2 modules read from {directory}'s prediction layers (layer 4 on), " \
            "the rest fresh" in said
     params = jax.device_get(state["params"])
     stack = traverse_util.flatten_dict(params["blocks"])  # the MoE layers 2 and 3
     for path, w in traverse_util.flatten_dict(params["mtp"][0]["block"]).items():
         np.testing.assert_array_equal(w, stack[path][1], err_msg=str(path))
-    fresh = jax.device_get(initial_params(cfg, layout)(jax.random.key(cfg.seed))["mtp"][1])
+    fresh = jax.device_get(initial_params(cfg.step, layout)(jax.random.key(cfg.training.seed))["mtp"][1])
     jax.tree.map(np.testing.assert_array_equal, params["mtp"][1], fresh)
 
     published = {name: f.read(name) for f in [SafeTensors(directory / "model.safetensors")] for name in f.names()}

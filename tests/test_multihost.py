@@ -118,26 +118,26 @@ def test_the_processes_come_from_flags_else_the_environment_else_there_is_one():
     from spmd.config import TrainConfig
     from spmd.run.distributed import one_task_per_node, processes
 
-    flags = TrainConfig(coordinator="10.0.0.1:1234", num_processes=4, process_id=3)
+    flags = TrainConfig.of(coordinator="10.0.0.1:1234", num_processes=4, process_id=3)
     env = {"JAX_COORDINATOR_ADDRESS": "h:99", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1"}
     slurm = {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "16", "SLURM_STEP_NODELIST": "n[1-16]"}
     got = processes(flags, env)  # flags win over the environment
     assert (got.count, got.index, got.coordinator, got.found_in) == (4, 3, "10.0.0.1:1234", "flags")
-    got = processes(TrainConfig(), env)
+    got = processes(TrainConfig.of(), env)
     assert (got.count, got.index, got.coordinator, got.found_in) == (2, 1, "h:99", "environment")
-    got = processes(TrainConfig(), {**slurm, "SLURM_PROCID": "5"})  # JAX finds the coordinator itself
+    got = processes(TrainConfig.of(), {**slurm, "SLURM_PROCID": "5"})  # JAX finds the coordinator itself
     assert (got.count, got.index, got.coordinator, got.found_in) == (16, 5, None, "SLURM")
     # One task per node drives all the node's GPUs; several share them, one GPU each (JAX's default).
     assert one_task_per_node({**slurm, "SLURM_STEP_NUM_NODES": "16"})
     assert not one_task_per_node({**slurm, "SLURM_STEP_NUM_NODES": "2"}) and not one_task_per_node({})
-    assert processes(TrainConfig(coordinator="auto"), {}).count == 0  # JAX detects the cluster
-    assert not processes(TrainConfig(), {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1"}).multi
-    assert not processes(TrainConfig(), {}).multi
+    assert processes(TrainConfig.of(coordinator="auto"), {}).count == 0  # JAX detects the cluster
+    assert not processes(TrainConfig.of(), {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1"}).multi
+    assert not processes(TrainConfig.of(), {}).multi
     for cfg, environ, message in (
-            (TrainConfig(num_processes=2), {}, "need all of --coordinator"),
-            (TrainConfig(coordinator="nohost", num_processes=2, process_id=0), {}, "is not host:port"),
-            (TrainConfig(coordinator="h:1", num_processes=2, process_id=2), {}, "not one of 2 processes"),
-            (TrainConfig(), {"JAX_COORDINATOR_ADDRESS": "h:1"}, "but not JAX_NUM_PROCESSES, JAX_PROCESS_ID"),
-            (TrainConfig(), {**env, "JAX_PROCESS_ID": "one"}, "is not an integer")):
+            (TrainConfig.of(num_processes=2), {}, "need all of --coordinator"),
+            (TrainConfig.of(coordinator="nohost", num_processes=2, process_id=0), {}, "is not host:port"),
+            (TrainConfig.of(coordinator="h:1", num_processes=2, process_id=2), {}, "not one of 2 processes"),
+            (TrainConfig.of(), {"JAX_COORDINATOR_ADDRESS": "h:1"}, "but not JAX_NUM_PROCESSES, JAX_PROCESS_ID"),
+            (TrainConfig.of(), {**env, "JAX_PROCESS_ID": "one"}, "is not an integer")):
         with pytest.raises(UserError, match=message):
             processes(cfg, environ)

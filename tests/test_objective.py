@@ -3,7 +3,6 @@ imported MoE model's balance loss as transformers defines it (golden values made
 tests/hf/make_goldens.py), the warmup kept as given, Adam's epsilon a flag; and an imported
 MoE model trained with a selection bias is served as trained."""
 
-import dataclasses
 import json
 import math
 import subprocess
@@ -18,8 +17,8 @@ from support.parity import train_run
 from test_parity import LOSS_RTOL
 
 from spmd.base.errors import UserError
-from spmd.config import TrainConfig, model_config, validate
-from spmd.parallel.layout import make_layout
+from spmd.config import TrainConfig, validate
+from spmd.layout import make_layout
 from spmd.parallel.optim import make_optimizer, schedule
 from spmd.parallel.objective import AuxLosses, aux_losses, model_loss
 
@@ -31,19 +30,19 @@ def test_an_imported_moe_model_trains_with_its_own_balance_loss():
     and no z-loss; flags override each. On the golden's tokens the cross-entropy and the
     balance loss equal transformers' (float32 sums in another order: 1e-5 relative)."""
     golden = json.loads((MIXTRAL / "router_losses.json").read_text())
-    cfg = validate(TrainConfig(init_from=str(MIXTRAL), mesh=""))
-    assert aux_losses(cfg) == AuxLosses("pooled", golden["router_aux_loss_coef"], 0.0)
-    given = validate(dataclasses.replace(cfg, balance_loss="sequence", aux_loss_weight=0.01, z_loss_weight=0.001))
-    assert aux_losses(given) == AuxLosses("sequence", 0.01, 0.001)
-    preset = validate(TrainConfig(model="moe-tiny"))
-    assert aux_losses(preset) == AuxLosses("sequence", 0.01, 0.001)
+    cfg = validate(TrainConfig.of(init_from=str(MIXTRAL), mesh=""))
+    assert aux_losses(cfg.step) == AuxLosses("pooled", golden["router_aux_loss_coef"], 0.0)
+    given = validate(cfg.replace(balance_loss="sequence", aux_loss_weight=0.01, z_loss_weight=0.001))
+    assert aux_losses(given.step) == AuxLosses("sequence", 0.01, 0.001)
+    preset = validate(TrainConfig.of(model="moe-tiny"))
+    assert aux_losses(preset.step) == AuxLosses("sequence", 0.01, 0.001)
 
     from spmd.formats.hf import Directory, load_params
 
     layout = make_layout(cfg, jax.devices()[:1], for_training=False)
     params = load_params(Directory(str(MIXTRAL)), layout)
     rows = jnp.asarray(np.load(MIXTRAL / "tokens.npy"))
-    objective, metrics = jax.jit(lambda p, r: model_loss(layout.skeleton.graphdef, p, r, None, aux_losses(cfg)))(params, rows)
+    objective, metrics = jax.jit(lambda p, r: model_loss(layout.skeleton.graphdef, p, r, None, aux_losses(cfg.step)))(params, rows)
     np.testing.assert_allclose(float(metrics["loss"]), golden["cross_entropy"], rtol=1e-5)
     np.testing.assert_allclose(float(metrics["aux_loss"]), golden["aux_loss"], rtol=1e-5)
     np.testing.assert_allclose(float(objective), golden["cross_entropy"] + golden["router_aux_loss_coef"]
@@ -65,9 +64,9 @@ def test_the_pooled_balance_loss_is_the_same_on_any_layout():
 
 def test_the_pooled_balance_loss_is_refused_where_a_stage_cannot_form_it():
     with pytest.raises(UserError, match="--pp-schedule 1f1b takes the per-sequence balance loss only"):
-        validate(TrainConfig(model="moe-tiny", mesh="pp=2", pp_schedule="1f1b", balance_loss="pooled"))
+        validate(TrainConfig.of(model="moe-tiny", mesh="pp=2", pp_schedule="1f1b", balance_loss="pooled"))
     with pytest.raises(UserError, match="--aux-loss-weight applies to MoE models"):
-        validate(TrainConfig(model="tiny", aux_loss_weight=0.1))
+        validate(TrainConfig.of(model="tiny", aux_loss_weight=0.1))
 
 
 @pytest.mark.parametrize("steps, warmup", [(10, 20), (10, 10), (30, 10)])
@@ -76,8 +75,8 @@ def test_the_warmup_is_kept_as_given(steps, warmup):
     """transformers' cosine schedule with a minimum: lr * t / warmup during the warmup, then a
     cosine from lr to lr * min_lr_ratio at `steps`; a warmup longer than the run ends it
     before the peak (it was shortened to steps - 1)."""
-    cfg = validate(TrainConfig(steps=steps, warmup=warmup, lr=1e-3, min_lr_ratio=0.1))
-    lr_at = schedule(cfg)
+    cfg = validate(TrainConfig.of(steps=steps, warmup=warmup, lr=1e-3, min_lr_ratio=0.1))
+    lr_at = schedule(cfg.step)
 
     def want(t):
         if t < warmup:
@@ -92,13 +91,13 @@ def test_the_warmup_is_kept_as_given(steps, warmup):
 def test_adam_epsilon_is_a_flag():
     """Adam's first update is lr * g / (|g| + eps) (both moments bias-corrected): with eps
     1 instead of 1e-8 a gradient of 1 moves half as far."""
-    cfg = validate(TrainConfig(eps=1.0, warmup=0, lr=0.1, weight_decay=0.0, clip=1e9))
-    tx = make_optimizer(cfg, model_config(cfg))
+    cfg = validate(TrainConfig.of(eps=1.0, warmup=0, lr=0.1, weight_decay=0.0, clip=1e9))
+    tx = make_optimizer(cfg.step, cfg.model_cfg)
     params = {"embedding": jnp.zeros(3)}
     updates, _ = tx.update({"embedding": jnp.ones(3)}, tx.init(params), params)
     np.testing.assert_allclose(updates["embedding"], -0.1 * 1 / (1 + 1.0), rtol=1e-6)
     with pytest.raises(UserError, match="--eps must be positive"):
-        validate(TrainConfig(eps=0.0))
+        validate(TrainConfig.of(eps=0.0))
 
 
 def test_an_imported_moe_model_trained_with_a_bias_is_served(tmp_path):
@@ -111,11 +110,11 @@ def test_an_imported_moe_model_trained_with_a_bias_is_served(tmp_path):
     from spmd.train import train
 
     source = shutil.copytree(MIXTRAL, tmp_path / "mixtral")
-    cfg = validate(TrainConfig(init_from=str(source), mesh="", router_bias_rate=0.01, batch=4, seq=16, steps=2,
+    cfg = validate(TrainConfig.of(init_from=str(source), mesh="", router_bias_rate=0.01, batch=4, seq=16, steps=2,
                                warmup=0, out=str(tmp_path / "run")))
     train(cfg, make_layout(cfg, jax.devices()[:1]), log=lambda _: None)
     served, checkpoint = checkpoint_config(str(tmp_path / "run"))
-    assert served.router_bias_weight and served.router_bias_rate == 0
+    assert served.moe.router_bias_weight and served.moe.router_bias_rate == 0
     params = restore_params(checkpoint, served, make_layout(served, jax.devices()[:1], for_training=False))
     assert np.abs(np.asarray(params["blocks"]["moe"]["mlp"]["bias"])).max() > 0
     done = subprocess.run([sys.executable, "-m", "spmd.export", "--checkpoint", str(tmp_path / "run"), "--format",

@@ -169,7 +169,7 @@ def test_a_link_is_written_through_and_a_broken_one_refused(folder):
 
 def test_outputs_that_coincide_are_refused_and_a_trace_may_join_the_scalars(tmp_path):
     def check(**outputs):
-        check_outputs(TrainConfig(**outputs))
+        check_outputs(TrainConfig.of(**outputs))
 
     tb = str(tmp_path / "tb")
     check(tensorboard=tb, profile_steps="1:1", profile_dir=tb)  # TensorBoard's layout: tb/plugins/profile
@@ -193,7 +193,7 @@ def test_no_output_goes_into_a_run_or_a_step_directory_or_through_another_name_o
         done = subprocess.run([*CORPUS, str(out)], cwd=folder, capture_output=True, text=True, timeout=60)
         assert done.returncode == 2 and f"would write into the spmd run {where}," in one_error_line(done.stderr)
     with pytest.raises(UserError, match=f"--metrics-file {run}/m.jsonl would write into the spmd run {run},"):
-        check_outputs(TrainConfig(out=str(folder / "mine"), metrics_file=str(run / "m.jsonl")))
+        check_outputs(TrainConfig.of(out=str(folder / "mine"), metrics_file=str(run / "m.jsonl")))
     assert sorted(p.name for p in run.rglob("*")) == [".spmd-lock", "3", "meta"]
 
     (folder / "data").mkdir()

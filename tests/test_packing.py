@@ -12,7 +12,7 @@ import pytest
 from support.parity import assert_params_match, init_config, initial_state
 
 from spmd.config import TrainConfig, validate
-from spmd.parallel.layout import make_layout
+from spmd.layout import make_layout
 from spmd.parallel.staged import Auxiliary
 from spmd.parallel.step import build_program, target_counts
 
@@ -65,12 +65,15 @@ ONE_PER_ROW = _rows([[e] for e in EXAMPLES], SEQ + 1)
 
 
 def _program(mesh: str, devices: int, batch: int, **overrides):
-    cfg = validate(TrainConfig(mesh=mesh, model="tiny", batch=batch, seq=SEQ, steps=1, lr=3e-3, warmup=1, **overrides))
-    return build_program(cfg, make_layout(cfg, jax.devices()[:devices]), packed=True)
+    cfg = validate(TrainConfig.of(mesh=mesh, model="tiny", batch=batch, seq=SEQ, steps=1, lr=3e-3, warmup=1, **overrides))
+    return build_program(cfg.step, make_layout(cfg, jax.devices()[:devices]), packed=True)
 
 
 def _params(program):
-    state = initial_state(init_config(dataclasses.replace(program.cfg, batch=8)))
+    step = program.cfg  # the run's sections a step is built from
+    cfg = TrainConfig(step.model, dataclasses.replace(step.training, batch=8), step.optimizer, step.parallelism,
+                      step.moe, step.lora)
+    state = initial_state(init_config(cfg))
     shardings = jax.tree.map(lambda s: s.sharding, program.abstract_state["params"])
     return jax.device_put(program.layout.stored(state["params"]), shardings)
 
@@ -108,14 +111,14 @@ def _one_per_row(layers: int):
 def test_packed_rows_train_as_one_example_per_row(mesh, devices, overrides):
     # float32 sums of the same terms in another order (rows, blocks, ranks): 1e-5 relative.
     program = _program(mesh, devices, 8, **overrides)
-    if program.cfg.grad_accum > 1:
+    if program.cfg.training.grad_accum > 1:
         step = jax.jit(lambda params, rows: program._train_step(program._start(params), rows)[1]["loss"])
         with jax.set_mesh(program.layout.mesh):
             loss = step(_params(program), jax.device_put(PACKED, program.layout.batch_sharding))
-        np.testing.assert_allclose(loss, _one_per_row(program.cfg.layers or 2)[0], rtol=1e-5)
+        np.testing.assert_allclose(loss, _one_per_row(program.cfg.model.layers or 2)[0], rtol=1e-5)
         return
     loss, grads = _loss_and_grads(program, PACKED)
-    want_loss, want_grads = _one_per_row(program.cfg.layers or 2)
+    want_loss, want_grads = _one_per_row(program.cfg.model.layers or 2)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
     for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
         # Chunked pipelines store the layers as (repeats, layers / repeats): in order, row-major.

@@ -18,7 +18,7 @@ from models.llama.presets import PRESETS
 from spmd.base.errors import UserError
 from spmd.config import TrainConfig, validate
 from spmd.formats.checkpoint import Checkpoints, make_meta
-from spmd.parallel.layout import make_layout
+from spmd.layout import make_layout
 from spmd.parallel.skeleton import restack
 from spmd.parallel.staged import stage_parts
 from spmd.parallel.step import build_program
@@ -229,9 +229,9 @@ def test_zb_v_activations_do_not_grow_with_microbatches():
     30.1 -> 47.7 (x1.59), which keeps every microbatch's activations. Under remat full
     B's ring holds each layer's input only and there is no W ring: 10.8 MiB at m = 8."""
     def temps(schedule, m, remat="none"):
-        cfg = validate(TrainConfig(**{**PARITY, **DEEP, "mesh": "pp=2", "pp_schedule": schedule,
+        cfg = validate(TrainConfig.of(**{**PARITY, **DEEP, "mesh": "pp=2", "pp_schedule": schedule,
                                       "microbatches": m, "batch": 8 * m, "remat": remat}))
-        return build_program(cfg, make_layout(cfg, jax.devices()[:2])).compile_step().memory_analysis().temp_size_in_bytes
+        return build_program(cfg.step, make_layout(cfg, jax.devices()[:2])).compile_step().memory_analysis().temp_size_in_bytes
     zb_v = temps("zb-v", 8)
     zb_growth, gpipe_growth = zb_v / temps("zb-v", 4), temps("gpipe", 8) / temps("gpipe", 4)
     assert zb_growth < 1.1 and gpipe_growth > 1.4, (zb_growth, gpipe_growth)
@@ -248,10 +248,10 @@ def test_a_pipelines_checkpoint_restores_onto_a_layout_without_pipeline(tmp_path
     params = jax.device_put(run.params, jax.tree.map(lambda s: s.sharding, abstract["params"]))
     opt_state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype, device=s.sharding), abstract["opt_state"])
     checkpoints = Checkpoints(tmp_path, async_save=False)
-    checkpoints.save(4, {"params": params, "opt_state": opt_state}, make_meta(run.cfg, 4, params))
+    checkpoints.save(4, {"params": params, "opt_state": opt_state}, make_meta(run.cfg.record(), run.cfg.model.name, 4, params))
     checkpoints.wait()
-    flat_cfg = dataclasses.replace(run.cfg, mesh="dp=2", pp_schedule="gpipe", pp_repeats=1, microbatches=None)
-    flat = build_program(flat_cfg, make_layout(flat_cfg, jax.devices()[:2])).abstract_state
+    flat_cfg = run.cfg.replace(mesh="dp=2", pp_schedule="gpipe", pp_repeats=1, microbatches=None)
+    flat = build_program(flat_cfg.step, make_layout(flat_cfg, jax.devices()[:2])).abstract_state
     restored = jax.device_get(checkpoints.restore(4, flat)["params"])
     checkpoints.close()
     want = restack(run.params, -1) if run.layout.repeats > 1 else run.params
@@ -265,7 +265,7 @@ def test_plan_matches_the_compiled_pipeline(i):
     """spmd.plan's theory of pipeline stages (the pp permutes, the rows entering and
     leaving, the bubble ticks' tp traffic, dp reduced once) against the compiled step."""
     run = _run(i)
-    plan = make_plan(run.cfg, run.layout, compiled=run.compiled)
+    plan = make_plan(run.cfg.step, run.layout, compiled=run.compiled)
     expected = [r for r in plan.rows if r.theory]
     assert any(r.op == "collective-permute" and r.axes == "pp" for r in expected)
     for row in expected:  # within 5% per collective and mesh axis, as for the other layouts
@@ -295,7 +295,7 @@ def test_plan_matches_the_compiled_pipeline(i):
 def test_bad_pipeline_layouts_are_refused_before_compiling(overrides, devices, message):
     """(The CLI turns these into one `error:` line and exit 2: test_cli_errors.)"""
     with pytest.raises(UserError, match=message):
-        cfg = validate(TrainConfig(**{**PARITY, **overrides}))
+        cfg = validate(TrainConfig.of(**{**PARITY, **overrides}))
         make_layout(cfg, jax.devices()[:devices])
 
 
@@ -331,11 +331,11 @@ def test_dualpipe_copies_no_stage_to_pick_one():
     theory; with the two stacked and indexed by the stage, 2.3 stages more (XLA:GPU 8 GiB
     more on llama3-8b at 16 layers, pp=4,dp=2: docs/deepseek.md). And the ring of what
     the forwards keep is written in place (`test_split_backward_rings_are_written_in_place`)."""
-    cfg = validate(TrainConfig(mesh="pp=2", model="tiny", layers=16, batch=4, seq=16, microbatches=4,
+    cfg = validate(TrainConfig.of(mesh="pp=2", model="tiny", layers=16, batch=4, seq=16, microbatches=4,
                                remat="full", pp_schedule="dualpipe"))
     layout = make_layout(cfg, jax.devices()[:2])
-    compiled = build_program(cfg, layout).compile_step()
-    plan = make_plan(cfg, layout, compiled=compiled)
+    compiled = build_program(cfg.step, layout).compile_step()
+    plan = make_plan(cfg.step, layout, compiled=compiled)
     stage = plan.theory_memory["gathered_weights"]  # the mirror's stage: DualPipe's stages are alike
     assert plan.xla["peak"] - plan.theory_peak < stage, (plan.xla["peak"] - plan.theory_peak) / stage
     copies = _ring_copies(compiled.as_text(), timetable(2, 4, defers_weights=False, dual=True)["slots"])
@@ -353,9 +353,9 @@ def test_split_backward_rings_are_written_in_place():
     2,048-GPU layout, 128 -> 113 GiB; 91 -> 81 GiB on XLA:GPU for Llama 3 70B's 3-D
     preset under DualPipe). (A write is behind a barrier too, `zero_bubble._write`, for
     what XLA:GPU's fusion does and XLA:CPU's does not: docs/deepseek.md.)"""
-    cfg = validate(TrainConfig(mesh="pp=2", model="tiny", layers=16, batch=4, seq=16, microbatches=4,
+    cfg = validate(TrainConfig.of(mesh="pp=2", model="tiny", layers=16, batch=4, seq=16, microbatches=4,
                                remat="none", pp_schedule="zb-v"))
-    text = build_program(cfg, make_layout(cfg, jax.devices()[:2])).compile_step().as_text()
+    text = build_program(cfg.step, make_layout(cfg, jax.devices()[:2])).compile_step().as_text()
     slots = timetable(2, 4)["slots"]
     assert re.search(rf"\[{slots[0]},4,1,16,64\]", text)  # the ring of the layers' inputs (4 a chunk)
     copies = _ring_copies(text, slots)
@@ -372,9 +372,9 @@ def _head_shaped(instr: hlo.Instruction) -> bool:
 @functools.lru_cache(maxsize=None)
 def _wide_vocabulary_step(schedule: str) -> hlo.HloModule:
     """The compiled step of tiny with a `WIDE_VOCAB` vocabulary, pp=2 under `schedule`."""
-    cfg = validate(TrainConfig(mesh="pp=2", architecture=dataclasses.replace(PRESETS["tiny"], vocab=WIDE_VOCAB),
+    cfg = validate(TrainConfig.of(mesh="pp=2", architecture=dataclasses.replace(PRESETS["tiny"], vocab=WIDE_VOCAB),
                                batch=4, seq=16, microbatches=4, remat="full", pp_schedule=schedule))
-    return hlo.parse(build_program(cfg, make_layout(cfg, jax.devices()[:2])).compile_step().as_text())
+    return hlo.parse(build_program(cfg.step, make_layout(cfg, jax.devices()[:2])).compile_step().as_text())
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "dualpipe"])

@@ -1,6 +1,5 @@
 """spmd.plan: theory equals hand-computed values; XLA's compiled step matches theory."""
 
-import dataclasses
 import json
 import re
 import subprocess
@@ -13,9 +12,9 @@ from support.cases import tiered
 from support.parity import train_run
 
 from spmd.base import hardware
-from spmd.config import TrainConfig, model_config, validate
+from spmd.config import TrainConfig, validate
 from spmd.parallel.checks import FEATURES, REFUSED
-from spmd.parallel.layout import make_layout
+from spmd.layout import make_layout
 from spmd.planner import footprint, matrix, theory
 from spmd.planner.counting import by_op_and_axes
 from spmd.planner.plan import make_plan
@@ -35,10 +34,10 @@ F32 = 4
 def _theory(mesh, devices=8, **overrides):
     import jax
 
-    cfg = validate(TrainConfig(mesh=mesh, model="tiny", batch=32, seq=32, **overrides))
+    cfg = validate(TrainConfig.of(mesh=mesh, model="tiny", batch=32, seq=32, **overrides))
     layout = make_layout(cfg, jax.devices()[:devices])
-    totals = by_op_and_axes(theory.collectives(cfg, layout))
-    return footprint.memory(cfg, layout), {k: round(v) for k, v in totals.items()}
+    totals = by_op_and_axes(theory.collectives(cfg.step, layout))
+    return footprint.memory(cfg.step, layout), {k: round(v) for k, v in totals.items()}
 
 
 def test_theory_equals_hand_computed_values():
@@ -88,7 +87,7 @@ def test_theory_equals_hand_computed_values():
 @pytest.mark.floor  # the plan's reading of the HLO that each JAX version writes
 def test_compiled_collectives_and_state_match_theory(mesh, devices, overrides):
     run = train_run(mesh, devices, **overrides)  # compiled once, shared with the parity tests
-    plan = make_plan(run.cfg, run.layout, compiled=run.compiled)
+    plan = make_plan(run.cfg.step, run.layout, compiled=run.compiled)
     # Within 5% per collective and mesh axis (measured: equal to the byte). XLA:CPU
     # emits each reduce-scatter as all-reduce + dynamic-slice; spmd.planner.traffic counts it
     # as the reduce-scatter that XLA on GPU/TPU forms (the row says so).
@@ -142,8 +141,8 @@ def test_every_row_of_a_pair_of_features_matches_theory(name):
 
     name, _, remat = name.partition("@")
     fields, devices = {**PAIRS, **TRIPLES}[name]
-    cfg = validate(TrainConfig(**fields, **({"remat": remat} if remat else {})))
-    ratios = matrix.ratios(make_plan(cfg, make_layout(cfg, jax.devices()[:devices])))
+    cfg = validate(TrainConfig.of(**fields, **({"remat": remat} if remat else {})))
+    ratios = matrix.ratios(make_plan(cfg.step, make_layout(cfg, jax.devices()[:devices])))
     assert len(ratios) > 1
     assert {row: ratio for row, ratio in ratios.items() if not 0.95 <= ratio <= 1.05} == {}
 
@@ -154,9 +153,9 @@ def test_expert_copies_cost_their_copies_rows_over_ep():
     import jax
 
     def tie_bytes(**overrides):
-        cfg = validate(TrainConfig(mesh="ep=4,dp=2", model="moe-tiny", layers=8, batch=32, seq=32, **overrides))
+        cfg = validate(TrainConfig.of(mesh="ep=4,dp=2", model="moe-tiny", layers=8, batch=32, seq=32, **overrides))
         layout = make_layout(cfg, jax.devices()[:8])
-        return sum(e.bytes_per_device for e in theory.collectives(cfg, layout) if e.why.startswith("expert copies"))
+        return sum(e.bytes_per_device for e in theory.collectives(cfg.step, layout) if e.why.startswith("expert copies"))
 
     row = 3 * 64 * 64 * F32  # an expert's gate, up and down projections
     moe_layers = 4
@@ -201,7 +200,7 @@ def test_zero_bubble_counts_the_latent_up_projections_and_the_norms_with_b():
     in_b = {"attn." + path for path, g in zip(paths, grads) if g is not None and "norm" not in path}
     assert in_b == set(DeepSeekV3.RECOMPUTED_INPUT_WEIGHTS)
 
-    cfg = validate(TrainConfig(mesh="pp=2,ep=4", model="deepseek-v3-tiny", layers=6, pp_schedule="zb-v",
+    cfg = validate(TrainConfig.of(mesh="pp=2,ep=4", model="deepseek-v3-tiny", layers=6, pp_schedule="zb-v",
                                microbatches=4, batch=32, seq=32))
     layout = make_layout(cfg, jax.devices()[:8])
     stage_runs = 4 * stage_overhead(layout)
@@ -230,7 +229,7 @@ def test_a_prefix_before_stages_that_hold_the_head_reduces_its_gradients_as_comp
 
     from spmd.planner.counting import in_head, live, params, spec_axes, uses
 
-    cfg = validate(TrainConfig(mesh="pp=2,ep=2,dp=2", model="deepseek-v3-tiny", layers=6, pp_schedule=schedule,
+    cfg = validate(TrainConfig.of(mesh="pp=2,ep=2,dp=2", model="deepseek-v3-tiny", layers=6, pp_schedule=schedule,
                                microbatches=4, batch=32, seq=32, dtype="bfloat16", zero=1))
     layout = make_layout(cfg, jax.devices()[:8])
     model_cfg = layout.skeleton.model_cfg
@@ -246,7 +245,7 @@ def test_a_prefix_before_stages_that_hold_the_head_reduces_its_gradients_as_comp
     stages = sum(p.numel / 2 * 4 for p in whole if p.stacked)  # a stage's half of the layers
     head = sum(p.numel * 4 for p in whole if not p.stacked)
     assert stages and head
-    comm = by_op_and_axes(theory.collectives(cfg, layout))
+    comm = by_op_and_axes(theory.collectives(cfg.step, layout))
     assert comm[("reduce-scatter", "dp+ep")] == pytest.approx(3 / 4 * (2 * half + stages + head))
     assert comm[("all-reduce", "pp")] == pytest.approx((2 * half + head) / 4)  # the head's sum over the stages too
 
@@ -258,7 +257,7 @@ def test_a_model_of_two_kinds_of_layer_with_a_tied_table_matches_theory():
     reduced once per use, the lookup's and the head's (counted once it was 1.10)."""
     golden = Path(__file__).with_name("hf") / "gemma3"
     run = train_run("sp=2,tp=2", 4, model=None, init_from=str(golden))  # shared with test_parity
-    plan = make_plan(run.cfg, run.layout, compiled=run.compiled)
+    plan = make_plan(run.cfg.step, run.layout, compiled=run.compiled)
     rows = {(r.op, r.axes): r for r in plan.rows}
     for key in (("collective-permute", "sp"), ("reduce-scatter", "sp"), ("all-gather", "sp"), ("all-reduce", "tp")):
         assert rows[key].measured == pytest.approx(rows[key].theory, rel=0.05), rows[key]
@@ -287,8 +286,8 @@ GOLDENS = Path(__file__).with_name("hf")
 def test_a_familys_compiled_collectives_match_theory_within_two_percent(golden, mesh, options):
     import jax
 
-    cfg = validate(TrainConfig(mesh=mesh, model=None, init_from=str(GOLDENS / golden), batch=32, seq=32, **options))
-    plan = make_plan(cfg, make_layout(cfg, jax.devices()[:8]))
+    cfg = validate(TrainConfig.of(mesh=mesh, model=None, init_from=str(GOLDENS / golden), batch=32, seq=32, **options))
+    plan = make_plan(cfg.step, make_layout(cfg, jax.devices()[:8]))
     rows = [r for r in plan.rows if r.theory]
     assert rows and not any(r.unexpected for r in plan.rows)
     off = {(r.op, r.axes): (round(r.measured / r.theory, 3), r.measured, r.theory) for r in rows
@@ -309,8 +308,8 @@ def test_every_registered_family_has_a_plan_row():
 
 def test_json_has_the_documented_keys():
     run = train_run("dp=2,fsdp=2,tp=2", 8)
-    cfg = validate(dataclasses.replace(run.cfg, hardware="h100"))
-    data = make_plan(cfg, run.layout, compiled=run.compiled, hardware=hardware.get("h100")).as_json()
+    cfg = validate(run.cfg.replace(hardware="h100"))
+    data = make_plan(cfg.step, run.layout, compiled=run.compiled, hardware=hardware.get("h100")).as_json()
     per_device = data["per_device"]
     assert per_device["state_bytes"] > 0 and per_device["xla"]["argument_bytes"] > per_device["state_bytes"]
     assert per_device["xla"]["temp_bytes"] > 0
@@ -331,18 +330,18 @@ import jax
 jax.config.update("jax_num_cpu_devices", 4)
 from spmd.base import hardware
 from spmd.config import TrainConfig, validate
-from spmd.parallel.layout import make_layout
+from spmd.layout import make_layout
 from spmd.planner import plan
 from spmd.planner.plan import auto, make_plan
 
 plan.AUTO_SHOWN = 2  # confirm the best two, not five: fewer compiles
 tiny_device = dataclasses.replace(hardware.get("h100"), name="48MiB", memory_gib=48 / 1024)
 devices = jax.devices()[:4]
-cfg = validate(TrainConfig(mesh="dp=4", model="small", batch=8, seq=64))
-pure_dp = make_plan(cfg, make_layout(cfg, devices), hardware=tiny_device)
-plans, searched = auto(cfg, devices, tiny_device, "4 emulated CPU devices")
+cfg = validate(TrainConfig.of(mesh="dp=4", model="small", batch=8, seq=64))
+pure_dp = make_plan(cfg.step, make_layout(cfg, devices), hardware=tiny_device)
+plans, searched = auto(cfg.step, devices, tiny_device, "4 emulated CPU devices")
 json.dump({"pure_dp_fits": pure_dp.fits, "searched": searched, "memory": tiny_device.memory_bytes(4),
-           "plans": [{"fits": p.fits, "peak": p.peak, "dp": p.layout.shape["dp"], "zero": p.cfg.zero,
+           "plans": [{"fits": p.fits, "peak": p.peak, "dp": p.layout.shape["dp"], "zero": p.cfg.parallelism.zero,
                       "step_s": p.prediction.step_s} for p in plans]}, sys.stdout)
 """
 
@@ -380,11 +379,11 @@ def test_llama3_70b_plans_on_tp_16_beyond_its_8_kv_heads():
 def test_the_roofline_labels_an_axis_as_it_counted_its_seconds():
     """Gradients over ep overlap with compute, tokens' all-to-all over ep does not: the
     prediction counts them apart, and the report says how much of ep is exposed."""
-    cfg = validate(TrainConfig(mesh="ep=2,dp=4", model="moe-tiny", batch=32, seq=32))
+    cfg = validate(TrainConfig.of(mesh="ep=2,dp=4", model="moe-tiny", batch=32, seq=32))
     shape = {"pp": 1, "dp": 4, "fsdp": 1, "ep": 2, "sp": 1, "tp": 1}
     h100 = hardware.get("h100")
     traffic = [("all-reduce", "ep", 3e9), ("all-to-all", "ep", 1e9), ("all-reduce", "dp", 2e9)]
-    p = predict(cfg, shape, model_config(cfg), traffic, h100)
+    p = predict(cfg.step, shape, cfg.model_cfg, traffic, h100)
     assert p.exposed_by_axes["ep"] == pytest.approx(p.comm_s["ep"] / 4)
     assert p.exposed_by_axes["dp"] == 0 and p.exposed_s == pytest.approx(p.exposed_by_axes["ep"])
     plan = SimpleNamespace(prediction=p, hardware=h100, layout=SimpleNamespace(shape=shape), cfg=cfg)

@@ -83,7 +83,7 @@ def test_plan_only_preset_passes_every_check_before_compiling(preset):
     the embed dimension for ZeRO-1 over dp x ep), as `spmd.plan` checks it
     before compiling."""
     cfg = parse_args(["--config", str(preset)])
-    shape = cfg.mesh_spec.resolve(cfg.mesh_spec.devices)
-    _, skeleton, schedule = check_layout(cfg, shape, for_training=True)
+    shape = cfg.parallelism.mesh_spec.resolve(cfg.parallelism.mesh_spec.devices)
+    _, skeleton, schedule = check_layout(cfg.step, shape, for_training=True)
     assert (schedule.name, schedule.stages, schedule.repeats) == ("dualpipe", 16, 1)
     assert skeleton.model_cfg.stacked_layers == 16 * 4

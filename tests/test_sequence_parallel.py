@@ -25,7 +25,7 @@ def test_zigzag_gives_each_rank_an_early_and_a_late_chunk():
 
 def _plan(mesh, devices, **overrides):
     run = train_run(mesh, devices, **overrides)  # compiled once, shared with the parity tests
-    return make_plan(run.cfg, run.layout, compiled=run.compiled)
+    return make_plan(run.cfg.step, run.layout, compiled=run.compiled)
 
 
 def _rows(plan):
@@ -81,9 +81,9 @@ def test_the_rings_last_gradient_hop_goes_in_the_compute_dtype():
     import jax
 
     from spmd.config import TrainConfig, validate
-    from spmd.parallel.layout import make_layout
+    from spmd.layout import make_layout
 
-    cfg = validate(TrainConfig(model="tiny", batch=8, seq=64, mesh="sp=4", attention="ring", dtype="bfloat16"))
-    rows = _rows(make_plan(cfg, make_layout(cfg, jax.devices()[:4])))
+    cfg = validate(TrainConfig.of(model="tiny", batch=8, seq=64, mesh="sp=4", attention="ring", dtype="bfloat16"))
+    rows = _rows(make_plan(cfg.step, make_layout(cfg, jax.devices()[:4])))
     row = rows[("collective-permute", "sp")]
     assert row.measured == pytest.approx(row.theory, rel=0.01), row

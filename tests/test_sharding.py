@@ -6,7 +6,8 @@ import pytest
 from support.parity import init_config, initial_state, train_run
 
 from spmd.config import TrainConfig, validate
-from spmd.parallel.layout import bytes_per_device, make_layout
+from spmd.layout import make_layout
+from spmd.parallel.layout import bytes_per_device
 from spmd.parallel.step import build_program
 
 pytestmark = pytest.mark.xdist_group("layouts")  # they share compiled runs (support.parity)
@@ -51,8 +52,8 @@ def test_initializer_creates_state_already_sharded():
 
 
 def test_experts_are_stored_split_over_ep():
-    cfg = validate(TrainConfig(model="moe-tiny", mesh="ep=2,fsdp=2,tp=2"))
-    state = build_program(cfg, make_layout(cfg)).abstract_state  # what init is jitted to produce
+    cfg = validate(TrainConfig.of(model="moe-tiny", mesh="ep=2,fsdp=2,tp=2"))
+    state = build_program(cfg.step, make_layout(cfg)).abstract_state  # what init is jitted to produce
     gate_up = state["params"]["blocks"]["moe"]["mlp"]["gate_up"]  # (groups, experts, embed, 2, expert_mlp)
     assert gate_up.sharding.spec == jax.P("pp", "ep", ("fsdp", "sp"), None, "tp")
     assert gate_up.sharding.shard_shape(gate_up.shape) == (1, 4, 32, 2, 32)
@@ -63,8 +64,8 @@ def test_zero_splits_the_state_over_every_axis_that_replicates_a_weight():
     (the embedding), are split over dp x ep, an expert's over dp (ep splits its experts
     already); the parameters stay as without ZeRO. (What it saves on DeepSeek-V3's layout:
     docs/deepseek.md.)"""
-    cfg = validate(TrainConfig(model="moe-tiny", layers=4, mesh="pp=2,ep=2,dp=2", zero=1))
-    state = build_program(cfg, make_layout(cfg)).abstract_state
+    cfg = validate(TrainConfig.of(model="moe-tiny", layers=4, mesh="pp=2,ep=2,dp=2", zero=1))
+    state = build_program(cfg.step, make_layout(cfg)).abstract_state
     mu = state["opt_state"][1][0].mu
     specs = {name: leaf.sharding.spec for name, leaf in (
         ("embedding", mu["embedding"]), ("attention", mu["blocks"]["moe"]["attn"]["wo"]),

@@ -138,7 +138,7 @@ def test_backend_is_told_before_jax_starts(monkeypatch):
 def test_loops_are_not_double_buffered_where_the_pipeline_defers_weight_gradients(fields, double_buffered):
     """zb-v and DualPipe under --remat none carry rings through branches that do not write
     them: a double-buffered loop had XLA:GPU copy them in every trip (xla_flags.double_buffers)."""
-    cfg = validate(TrainConfig(**{"model": "tiny", "remat": "none", **fields}))
+    cfg = validate(TrainConfig.of(**{"model": "tiny", "remat": "none", **fields}))
     assert xla_flags.double_buffers(cfg) is double_buffered
     environ = {}
     lines = xla_flags.configure("gpu", cfg.model_cfg, "bfloat16", environ, double_buffered=xla_flags.double_buffers(cfg))

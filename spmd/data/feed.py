@@ -24,27 +24,27 @@ from spmd.data.synthetic import MarkovSource
 from spmd.data.tokenizer import load_tokenizer
 
 
-def make_source(cfg, vocab: int):
-    """The run's data: fine-tuning records packed into rows as training reaches them
+def make_source(data, training, vocab: int):
+    """The run's data (the data and training sections of its options, spmd.run.options):
+    fine-tuning records packed into rows as training reaches them
     (spmd.data.stream.RecordSource), rows packed by spmd.corpus
     (spmd.data.packed_file.PackedFileSource), other `--data` as windows of its token
     stream (spmd.data.corpus.TokenSource), else the synthetic chain."""
-    if not cfg.data:
-        return MarkovSource(vocab, cfg.seed)
-    held_out = cfg.eval_fraction if cfg.eval_every else 0.0
-    if (rows := read_packed(cfg.data)) is not None:
-        return PackedFileSource(rows, cfg.seq + 1, cfg.batch, cfg.seed, held_out, name=cfg.data, vocab=vocab)
-    records = fine_tuning_format(cfg.data, cfg.max_record_bytes)
-    refuse_what_does_not_apply(changed(cfg, RECORD_OPTIONS + TEXT_OPTIONS), records, cfg.data)
+    if not data.path:
+        return MarkovSource(vocab, training.seed)
+    held_out = data.eval_fraction if data.eval_every else 0.0
+    shape = (training.seq + 1, training.batch, training.seed, held_out)  # (a row's tokens, rows a step, ...)
+    if (packed := read_packed(data.path)) is not None:
+        return PackedFileSource(packed, *shape, name=data.path, vocab=vocab)
+    records = fine_tuning_format(data.path, data.max_record_bytes)
+    refuse_what_does_not_apply(changed(data, RECORD_OPTIONS + TEXT_OPTIONS), records, data.path)
     if records:
-        return record_source(cfg.data, cfg.tokenizer, Rows(cfg.seq + 1, cfg.batch, cfg.seed, held_out), vocab=vocab,
-                             loss_on=cfg.loss_on, overlong=cfg.overlong, workers=cfg.data_workers,
-                             max_record_bytes=cfg.max_record_bytes)
-    tokenizer = load_tokenizer(cfg.tokenizer)
-    stream = token_stream(cfg.data, tokenizer, cfg.text_field, cfg.token_dtype, vocab)
-    return TokenSource(stream, cfg.seq + 1, cfg.batch, cfg.seed, held_out, name=cfg.data,
-                       tokenizer=cfg.tokenizer or "UTF-8 bytes",
-                       document_end=tokenizer.eos if cfg.document_mask else None)
+        return record_source(data.path, data.tokenizer, Rows(*shape), vocab=vocab, loss_on=data.loss_on,
+                             overlong=data.overlong, workers=data.data_workers, max_record_bytes=data.max_record_bytes)
+    tokenizer = load_tokenizer(data.tokenizer)
+    stream = token_stream(data.path, tokenizer, data.text_field, data.token_dtype, vocab)
+    return TokenSource(stream, *shape, name=data.path, tokenizer=data.tokenizer or "UTF-8 bytes",
+                       document_end=tokenizer.eos if data.document_mask else None)
 
 
 def global_batch(source, step: int, batch: int, length: int, sharding: jax.sharding.Sharding,

@@ -15,7 +15,6 @@ does not match is refused, naming the previous complete checkpoint to resume fro
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 from pathlib import Path
@@ -59,11 +58,11 @@ def _model_shapes(shapes: dict[str, list[int]], repeats: int) -> dict[str, list[
     return {k: [v[0] * v[1], *v[2:]] if k.split("/")[0] in STACKED_KEYS else v for k, v in shapes.items()}
 
 
-def make_meta(cfg, step: int, params) -> dict:
+def make_meta(options: dict, model: str, step: int, params) -> dict:
     """The record of a checkpoint of `params` (the trained ones: a LoRA run's adapters,
-    whose frozen base the config names: its --init-from, or its --seed's initialization)."""
-    return {"format": FORMAT, "step": step, "model": cfg.model_name, "config": dataclasses.asdict(cfg),
-            "param_shapes": _shapes_of(params)}
+    whose frozen base the options name: its --init-from, or its --seed's initialization).
+    `options`: the run's, by flat name (spmd.run.options.TrainConfig.record); `model`: its name."""
+    return {"format": FORMAT, "step": step, "model": model, "config": options, "param_shapes": _shapes_of(params)}
 
 
 class Checkpoints:
@@ -243,27 +242,28 @@ def _as_saved(targets, repeats: int, saved: int):
     return jax.tree_util.tree_map_with_path(leaf, targets)
 
 
-def check_compatible(meta: dict, cfg, params_shapes, where: Path) -> None:
+def check_compatible(meta: dict, options: dict, model: str, params_shapes, where: Path) -> None:
     """The checkpoint must hold the parameters this run builds, with the same shapes
-    (as the model has them: a pipeline may store its stacked layers otherwise)."""
+    (as the model has them: a pipeline may store its stacked layers otherwise). `options`
+    and `model`: this run's, as make_meta takes them."""
     saved = meta.get("config", {})
-    want = _model_shapes(_shapes_of(params_shapes), stacked_repeats(dataclasses.asdict(cfg)))
+    want = _model_shapes(_shapes_of(params_shapes), stacked_repeats(options))
     have_shapes = _model_shapes(meta.get("param_shapes", {}), stacked_repeats(saved))
     saved_rank = saved.get("lora_rank") or None
-    if saved_rank != cfg.lora_rank:
+    if saved_rank != options["lora_rank"]:
         trained = f"with --lora-rank {saved_rank}" if saved_rank else "as a full fine-tune"
-        ours = f"--lora-rank {cfg.lora_rank}" if cfg.lora_rank else "no --lora-rank"
+        ours = f"--lora-rank {options['lora_rank']}" if options["lora_rank"] else "no --lora-rank"
         targets = saved.get("lora_targets") or SHAPING["lora_targets"][1]
         raise UserError(f"checkpoint {where} was trained {trained}; this run has {ours}: give "
                         + (f"--lora-rank {saved_rank} --lora-targets {targets}" if saved_rank else "no --lora-rank"))
     if have_shapes != want:
-        _check_shaping_options(saved, dataclasses.asdict(cfg), where)
+        _check_shaping_options(saved, options, where)
         have = meta.get("model", "?")
         differ = sorted(set(want) ^ set(meta.get("param_shapes", {}))) or [
             k for k in want if meta["param_shapes"].get(k) != want[k]]
         raise UserError(f"checkpoint {where} holds model {have!r} whose parameters differ from "
-                        f"this run's {cfg.model_name!r} (first difference: {differ[0]})")
-    if has_bias(saved) and not has_bias(dataclasses.asdict(cfg)):
+                        f"this run's {model!r} (first difference: {differ[0]})")
+    if has_bias(saved) and not has_bias(options):
         raise UserError(f"checkpoint {where} was trained with --router-bias-rate, whose selection bias this run "
                         "would drop; give it --router-bias-rate too")
 
@@ -307,12 +307,12 @@ def has_bias(config: dict) -> bool:
 RESUME_FIXED = ("steps", "batch", "seq", "seed", "lr", "warmup", "min_lr_ratio", "scale_lr", "ref_batch")
 
 
-def check_resumable(meta: dict, cfg, where: Path) -> None:
-    """Refuse to resume a run whose data order or schedule this run changes, unless
-    `cfg.resume_with_changes` (--resume-with-changes)."""
-    if cfg.resume_with_changes:
+def check_resumable(meta: dict, options: dict, where: Path) -> None:
+    """Refuse to resume a run whose data order or schedule this run (its `options`, as
+    make_meta takes them) changes, unless --resume-with-changes."""
+    if options["resume_with_changes"]:
         return
-    old, new = meta.get("config", {}), dataclasses.asdict(cfg)
+    old, new = meta.get("config", {}), options
     changed = [name for name in RESUME_FIXED if name in old and old[name] != new[name]]
     if "ref_batch" in changed and not (old.get("scale_lr") or new["scale_lr"]):
         changed.remove("ref_batch")  # only --scale-lr reads it

@@ -17,19 +17,19 @@ from spmd.run.weights import load_params
 
 
 def evaluate(cfg, checkpoint, batches: int | None, devices=None) -> tuple[float, int, int]:
-    """Mean loss over the targets of `batches` batches (default: all) of `cfg.data`, on
+    """Mean loss over the targets of `batches` batches (default: all) of `cfg.data.path`, on
     `devices` (default: all; started by spmd.run.bootstrap.start_devices_and_mesh).
     -> (loss, target tokens, batches)"""
-    layout = make_layout(cfg, devices)
-    source = make_source(cfg, layout.skeleton.model_cfg.vocab)
+    layout = make_layout(cfg.step, devices)
+    source = make_source(cfg.data, cfg.training, layout.skeleton.model_cfg.vocab)
     try:
         steps = _batches(source, cfg, batches)
-        evaluate_fn = build_program(cfg, layout, source.packed).compile_eval()
+        evaluate_fn = build_program(cfg.step, layout, source.packed).compile_eval()
         params = load_params(cfg, layout, checkpoint)
         results = []
         split = "in order" if source.finite else "train"
         for j in steps:
-            batch = global_batch(source, j, cfg.batch, cfg.seq + 1, layout.batch_sharding, split)
+            batch = global_batch(source, j, cfg.training.batch, cfg.training.seq + 1, layout.batch_sharding, split)
             results.append(evaluate_fn(params, batch))
             # A bounded queue: hundreds of executions in flight abort XLA:CPU's collectives on
             # emulated devices (seen with ep=2 at 494 batches), as in the training loop.
@@ -47,12 +47,12 @@ def _batches(source, cfg, batches: int | None) -> Iterable[int]:
     windows, in the run's order."""
     if source.finite:
         if not source.has_rows(0, "in order"):
-            raise UserError(f"--data {cfg.data}: no target tokens: no example has a token to learn after its first "
-                            f"within --seq {cfg.seq}")
+            raise UserError(f"--data {cfg.data.path}: no target tokens: no example has a token to learn after its first "
+                            f"within --seq {cfg.training.seq}")
         return itertools.takewhile(lambda j: (batches is None or j < batches) and
-                                   source.has_rows(j * cfg.batch, "in order"), itertools.count())
-    available = source.train_samples // cfg.batch
+                                   source.has_rows(j * cfg.training.batch, "in order"), itertools.count())
+    available = source.train_samples // cfg.training.batch
     if available < 1:
-        raise UserError(f"--data {cfg.data}: {source.train_samples} samples of {cfg.seq + 1} tokens do not fill one "
-                        f"batch of {cfg.batch}; give a smaller --batch or --seq")
+        raise UserError(f"--data {cfg.data.path}: {source.train_samples} samples of {cfg.training.seq + 1} tokens do not fill one "
+                        f"batch of {cfg.training.batch}; give a smaller --batch or --seq")
     return range(min(batches or available, available))

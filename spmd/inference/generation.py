@@ -4,7 +4,6 @@ The model-source flags and checks are shared with `spmd.eval`."""
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from pathlib import Path
 
@@ -40,7 +39,7 @@ def model_source(args):
         cfg, checkpoint = checkpoint_config(args.checkpoint, args.step)
         tokenizer = checkpoint.meta.get("config", {}).get("tokenizer")
     else:
-        cfg, checkpoint = validate(TrainConfig(init_from=args.init_from, adapter=args.adapter)), None
+        cfg, checkpoint = validate(TrainConfig.of(init_from=args.init_from, adapter=args.adapter)), None
         tokenizer = tokenizer_of(args.init_from)
     if tokenizer and not Path(tokenizer).is_file():
         raise UserError(f"the run's tokenizer {tokenizer} is gone; the prompts cannot be tokenized")
@@ -50,7 +49,7 @@ def model_source(args):
 def on_mesh(cfg, args, **overrides):
     """The run's config on `--mesh` (none: the default layout of the devices found, chosen
     once they are there), with `overrides` (checked)."""
-    return validate(dataclasses.replace(cfg, mesh=args.mesh, cpu_devices=args.cpu_devices, **overrides))
+    return validate(cfg.replace(mesh=args.mesh, cpu_devices=args.cpu_devices, **overrides))
 
 
 def trained_context(cfg, checkpoint) -> int:
@@ -58,7 +57,7 @@ def trained_context(cfg, checkpoint) -> int:
     max_position_embeddings (checked)."""
     if checkpoint is not None:
         return int(checkpoint.meta["config"]["seq"])
-    return max_positions(cfg.init_from)
+    return max_positions(cfg.model.init_from)
 
 
 def new_tokens(encoded: list[np.ndarray], context: int, asked: int | None) -> int:
@@ -101,13 +100,13 @@ class Generation:
 
     def __init__(self, cfg, checkpoint, args, encoded: list[np.ndarray]):
         """`cfg` on its mesh, its devices started (spmd.run.bootstrap.start_devices_and_mesh)."""
-        self.layout = make_layout(cfg, for_training=False)
+        self.layout = make_layout(cfg.step, for_training=False)
         if self.layout.shape["pp"] > 1 or self.layout.shape["sp"] > 1:
             raise UserError("generation runs on dp, fsdp, ep and tp; give a mesh without pp and sp")
         # A completion ends at the end-of-text token, unless the model never saw text (the
         # built-in synthetic data, whose token 0 is a token like any other).
         self.ends_at_eos = checkpoint is None or checkpoint.meta.get("config", {}).get("data") is not None
-        self.args, self.decoders, self.report, self.dtype = args, {}, [], cfg.dtype
+        self.args, self.decoders, self.report, self.dtype = args, {}, [], cfg.model.dtype
         self.sampling = Sampling(args.temperature, args.top_k, args.top_p)
         shards = self.layout.batch_shards
         self.rows = min(args.batch_size, len(encoded))  # no batch beyond the prompts: rows of padding cost memory
@@ -116,7 +115,7 @@ class Generation:
         self.check_fit(self.decoder(bucket(max(map(len, encoded)))))
         started = time.perf_counter()
         self.params = load_params(cfg, self.layout, checkpoint)
-        self.report.append(f"model {cfg.model_name} on {self.layout.describe()}, placed in "
+        self.report.append(f"model {cfg.model.name} on {self.layout.describe()}, placed in "
                            f"{time.perf_counter() - started:.1f} s")
 
     def check_fit(self, decoder) -> None:

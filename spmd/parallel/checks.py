@@ -19,6 +19,7 @@ from spmd.base.errors import UserError
 from spmd.parallel.mesh import AXES, BATCH_AXES, emulated_device_count
 from spmd.parallel.pipeline import Schedule
 from spmd.parallel.rules import Rules, axes_of, make_rules, spec_for
+from spmd.parallel.options import step_options
 from spmd.parallel.skeleton import ModelSkeleton, is_names, restacked, skeleton_for
 
 # ------------------------------------------------------------------ what combines
@@ -28,13 +29,13 @@ from spmd.parallel.skeleton import ModelSkeleton, is_names, restacked, skeleton_
 FEATURES: dict[str, Callable] = {
     **{axis: (lambda axis: lambda cfg, shape, model: shape[axis] > 1)(axis) for axis in AXES},
     "MoE": lambda cfg, shape, model: model.moe is not None,
-    "capacity": lambda cfg, shape, model: model.moe is not None and cfg.moe_dispatch == "capacity",
-    "grad-accum": lambda cfg, shape, model: cfg.grad_accum > 1,
-    "Megatron-SP": lambda cfg, shape, model: cfg.megatron_sp,
-    "ZeRO": lambda cfg, shape, model: cfg.zero > 0,
+    "capacity": lambda cfg, shape, model: model.moe is not None and cfg.moe.moe_dispatch == "capacity",
+    "grad-accum": lambda cfg, shape, model: cfg.training.grad_accum > 1,
+    "Megatron-SP": lambda cfg, shape, model: cfg.parallelism.megatron_sp,
+    "ZeRO": lambda cfg, shape, model: cfg.parallelism.zero > 0,
     "expert balancing": lambda cfg, shape, model: model.moe is not None and bool(
-        cfg.router_bias_rate or cfg.redundant_experts),
-    "LoRA": lambda cfg, shape, model: bool(cfg.lora_rank),
+        cfg.moe.router_bias_rate or cfg.moe.redundant_experts),
+    "LoRA": lambda cfg, shape, model: bool(cfg.lora.lora_rank),
 }
 # Every combination of FEATURES combines, but these (each with why, as the user reads it):
 # none today. (Pipeline stages with sp and ep in capacity mode were refused, while XLA ranked the
@@ -60,7 +61,7 @@ def check_layout(cfg, shape: Mapping[str, int], for_training: bool = True):
     """Every check of a mesh shape against the run, without devices. -> (rules, skeleton, schedule)"""
     skeleton = skeleton_for(cfg)
     check_combination(cfg, shape, skeleton.model_cfg)
-    rules = make_rules(cfg.zero, cfg.megatron_sp, shared_kv_heads(cfg, shape, skeleton.model_cfg), cfg.grad_accum > 1)
+    rules = make_rules(cfg.parallelism.zero, cfg.parallelism.megatron_sp, shared_kv_heads(cfg, shape, skeleton.model_cfg), cfg.training.grad_accum > 1)
     check_expert_slots(cfg, shape, skeleton.model_cfg)
     schedule = check_pipeline(cfg, shape, skeleton.model_cfg, for_training)
     if schedule and schedule.repeats > 1:
@@ -83,7 +84,7 @@ def shared_kv_heads(cfg, shape: Mapping[str, int], model_cfg: LlamaConfig) -> bo
     if kv % tp == 0:
         return False
     if tp % kv or model_cfg.heads % tp:
-        raise UserError(f"model {cfg.model_name}: tp={tp} must divide heads={model_cfg.heads} and either divide "
+        raise UserError(f"model {cfg.model.name}: tp={tp} must divide heads={model_cfg.heads} and either divide "
                         f"kv_heads={kv} or be a multiple of it")
     return True
 
@@ -92,17 +93,17 @@ def check_before_devices(cfg, processes: int = 1, for_training: bool = True) -> 
     """With emulated CPU devices, the layout's checks before the devices are made: a
     mesh that cannot hold the run (dp=1000000) is refused, not built. (Without --mesh the
     layout is chosen among those that pass them, once the devices are there.)"""
-    if cfg.mesh is None:
+    if step_options(cfg).parallelism.mesh is None:
         return
-    count = emulated_device_count(cfg.mesh_spec.sizes, cfg.cpu_devices, processes)
+    count = emulated_device_count(cfg.parallelism.mesh_spec.sizes, cfg.parallelism.cpu_devices, processes)
     if count is not None and processes >= 1:
-        check_layout(cfg, cfg.mesh_spec.resolve(count * processes), for_training)
+        check_layout(cfg, cfg.parallelism.mesh_spec.resolve(count * processes), for_training)
 
 
 def check_expert_slots(cfg, shape: Mapping[str, int], model_cfg: LlamaConfig) -> None:
     """Redundant experts are copies spread over the ep devices: they need some, and
     experts + copies must split evenly over them."""
-    r, ep = cfg.redundant_experts, shape["ep"]
+    r, ep = cfg.moe.redundant_experts, shape["ep"]
     if not r or model_cfg.moe is None:
         return
     if ep == 1:
@@ -126,12 +127,12 @@ def check_pipeline(cfg, shape: Mapping[str, int], model_cfg: LlamaConfig, for_tr
     """The pipeline schedule of a layout with pp > 1, its divisibility checked."""
     p = shape["pp"]
     if p == 1:
-        if cfg.pp_schedule != "gpipe" or cfg.microbatches is not None:
+        if cfg.parallelism.pp_schedule != "gpipe" or cfg.parallelism.microbatches is not None:
             raise UserError("--pp-schedule, --pp-repeats and --microbatches need a pp axis (e.g. --mesh pp=2,dp=4)")
         return None
     schedule = Schedule.of(cfg, p)
     if not model_cfg.dense_prefix_only:
-        raise UserError(f"model {cfg.model_name}: pipeline stages take its MoE layers as one stack, after the dense "
+        raise UserError(f"model {cfg.model.name}: pipeline stages take its MoE layers as one stack, after the dense "
                         f"ones, but dense layers {list(model_cfg.dense_positions)} stand between MoE layers; "
                         "lay it out without pp")
     layers = model_cfg.stacked_layers  # what the stages split (a prefix of layers runs before them)
@@ -142,10 +143,10 @@ def check_pipeline(cfg, shape: Mapping[str, int], model_cfg: LlamaConfig, for_tr
         what += f" and {model_cfg.empty_layers} empty ones"
     chunks = p * schedule.repeats  # (zb-v: 2 per stage)
     if schedule.name == "zb-v":
-        why = (f"--pp-schedule zb-v: model {cfg.model_name}'s {what} do not divide into 2 x pp = {chunks} chunks "
+        why = (f"--pp-schedule zb-v: model {cfg.model.name}'s {what} do not divide into 2 x pp = {chunks} chunks "
                "(each stage runs one going down and one coming back)")
     else:
-        why = f"model {cfg.model_name}: {what} do not divide into pp x repeats = {p} x {schedule.repeats} pipeline chunks"
+        why = f"model {cfg.model.name}: {what} do not divide into pp x repeats = {p} x {schedule.repeats} pipeline chunks"
     if layers % chunks:
         least = fewest_empty_layers(model_cfg, chunks)
         raise UserError(f"{why}: give --empty-layers {least} (identity layers that even out the stages)" if least
@@ -159,9 +160,9 @@ def check_pipeline(cfg, shape: Mapping[str, int], model_cfg: LlamaConfig, for_tr
                         "(the head and loss split the microbatches over the stages)")
     if for_training:
         shards = math.prod(shape[a] for a in BATCH_AXES)
-        if cfg.microbatch % (m * shards):
-            raise UserError(f"--batch {cfg.microbatch} does not divide into {m} microbatches x "
-                            f"{shards} batch shards" + (" per --grad-accum step" if cfg.grad_accum > 1 else ""))
+        if cfg.training.microbatch % (m * shards):
+            raise UserError(f"--batch {cfg.training.microbatch} does not divide into {m} microbatches x "
+                            f"{shards} batch shards" + (" per --grad-accum step" if cfg.training.grad_accum > 1 else ""))
     return schedule
 
 
@@ -179,20 +180,20 @@ def check_divisible(cfg, shape: Mapping[str, int], rules: Rules, skeleton: Model
                 if size % ways:
                     split = "x".join(f"{a}={shape[a]}" for a in axes)
                     raise UserError(
-                        f"model {cfg.model_name}: {name}={size} does not divide by {split} "
-                        f"(parameter {'.'.join(map(str, path))}, --zero {cfg.zero})"
+                        f"model {cfg.model.name}: {name}={size} does not divide by {split} "
+                        f"(parameter {'.'.join(map(str, path))}, --zero {cfg.parallelism.zero})"
                     )
 
 
 def check_batch(cfg, shape: Mapping[str, int]) -> None:
     shards = math.prod(shape[a] for a in BATCH_AXES)
     batch_axes = "x".join(f"{a}={shape[a]}" for a in BATCH_AXES if shape[a] > 1) or "1"
-    if cfg.microbatch % shards:
-        what = f"--batch {cfg.batch}" + (f" / --grad-accum {cfg.grad_accum} = {cfg.microbatch}" if cfg.grad_accum > 1 else "")
+    if cfg.training.microbatch % shards:
+        what = f"--batch {cfg.training.batch}" + (f" / --grad-accum {cfg.training.grad_accum} = {cfg.training.microbatch}" if cfg.training.grad_accum > 1 else "")
         raise UserError(f"{what} does not divide by the batch axes ({batch_axes} = {shards} shards)")
     sp = shape["sp"]
-    if sp > 1 and cfg.seq % (2 * sp):
-        raise UserError(f"--seq {cfg.seq} does not divide into 2 x sp = {2 * sp} chunks "
+    if sp > 1 and cfg.training.seq % (2 * sp):
+        raise UserError(f"--seq {cfg.training.seq} does not divide into 2 x sp = {2 * sp} chunks "
                         "(sequence parallelism gives each sp rank two chunks, one early and one late)")
-    if cfg.megatron_sp and cfg.seq % (sp * shape["tp"]):
-        raise UserError(f"--megatron-sp: --seq {cfg.seq} does not divide by sp x tp = {sp * shape['tp']}")
+    if cfg.parallelism.megatron_sp and cfg.training.seq % (sp * shape["tp"]):
+        raise UserError(f"--megatron-sp: --seq {cfg.training.seq} does not divide by sp x tp = {sp * shape['tp']}")

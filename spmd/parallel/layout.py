@@ -20,6 +20,7 @@ from spmd.parallel.defaults import default_layout
 from spmd.parallel.mesh import BATCH_AXES, build_mesh, format_mesh
 from spmd.parallel.pipeline import Schedule
 from spmd.parallel.rules import Rules, spec_for, without_axes
+from spmd.parallel.options import StepOptions, step_options
 from spmd.parallel.skeleton import ModelSkeleton, is_names, restack
 
 
@@ -102,17 +103,17 @@ class Layout:
         return format_mesh(self.shape)
 
 
-def make_layout(cfg, devices=None, for_training: bool = True) -> Layout:
+def make_layout(cfg: StepOptions, devices=None, for_training: bool = True) -> Layout:
     """Resolve the mesh for `devices` (default: all; no mesh given: their default layout,
     spmd.parallel.defaults) and check every divisibility (of the batch and sequence too,
     unless the layout is only for holding parameters)."""
-    devices = list(jax.devices() if devices is None else devices)
-    if cfg.mesh is None:
+    cfg, devices = step_options(cfg), list(jax.devices() if devices is None else devices)
+    if cfg.parallelism.mesh is None:
         shape, _ = default_layout(cfg, len(devices), serving=not for_training, for_training=for_training)
     else:
-        shape = cfg.mesh_spec.resolve(len(devices))
+        shape = cfg.parallelism.mesh_spec.resolve(len(devices))
     rules, skeleton, schedule = check_layout(cfg, shape, for_training)
-    return Layout(build_mesh(shape, devices, cfg.mesh_spec.dcn), shape, rules, skeleton, schedule)
+    return Layout(build_mesh(shape, devices, cfg.parallelism.mesh_spec.dcn), shape, rules, skeleton, schedule)
 
 
 def bytes_per_device(tree) -> int:

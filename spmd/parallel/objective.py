@@ -47,15 +47,15 @@ def aux_losses(cfg, step: jax.Array | None = None) -> AuxLosses:
     moe = cfg.model_cfg.moe
     mtp = None
     if step is not None and prediction_depth(cfg.model_cfg):
-        mtp = jnp.float32(cfg.mtp_weight)
-        if cfg.mtp_switch is not None:
-            switch, later = cfg.mtp_switch
+        mtp = jnp.float32(cfg.model.mtp_weight)
+        if cfg.model.mtp_switch is not None:
+            switch, later = cfg.model.mtp_switch
             mtp = jnp.where(step >= switch, jnp.float32(later), mtp)
     if moe is None:
         return AuxLosses(mtp_weight=mtp)
     pick = lambda given, own: own if given is None else given  # noqa: E731
-    return AuxLosses(pick(cfg.balance_loss, moe.balance_loss), pick(cfg.aux_loss_weight, moe.aux_loss_weight),
-                     pick(cfg.z_loss_weight, moe.z_loss_weight), mtp)
+    return AuxLosses(pick(cfg.moe.balance_loss, moe.balance_loss), pick(cfg.moe.aux_loss_weight, moe.aux_loss_weight),
+                     pick(cfg.moe.z_loss_weight, moe.z_loss_weight), mtp)
 
 
 class Later(NamedTuple):

@@ -12,9 +12,9 @@ from models import model_class
 
 def learning_rate(cfg) -> float:
     """Peak learning rate; with `scale_lr`, the linear scaling rule (Goyal et al., 2017)."""
-    if cfg.scale_lr:
-        return cfg.lr * cfg.batch / cfg.ref_batch
-    return cfg.lr
+    if cfg.optimizer.scale_lr:
+        return cfg.optimizer.lr * cfg.training.batch / cfg.optimizer.ref_batch
+    return cfg.optimizer.lr
 
 
 def schedule(cfg) -> optax.Schedule:
@@ -23,11 +23,11 @@ def schedule(cfg) -> optax.Schedule:
     kept as given (the run ends before the peak), never shortened."""
     peak = learning_rate(cfg)
     return optax.warmup_cosine_decay_schedule(
-        init_value=0.0 if cfg.warmup else peak,
+        init_value=0.0 if cfg.optimizer.warmup else peak,
         peak_value=peak,
-        warmup_steps=cfg.warmup,
-        decay_steps=max(cfg.steps, cfg.warmup + 1),
-        end_value=peak * cfg.min_lr_ratio,
+        warmup_steps=cfg.optimizer.warmup,
+        decay_steps=max(cfg.training.steps, cfg.optimizer.warmup + 1),
+        end_value=peak * cfg.optimizer.min_lr_ratio,
     )
 
 
@@ -51,6 +51,6 @@ def make_optimizer(cfg, model_cfg, clip: bool = True) -> optax.GradientTransform
             lambda path, _: decays(tuple(str(getattr(k, "key", k)) for k in path)), params)
 
     return optax.chain(
-        optax.clip_by_global_norm(cfg.clip if clip else math.inf),
-        optax.adamw(schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=decay_mask),
+        optax.clip_by_global_norm(cfg.optimizer.clip if clip else math.inf),
+        optax.adamw(schedule(cfg), b1=cfg.optimizer.b1, b2=cfg.optimizer.b2, eps=cfg.optimizer.eps, weight_decay=cfg.optimizer.weight_decay, mask=decay_mask),
     )

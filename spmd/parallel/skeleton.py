@@ -22,30 +22,30 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 REMAT = tuple(dict.fromkeys(policy for family in FAMILIES.values() for policy in family.REMAT))
 
 
-def model_config(cfg):
+def model_config(model, moe):
     """The model: --init-from's, or the preset with the run's overrides (depth, number of
-    experts, top-k)."""
-    empty = {"empty_layers": cfg.empty_layers} if cfg.empty_layers else {}
-    base = cfg.architecture or PRESETS[cfg.model or "tiny"]
-    if cfg.remat not in model_class(base).REMAT:
-        raise UserError(f"--remat {cfg.remat} is not one of {cfg.model_name}'s: {', '.join(model_class(base).REMAT)}")
-    if cfg.mtp_depth:
+    experts, top-k): of the model and moe sections of the run's options (spmd.run.options)."""
+    empty = {"empty_layers": model.empty_layers} if model.empty_layers else {}
+    base = model.architecture or PRESETS[model.preset or "tiny"]
+    if model.remat not in model_class(base).REMAT:
+        raise UserError(f"--remat {model.remat} is not one of {model.name}'s: {', '.join(model_class(base).REMAT)}")
+    if model.mtp_depth:
         if not hasattr(base, "mtp_depth"):
-            raise UserError(f"--mtp-depth: multi-token prediction is DeepSeek-V3's; {cfg.model_name} has none")
-        empty["mtp_depth"] = cfg.mtp_depth
-    if cfg.architecture is not None:
-        return dataclasses.replace(cfg.architecture, **empty)
-    model_cfg = dataclasses.replace(PRESETS[cfg.model or "tiny"], **empty)
+            raise UserError(f"--mtp-depth: multi-token prediction is DeepSeek-V3's; {model.name} has none")
+        empty["mtp_depth"] = model.mtp_depth
+    if model.architecture is not None:
+        return dataclasses.replace(model.architecture, **empty)
+    model_cfg = dataclasses.replace(PRESETS[model.preset or "tiny"], **empty)
     try:  # a family's config refuses shapes it cannot build (models.deepseek3: a depth within its dense prefix)
-        if cfg.layers is not None:
-            model_cfg = dataclasses.replace(model_cfg, layers=cfg.layers)
+        if model.layers is not None:
+            model_cfg = dataclasses.replace(model_cfg, layers=model.layers)
         if model_cfg.moe is None:
             return model_cfg
-        moe = dataclasses.replace(model_cfg.moe, **{k: v for k, v in (("experts", cfg.experts), ("top_k", cfg.top_k))
+        moe = dataclasses.replace(model_cfg.moe, **{k: v for k, v in (("experts", moe.experts), ("top_k", moe.top_k))
                                                       if v is not None})
         return dataclasses.replace(model_cfg, moe=moe)
     except ValueError as exc:
-        raise UserError(f"model {cfg.model}: {exc}") from None
+        raise UserError(f"model {model.preset}: {exc}") from None
 
 
 def is_names(x) -> bool:
@@ -64,6 +64,7 @@ class ModelSkeleton:
     router_shapes: dict = dataclasses.field(default_factory=dict)
     router_names: dict = dataclasses.field(default_factory=dict)
     lora: LoRA | None = None  # adapters (models.lora): only they train, the rest is frozen
+    routing: Routing = Routing()  # how the MoE layers route tokens, and what balancing state they keep
 
     @property
     def num_params(self) -> int:
@@ -78,23 +79,25 @@ class ModelSkeleton:
         return lora_split(tree)[1] if self.lora else None
 
 
-def routing(cfg) -> Routing:
-    """How the run routes tokens: dispatch, and the balancing state it keeps (spmd.parallel.balance)."""
-    moe = cfg.model_cfg.moe
-    balanced = moe is not None and (cfg.router_bias_rate > 0 or cfg.redundant_experts > 0)
-    slots = moe.experts + cfg.redundant_experts if balanced and cfg.redundant_experts else None
-    return Routing(cfg.moe_dispatch, cfg.capacity_factor, balanced, slots, cfg.router_bias_weight and not balanced)
+def routing(moe, model_cfg) -> Routing:
+    """How the run routes tokens (the moe section of its options): dispatch, and the
+    balancing state it keeps (spmd.parallel.balance)."""
+    balanced = model_cfg.moe is not None and (moe.router_bias_rate > 0 or moe.redundant_experts > 0)
+    slots = model_cfg.moe.experts + moe.redundant_experts if balanced and moe.redundant_experts else None
+    return Routing(moe.moe_dispatch, moe.capacity_factor, balanced, slots, moe.router_bias_weight and not balanced)
 
 
-def lora(cfg) -> LoRA | None:
-    """The run's adapters (--lora-rank, models.lora), or None: a full fine-tune."""
-    if not cfg.lora_rank:
+def lora(options) -> LoRA | None:
+    """The run's adapters (its lora section: --lora-rank, models.lora), or None: a full fine-tune."""
+    if not options.lora_rank:
         return None
-    return LoRA(cfg.lora_rank, cfg.lora_alpha, tuple(t.strip() for t in cfg.lora_targets.split(",")))
+    return LoRA(options.lora_rank, options.lora_alpha, tuple(t.strip() for t in options.lora_targets.split(",")))
 
 
-def skeleton_for(cfg) -> ModelSkeleton:
-    return model_skeleton(cfg.model_cfg, cfg.dtype, cfg.remat, routing(cfg), lora(cfg))
+def skeleton_for(step) -> ModelSkeleton:
+    """The model a step builds (spmd.parallel.options.StepOptions)."""
+    return model_skeleton(step.model_cfg, step.model.dtype, step.model.remat, routing(step.moe, step.model_cfg),
+                          lora(step.lora))
 
 
 def build_model(model_cfg, dtype: str, remat: str, routing: Routing, lora: LoRA | None, rngs: nnx.Rngs):
@@ -115,7 +118,8 @@ def model_skeleton(model: str | LlamaConfig, dtype: str = "float32", remat: str 
         kept_in[0][path] = jax.ShapeDtypeStruct(var.shape, var.dtype)
         kept_in[1][path] = tuple(var.get_metadata()["out_sharding"])
     tree = traverse_util.unflatten_dict
-    return ModelSkeleton(model_cfg, graphdef, tree(shapes), tree(names), tree(router_shapes), tree(router_names), lora)
+    return ModelSkeleton(model_cfg, graphdef, tree(shapes), tree(names), tree(router_shapes), tree(router_names), lora,
+                         routing)
 
 
 def restacked(skeleton: ModelSkeleton, repeats: int) -> ModelSkeleton:

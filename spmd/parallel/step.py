@@ -41,7 +41,8 @@ from spmd.parallel.objective import aux_losses, model_loss, prediction_depth, ta
 from spmd.parallel.optim import applied_updates, make_optimizer, schedule
 from spmd.parallel.pipeline import manual_axes
 from spmd.parallel.rules import EXPERT_AXIS, spec_for
-from spmd.parallel.skeleton import DTYPES, build_model, is_names, lora, routing
+from spmd.parallel.skeleton import DTYPES, build_model, is_names
+from spmd.parallel.options import StepOptions, step_options
 from spmd.parallel.staged import Auxiliary, one_f_one_b_grads, pipelined_loss
 
 
@@ -117,7 +118,7 @@ def model_context(layout: Layout, attention: str = "ring", local_axes: tuple[str
 def _fresh_params(cfg, layout: Layout, key) -> dict:
     """A fresh model's parameters, as the layout stores them. Adapters draw from a stream of
     their own, so the base is the same with or without them."""
-    model = build_model(layout.skeleton.model_cfg, cfg.dtype, cfg.remat, routing(cfg), lora(cfg),
+    model = build_model(layout.skeleton.model_cfg, cfg.model.dtype, cfg.model.remat, layout.skeleton.routing, layout.skeleton.lora,
                         nnx.Rngs(params=key, lora=jax.random.fold_in(key, 1)))
     return layout.stored(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
 
@@ -158,11 +159,11 @@ class Program:
 
     def __init__(self, cfg, layout: Layout, packed: bool = False):
         self.cfg, self.layout, self.packed = cfg, layout, packed
-        self.kernel = resolve_kernel(cfg.attention_kernel, layout.mesh.devices.flat[0])
+        self.kernel = resolve_kernel(cfg.model.attention_kernel, layout.mesh.devices.flat[0])
         self.graphdef = layout.skeleton.graphdef
         # Expert copies (spmd.parallel.balance): their gradients are tied and clipped here, with a
         # norm that counts each expert once.
-        self.copies = routing(cfg).slots is not None
+        self.copies = layout.skeleton.routing.slots is not None
         self.expert_dims = balance.expert_dims(layout.skeleton.names)
         # Pipeline stages split the stacked layers over pp: each device ties its own.
         self.tie_stages = (layout.mesh, 1 if layout.repeats > 1 else 0) if layout.schedule else None
@@ -189,9 +190,9 @@ class Program:
                                                layout.skeleton.router_names, is_leaf=is_names)
         self.abstract_state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                                            shapes, state_sh)
-        self.order = zigzag_order(cfg.seq, layout.shape["sp"]) if layout.shape["sp"] > 1 else None
+        self.order = zigzag_order(cfg.training.seq, layout.shape["sp"]) if layout.shape["sp"] > 1 else None
         batch_sh = layout.batch_sharding
-        rows = jax.ShapeDtypeStruct((cfg.batch, cfg.seq + 1), jnp.int32, sharding=batch_sh)
+        rows = jax.ShapeDtypeStruct((cfg.training.batch, cfg.training.seq + 1), jnp.int32, sharding=batch_sh)
         self.batch_struct = rows if not packed else {
             "tokens": rows, "segments": rows,
             "loss_mask": jax.ShapeDtypeStruct(rows.shape, jnp.bool_, sharding=batch_sh)}
@@ -231,7 +232,7 @@ class Program:
         trained = skeleton.trained(params)
         state = {"step": jnp.zeros((), jnp.int32), "params": trained, "opt_state": self.tx.init(trained)}
         if skeleton.lora:  # stored in --base-dtype
-            state["frozen"] = jax.tree.map(lambda w: w.astype(DTYPES[self.cfg.base_dtype]), skeleton.frozen(params))
+            state["frozen"] = jax.tree.map(lambda w: w.astype(DTYPES[self.cfg.lora.base_dtype]), skeleton.frozen(params))
         if self.layout.skeleton.router_shapes:  # as the model starts it: no bias, even load, copies in order
             state["routing"] = balance.initial(self.layout.skeleton.router_shapes)
         return state
@@ -246,8 +247,8 @@ class Program:
         aux = aux_losses(self.cfg, state["step"])  # (multi-token prediction's weight changes with the step)
         inputs = Auxiliary(aux, state.get("routing"), denominator, state.get("frozen"))
         # Adapters' dropout: masks drawn anew each step (and each microbatch of it).
-        with lora_dropout(self.cfg.lora_dropout, jax.random.fold_in(jax.random.key(self.cfg.seed), state["step"])):
-            if self.cfg.grad_accum == 1:
+        with lora_dropout(self.cfg.lora.lora_dropout, jax.random.fold_in(jax.random.key(self.cfg.training.seed), state["step"])):
+            if self.cfg.training.grad_accum == 1:
                 return self._loss_and_grads(params, rows, inputs)
             if self.layout.schedule:
                 return self._pipeline_rounds(params, rows, inputs)
@@ -262,7 +263,7 @@ class Program:
             placement, experts = balance.states(router)[0]["placement"], self.layout.skeleton.model_cfg.moe.experts
             grads = balance.tie(grads, self.expert_dims, placement, experts, self.tie_stages)
             grad_norm = balance.logical_norm(grads, self.expert_dims, placement, experts)
-            grads = balance.clip(grads, grad_norm, cfg.clip)
+            grads = balance.clip(grads, grad_norm, cfg.optimizer.clip)
         else:
             grad_norm = optax.tree.norm(grads)
         updates, opt_state = self.tx.update(grads, state["opt_state"], params)
@@ -279,7 +280,7 @@ class Program:
             new_state["frozen"] = frozen
         if router is not None:
             load = _with_empty_layers(metrics["expert_load"], self.layout.skeleton.model_cfg)
-            new_state["routing"] = keep_if_finite(balance.updated(router, load, cfg.router_bias_rate), router)
+            new_state["routing"] = keep_if_finite(balance.updated(router, load, cfg.moe.router_bias_rate), router)
         metrics = _step_metrics(metrics, self.layout.shape["ep"], self.layout.skeleton.model_cfg.layer_steps) | {
             "grad_norm": grad_norm, "lr": self.lr_at(applied_updates(state["opt_state"])), "skipped": ~finite}
         return new_state, metrics
@@ -313,7 +314,7 @@ class Program:
     # ------------------------------------------------------------ their parts
 
     def _annotated(self, local_axes: tuple[str, ...] = (), data_axes: tuple[str, ...] | None = None):
-        return model_context(self.layout, self.cfg.attention, local_axes, data_axes, self.kernel)
+        return model_context(self.layout, self.cfg.parallelism.attention, local_axes, data_axes, self.kernel)
 
     def _in_stage(self):
         # Inside a stage the map is manual over pp, dp and ep (spmd.parallel.pipeline): none splits `batch` there.
@@ -346,7 +347,7 @@ class Program:
         once after the scan. Inside the vmap, the other axes (sp, tp, and ep with split
         experts) work as without accumulation, their reductions in every microbatch."""
         layout = self.layout
-        k, axes = self.cfg.grad_accum, layout.accumulation_axes
+        k, axes = self.cfg.training.grad_accum, layout.accumulation_axes
         shards = math.prod(layout.shape[a] for a in axes)
         # (k, all batch shards, rows, width) -> (k, accumulation shards, the rest's rows, width):
         # ep is the innermost batch axis, so its shards stay inside one accumulation shard.
@@ -389,7 +390,7 @@ class Program:
         """Accumulation with pipeline stages: one full pipeline pass per round (each
         reduces its gradients over dp as it ends), summed in a scan."""
         layout = self.layout
-        k, shards = self.cfg.grad_accum, math.prod(layout.shape[a] for a in layout.data_axes)
+        k, shards = self.cfg.training.grad_accum, math.prod(layout.shape[a] for a in layout.data_axes)
         rounds = jax.tree.map(lambda r: _split_locally(r, shards, k).reshape(k, r.shape[0] // k, r.shape[1]), rows)
         rounds = jax.lax.with_sharding_constraint(rounds, jax.P(None, layout.data_axes))
         part = None if inputs.denominator is None else inputs.denominator / k  # each round's share of the step's count
@@ -406,8 +407,8 @@ class Program:
         return jax.tree.map(lambda x: x / k, total)
 
 
-def build_program(cfg, layout: Layout, packed: bool = False) -> Program:
-    return Program(cfg, layout, packed)
+def build_program(cfg: StepOptions, layout: Layout, packed: bool = False) -> Program:
+    return Program(step_options(cfg), layout, packed)
 
 
 def model_params(state: dict) -> dict:

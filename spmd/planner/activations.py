@@ -13,7 +13,6 @@ from spmd.parallel.experts import ragged_exchange
 from spmd.parallel.layout import Layout
 from spmd.parallel.mesh import BATCH_AXES
 from spmd.parallel.rules import axes_of
-from spmd.parallel.skeleton import routing
 from spmd.parallel.objective import prediction_depth
 from spmd.planner.counting import (SMALL_BYTES, Expected, expert_rows, head_in_stages, head_runs, live, params,
                                    picks_again, prediction_layers, spec_axes, split_norms, stage_overhead,
@@ -35,12 +34,12 @@ def adapters_over_tp(cfg, layout: Layout, token_bytes: float, per_layer: float) 
     def count(targets) -> int:
         return sum((dense if target in MLP_TARGETS else model.layers) for target in targets if target in lora.targets)
 
-    forward = count(("o_proj", "down_proj")) * (2 if cfg.remat == "full" else 1)
+    forward = count(("o_proj", "down_proj")) * (2 if cfg.model.remat == "full" else 1)
     backward = count(("q_proj", "gate_proj", "up_proj") + (("k_proj", "v_proj") if c == 1 else ()))
     rank = token_bytes * lora.rank
     why = "LoRA: adapters' rank-wide products on split projections"
     # Under Megatron-SP the forward ones go to the residual stream's split, as the projection's output.
-    scattered = forward if cfg.megatron_sp else 0
+    scattered = forward if cfg.parallelism.megatron_sp else 0
     out = [Expected("reduce-scatter", "tp", per_layer * scattered * (t - 1) / t * rank, why),
            Expected("all-gather", "tp", per_layer * scattered * (t - 1) / t * rank, why)] if scattered else []
     out.append(Expected("all-reduce", "tp", per_layer * (forward - scattered + backward) * 2 * (t - 1) / t * rank, why))
@@ -56,7 +55,7 @@ def adapters_over_tp(cfg, layout: Layout, token_bytes: float, per_layer: float) 
 def _reduced(cfg, t: int, nbytes: float, times: float, why: str) -> list[Expected]:
     """`times` all-reduces of `nbytes` over tp; under Megatron-SP each is a reduce-scatter
     into the sequence-split residual stream and an all-gather out of it."""
-    if cfg.megatron_sp:
+    if cfg.parallelism.megatron_sp:
         return [Expected("reduce-scatter", "tp", times * (t - 1) / t * nbytes, why),
                 Expected("all-gather", "tp", times * (t - 1) / t * nbytes, why)]
     return [Expected("all-reduce", "tp", times * 2 * (t - 1) / t * nbytes, why)]
@@ -95,7 +94,7 @@ def tensor_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
     # is whole already: an MoE layer's experts' rows (after their own all-reduce, below)
     # beside its shared expert; LoRA adapters on the projections that read the residual
     # stream's norm (their rank-wide product's, all-reduced in `adapters_over_tp`).
-    sp, lora = cfg.megatron_sp, layout.skeleton.lora
+    sp, lora = cfg.parallelism.megatron_sp, layout.skeleton.lora
     moe_whole = per_layer * moe_layers + mtp if sp and shared else 0
     mlp_whole = per_layer * (model.stacked_layers - moe_layers) + prefix if sp and lora and {
         "gate_proj", "up_proj"} & set(lora.targets) else 0
@@ -104,11 +103,11 @@ def tensor_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
                   "Megatron: block outputs forward, the MLPs' input gradients backward")
     out += _whole(t, activation, moe_whole + mlp_whole, "Megatron-SP: MoE layers' and adapted MLPs' input gradients")
     # (Under Megatron-SP, the gathered input's, reduce-scattered back into the residual stream.)
-    width = model.embed if cfg.megatron_sp else model.attention_input_gradient()
+    width = model.embed if cfg.parallelism.megatron_sp else model.attention_input_gradient()
     out += reduced(tokens * width * compute_bytes, layer_runs - attention_whole,
                    "Megatron: attention's input gradient backward")
     out += _whole(t, tokens * width * compute_bytes, attention_whole, "Megatron-SP: adapted attention's input gradient")
-    if picks_again(layout) and cfg.remat == "full":
+    if picks_again(layout) and cfg.model.remat == "full":
         out += reduced(activation, per_layer * 2 * model.stacked_layers, "circular stages: each tick's forward again")
     out += adapters_over_tp(cfg, layout, tokens * compute_bytes, per_layer)
     moe_runs = per_layer * moe_layers + mtp
@@ -116,22 +115,22 @@ def tensor_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
         # Forward and backward; under remat "dots" and "full" the forward's again: the
         # gates' gradient reads the experts' outputs, a grouped or batched matmul's, which
         # neither policy keeps.
-        passes = 3 if cfg.remat in ("dots", "full") else 2
+        passes = 3 if cfg.model.remat in ("dots", "full") else 2
         rows = expert_rows(cfg, layout) * model.embed * compute_bytes
         out.append(Expected("all-reduce", "tp", moe_runs * passes * 2 * (t - 1) / t * rows,
                             "experts: their outputs forward, their input gradients backward"))
-    if cfg.remat == "full":
+    if cfg.model.remat == "full":
         # The forward is recomputed up to the MLP (its output is not needed for gradients),
         # an MoE layer's shared expert included (XLA reduces it with the experts' output).
         # Where a norm follows each sublayer (the config's NORMS.after: Gemma 3, OLMo 2) its
         # backward pass reads its input, the MLP's output: every MLP's is made again.
         again = mlp_runs if model.NORMS.after else moe_runs if shared else 0
-        if cfg.megatron_sp:  # attention input and output, and the MLP's input, again
+        if cfg.parallelism.megatron_sp:  # attention input and output, and the MLP's input, again
             out.append(Expected("all-gather", "tp", 2 * layer_runs * (t - 1) / t * activation, "remat"))
             out.append(Expected("reduce-scatter", "tp", (layer_runs + again) * (t - 1) / t * activation, "remat"))
         else:
             out += reduced(activation, layer_runs + again, "remat: the attention output (and a shared expert's) again")
-    elif cfg.remat == "dots" and cfg.megatron_sp:
+    elif cfg.model.remat == "dots" and cfg.parallelism.megatron_sp:
         # "dots" keeps the projections' outputs, not their inputs gathered out of the
         # residual stream: the attention's and the MLP's gathered again for their weights'
         # gradients (under LoRA, where adapters read them).
@@ -171,7 +170,7 @@ def _vocab_split(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
     head_tokens = tokens * head_runs(layout) * predicted
     head_input = head_tokens * model.embed * compute_bytes
     out = []
-    if cfg.megatron_sp:
+    if cfg.parallelism.megatron_sp:
         # XLA gathers the float32 table for the lookup (and reduce-scatters its gradient)
         # rather than reduce-scattering the looked-up rows.
         table = model.vocab * model.embed * 4
@@ -201,13 +200,13 @@ def sequence_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]
     model, shape = layout.skeleton.model_cfg, layout.shape
     kv_heads = model.kv_heads * layout.kv_copies / ways(("tp",), shape) if layout.kv_copies > 1 else \
         model.kv_heads / ways(axes_of(layout.rules.activations["kv_heads"]), shape)
-    block = cfg.batch / ways(BATCH_AXES, shape) * cfg.seq / n * kv_heads * model.head_dim * compute_bytes
-    recomputed = cfg.remat != "none"  # "none" keeps the received blocks; the others fetch them again
+    block = cfg.training.batch / ways(BATCH_AXES, shape) * cfg.training.seq / n * kv_heads * model.head_dim * compute_bytes
+    recomputed = cfg.model.remat != "none"  # "none" keeps the received blocks; the others fetch them again
     # In pipeline stages a device runs 1/pp of the layers, in every tick (bubbles included).
     # A prefix of layers outside the stages runs on a device's rows, which pp splits too.
     layers = (model.stacked_layers * stage_overhead(layout) + model.prefix_layers
               + prediction_layers(layout)) / shape["pp"]
-    if cfg.attention == "ring":
+    if cfg.parallelism.attention == "ring":
         # K and V: n - 1 hops forward [and again, recomputed], n - 1 again backward, beside
         # their float32 gradients' n - 1 hops and the last one home in the compute dtype
         # (spmd.parallel.context's ring-level backward pass). At n = 2 the recomputed hop
@@ -227,7 +226,7 @@ def expert_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
     if model.moe is None:
         return []
     out = []
-    sequences = tokens_per_device(cfg, layout.shape) * sp / cfg.seq
+    sequences = tokens_per_device(cfg, layout.shape) * sp / cfg.training.seq
     per_sequence = sequences * model.moe.experts * 4
     if sp > 1 and model.moe.balance_loss == "sequence" and per_sequence >= SMALL_BYTES:  # (less: listed as scalars)
         # The sequence-wise balance loss: each sequence's share of choices and mean score
@@ -235,7 +234,7 @@ def expert_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
         # layers only: multi-token prediction's router adds no balance loss (not `moe_runs`).
         out.append(Expected("all-reduce", "sp", model.moe_layers_run * stage_overhead(layout) * 3 * per_sequence
                             * 2 * (sp - 1) / sp, "MoE statistics per sequence"))
-    if sp > 1 and cfg.moe_dispatch == "capacity":
+    if sp > 1 and cfg.moe.moe_dispatch == "capacity":
         # Each rank's two chunks' choices counted per expert (int32), gathered from the
         # others (spmd.parallel.context.make_capacity_slots); XLA runs the gather twice per layer.
         counts = sequences * 2 * model.moe.experts * 4
@@ -252,7 +251,7 @@ def expert_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
     if ep == 1:
         return out
     out += expert_copies(cfg, layout)
-    return out + expert_exchange(cfg, layout, compute_bytes, ragged=cfg.moe_dispatch == "dropless"
+    return out + expert_exchange(cfg, layout, compute_bytes, ragged=cfg.moe.moe_dispatch == "dropless"
                                  and ragged_exchange(layout.mesh) is not None)
 
 
@@ -277,7 +276,7 @@ def expert_copies(cfg, layout: Layout) -> list[Expected]:
 def tied_rows_bytes(cfg, layout: Layout, rows_of_one_copy: bool = False) -> float:
     """Bytes per device of the 2R expert rows of gradients that expert copies tie (every
     MoE layer the device holds, at once; or of one copy's 2 rows), or 0 without copies over ep."""
-    ep, slots = layout.shape["ep"], routing(cfg).slots
+    ep, slots = layout.shape["ep"], layout.skeleton.routing.slots
     if ep == 1 or not slots:
         return 0.0
     copies = slots - layout.skeleton.model_cfg.moe.experts
@@ -299,8 +298,8 @@ def expert_exchange(cfg, layout: Layout, compute_bytes: int, ragged: bool) -> li
     figure follows the router)."""
     ep, model = layout.shape["ep"], layout.skeleton.model_cfg
     leaves = (ep - 1) / ep
-    dropless = cfg.moe_dispatch == "dropless"
-    recomputed = cfg.remat != "none"  # the others run the forward exchanges again
+    dropless = cfg.moe.moe_dispatch == "dropless"
+    recomputed = cfg.model.remat != "none"  # the others run the forward exchanges again
 
     def per_layer(copies: bool) -> float:
         rows = tokens_per_device(cfg, layout.shape) * model.moe.top_k if ragged else expert_rows(cfg, layout, copies)
@@ -335,10 +334,10 @@ def stage_statistics(cfg, layout: Layout) -> list[Expected]:
     shards = live(batch_axes(manual_axes(layout.shape)), layout.shape) if written else ()
     if not shards:
         return []
-    n, route = ways(shards, layout.shape), routing(cfg)
+    n, route = ways(shards, layout.shape), layout.skeleton.routing
     layers = model.moe_layers_run * (2 if schedule.name == "dualpipe" else 1) / schedule.stages
     per_layer = (3 + model.moe.experts + ((route.slots or model.moe.experts) if route.balanced else 0)) * 4
-    return [Expected("all-reduce", "+".join(shards), cfg.grad_accum * layers * per_layer * 2 * (n - 1) / n,
+    return [Expected("all-reduce", "+".join(shards), cfg.training.grad_accum * layers * per_layer * 2 * (n - 1) / n,
                      "MoE statistics: means over the batch shards as the stages end")]
 
 
@@ -353,7 +352,7 @@ def pipeline_stages(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
     p, m, v = schedule.stages, schedule.microbatches, schedule.repeats
     # The device's rows of the step before pp splits them (m microbatches), as the
     # residual stream lays them out (Megatron-SP splits their sequence over tp).
-    split = layout.shape["tp"] if cfg.megatron_sp else 1
+    split = layout.shape["tp"] if cfg.parallelism.megatron_sp else 1
     rows = tokens_per_device(cfg, layout.shape) * p * layout.skeleton.model_cfg.embed * compute_bytes / split
     ticks = v * m * stage_overhead(layout)  # v*m + p - 1
     leaves = (p - 1) / p
@@ -371,13 +370,13 @@ def pipeline_stages(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
             return p_.numel * p_.itemsize / ways(spec_axes(p_.names, layout.rules.params), layout.shape)
         dual, share = schedule.name == "dualpipe", schedule.mirrored_share
         weights = share * sum(stored(p_) for p_ in params(layout, cfg) if p_.stacked)
-        gradients = cfg.grad_accum * share * sum(stored(p_) for p_ in params(layout, cfg) if p_.stacked and p_.trained)
+        gradients = cfg.training.grad_accum * share * sum(stored(p_) for p_ in params(layout, cfg) if p_.stacked and p_.trained)
         targets = entering_targets(cfg, layout)
         # zb-v's MoE statistics leave the stages split over pp, and every device reads them
         # all: per layer three scalars and, float32, a load per slot and one per expert.
         # DualPipe's second stage's are sent to the mirror stage and added to its own there.
         model = layout.skeleton.model_cfg
-        statistics = model.moe_layers_run * (3 + model.moe.experts + (routing(cfg).slots or model.moe.experts)) * 4 \
+        statistics = model.moe_layers_run * (3 + model.moe.experts + (layout.skeleton.routing.slots or model.moe.experts)) * 4 \
             if model.moe else 0
         if dual:
             weights += statistics / (2 * p)

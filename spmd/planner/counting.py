@@ -21,7 +21,7 @@ from spmd.parallel.layout import Layout
 from spmd.parallel.mesh import AXES, BATCH_AXES
 from spmd.parallel.objective import prediction_depth
 from spmd.parallel.rules import axes_of, spec_for
-from spmd.parallel.skeleton import DTYPES, is_names, routing
+from spmd.parallel.skeleton import DTYPES, is_names
 
 
 SMALL_BYTES = 1024  # collectives moving less each time are scalars (loss, norms, MoE statistics): listed, not flagged
@@ -76,7 +76,7 @@ def params(layout: Layout, cfg=None) -> list[Param]:
     shapes = traverse_util.flatten_dict(layout.skeleton.shapes)
     names = traverse_util.flatten_dict(layout.skeleton.names, is_leaf=lambda _, v: is_names(v))
     lora = layout.skeleton.lora is not None
-    base_bytes = jnp.dtype(DTYPES[cfg.base_dtype]).itemsize if lora and cfg is not None else 4
+    base_bytes = jnp.dtype(DTYPES[cfg.lora.base_dtype]).itemsize if lora and cfg is not None else 4
     found = []
     for path in shapes:
         trained = not lora or is_adapter(path)
@@ -102,8 +102,8 @@ def spec_axes(names, table) -> tuple[str, ...]:
 def tokens_per_device(cfg, shape: Mapping[str, int], microbatch: bool = False) -> int:
     """Tokens one device computes on in a step (or in one accumulated microbatch), outside
     pipeline stages (where pp splits the rows too)."""
-    rows = cfg.microbatch if microbatch else cfg.batch
-    return rows * cfg.seq // (ways(BATCH_AXES, shape) * shape["sp"] * shape["pp"])
+    rows = cfg.training.microbatch if microbatch else cfg.training.batch
+    return rows * cfg.training.seq // (ways(BATCH_AXES, shape) * shape["sp"] * shape["pp"])
 
 
 def stage_overhead(layout: Layout) -> float:
@@ -167,7 +167,7 @@ def table_scatter_axes(cfg, layout: Layout) -> tuple[tuple[str, ...], tuple[str,
     (measured on dp=2,sp=2,tp=2, ep=2,tp=2, dp=2,ep=2,tp=2 and, with ZeRO-2, dp=2,tp=2,
     ep=2,tp=2 and dp=2,ep=2,tp=2)."""
     shape, rules = layout.shape, layout.rules
-    if not (cfg.megatron_sp and shape["tp"] > 1 and "tp" in axes_of(rules.activations["vocab"])):
+    if not (cfg.parallelism.megatron_sp and shape["tp"] > 1 and "tp" in axes_of(rules.activations["vocab"])):
         return (), ()
     table = next(p for p in params(layout) if p.path == model_class(layout.skeleton.model_cfg).LOOKUP_TABLE)
     stored = spec_axes(table.names, rules.grads)
@@ -183,7 +183,7 @@ def rows_moved(cfg, layout: Layout) -> tuple[str, ...]:
     """The axes the lookups move their rows along to the table (models.lookup.looked_up),
     as spmd.parallel.step sets them up; () where they gather the table (pipelines, and
     inside accumulation's per-shard map, where the table's axes are the map's)."""
-    if cfg.grad_accum > 1 and not layout.schedule:
+    if cfg.training.grad_accum > 1 and not layout.schedule:
         return ()
     storage = layout.rules.storage(moves_rows=layout.schedule is None)
     route = rows_route(storage, dict(layout.rules.activation_rules((), layout.data_axes)), layout.shape)
@@ -196,11 +196,11 @@ def expert_rows(cfg, layout: Layout, copies: bool = True) -> int:
     `copies`: in a layer with the run's expert copies (the prediction modules' have none)."""
     moe, ep, sp = layout.skeleton.model_cfg.moe, layout.shape["ep"], layout.shape["sp"]
     tokens = tokens_per_device(cfg, layout.shape)
-    capacity = routing(cfg).capacity(cfg.seq, moe)
+    capacity = layout.skeleton.routing.capacity(cfg.training.seq, moe)
     # with copies (spmd.parallel.balance), each slot is an expert here
-    slots = (routing(cfg).slots if copies else None) or moe.experts
+    slots = (layout.skeleton.routing.slots if copies else None) or moe.experts
     if capacity is not None:  # per sequence; a device's chunk of c tokens fills at most c slots
-        chunk = cfg.seq // sp
+        chunk = cfg.training.seq // sp
         return tokens // chunk * slots * min(capacity, chunk)
     return tokens * ep * min(moe.top_k, slots // ep)
 

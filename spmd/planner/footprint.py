@@ -24,7 +24,7 @@ def memory(cfg, layout: Layout) -> dict[str, float]:
     """Bytes per device: the state (parameters, Adam's two moments) and the step's working
     set (the reduced gradient, gathered weights, saved activations and logits)."""
     shape, rules = layout.shape, layout.rules
-    compute_bytes = jnp.dtype(DTYPES[cfg.dtype]).itemsize
+    compute_bytes = jnp.dtype(DTYPES[cfg.model.dtype]).itemsize
     used_table = compute_table(layout)
 
     def held(p: Param, axes, bytes_each=None) -> float:
@@ -52,7 +52,7 @@ def memory(cfg, layout: Layout) -> dict[str, float]:
         # held. A LoRA run's frozen weights have none.
         if not p.trained:
             continue
-        if cfg.grad_accum > 1:
+        if cfg.training.grad_accum > 1:
             gradients += held(p, compute, 4)
         elif layout.schedule and (p.stacked or head_in_stages(layout) and in_head(layout, p)):
             gradients += _summed_in_stages(layout, p, held)
@@ -105,7 +105,7 @@ def peak(cfg, layout: Layout, memory: dict[str, float]) -> float:
     state = memory["params"] + memory["opt_state"]
     kept, gradients = memory["activations"], memory["gradients"]
     loss = (kept + memory["logits"] + memory["predictions"] + memory["gathered_head"]
-            + (gradients if cfg.grad_accum > 1 else 0))
+            + (gradients if cfg.training.grad_accum > 1 else 0))
     layers = kept + gradients + memory["working"] + 2 * memory["gathered_weights"]
     return state + memory["exchange_pool"] + max(loss, layers)
 
@@ -130,20 +130,20 @@ def activation_bytes(cfg, layout: Layout, compute_bytes: int) -> dict[str, float
     # across sp, recompute them in the backward pass a block pair at a time: float32
     # scores, weights and their gradient for one block of queries and keys, one layer.
     sp = layout.shape["sp"]
-    kept_scores = cfg.attention_kernel == "xla" and not (sp > 1 and cfg.attention == "ring")
+    kept_scores = cfg.model.attention_kernel == "xla" and not (sp > 1 and cfg.parallelism.attention == "ring")
     # Under a window the xla kernel keeps a band of two windows per query, where the
     # sequence is in order (one sp rank: sp's zig-zag is not).
-    row = 2 * m.window if m.window and m.window < cfg.seq and sp == 1 else cfg.seq
+    row = 2 * m.window if m.window and m.window < cfg.training.seq and sp == 1 else cfg.training.seq
     attention = 4 * e + (2 * qkv + 2 * heads + (m.heads * row if kept_scores else 0)) / t
-    length = cfg.seq // (2 * sp) if sp > 1 and cfg.attention == "ring" else cfg.seq
+    length = cfg.training.seq // (2 * sp) if sp > 1 and cfg.parallelism.attention == "ring" else cfg.training.seq
     block = min(flash.default_block(length), length)
-    block_scores = 0 if kept_scores else 3 * 4 * m.heads / t * block * block * tokens / cfg.seq
+    block_scores = 0 if kept_scores else 3 * 4 * m.heads / t * block * block * tokens / cfg.training.seq
     everything = attention + 3 * m.mlp / t
     # "mla" (DeepSeek-V3's): as "none", but the up-projections and the per-head queries,
     # keys and values they make are kept as their latents, and made again a layer at a time.
     up = 2 * qkv / t - ((getattr(m, "q_rank", 0) or 0) + getattr(m, "latent_dim", 0))
-    per_layer = {"none": everything, "dots": 3 * e + (qkv + 2 * m.mlp) / t, "full": e, "mla": everything - up}[cfg.remat]
-    working = {"none": 0, "mla": 2 * qkv / t}.get(cfg.remat, everything)
+    per_layer = {"none": everything, "dots": 3 * e + (qkv + 2 * m.mlp) / t, "full": e, "mla": everything - up}[cfg.model.remat]
+    working = {"none": 0, "mla": 2 * qkv / t}.get(cfg.model.remat, everything)
     dense_layers = m.stacked_layers + m.prefix_layers - m.moe_layers_run  # (empty ones too: stages run them)
     kept = dense_layers * per_layer
     if m.moe_layers:
@@ -154,9 +154,9 @@ def activation_bytes(cfg, layout: Layout, compute_bytes: int) -> dict[str, float
         moe = (attention + m.moe.experts + rows * (3 * e + 2 * m.moe.expert_mlp / t)
                + 3 * m.moe.shared_experts * m.moe.expert_mlp / t)
         moe_kept = {"none": moe, "dots": 3 * e + qkv / t + rows * 2 * m.moe.expert_mlp / t, "full": e,
-                    "mla": moe - up}[cfg.remat]
+                    "mla": moe - up}[cfg.model.remat]
         kept += m.moe_layers_run * moe_kept
-        working = max(working, {"none": 0, "mla": 2 * qkv / t}.get(cfg.remat, moe))
+        working = max(working, {"none": 0, "mla": 2 * qkv / t}.get(cfg.model.remat, moe))
     logits = _logits_bytes(layout, compute_bytes)
     predictions = _prediction_bytes(cfg, m, moe_kept, moe, logits, compute_bytes) if getattr(m, "mtp_depth", 0) else 0
     pool = _ragged_pool(cfg, layout, tokens)
@@ -205,7 +205,7 @@ def _ragged_pool(cfg, layout: Layout, tokens: int) -> float:
     layer loop has in flight (Qwen3-30B-A3B's and Qwen3-235B-A22B's presets: 3.4 and 6.8
     GiB, as XLA:GPU's buffer assignment has them)."""
     m = layout.skeleton.model_cfg
-    if not (m.moe_layers and cfg.moe_dispatch == "dropless" and ragged_exchange(layout.mesh)
+    if not (m.moe_layers and cfg.moe.moe_dispatch == "dropless" and ragged_exchange(layout.mesh)
             and compiler(layout) in ("gpu", "cuda")):
         return 0
     return 3 * (expert_rows(cfg, layout) / tokens + m.moe.top_k) * m.embed
@@ -216,7 +216,7 @@ def _prediction_bytes(cfg, m, moe_kept: float, moe: float, logits: float, comput
     per depth an MoE block kept as the model's are (`moe_kept`) and float32 logits of its
     own; under remat one block's working set (`moe`) at a time. Held while the head runs:
     the modules' backward pass ends before the layers' begins."""
-    recomputed = moe if cfg.remat in ("dots", "full") else 0
+    recomputed = moe if cfg.model.remat in ("dots", "full") else 0
     return m.mtp_depth * (moe_kept * compute_bytes + logits) + recomputed * compute_bytes
 
 

@@ -15,11 +15,13 @@ import math
 
 import jax
 
+from models import model_class
+
 from spmd.base import hardware
 from spmd.base.errors import UserError
 from spmd.parallel.layout import make_layout
 from spmd.parallel.mesh import accelerator_present, keep_unused_plugins_out
-from spmd.parallel.skeleton import REMAT
+from spmd.parallel.options import step_options
 from spmd.parallel.step import build_program
 from spmd.planner import footprint, hlo, theory, traffic
 from spmd.planner.counting import SMALL_BYTES, by_op_and_axes
@@ -84,7 +86,7 @@ class Plan:
         about the same size as a float32 step's), or when XLA reports none."""
         on_cpu = self.layout.mesh.devices.flat[0].platform == "cpu"
         targets_accelerator = self.hardware is not None and self.hardware.name != "cpu"
-        if self.xla is None or (on_cpu and targets_accelerator and self.cfg.dtype == "bfloat16"):
+        if self.xla is None or (on_cpu and targets_accelerator and self.cfg.model.dtype == "bfloat16"):
             return "theory"
         return "xla"
 
@@ -113,9 +115,9 @@ class Plan:
     def as_json(self) -> dict:
         cfg = self.cfg
         return {
-            "model": cfg.model_name, "mesh": self.layout.describe(), "devices": self.devices,
-            "batch": cfg.batch, "seq": cfg.seq, "dtype": cfg.dtype, "zero": cfg.zero, "remat": cfg.remat,
-            "grad_accum": cfg.grad_accum, "planned_on": self.planned_on,
+            "model": cfg.model.name, "mesh": self.layout.describe(), "devices": self.devices,
+            "batch": cfg.training.batch, "seq": cfg.training.seq, "dtype": cfg.model.dtype, "zero": cfg.parallelism.zero, "remat": cfg.model.remat,
+            "grad_accum": cfg.training.grad_accum, "planned_on": self.planned_on,
             "hardware": self.hardware.name if self.hardware else None,
             "per_device": {
                 "state_bytes": round(self.theory_state),
@@ -164,7 +166,7 @@ def make_plan(cfg, layout, compiled=None, hardware=None, planned_on: str | None 
     """Compile the step for abstract shapes (unless given the compiled step) and compare.
     `program_shape`: the mesh the compiled program's device ids span, where it is not the
     whole mesh (a TPU multislice program is one slice's)."""
-    program = program or build_program(cfg, layout)
+    program = program or build_program(step_options(cfg), layout)
     if compiled is None:
         compiled = program.compile_step()
     xla = xla_memory(compiled.memory_analysis(), layout.mesh.devices.flat[0].platform)
@@ -205,7 +207,7 @@ def full_fine_tune_state(cfg, layout) -> float | None:
     the same mesh (theory); None for a full fine-tune."""
     if not layout.skeleton.lora:
         return None
-    full = dataclasses.replace(cfg, lora_rank=None)
+    full = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, lora_rank=None))
     memory = footprint.memory(full, make_layout(full, list(layout.mesh.devices.flat), for_training=False))
     return memory["params"] + memory["opt_state"]
 
@@ -231,23 +233,26 @@ def plan_devices(count: int):
     return cpus[:count], f"{count} emulated CPU devices"
 
 
-def default_hardware(cfg, devices):
-    if cfg.hardware:
-        return hardware.get(cfg.hardware)
+def default_hardware(parallelism, devices):
+    """--hardware's accelerator (the parallelism section's), else the one `devices` are."""
+    if parallelism.hardware:
+        return hardware.get(parallelism.hardware)
     return hardware.detect(devices[0].device_kind)
 
 
 # ----------------------------------------------------------------------------- --auto
 
 def candidates(cfg, count: int, devices_per_node: int):
-    """Meshes over dp, fsdp and tp (tp inside a node), ZeRO 0 or 1 where dp > 1, each remat."""
+    """Meshes over dp, fsdp and tp (tp inside a node), ZeRO 0 or 1 where dp > 1, each remat
+    of the model's."""
     for tp in (d for d in range(1, count + 1) if count % d == 0 and d <= devices_per_node):
         for fsdp in (d for d in range(1, count // tp + 1) if (count // tp) % d == 0):
             dp = count // (tp * fsdp)
             mesh = ",".join(f"{a}={n}" for a, n in (("dp", dp), ("fsdp", fsdp), ("tp", tp)) if n > 1)
             for zero in ((0, 1) if dp > 1 else (0,)):
-                for remat in REMAT:
-                    yield dataclasses.replace(cfg, mesh=mesh, zero=zero, remat=remat)
+                for remat in model_class(cfg.model_cfg).REMAT:
+                    yield dataclasses.replace(cfg, parallelism=dataclasses.replace(cfg.parallelism, mesh=mesh, zero=zero),
+                                              model=dataclasses.replace(cfg.model, remat=remat))
 
 
 def auto(cfg, devices, hardware, planned_on: str) -> tuple[list[Plan], str]:
@@ -279,7 +284,7 @@ def auto(cfg, devices, hardware, planned_on: str) -> tuple[list[Plan], str]:
                 f"or batch, {too_big} do not fit in theory, {compiled} of the fastest others compiled, "
                 f"{len(confirmed)} fit")
     if not confirmed:
-        raise UserError(f"model {cfg.model_name} does not fit on {len(devices)} x {hardware.name} in any layout "
-                        f"(dp/fsdp/tp, ZeRO 0-1, every remat) at batch {cfg.batch} x {cfg.seq}; "
+        raise UserError(f"model {cfg.model.name} does not fit on {len(devices)} x {hardware.name} in any layout "
+                        f"(dp/fsdp/tp, ZeRO 0-1, every remat) at batch {cfg.training.batch} x {cfg.training.seq}; "
                         "use more devices, a smaller batch or --grad-accum")
     return sorted(confirmed, key=lambda p: p.prediction.step_s), searched

@@ -16,10 +16,10 @@ def describe_run(cfg, layout, plan, data: str, compile_s: float) -> list[str]:
     return [
         f"mesh: {layout.describe()} over {devices.size} x {kind} "
         f"(axes {', '.join(f'{a}={n}' for a, n in layout.shape.items())})",
-        f"model: {cfg.model_name}, {skel.num_params:,} parameters{_trained(skel)}, compute {cfg.dtype}, "
-        f"remat {cfg.remat}, "
-        f"attention kernel {kernels.describe(cfg.attention_kernel, devices.flat[0])}",
-        f"batch: {cfg.batch} x {cfg.seq} tokens, grad-accum {cfg.grad_accum}, zero {cfg.zero}",
+        f"model: {cfg.model.name}, {skel.num_params:,} parameters{_trained(skel)}, compute {cfg.model.dtype}, "
+        f"remat {cfg.model.remat}, "
+        f"attention kernel {kernels.describe(cfg.model.attention_kernel, devices.flat[0])}",
+        f"batch: {cfg.training.batch} x {cfg.training.seq} tokens, grad-accum {cfg.training.grad_accum}, zero {cfg.parallelism.zero}",
         f"data: {data}",
         *plan_summary(plan),
         f"ready in {compile_s:.1f} s (initialize or restore, then compile)",
@@ -55,9 +55,9 @@ def _ratio(r) -> str:
 
 def plan_table(plan) -> list[str]:
     cfg = plan.cfg
-    lines = [f"plan: {cfg.model_name} on {plan.layout.describe()} ({plan.devices} devices; compiled for "
-             f"{plan.planned_on}), batch {cfg.batch} x {cfg.seq}, {cfg.dtype}, zero {cfg.zero}, "
-             f"remat {cfg.remat}, grad-accum {cfg.grad_accum}", "",
+    lines = [f"plan: {cfg.model.name} on {plan.layout.describe()} ({plan.devices} devices; compiled for "
+             f"{plan.planned_on}), batch {cfg.training.batch} x {cfg.training.seq}, {cfg.model.dtype}, zero {cfg.parallelism.zero}, "
+             f"remat {cfg.model.remat}, grad-accum {cfg.training.grad_accum}", "",
              f"{'memory per device':28}{'theory':>12}{'XLA':>12}"]
     for key, label in _MEMORY_ROWS:
         if key in ("predictions", "exchange_pool") and not plan.theory_memory[key]:
@@ -126,7 +126,7 @@ def roofline_lines(plan) -> list[str]:
         hidden = ("overlapped" if not exposed else "exposed" if exposed >= seconds
                   else f"{_seconds(exposed)} of it exposed")
         parts.append(f"{axes} {_seconds(seconds)} ({link}, {hidden})")
-    return [f"roofline on {hw.description} ({hw.peak_flops(plan.cfg.dtype) / 1e12:g} TFLOP/s {plan.cfg.dtype}): "
+    return [f"roofline on {hw.description} ({hw.peak_flops(plan.cfg.model.dtype) / 1e12:g} TFLOP/s {plan.cfg.model.dtype}): "
             f"compute {_seconds(p.compute_s)}" + (f"; communication {', '.join(parts)}" if parts else ""),
             f"predicted step {_seconds(p.step_s)}, MFU {100 * p.mfu:.1f}% (at peak FLOP/s: an upper bound)"]
 
@@ -137,12 +137,12 @@ def _seconds(s: float) -> str:
 
 def auto_table(plans) -> list[str]:
     first = plans[0]
-    lines = [f"fastest layouts that fit: {first.cfg.model_name} on {first.devices} x {first.hardware.name}, "
-             f"batch {first.cfg.batch} x {first.cfg.seq}, {first.cfg.dtype}"]
+    lines = [f"fastest layouts that fit: {first.cfg.model.name} on {first.devices} x {first.hardware.name}, "
+             f"batch {first.cfg.training.batch} x {first.cfg.training.seq}, {first.cfg.model.dtype}"]
     for i, plan in enumerate(plans, 1):
         p = plan.prediction
         exposed = f", exposed communication {_seconds(p.exposed_s)}" if p.exposed_s else ""
-        lines.append(f"{i}. --mesh {plan.layout.describe()} --zero {plan.cfg.zero} --remat {plan.cfg.remat}: "
+        lines.append(f"{i}. --mesh {plan.layout.describe()} --zero {plan.cfg.parallelism.zero} --remat {plan.cfg.model.remat}: "
                      f"step {_seconds(p.step_s)}, MFU {100 * p.mfu:.1f}%")
         lines.append(f"   why: peak {human_bytes(plan.peak)} of {human_bytes(plan.usable)}; compute "
                      f"{_seconds(p.compute_s)}, overlapped communication {_seconds(p.overlapped_s)}{exposed}")

@@ -51,14 +51,14 @@ class Prediction:
 
 def executed_flops_per_step(cfg, model_cfg) -> tuple[float, float]:
     """(model FLOPs, executed FLOPs) of one step: remat recomputes (part of) the forward."""
-    per_token = train_flops_per_token(model_cfg, cfg.seq)
-    model = per_token * cfg.batch * cfg.seq
+    per_token = train_flops_per_token(model_cfg, cfg.training.seq)
+    model = per_token * cfg.training.batch * cfg.training.seq
     attention = (6.0 * model_cfg.layers * model_cfg.heads * model_cfg.attention_width()
-                 * model_cfg.attended_keys(cfg.seq) * cfg.batch * cfg.seq)
-    if cfg.remat == "mla":  # DeepSeek-V3's: the up-projections again
-        recomputed = up_projection_flops(model_cfg) * cfg.batch * cfg.seq
+                 * model_cfg.attended_keys(cfg.training.seq) * cfg.training.batch * cfg.training.seq)
+    if cfg.model.remat == "mla":  # DeepSeek-V3's: the up-projections again
+        recomputed = up_projection_flops(model_cfg) * cfg.training.batch * cfg.training.seq
     else:
-        recomputed = {"none": 0.0, "dots": attention / 3, "full": model / 3}[cfg.remat]  # forward = 1/3 of training
+        recomputed = {"none": 0.0, "dots": attention / 3, "full": model / 3}[cfg.model.remat]  # forward = 1/3 of training
     return model, model + recomputed
 
 
@@ -82,7 +82,7 @@ def predict(cfg, shape: Mapping[str, int], model_cfg, traffic: Iterable[tuple[st
     model_flops, executed = executed_flops_per_step(cfg, model_cfg)
     if shape.get("pp", 1) > 1:  # every stage computes in every tick of its schedule, bubbles included
         executed *= Schedule.of(cfg, shape["pp"]).compute_overhead
-    compute_s = executed / devices / hardware.peak_flops(cfg.dtype)
+    compute_s = executed / devices / hardware.peak_flops(cfg.model.dtype)
     comm: dict[str, float] = {}
     exposed: dict[str, float] = {}
     for op, axes, nbytes in traffic:

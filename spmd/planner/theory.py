@@ -89,30 +89,30 @@ def _backward_gathers(cfg, layout: Layout, stage_runs: float) -> float:
     kit.run_chunk): twice per forward."""
     model_cfg = layout.skeleton.model_cfg
     scan_steps = model_cfg.layers // (model_cfg.moe.every if model_cfg.moe else 1)
-    if layout.schedule is None and cfg.grad_accum > 1 and scan_steps == 1:
+    if layout.schedule is None and cfg.training.grad_accum > 1 and scan_steps == 1:
         # One scan step: the layer loop is gone, the weights are the same in every
         # microbatch, and XLA hoists the backward's gather out of the accumulation loop.
         return 1
     if layout.schedule is None or layout.schedule.writes_backward:
         return stage_runs
     if picks_again(layout):
-        return stage_runs * (2 if cfg.remat == "full" else 1)
+        return stage_runs * (2 if cfg.model.remat == "full" else 1)
     return 1
 
 
 def collectives(cfg, layout: Layout) -> list[Expected]:
     shape, rules = layout.shape, layout.rules
-    compute_bytes = jnp.dtype(DTYPES[cfg.dtype]).itemsize
+    compute_bytes = jnp.dtype(DTYPES[cfg.model.dtype]).itemsize
     model_cfg = layout.skeleton.model_cfg
     used_table = compute_table(layout)
     # Weight gradients are summed over every axis that splits the tokens.
     plain_tokens = live((*layout.data_axes, "sp"), shape)
     # Under Megatron-SP the residual stream is split over tp too, and with it the tokens
     # that the vectors used on it (norm scales) see.
-    residual_tokens = live((*layout.data_axes, "sp", "tp"), shape) if cfg.megatron_sp else plain_tokens
+    residual_tokens = live((*layout.data_axes, "sp", "tp"), shape) if cfg.parallelism.megatron_sp else plain_tokens
     # How often a device runs its share of the stacked layers forward: once per
     # microbatch; in pipeline stages a 1/v chunk of them each tick.
-    stage_runs = cfg.grad_accum * (layout.schedule.microbatches if layout.schedule else 1) * stage_overhead(layout)
+    stage_runs = cfg.training.grad_accum * (layout.schedule.microbatches if layout.schedule else 1) * stage_overhead(layout)
     out: list[Expected] = []
     for p in params(layout, cfg):
         compute = spec_axes(p.names, used_table)
@@ -196,7 +196,7 @@ def _gathers(cfg, layout: Layout, p: Param, gathered: tuple[str, ...], slice_num
         # head, in every tick that runs it); the others once.
         times = ((stage_runs + _backward_gathers(cfg, layout, stage_runs)) if p.stacked
                  else 2 * _head_ticks(cfg, layout) if p.predicts and head_in_stages(layout)
-                 else 2 * cfg.grad_accum if p.prefix or p.predicts else 1)
+                 else 2 * cfg.training.grad_accum if p.prefix or p.predicts else 1)
         out.append(Expected("all-gather", "+".join(gathered), times * (n - 1) / n * slice_numel * sum(widths),
                             "weights gathered where used" + (", again in backward" if p.stacked else "")))
     return out
@@ -226,7 +226,7 @@ def _gradients(cfg, layout: Layout, p: Param, token_axes: tuple[str, ...], slice
     pipeline ticks) before the one reduction."""
     # With pipeline stages, accumulation runs whole pipeline passes (rounds), each
     # reducing its gradients as it ends (spmd.parallel.step's _pipeline_rounds).
-    rounds = cfg.grad_accum if layout.schedule else 1
+    rounds = cfg.training.grad_accum if layout.schedule else 1
     stored_split = live(spec_axes(p.names, layout.rules.grads), layout.shape)
     scatterable = stored_split
     if layout.schedule and (p.stacked or (head_in_stages(layout) and in_head(layout, p))):
@@ -258,7 +258,7 @@ def _gradients(cfg, layout: Layout, p: Param, token_axes: tuple[str, ...], slice
         # split experts) in every microbatch, as computed; over the accumulation axes once,
         # the float32 sums.
         once = tuple(a for a in token_axes if a in layout.accumulation_axes)
-        phases = [(tuple(a for a in token_axes if a not in once), cfg.grad_accum, max(widths)), (once, 1, p.itemsize)]
+        phases = [(tuple(a for a in token_axes if a not in once), cfg.training.grad_accum, max(widths)), (once, 1, p.itemsize)]
     else:
         # 1f1b sums the head's gradients (a tied table's head use too) over microbatches
         # before reducing them (and pipeline rounds theirs over rounds). A prefix of layers
@@ -285,7 +285,7 @@ def _head_ticks(cfg, layout: Layout) -> float:
     """How often the compiled step runs the head in the stages (1f1b, zb-v, DualPipe): in
     a branch of every tick, in every accumulated round."""
     schedule = layout.schedule
-    return cfg.grad_accum * schedule.repeats * schedule.microbatches * stage_overhead(layout)
+    return cfg.training.grad_accum * schedule.repeats * schedule.microbatches * stage_overhead(layout)
 
 
 def _stage_gradient_runs(cfg, layout: Layout, p: Param, stage_runs: float) -> float:
@@ -297,7 +297,7 @@ def _stage_gradient_runs(cfg, layout: Layout, p: Param, stage_runs: float) -> fl
     and those of the matrices whose input it recomputes, runs with the forwards (and
     under a remat policy computes every gradient: Schedule.defers_weights)."""
     if layout.schedule.defers_weights and not is_vector(p) and not computed_in_b(layout, p):
-        return cfg.grad_accum * layout.schedule.microbatches
+        return cfg.training.grad_accum * layout.schedule.microbatches
     return stage_runs
 
 
@@ -314,7 +314,7 @@ def computed_in_b(layout: Layout, p: Param) -> bool:
 
 def _accumulated(cfg, layout: Layout) -> bool:
     """Whether gradients are summed per shard over microbatches (spmd.parallel.step's vmap)."""
-    return cfg.grad_accum > 1 and not layout.schedule
+    return cfg.training.grad_accum > 1 and not layout.schedule
 
 
 def _shared_kv_heads(cfg, layout: Layout, p: Param, width: int, stage_runs: float) -> list[Expected]:

@@ -8,7 +8,6 @@ not start it); `with_mesh` then settles the mesh on the devices found, and the l
 
 from __future__ import annotations
 
-import dataclasses
 
 import jax
 
@@ -26,11 +25,11 @@ def start_devices(cfg, processes: Processes | None = None, cpu_devices: int | No
     CPU host). -> the lines that name the flags set"""
     flag_lines = []
     if processes is not None:
-        check_before_devices(cfg, processes.count)
-        flag_lines = xla_flags.configure(xla_flags.backend_before_start(), cfg.model_cfg, cfg.dtype,
+        check_before_devices(cfg.step, processes.count)
+        flag_lines = xla_flags.configure(xla_flags.backend_before_start(), cfg.model_cfg, cfg.model.dtype,
                                          double_buffered=xla_flags.double_buffers(cfg))
-    emulate_cpu_devices(None if cfg.mesh is None else cfg.mesh_spec.sizes,
-                        cfg.cpu_devices if cpu_devices is None else cpu_devices,
+    emulate_cpu_devices(None if cfg.parallelism.mesh is None else cfg.parallelism.mesh_spec.sizes,
+                        cfg.parallelism.cpu_devices if cpu_devices is None else cpu_devices,
                         processes.count if processes is not None else 1, trains=processes is not None)
     return flag_lines
 
@@ -40,13 +39,13 @@ def with_mesh(cfg, serving: bool = False, for_training: bool = True, devices: in
     (or of `devices` devices) for training or `serving` a model (spmd.parallel.defaults),
     written into the config (a checkpoint records it), with the line that says which and
     why. -> (config, that line or None)"""
-    if cfg.mesh is not None:
+    if cfg.parallelism.mesh is not None:
         return cfg, None
     count = jax.device_count() if devices is None else devices
-    shape, why = default_layout(cfg, count, serving, for_training)
+    shape, why = default_layout(cfg.step, count, serving, for_training)
     which = f"the {count} devices found" if devices is None else f"the {count} devices planned for"
     line = f"layout without --mesh: {format_mesh(shape)} on {which if count > 1 else 'the one device'}: {why}"
-    return dataclasses.replace(cfg, mesh=mesh_flag(shape)), line
+    return cfg.replace(mesh=mesh_flag(shape)), line
 
 
 def start_devices_and_mesh(cfg, for_training: bool = True, cpu_devices: int | None = None):

@@ -52,15 +52,15 @@ class Processes:
 
 def processes(cfg, environ: Mapping[str, str] = os.environ) -> Processes:
     """This process's place in the run, from the flags, else the environment."""
-    if cfg.coordinator == AUTO:
-        if cfg.num_processes is not None or cfg.process_id is not None:
+    if cfg.processes.coordinator == AUTO:
+        if cfg.processes.num_processes is not None or cfg.processes.process_id is not None:
             raise UserError("--coordinator auto finds the processes itself; drop --num-processes and --process-id")
         return Processes(count=0, found_in="detected by JAX")
-    given = (cfg.coordinator, cfg.num_processes, cfg.process_id)
+    given = (cfg.processes.coordinator, cfg.processes.num_processes, cfg.processes.process_id)
     if any(v is not None for v in given):
         if any(v is None for v in given):
             raise UserError("several processes need all of --coordinator HOST:PORT, --num-processes and --process-id")
-        return _checked(cfg.coordinator, cfg.num_processes, cfg.process_id, "flags")
+        return _checked(cfg.processes.coordinator, cfg.processes.num_processes, cfg.processes.process_id, "flags")
     if any(name in environ for name in ENV):
         missing = [name for name in ENV if name not in environ]
         if missing:

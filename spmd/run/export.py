@@ -5,7 +5,6 @@ written whole or not at all."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import errno
 import os
 import shutil
@@ -38,15 +37,15 @@ def restored(cfg, checkpoint: Checkpoint | None, mesh: str | None, cpu_devices: 
     the default layout of the devices found, spmd.parallel.defaults: what is written does
     not depend on it, so it goes unsaid), with the run's config for that mesh.
     -> (params, config)"""
-    cfg = validate(dataclasses.replace(cfg, mesh=mesh))
+    cfg = validate(cfg.replace(mesh=mesh))
     cfg, _ = start_devices_and_mesh(cfg, for_training=False, cpu_devices=cpu_devices)  # before Orbax starts JAX
-    return load_params(cfg, make_layout(cfg, for_training=False), checkpoint), cfg
+    return load_params(cfg, make_layout(cfg.step, for_training=False), checkpoint), cfg
 
 
 def merged(params: dict, cfg) -> dict:
     """The parameters of a LoRA run's model with its adapters merged into the weights (as
     PEFT's merge_and_unload); any other model's as they are."""
-    skeleton = skeleton_for(cfg)
+    skeleton = skeleton_for(cfg.step)
     if not skeleton.lora:
         return params
     model_cfg = skeleton.model_cfg
@@ -55,8 +54,8 @@ def merged(params: dict, cfg) -> dict:
 
 def write_adapter(out: Path, params: dict, cfg, base: str | None, dtype: str) -> list[str]:
     """A LoRA run's adapters as a PEFT adapter directory for the base model `base`."""
-    skeleton = skeleton_for(cfg)
-    return write_peft(out, skeleton.trained(params), skeleton.model_cfg, skeleton.lora, base, dtype, cfg.lora_dropout)
+    skeleton = skeleton_for(cfg.step)
+    return write_peft(out, skeleton.trained(params), skeleton.model_cfg, skeleton.lora, base, dtype, cfg.lora.lora_dropout)
 
 
 def hf_parts(cfg, meta: dict):
@@ -65,12 +64,12 @@ def hf_parts(cfg, meta: dict):
     directory's tokenizer_config.json and special_tokens_map.json with it), else those
     of the directory the run started from."""
     model_cfg = cfg.model_cfg
-    if cfg.router_bias_weight and not model_cfg.moe.selection_bias:  # DeepSeek-V3's layout has one
-        raise UserError(f"--format hf: model {cfg.model_name} was trained with --router-bias-rate, and its Hugging "
+    if cfg.moe.router_bias_weight and not model_cfg.moe.selection_bias:  # DeepSeek-V3's layout has one
+        raise UserError(f"--format hf: model {cfg.model.name} was trained with --router-bias-rate, and its Hugging "
                         "Face layout has no selection bias; the default format keeps it")
     why_not = hf_layout(model_cfg).supported(model_cfg)
     if why_not:
-        raise UserError(f"--format hf: model {cfg.model_name} has no Hugging Face layout ({why_not})")
+        raise UserError(f"--format hf: model {cfg.model.name} has no Hugging Face layout ({why_not})")
     config = meta.get("config", {})
     init_from, tokenizer = config.get("init_from"), config.get("tokenizer")
     # Each file copied is checked first (a regular file holding JSON): one that is a
@@ -97,12 +96,12 @@ def checked(args):
                             "--format hf")
         if args.step is not None:
             raise UserError("--step applies to --checkpoint")
-        cfg, checkpoint = validate(TrainConfig(init_from=args.init_from, adapter=args.adapter)), None
+        cfg, checkpoint = validate(TrainConfig.of(init_from=args.init_from, adapter=args.adapter)), None
     else:
         if args.adapter:
             raise UserError("--adapter applies to --init-from; a LoRA run's checkpoint holds its adapters")
         cfg, checkpoint = checkpoint_config(args.checkpoint, args.step)
-    if args.format == "peft" and not cfg.lora_rank:
+    if args.format == "peft" and not cfg.lora.lora_rank:
         raise UserError(f"--format peft: {args.checkpoint} was trained without adapters (no --lora-rank); "
                         "export its model with --format hf")
 

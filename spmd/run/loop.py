@@ -110,12 +110,12 @@ class Run:
         self.setup_s, self.skipped, self.log = setup.setup_s, setup.skipped, setup.log
         self.source, self.eval_fn = setup.source, setup.eval_fn
         # Expert copies placed anew every --rebalance-every steps (spmd.parallel.balance).
-        self.rebalance, self.rebalance_every = setup.rebalance, cfg.rebalance_every or REBALANCE_EVERY
+        self.rebalance, self.rebalance_every = setup.rebalance, cfg.moe.rebalance_every or REBALANCE_EVERY
         # A resumed run's first step is saved already; a fresh run with --steps 0 saves its
         # start (e.g. a Hugging Face model, converted).
         self.last_saved: int | None = setup.start_step if setup.resumed else None
         self.primary = jax.process_index() == 0
-        self.watchdog = Watchdog(cfg.step_timeout)
+        self.watchdog = Watchdog(cfg.processes.step_timeout)
         self.lock = setup.lock  # on the checkpoint directory (spmd.base.paths.DirectoryLock), released at the end
         # Several processes must stop after the same step, whichever got the signal.
         self.stop_vote = StopVote(setup.layout.mesh) if jax.process_count() > 1 else None
@@ -123,7 +123,7 @@ class Run:
     def save(self, step: int) -> None:
         if self.checkpoints is None or self.last_saved == step:
             return
-        meta = make_meta(self.cfg, step, self.state["params"])
+        meta = make_meta(self.cfg.record(), self.cfg.model.name, step, self.state["params"])
         meta["skipped_updates"] = self.skipped
         if (position := self.source.state(step)) is not None:  # where a resumed run finds its rows
             meta["data"] = position
@@ -154,23 +154,23 @@ class Run:
         evaluation step, or a stop) its metrics fetched, written to the sinks and checked
         for non-finite losses, then the save, the log line or the stop."""
         cfg = self.cfg
-        for line in describe_run(cfg, self.layout, self.plan, self.source.describe(cfg.seq), self.setup_s):
+        for line in describe_run(cfg.step, self.layout, self.plan, self.source.describe(cfg.training.seq), self.setup_s):
             self.log(line)
         sinks = self._sinks()
-        profile = Profile(cfg.profile_range, cfg.profile_dir, self.start_step, self.log)
+        profile = Profile(cfg.logging.profile_range, cfg.logging.profile_dir, self.start_step, self.log)
         batches = Prefetcher(
-            lambda k: global_batch(self.source, k, cfg.batch, cfg.seq + 1, self.layout.batch_sharding),
-            self.start_step, cfg.steps)
+            lambda k: global_batch(self.source, k, cfg.training.batch, cfg.training.seq + 1, self.layout.batch_sharding),
+            self.start_step, cfg.training.steps)
         run = _Progress(time.perf_counter(), self.start_step, *self._throughput())
         ok = True
         try:
             with StopSignals() as stop:
-                for step in range(self.start_step, cfg.steps):
+                for step in range(self.start_step, cfg.training.steps):
                     run.done = done = step + 1
                     stopping = self._stop_requested(stop, run, self._dispatch(step, batches, profile, run), step)
-                    save_due = bool(cfg.save_every) and done % cfg.save_every == 0
-                    log_due = done % cfg.log_every == 0 or done == cfg.steps
-                    eval_due = bool(cfg.eval_every) and done % cfg.eval_every == 0
+                    save_due = bool(cfg.checkpoint.save_every) and done % cfg.checkpoint.save_every == 0
+                    log_due = done % cfg.logging.log_every == 0 or done == cfg.training.steps
+                    eval_due = bool(cfg.data.eval_every) and done % cfg.data.eval_every == 0
                     if not (save_due or log_due or eval_due or stopping):
                         continue
                     # Fetch before saving, so that a non-finite loss is seen before its state is kept.
@@ -178,14 +178,14 @@ class Run:
                     for sink in sinks:
                         sink.write(window)
                     bad = [r["step"] for r in window if r["skipped"]]
-                    if bad and cfg.on_nan == "stop":
+                    if bad and cfg.training.on_nan == "stop":
                         ok = False
                         self._report_non_finite(bad[0])
                         break
                     if save_due or stopping:
                         self.save(done)
                     if log_due or eval_due or stopping:
-                        self.log(log_line(window[-1], cfg.steps, recent_loss(run.records, cfg.log_every), self.skipped))
+                        self.log(log_line(window[-1], cfg.training.steps, recent_loss(run.records, cfg.logging.log_every), self.skipped))
                     if stopping:
                         profile.stop(done)
                         self._finish_saves()
@@ -194,7 +194,7 @@ class Run:
                         self.say(f"stopped by {stopping} after step {done}; {where}")
                         return Result(run.records, self.state, ok)
                 else:
-                    self.save(cfg.steps)
+                    self.save(cfg.training.steps)
         except UserError as exc:  # the data failed (a bad record, a data worker that died): where a rerun resumes
             raise UserError(f"{exc}; {self._last_checkpoint()}") from None
         finally:
@@ -217,14 +217,14 @@ class Run:
         cfg = self.cfg
         if not self.primary:
             return []
-        return ([MetricsFile(cfg.metrics_file, self.start_step)] if cfg.metrics_file else []) + (
-            [Scalars(cfg.tensorboard, self.start_step)] if cfg.tensorboard else [])
+        return ([MetricsFile(cfg.logging.metrics_file, self.start_step)] if cfg.logging.metrics_file else []) + (
+            [Scalars(cfg.logging.tensorboard, self.start_step)] if cfg.logging.tensorboard else [])
 
     def _throughput(self) -> tuple[int, float, float | None]:
         """A step's tokens, its model FLOPs per device, and the device's peak TFLOP/s (if known)."""
         cfg, mesh = self.cfg, self.layout.mesh
-        tokens = cfg.batch * cfg.seq
-        flops = train_flops_per_token(self.layout.skeleton.model_cfg, cfg.seq) * tokens
+        tokens = cfg.training.batch * cfg.training.seq
+        flops = train_flops_per_token(self.layout.skeleton.model_cfg, cfg.training.seq) * tokens
         return tokens, flops / mesh.devices.size, peak_tflops(mesh.devices.flat[0].device_kind)
 
     def _dispatch(self, step: int, batches, profile, run: _Progress) -> dict:
@@ -235,7 +235,7 @@ class Run:
             with self.watchdog.waiting(f"reading step {step}'s batch"):
                 batch = batches.next()
             self.state, metrics = self.step_fn(self.state, batch)
-            if self.rebalance and done % self.rebalance_every == 0 and done < self.cfg.steps:
+            if self.rebalance and done % self.rebalance_every == 0 and done < self.cfg.training.steps:
                 with self.watchdog.waiting(f"rebalancing the experts after step {step}"):
                     self.state = self.rebalance(self.state)
         if profile.ends_at(done):  # the trace must hold this step's device work
@@ -281,14 +281,14 @@ class Run:
         """The run's last lines: its final loss (beside the data's floor, where known) and what it read."""
         cfg = self.cfg
         if records and ok:  # a run that went to the end
-            last = recent_loss(records, cfg.log_every)
-            floor = self.source.entropy_floor(cfg.seq)
+            last = recent_loss(records, cfg.logging.log_every)
+            floor = self.source.entropy_floor(cfg.training.seq)
             versus = "" if floor is None else f"; synthetic floor {floor:.4f}; gap {last - floor:+.4f}"
             self.log(f"done: final loss {last:.4f} nats/token (mean of the last log window){versus}")
-        steps = cfg.steps - self.start_step
+        steps = cfg.training.steps - self.start_step
         packed = f"; {held}" if (held := self.source.packed_so_far()) else ""
         self.say(f"data: read {self.source.rows_read:,} training rows in {steps} steps "
-                 f"({self.source.rows_read / max(steps, 1):g} per step of the global batch's {cfg.batch}){packed}")
+                 f"({self.source.rows_read / max(steps, 1):g} per step of the global batch's {cfg.training.batch}){packed}")
 
     def say(self, line: str) -> None:
         """A line of this process's own (every process prints it, named when there are several)."""
@@ -300,12 +300,12 @@ class Run:
         time), no more than the held-out data holds."""
         cfg, layout, source = self.cfg, self.layout, self.source
         if source.finite:  # its held-out examples each at most once
-            batches = itertools.takewhile(lambda j: source.has_rows(j * cfg.batch, "eval"), range(cfg.eval_batches))
+            batches = itertools.takewhile(lambda j: source.has_rows(j * cfg.training.batch, "eval"), range(cfg.data.eval_batches))
         else:  # a held-out set of windows read once each (the first batch, at least, if it is smaller)
             held = source.held_out_rows
-            batches = range(cfg.eval_batches if held is None else min(cfg.eval_batches, max(1, held // cfg.batch)))
+            batches = range(cfg.data.eval_batches if held is None else min(cfg.data.eval_batches, max(1, held // cfg.training.batch)))
         results = [self.eval_fn(model_params(self.state),
-                                global_batch(self.source, j, cfg.batch, cfg.seq + 1, layout.batch_sharding, "eval"))
+                                global_batch(self.source, j, cfg.training.batch, cfg.training.seq + 1, layout.batch_sharding, "eval"))
                    for j in batches]
         with self.watchdog.waiting(f"evaluation at step {step}"):
             return weighted_mean(jax.device_get(results))[0]

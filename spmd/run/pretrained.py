@@ -3,7 +3,6 @@ as a Flax module to call (spmd.formats.hf reads the files)."""
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import jax
@@ -34,9 +33,9 @@ def from_pretrained(path: str | Path, mesh=None, dtype: str = "float32", adapter
     elif mesh is not None:
         mesh_text = ",".join(f"{name}={size}" for name, size in mesh.shape.items())
         devices = list(mesh.devices.flat)
-    cfg = dataclasses.replace(TrainConfig(), mesh=mesh_text, architecture=directory.cfg, dtype=dtype,
+    cfg = TrainConfig.of(mesh=mesh_text, architecture=directory.cfg, dtype=dtype,
                               adapter=adapter and str(adapter))
-    layout = make_layout(with_adapter(cfg), devices, for_training=False)
+    layout = make_layout(with_adapter(cfg).step, devices, for_training=False)
     params = load_params(directory, layout)
     if adapter:
         skeleton = layout.skeleton

@@ -5,7 +5,6 @@ run's options checked against that model."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from collections.abc import Callable, Sequence
 
@@ -40,45 +39,45 @@ def parse_with_extras(argv: Sequence[str] | None = None, prog: str = "python -m 
 
 def with_adapter(cfg: TrainConfig) -> TrainConfig:
     """`cfg` with the LoRA of its --adapter's adapter_config.json (rank, alpha, targets)."""
-    if not cfg.adapter:
+    if not cfg.lora.adapter:
         return cfg
-    lora, _ = read_adapter_config(cfg.adapter)
+    lora, _ = read_adapter_config(cfg.lora.adapter)
     theirs = {"lora_rank": lora.rank, "lora_alpha": lora.alpha, "lora_targets": ",".join(lora.targets)}
-    differ = [name for name, value in theirs.items() if getattr(cfg, name) not in (DEFAULTS[name], value)]
+    differ = [name for name, value in theirs.items() if getattr(cfg.lora, name) not in (DEFAULTS[name], value)]
     if differ:
-        raise UserError(f"{flag_of(differ[0])} {getattr(cfg, differ[0])} and --adapter: the adapter's rank, alpha and "
+        raise UserError(f"{flag_of(differ[0])} {getattr(cfg.lora, differ[0])} and --adapter: the adapter's rank, alpha and "
                         f"targets are those of its {ADAPTER_CONFIG} ({flag_of(differ[0])} {theirs[differ[0]]})")
-    cfg = dataclasses.replace(cfg, **theirs)
-    AdapterFiles(cfg.adapter, cfg.architecture, lora, base="--init-from's config.json")  # its tensors checked now
+    cfg = cfg.replace(**theirs)
+    AdapterFiles(cfg.lora.adapter, cfg.model.architecture, lora, base="--init-from's config.json")  # its tensors checked now
     return cfg
 
 
-DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+DEFAULTS = TrainConfig().record()
 
 
 def resolve_model(cfg: TrainConfig) -> TrainConfig:
     """`cfg` with its model: `architecture` read from --init-from's config.json or the
     checkpoint's record, or `model` the default preset."""
-    if cfg.init_from:
-        if cfg.model:
+    if cfg.model.init_from:
+        if cfg.model.preset:
             raise UserError("--model and --init-from: the model is the one in --init-from's config.json; give one")
-        if cfg.resume:
+        if cfg.checkpoint.resume:
             raise UserError("--init-from and --resume: a run starts from a Hugging Face directory or resumes "
                             "a checkpoint; give one (a run with --out resumes from --out by itself)")
         for name in ("layers", "experts", "top_k"):
-            if getattr(cfg, name) is not None:
+            if cfg.record()[name] is not None:
                 raise UserError(f"{flag_of(name)} and --init-from: the model's shape is --init-from's config.json")
-        read = Directory(cfg.init_from).cfg  # every file checked, before anything is allocated
-        tokenizer = cfg.tokenizer or (tokenizer_of(cfg.init_from) if cfg.data else None)  # the checkpoint's
-        return with_adapter(dataclasses.replace(cfg, architecture=read, tokenizer=tokenizer))
-    if isinstance(cfg.architecture, dict):  # a saved run's
-        return dataclasses.replace(cfg, architecture=config_from_dict(cfg.architecture))
-    if cfg.architecture is None and cfg.model is None:
-        if cfg.resume:
+        read = Directory(cfg.model.init_from).cfg  # every file checked, before anything is allocated
+        tokenizer = cfg.data.tokenizer or (tokenizer_of(cfg.model.init_from) if cfg.data.path else None)  # the checkpoint's
+        return with_adapter(cfg.replace(architecture=read, tokenizer=tokenizer))
+    if isinstance(cfg.model.architecture, dict):  # a saved run's
+        return cfg.replace(architecture=config_from_dict(cfg.model.architecture))
+    if cfg.model.architecture is None and cfg.model.preset is None:
+        if cfg.checkpoint.resume:
             # Imported here for start-up time: Orbax takes 0.3 s to import, and only a resume reads a checkpoint.
             from spmd.formats.checkpoint import model_of_checkpoint
 
-            model, architecture = model_of_checkpoint(cfg.resume)
-            return dataclasses.replace(cfg, model=model, architecture=architecture and config_from_dict(architecture))
-        return dataclasses.replace(cfg, model="tiny")
+            model, architecture = model_of_checkpoint(cfg.checkpoint.resume)
+            return cfg.replace(model=model, architecture=architecture and config_from_dict(architecture))
+        return cfg.replace(model="tiny")
     return cfg

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import sys
 import time
@@ -57,7 +56,7 @@ def plan_target(cfg, name: str, as_json: bool) -> int:
     target = targets.parse(name)
     backend = "tpu" if target.platform == "tpu" else "gpu"
     # The flags spmd.train sets on that accelerator, set before its compiler starts.
-    flag_lines = xla_flags.configure(backend, cfg.model_cfg, cfg.dtype, accelerator_type=target.accelerator_type,
+    flag_lines = xla_flags.configure(backend, cfg.model_cfg, cfg.model.dtype, accelerator_type=target.accelerator_type,
                                      double_buffered=xla_flags.double_buffers(cfg))
     with json_only(as_json):
         lines, plan, seconds = compiled_for(cfg, target)
@@ -77,21 +76,21 @@ def compiled_for(cfg, target: targets.Target):
     cfg, layout_line = with_mesh(cfg, devices=len(devices))
     lines = [layout_line] if layout_line else []
     if target.slices > 1:  # TPU multislice: the mesh is built over the slices (a hybrid mesh)
-        if not cfg.dcn:
-            cfg = dataclasses.replace(cfg, dcn=spanning_axis(cfg.mesh_spec.resolve(len(devices)), target.slices))
-            lines.append(f"multislice: --dcn {cfg.dcn} spans the {target.slices} slices (give --dcn to choose)")
+        if not cfg.parallelism.dcn:
+            cfg = cfg.replace(dcn=spanning_axis(cfg.parallelism.mesh_spec.resolve(len(devices)), target.slices))
+            lines.append(f"multislice: --dcn {cfg.parallelism.dcn} spans the {target.slices} slices (give --dcn to choose)")
         lines.append("multislice: libtpu compiles one slice's program; the collectives between slices (over "
-                     f"{cfg.dcn}) are not in it, so their rows read 0")
-    elif cfg.dcn:  # GPU nodes: which mesh axes span them changes no bytes, and the devices are one process here
-        cfg = dataclasses.replace(cfg, dcn=None)
-    layout = make_layout(cfg, devices)
+                     f"{cfg.parallelism.dcn}) are not in it, so their rows read 0")
+    elif cfg.parallelism.dcn:  # GPU nodes: which mesh axes span them changes no bytes, and the devices are one process here
+        cfg = cfg.replace(dcn=None)
+    layout = make_layout(cfg.step, devices)
     check_empty_layers(cfg, layout.shape["pp"], layout.empty_layers_needed)
     kind = devices[0].device_kind
     start = time.perf_counter()
     try:
-        plan = make_plan(cfg, layout, hardware=hardware.get(target.hardware),
+        plan = make_plan(cfg.step, layout, hardware=hardware.get(target.hardware),
                          planned_on=f"{target.name}: {len(devices)} x {kind}, compiled ahead of time",
-                         program_shape=one_slice(layout.shape, cfg.mesh_spec.dcn) if target.slices > 1 else None)
+                         program_shape=one_slice(layout.shape, cfg.parallelism.mesh_spec.dcn) if target.slices > 1 else None)
     except jax.errors.JaxRuntimeError as exc:
         raise UserError(f"--target {target.name}: the compiler refused the step: {str(exc).splitlines()[0]}") from None
     seconds = time.perf_counter() - start

@@ -9,7 +9,6 @@ devices).
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from pathlib import Path
 
@@ -36,7 +35,7 @@ from spmd.run.loop import Run, RunSetup
 
 
 def train(cfg: TrainConfig, layout, log=print) -> tuple[list[dict], dict]:
-    """Run `cfg.steps` steps (resuming if a checkpoint says so); returns the records and final state."""
+    """Run `cfg.training.steps` steps (resuming if a checkpoint says so); returns the records and final state."""
     run = prepare(cfg, layout, log)
     try:
         result = run.loop()
@@ -52,55 +51,55 @@ def prepare(cfg: TrainConfig, layout, log=print):
     is written.
     """
     started = time.perf_counter()
-    if cfg.mesh is None:  # (the Python API's default layout: its checkpoints record the mesh it chose)
-        cfg = dataclasses.replace(cfg, mesh=mesh_flag(layout.shape))
-    data = make_source(cfg, layout.skeleton.model_cfg.vocab)
-    program = build_program(cfg, layout, data.packed)
+    if cfg.parallelism.mesh is None:  # (the Python API's default layout: its checkpoints record the mesh it chose)
+        cfg = cfg.replace(mesh=mesh_flag(layout.shape))
+    data = make_source(cfg.data, cfg.training, layout.skeleton.model_cfg.vocab)
+    program = build_program(cfg.step, layout, data.packed)
     # One run per directory: taken before --out is read, so that a second run is refused
     # before it looks at checkpoints the first is writing. One lock per run: process 0's.
-    lock = DirectoryLock(cfg.out) if cfg.out and jax.process_index() == 0 else None
+    lock = DirectoryLock(cfg.checkpoint.out) if cfg.checkpoint.out and jax.process_index() == 0 else None
     if lock:
         lock.take()
     source_dir, step, meta = _resume_source(cfg, program)
     if source_dir is None:
         check_empty_layers(cfg, layout.shape["pp"], layout.empty_layers_needed)
-    if data.finite and cfg.eval_every and not data.has_rows(0, "eval"):
-        raise UserError(f"--data {cfg.data}: no target tokens in the held-out examples (--eval-fraction)")
+    if data.finite and cfg.data.eval_every and not data.has_rows(0, "eval"):
+        raise UserError(f"--data {cfg.data.path}: no target tokens in the held-out examples (--eval-fraction)")
     if source_dir is not None and not data.resume(meta.get("data")) and step:
-        log(f"data: the checkpoint holds no position in {cfg.data} for this run's rows; they are found by "
+        log(f"data: the checkpoint holds no position in {cfg.data.path} for this run's rows; they are found by "
             f"packing the records of its {step:,} steps again")
     step_fn = program.compile_step()
     # What each device holds and what crosses the wire, read from the compiled step.
-    plan = make_plan(cfg, layout, compiled=step_fn, program=program,
-                     hardware=default_hardware(cfg, list(layout.mesh.devices.flat)))
-    if not cfg.ignore_fit:
+    plan = make_plan(cfg.step, layout, compiled=step_fn, program=program,
+                     hardware=default_hardware(cfg.parallelism, list(layout.mesh.devices.flat)))
+    if not cfg.parallelism.ignore_fit:
         check_fit(plan)
     if source_dir is not None:
-        source = Checkpoints(source_dir, keep=cfg.keep)
+        source = Checkpoints(source_dir, keep=cfg.checkpoint.keep)
         try:
             state = _restore(source, step, meta, program)
         finally:
             source.close()
         if layout.skeleton.lora:  # the checkpoint holds the adapters; the base is read again
-            base = cfg.init_from or meta["config"].get("init_from")
-            state["frozen"] = fresh_state(dataclasses.replace(cfg, init_from=base, adapter=None), program)["frozen"]
+            base = cfg.model.init_from or meta["config"].get("init_from")
+            state["frozen"] = fresh_state(cfg.replace(init_from=base, adapter=None), program)["frozen"]
         log(f"resumed from {source_dir / str(step)} (written on mesh {meta['config']['mesh']})")
         later = [s for s in finalized_steps(source_dir) if s > step]
-        if later and cfg.out and Path(cfg.out).resolve() == source_dir.resolve():
+        if later and cfg.checkpoint.out and Path(cfg.checkpoint.out).resolve() == source_dir.resolve():
             log(f"the later checkpoints of {source_dir} ({', '.join(map(str, later))}) are replaced as this run "
                 "reaches their steps")
     else:
         state = fresh_state(cfg, program, log)
-        if cfg.init_from:
-            log(f"started from {cfg.init_from}" + (f" with the adapter {cfg.adapter}" if cfg.adapter else ""))
-    eval_fn = program.compile_eval() if cfg.eval_every else None
+        if cfg.model.init_from:
+            log(f"started from {cfg.model.init_from}" + (f" with the adapter {cfg.lora.adapter}" if cfg.lora.adapter else ""))
+    eval_fn = program.compile_eval() if cfg.data.eval_every else None
     out = None
     if lock:
         lock.hold()
         if served():
             served().cleanups.append(lock.release)
-    if cfg.out:
-        out = Checkpoints(cfg.out, keep=cfg.keep)
+    if cfg.checkpoint.out:
+        out = Checkpoints(cfg.checkpoint.out, keep=cfg.checkpoint.keep)
     setup_s = time.perf_counter() - started
     return Run(RunSetup(cfg, layout, plan, step_fn, state, step, out, setup_s, data, eval_fn,
                         skipped=meta.get("skipped_updates", 0), log=log, lock=lock, resumed=source_dir is not None,
@@ -113,20 +112,20 @@ def fresh_state(cfg, program, log=print) -> dict:
     modules where it holds none), or the model initialized from --seed."""
     layout = program.layout
     with jax.set_mesh(layout.mesh):
-        if not cfg.init_from:
-            return program.init(jax.random.key(cfg.seed))
+        if not cfg.model.init_from:
+            return program.init(jax.random.key(cfg.training.seed))
         router = {}  # a selection bias the checkpoint has, which the run's router state takes
-        directory = Directory(cfg.init_from)
+        directory = Directory(cfg.model.init_from)
         params = load_params(directory, layout, router)
-        if cfg.mtp_depth:
-            params = with_fresh_predictions(cfg, layout, params, jax.random.key(cfg.seed))
-            read = min(cfg.mtp_depth, len(directory.predictions))
-            rest = ", the rest fresh" if read < cfg.mtp_depth else ""
-            log(f"multi-token prediction: {read} of the {cfg.mtp_depth} modules read from {cfg.init_from}'s "
+        if cfg.model.mtp_depth:
+            params = with_fresh_predictions(cfg.step, layout, params, jax.random.key(cfg.training.seed))
+            read = min(cfg.model.mtp_depth, len(directory.predictions))
+            rest = ", the rest fresh" if read < cfg.model.mtp_depth else ""
+            log(f"multi-token prediction: {read} of the {cfg.model.mtp_depth} modules read from {cfg.model.init_from}'s "
                 f"prediction layers (layer {directory.cfg.layers} on){rest}")
         if layout.skeleton.lora:
-            adapters = (load_params(AdapterFiles(cfg.adapter, layout.skeleton.model_cfg, layout.skeleton.lora), layout)
-                        if cfg.adapter else program.new_adapters(jax.random.key(cfg.seed)))
+            adapters = (load_params(AdapterFiles(cfg.lora.adapter, layout.skeleton.model_cfg, layout.skeleton.lora), layout)
+                        if cfg.lora.adapter else program.new_adapters(jax.random.key(cfg.training.seed)))
             params = joined(params, adapters)
         state = program.start(params)
         if router:
@@ -163,13 +162,13 @@ def _resume_source(cfg, program) -> tuple[Path | None, int, dict]:
     """Where to resume from (`--resume`, else `--out` if it holds checkpoints, else
     nowhere), checked against this run. -> (run directory, step, its meta)"""
     source_dir, step = None, None
-    if cfg.out and (foreign := _foreign_files(Path(cfg.out), cfg.metrics_file)):
-        raise UserError(f"--out {cfg.out} holds files that are not spmd checkpoints ({foreign[0]}); "
+    if cfg.checkpoint.out and (foreign := _foreign_files(Path(cfg.checkpoint.out), cfg.logging.metrics_file)):
+        raise UserError(f"--out {cfg.checkpoint.out} holds files that are not spmd checkpoints ({foreign[0]}); "
                         "use a new or empty directory")
-    if cfg.resume:
-        source_dir, step = locate(cfg.resume)
-    elif cfg.out and finalized_steps(Path(cfg.out)):
-        source_dir = Path(cfg.out)
+    if cfg.checkpoint.resume:
+        source_dir, step = locate(cfg.checkpoint.resume)
+    elif cfg.checkpoint.out and finalized_steps(Path(cfg.checkpoint.out)):
+        source_dir = Path(cfg.checkpoint.out)
     if source_dir is None:
         return None, 0, {}
     if step is None:
@@ -179,10 +178,10 @@ def _resume_source(cfg, program) -> tuple[Path | None, int, dict]:
         step = steps[-1]
     meta = read_meta(source_dir, step)
     where = source_dir / str(step)
-    check_compatible(meta, cfg, program.abstract_state["params"], where)
-    check_resumable(meta, cfg, where)
-    if step > cfg.steps:
-        raise UserError(f"the checkpoint is at step {step}, beyond --steps {cfg.steps}")
+    check_compatible(meta, cfg.record(), cfg.model.name, program.abstract_state["params"], where)
+    check_resumable(meta, cfg.record(), where)
+    if step > cfg.training.steps:
+        raise UserError(f"the checkpoint is at step {step}, beyond --steps {cfg.training.steps}")
     return source_dir, step, meta
 
 

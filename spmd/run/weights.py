@@ -3,7 +3,7 @@ from a run's checkpoint (read straight into the layout's shardings, no optimizer
 from a Hugging Face directory (spmd.formats.hf).
 
     cfg, checkpoint = checkpoint_config("runs/a", step=None)   # before JAX starts
-    layout = make_layout(dataclasses.replace(cfg, mesh=...), for_training=False)
+    layout = make_layout(cfg.replace(mesh=...).step, for_training=False)
     params = restore_params(checkpoint, cfg, layout)
 """
 
@@ -28,7 +28,7 @@ from spmd.parallel import balance
 from spmd.parallel.rules import spec_for
 from spmd.parallel.skeleton import is_names, skeleton_for
 from spmd.parallel.step import initial_params
-from spmd.run.config import TrainConfig
+from spmd.run.options import OPTIONS, TrainConfig
 from spmd.run.resolve import validate
 
 
@@ -77,7 +77,7 @@ def checkpoint_config(path: str, step: int | None = None, flag: str = "--checkpo
     # Served as the model it trained: expert copies become one expert each, and a learned
     # selection bias one of its weights (restore_params).
 
-    cfg = dataclasses.replace(run_config(meta), pp_schedule="gpipe", pp_repeats=1, microbatches=None,
+    cfg = run_config(meta).replace(pp_schedule="gpipe", pp_repeats=1, microbatches=None,
                               redundant_experts=0, rebalance_every=None, router_bias_rate=0.0,
                               router_bias_weight=has_bias(meta.get("config", {})))
     return validate(cfg), Checkpoint(run_dir, step, meta)
@@ -99,12 +99,11 @@ def run_config(meta: dict):
     """The config of the run that wrote a checkpoint, without its inputs (data, the
     directory and adapter it started from, the checkpoint it resumed) and its host's
     share of data workers (bounded by the CPUs of the host it ran on, not this one's)."""
-    fields = {f.name for f in dataclasses.fields(TrainConfig)}
-    config = {k: v for k, v in meta.get("config", {}).items() if k in fields}
+    config = {k: v for k, v in meta.get("config", {}).items() if k in OPTIONS}
     if isinstance(config.get("architecture"), dict):  # a model that is no preset, saved as data
 
         config["architecture"] = config_from_dict(config["architecture"])
-    return TrainConfig(**config | {"init_from": None, "resume": None, "data": None, "tokenizer": None, "adapter": None,
+    return TrainConfig.of(**config | {"init_from": None, "resume": None, "data": None, "tokenizer": None, "adapter": None,
                                    "data_workers": None})
 
 
@@ -123,10 +122,10 @@ def restore_params(checkpoint: Checkpoint, cfg, layout) -> dict:
     abstract = abstract_params(layout)
     trained = run_config(checkpoint.meta)
     if layout.skeleton.lora:
-        base = dataclasses.replace(cfg, init_from=checkpoint.meta["config"].get("init_from"), adapter=None)
+        base = cfg.replace(init_from=checkpoint.meta["config"].get("init_from"), adapter=None)
         return joined(base_params(base, layout), _restored(checkpoint, cfg, layout.skeleton.trained(abstract)))
     saved = {"params": abstract}
-    if keeps_router(dataclasses.asdict(trained)):
+    if keeps_router(trained.record()):
         saved = _as_trained(trained, layout)
     state = _restored(checkpoint, cfg, saved["params"], saved)
     if "routing" not in state:
@@ -138,7 +137,7 @@ def restore_params(checkpoint: Checkpoint, cfg, layout) -> dict:
 def _restored(checkpoint: Checkpoint, cfg, params, saved: dict | None = None) -> dict:
     """The checkpoint's items `saved` (default: {"params": params}, returning the params),
     checked to hold `params`."""
-    check_compatible(checkpoint.meta, cfg, params, checkpoint.where)
+    check_compatible(checkpoint.meta, cfg.record(), cfg.model.name, params, checkpoint.where)
     source = Checkpoints(checkpoint.run_dir)
     try:
         state = source.restore(checkpoint.step, saved or {"params": params})
@@ -150,16 +149,16 @@ def _restored(checkpoint: Checkpoint, cfg, params, saved: dict | None = None) ->
 def base_params(cfg, layout) -> dict:
     """The frozen base of a LoRA run on `layout`: --init-from's weights, or the model its
     --seed initializes (as the run's program draws it: the same base)."""
-    if cfg.init_from:
-        return layout.skeleton.frozen(load_hf(Directory(cfg.init_from), layout))
+    if cfg.model.init_from:
+        return layout.skeleton.frozen(load_hf(Directory(cfg.model.init_from), layout))
     with jax.set_mesh(layout.mesh):
-        return layout.skeleton.frozen(initial_params(cfg, layout)(jax.random.key(cfg.seed)))
+        return layout.skeleton.frozen(initial_params(cfg.step, layout)(jax.random.key(cfg.training.seed)))
 
 
 def _as_trained(trained, layout) -> dict:
     """The abstract parameters and router state of a run with a router state, on `layout`,
     the slots of its experts whole on every device (their number may not split over ep)."""
-    skeleton = skeleton_for(dataclasses.replace(trained, router_bias_weight=False))
+    skeleton = skeleton_for(trained.replace(router_bias_weight=False).step)
     names = jax.tree.map(lambda n: tuple(None if a == balance.EXPERTS else a for a in n), skeleton.names, is_leaf=is_names)
     sharded = lambda s, n: jax.ShapeDtypeStruct(  # noqa: E731
         s.shape, s.dtype, sharding=layout.named(spec_for(n, layout.rules.params)))
@@ -171,22 +170,22 @@ def _as_trained(trained, layout) -> dict:
 def _served(trained, layout, params: dict, router: dict) -> dict:
     """A trained run's params and router state -> the served model's params."""
     state = balance.states(router)[0]
-    if trained.redundant_experts:
-        dims = balance.expert_dims(skeleton_for(trained).names)
+    if trained.moe.redundant_experts:
+        dims = balance.expert_dims(skeleton_for(trained.step).names)
         params = balance.first_copies(params, dims, state["placement"], layout.skeleton.model_cfg.moe.experts)
     moe = layout.skeleton.model_cfg.moe
-    if not moe or not (trained.router_bias_rate or moe.selection_bias):  # (DeepSeek's router has one, moved or not)
+    if not moe or not (trained.moe.router_bias_rate or moe.selection_bias):  # (DeepSeek's router has one, moved or not)
         return params
     return balance.with_bias(params, router)
 
 
 def load_params(cfg, layout, checkpoint: Checkpoint | None) -> dict:
-    """The parameters of `checkpoint`, or of `cfg.init_from` (a Hugging Face directory),
-    with `cfg.adapter`'s (a PEFT adapter directory) if given."""
+    """The parameters of `checkpoint`, or of `cfg.model.init_from` (a Hugging Face directory),
+    with `cfg.lora.adapter`'s (a PEFT adapter directory) if given."""
     if checkpoint is not None:
         return restore_params(checkpoint, cfg, layout)
-    params = load_hf(Directory(cfg.init_from), layout)
-    if cfg.adapter:
+    params = load_hf(Directory(cfg.model.init_from), layout)
+    if cfg.lora.adapter:
         skeleton = layout.skeleton
-        params = joined(params, load_hf(AdapterFiles(cfg.adapter, skeleton.model_cfg, skeleton.lora), layout))
+        params = joined(params, load_hf(AdapterFiles(cfg.lora.adapter, skeleton.model_cfg, skeleton.lora), layout))
     return params

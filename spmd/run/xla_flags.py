@@ -133,8 +133,8 @@ def double_buffers(cfg) -> bool:
     the theory's 87.5 on llama3-8b at 16 layers, pp=4,dp=2, 8 microbatches of 4 x 4096,
     85.5 without (2026-12-06, --target h100x8). Under --remat full the peak is the same
     either way."""
-    stages = cfg.mesh_spec.sizes.get("pp", 1)
-    return stages == 1 or not Schedule.of(cfg, stages).defers_weights
+    stages = cfg.parallelism.mesh_spec.sizes.get("pp", 1)
+    return stages == 1 or not Schedule.of(cfg.step, stages).defers_weights
 
 
 def _jaxlib_version() -> str:

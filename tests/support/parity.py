@@ -20,7 +20,7 @@ from spmd.config import TrainConfig, validate
 from spmd.data.feed import global_batch
 from spmd.data.synthetic import MarkovSource
 from spmd.parallel.balance import REBALANCE_EVERY
-from spmd.parallel.layout import make_layout
+from spmd.layout import make_layout
 from spmd.parallel.step import build_program
 
 # Small enough to compile in a few seconds, large enough for every layout of the matrix.
@@ -102,23 +102,23 @@ def _count_maps() -> int:
 
 
 def _run(mesh: str, devices: int, items: tuple) -> Run:
-    cfg = validate(TrainConfig(mesh=mesh, **dict(PARITY, **dict(items))))
+    cfg = validate(TrainConfig.of(mesh=mesh, **dict(PARITY, **dict(items))))
     layout = make_layout(cfg, jax.devices()[:devices])
-    program = build_program(cfg, layout)
+    program = build_program(cfg.step, layout)
     shardings = jax.tree.map(lambda s: s.sharding, program.abstract_state)
-    if cfg.redundant_experts:  # expert copies need ep > 1: initialized on the layout, from the same draws
+    if cfg.moe.redundant_experts:  # expert copies need ep > 1: initialized on the layout, from the same draws
         with jax.set_mesh(layout.mesh):
-            state = program.init(jax.random.key(cfg.seed))
+            state = program.init(jax.random.key(cfg.training.seed))
     else:
         state = jax.device_put(layout.stored(initial_state(init_config(cfg))), shardings)
     compiled = program.compile_step()
-    source = MarkovSource(layout.skeleton.model_cfg.vocab, cfg.seed)
+    source = MarkovSource(layout.skeleton.model_cfg.vocab, cfg.training.seed)
     steps = []
-    for step in range(cfg.steps):
-        batch = global_batch(source, step, cfg.batch, cfg.seq + 1, layout.batch_sharding)
+    for step in range(cfg.training.steps):
+        batch = global_batch(source, step, cfg.training.batch, cfg.training.seq + 1, layout.batch_sharding)
         state, metrics = compiled(state, batch)
         steps.append(jax.device_get(metrics))
-        if program.copies and (step + 1) % (cfg.rebalance_every or REBALANCE_EVERY) == 0 and step + 1 < cfg.steps:
+        if program.copies and (step + 1) % (cfg.moe.rebalance_every or REBALANCE_EVERY) == 0 and step + 1 < cfg.training.steps:
             state = program.rebalance(state)  # as the training loop does
     metrics = {name: np.array([m[name] for m in steps]) for name in steps[0]}
     return Run(metrics["loss"], metrics, jax.device_get(state["params"]), compiled.as_text(), layout, program, cfg,
@@ -127,21 +127,21 @@ def _run(mesh: str, devices: int, items: tuple) -> Run:
 
 def init_config(cfg: TrainConfig) -> TrainConfig:
     """What the initial values depend on (the model and the seed), on one device."""
-    return dataclasses.replace(cfg, mesh="", zero=0, grad_accum=1, megatron_sp=False, dtype="float32", remat="none",
+    return cfg.replace(mesh="", zero=0, grad_accum=1, megatron_sp=False, dtype="float32", remat="none",
                                pp_schedule="gpipe", pp_repeats=1, microbatches=None)
 
 
 @functools.lru_cache(maxsize=None)
 def initial_state(cfg: TrainConfig) -> dict:
     """The initial train state of a one-device run, on the host."""
-    program = build_program(cfg, make_layout(cfg, jax.devices()[:1]))
+    program = build_program(cfg.step, make_layout(cfg, jax.devices()[:1]))
     with jax.set_mesh(program.layout.mesh):
-        return jax.device_get(program.init(jax.random.key(cfg.seed)))
+        return jax.device_get(program.init(jax.random.key(cfg.training.seed)))
 
 
 def train_run(mesh: str, devices: int, *, cached: bool = True, **overrides) -> Run:
     """Train PARITY's config for its steps on the first `devices` devices (cached, unless a
     run no other test shares: a cached run holds its compiled step until `_make_room`)."""
-    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)} | PARITY
+    defaults = TrainConfig().record() | PARITY
     changed = {k: v for k, v in overrides.items() if defaults.get(k) != v}  # one cache entry per config
     return (_cached_run if cached else _run)(mesh, devices, tuple(sorted(changed.items())))

@@ -32,8 +32,8 @@ class Schedule:
     def of(cls, cfg, stages: int) -> "Schedule":
         """The schedule a run's options ask for on `stages` pipeline stages."""
         # zb-v: two chunks per stage, stored as circular's (spmd.parallel.pipeline.zero_bubble)
-        repeats = 2 if cfg.pp_schedule == "zb-v" else cfg.pp_repeats
-        return cls(cfg.pp_schedule, stages, cfg.microbatches or stages, repeats, cfg.remat)
+        repeats = 2 if cfg.parallelism.pp_schedule == "zb-v" else cfg.parallelism.pp_repeats
+        return cls(cfg.parallelism.pp_schedule, stages, cfg.parallelism.microbatches or stages, repeats, cfg.model.remat)
 
     @property
     def defers_weights(self) -> bool:
