@@ -272,17 +272,22 @@ def test_a_model_of_two_kinds_of_layer_with_a_tied_table_matches_theory():
 # collectives teaches the planner). OLMo 2's q/k norms over the whole projections sum their
 # statistics over tp (1.037 of theory until the theory counted them: `split_norms`); under
 # remat "full" a norm after each sublayer reads the MLP's output, made again (OLMo 2 read
-# 1.196, Gemma 3 1.181). Compiled only (test_parity trains some of these layouts).
+# 1.196, Gemma 3 1.181). Under Megatron-SP and a remat policy, OLMo 2's attention reads the
+# block's input, kept gathered, where a pre-norm block's reads its norm's output, gathered
+# again (OLMo 2's all-gathers over tp read 0.849 of a theory that gathered both sublayers'
+# inputs again, under "dots" and "full"). Compiled only (test_parity trains some of these layouts).
 FAMILY_PLANS = [("llama-gqa", "fsdp=2,tp=4", {}), ("mixtral", "fsdp=2,tp=4", {}), ("qwen3", "fsdp=2,tp=4", {}),
                 ("qwen3-moe", "fsdp=2,tp=4", {}), ("qwen2", "fsdp=2,tp=4", {}), ("mistral", "fsdp=2,tp=4", {}),
                 ("gemma3", "fsdp=2,tp=4", {}), ("deepseek-v3", "fsdp=2,tp=4", {}), ("olmo2", "fsdp=2,tp=4", {}),
-                ("olmo2", "fsdp=2,tp=4", {"remat": "full"})]
+                ("olmo2", "fsdp=2,tp=4", {"remat": "full"}),
+                *[("olmo2", "fsdp=2,tp=4", {"megatron_sp": True, "remat": remat}) for remat in ("dots", "full")]]
 SCALAR_SUMS = 256  # bytes: the step's scalar reductions (loss, gradient norm) ride on the smallest rows
 GOLDENS = Path(__file__).with_name("hf")
 
 
 @pytest.mark.parametrize("golden,mesh,options", FAMILY_PLANS,
-                         ids=[f"{g}-{m}" + "".join(f"-{v}" for v in o.values()) for g, m, o in FAMILY_PLANS])
+                         ids=[f"{g}-{m}" + "".join(f"-{k if v is True else v}" for k, v in o.items())
+                              for g, m, o in FAMILY_PLANS])
 def test_a_familys_compiled_collectives_match_theory_within_two_percent(golden, mesh, options):
     import jax
 

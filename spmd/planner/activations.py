@@ -119,14 +119,22 @@ def tensor_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
         rows = expert_rows(cfg, layout) * model.embed * compute_bytes
         out.append(Expected("all-reduce", "tp", moe_runs * passes * 2 * (t - 1) / t * rows,
                             "experts: their outputs forward, their input gradients backward"))
+    # Under Megatron-SP a remat policy keeps no sublayer input gathered out of the residual
+    # stream: each is gathered again in the backward pass, but attention's where no norm
+    # comes before it (the config's NORMS.before false: OLMo 2). There attention reads the
+    # block's input itself, which the checkpoint keeps, and XLA keeps it gathered over tp,
+    # as attention reads it (OLMo 2's all-gathers over tp read 0.849 of a theory that
+    # gathered it again, under "dots" and "full").
+    kept_input = not model.NORMS.before
     if cfg.model.remat == "full":
         # The forward is recomputed up to the MLP (its output is not needed for gradients),
         # an MoE layer's shared expert included (XLA reduces it with the experts' output).
         # Where a norm follows each sublayer (the config's NORMS.after: Gemma 3, OLMo 2) its
         # backward pass reads its input, the MLP's output: every MLP's is made again.
         again = mlp_runs if model.NORMS.after else moe_runs if shared else 0
-        if cfg.parallelism.megatron_sp:  # attention input and output, and the MLP's input, again
-            out.append(Expected("all-gather", "tp", 2 * layer_runs * (t - 1) / t * activation, "remat"))
+        if cfg.parallelism.megatron_sp:  # the sublayers' inputs gathered again, attention's output (and the MLP's) scattered
+            gathered = (1 if kept_input else 2) * layer_runs
+            out.append(Expected("all-gather", "tp", gathered * (t - 1) / t * activation, "remat"))
             out.append(Expected("reduce-scatter", "tp", (layer_runs + again) * (t - 1) / t * activation, "remat"))
         else:
             out += reduced(activation, layer_runs + again, "remat: the attention output (and a shared expert's) again")
@@ -134,7 +142,8 @@ def tensor_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
         # "dots" keeps the projections' outputs, not their inputs gathered out of the
         # residual stream: the attention's and the MLP's gathered again for their weights'
         # gradients (under LoRA, where adapters read them).
-        again = attention_whole + mlp_whole if lora else 2 * layer_runs
+        attention_again = 0 if kept_input else attention_whole if lora else layer_runs
+        again = attention_again + (mlp_whole if lora else layer_runs)
         out.append(Expected("all-gather", "tp", again * (t - 1) / t * activation, "remat: gathered inputs again"))
     return out + _vocab_split(cfg, layout, compute_bytes)
 

@@ -22,7 +22,9 @@ all-reduce over N devices moves 2(N-1)/N of its buffer, an all-gather or reduce-
   attention and MLP block forward, and their input gradients backward (once more per
   layer under full remat, which recomputes the forward up to the MLP; an MoE layer's
   experts' outputs again under "dots" too, and Megatron-SP's gathered projection inputs
-  under "dots": spmd.planner.activations.tensor_parallel); a vocab split over tp adds one
+  under "dots" and "full", attention's only where a norm before it makes them, not where
+  it reads the block's kept input (the config's NORMS.before: OLMo 2):
+  spmd.planner.activations.tensor_parallel); a vocab split over tp adds one
   all-reduce for the embedding lookup, one for the output head's input gradient and
   three small ones for the softmax statistics (max, sum, target logit); a norm over
   elements the heads' split divides (OLMo 2's q/k norms over the whole projections, the
