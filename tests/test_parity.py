@@ -78,7 +78,8 @@ DUALPIPE = {"pp_schedule": "dualpipe", "microbatches": 4}
 FAMILY_LAYOUTS = [("qwen3", "dp=2,fsdp=2,tp=2", 8, {}), ("qwen3", "fsdp=2,tp=4", 8, {}), ("qwen2", "fsdp=2,tp=4", 8, {}),
                   ("qwen3-moe", "ep=2,fsdp=2", 4, {}), ("qwen3-moe-dense", "ep=2,fsdp=2", 4, {}),
                   ("gemma3", "sp=2,tp=2", 4, {}), ("gemma3", "pp=2,dp=2", 4, {}), ("gemma3", "pp=2", 2, DUALPIPE),
-                  ("olmo2", "fsdp=2,tp=4", 8, {}), ("olmo2", "pp=2,dp=2", 4, {})]
+                  ("olmo2", "fsdp=2,tp=4", 8, {}), ("olmo2", "pp=2,dp=2", 4, {}),
+                  ("olmo2", "tp=2", 2, {"megatron_sp": True, "remat": "full"})]  # norms after, Megatron-SP
 
 
 @pytest.mark.parametrize("golden,mesh,devices,options", tiered(  # the gate keeps one family's layout
