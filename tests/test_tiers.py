@@ -1,8 +1,12 @@
 """The tiers (tests/tiers.py) hold what they say: CI's slices of the slow tier cover it
-whole, every test's tier is declared where the test is defined (a marker pytest knows), and
-the tier options refuse in one line what they cannot do. Collection only."""
+whole and rotate one a CI run (.ci/slices.py, on small git repositories), every test's tier
+is declared where the test is defined (a marker pytest knows), and the tier options refuse in
+one line what they cannot do. Collection only."""
 
+import importlib.util
 import json
+import os
+import shutil
 import subprocess
 import sys
 import tracemalloc
@@ -13,6 +17,9 @@ import pytest
 import tiers
 
 ROOT = Path(__file__).parents[1]
+_spec = importlib.util.spec_from_file_location("ci_slices", ROOT / ".ci" / "slices.py")
+ci_slices = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ci_slices)
 CI_SLICES = 4  # .ci/run: slice (commit count mod 4) of the slow tier, so each runs in any 4 consecutive commits
 # The costliest slice's test time by tiers.UNIT_SECONDS, shared by two workers (at most about
 # 7.5 minutes of wall time): with the gate (10 minutes), both installs (3) and the floor pass
@@ -67,6 +74,8 @@ def test_every_tier_is_declared_where_its_test_is_defined(collected):
     assert not unknown, f"marked tests in modules without areas (tests/tiers.py AREAS): {unknown}"
     print(f"{len(split)} tests split between the tiers; slow tests: {sum(t['slow'] for t in collected)}, "
           f"floor: {sum(t['floor'] for t in collected)}")
+
+
 
 
 def test_ci_runs_the_gate_then_a_slice_chosen_by_the_commit():
@@ -126,3 +135,128 @@ def test_list_tiers_given_a_directory_is_one_error_line(tmp_path):
     assert done.returncode == pytest.ExitCode.USAGE_ERROR and lines == [
         f"ERROR: --list-tiers '{tmp_path}': is a directory, not a file"], done.stdout + done.stderr
     assert not list(tmp_path.iterdir())
+
+
+# CI's slice of the slow tier, in turn (.ci/slices.py): on small git repositories.
+
+class Repo:
+    """A git repository with .ci/slices.py (and .ci/run), commits made with a ledger or without."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        (path / ".ci").mkdir(parents=True)
+        for name in ("slices.py", "run"):
+            shutil.copy2(ROOT / ".ci" / name, path / ".ci" / name)
+        self.git("init", "-q")
+        self.commit(None, "the code")
+
+    def git(self, *args: str) -> str:
+        return subprocess.run(["git", "-C", str(self.path), *args], check=True, capture_output=True,
+                              text=True).stdout
+
+    def commit(self, ledger: list | None, message: str = "a change") -> None:
+        """A commit of a change, and of `ledger` (one line each) unless None; [] removes it."""
+        work = self.path / "work"
+        work.write_text(work.read_text() + "x" if work.exists() else "x")
+        path = self.path / ci_slices.LEDGER
+        if ledger == [] and path.exists():
+            path.unlink()
+        elif ledger:
+            path.write_text("".join(f"{x}\n" for x in ledger))
+        self.git("add", "-A")
+        self.git("commit", "-q", "-m", message)
+
+    def ledger(self) -> list[int]:
+        return ci_slices.parse((self.path / ci_slices.LEDGER).read_text(), "here")
+
+
+@pytest.fixture
+def repo(tmp_path, monkeypatch) -> Repo:
+    for who in ("AUTHOR", "COMMITTER"):
+        monkeypatch.setenv(f"GIT_{who}_NAME", "spmd tests")
+        monkeypatch.setenv(f"GIT_{who}_EMAIL", "tests@spmd.invalid")
+    monkeypatch.setenv("GIT_CONFIG_GLOBAL", "/dev/null")
+    monkeypatch.setenv("GIT_CONFIG_NOSYSTEM", "1")
+    return Repo(tmp_path / "repo")
+
+
+def test_each_ci_run_takes_the_next_slice_however_many_commits_its_submission_has(repo):
+    """Submissions of 3, 0, 1 and 5 commits, each ending with `--advance`'s commit: their CI
+    runs take slices 0, 1, 2, 0 after the first line (2), which starts the rotation."""
+    repo.commit([2], "the ledger")
+    taken = []
+    for commits in (3, 0, 1, 5):
+        for _ in range(commits):
+            repo.commit(None)
+        assert ci_slices.advance(repo.path, again=commits == 0) == len(taken) % ci_slices.SLICES
+        taken.append(ci_slices.check(repo.path))
+        assert repo.git("status", "--porcelain") == ""
+        assert repo.git("show", "--name-only", "--format=", "HEAD").split() == [ci_slices.LEDGER]  # alone
+    assert taken == [0, 1, 2, 0] and repo.ledger() == [2, 0, 1, 2, 0]
+
+
+@pytest.mark.parametrize("history,why", [
+    ([[2], [2, 0], None], "does not append the slow tier's next slice"),  # a commit after the ledger's
+    ([[2], [2, 2]], "repeats slice 2"),
+    ([[2], [2, 1]], "skips to slice 1"),
+    ([[2], [2, 0, 1]], "other than by appending one line"),  # two slices at once
+    ([[2], [2, 0], [1, 0, 1]], "other than by appending one line"),  # an earlier line changed
+    ([[2], [2, 0], [2, 1], None, [2, 1, 2]], "changes .ci/slow-slices other than by appending"),  # since the last
+    ([[2], [2, 0], [], [2, 0], [2, 0, 1]], "changes .ci/slow-slices other than by appending"),  # removed, restored
+    ([[2], [2, 0], [0]], "other than by appending one line"),
+    ([[2], [2, 3]], "line 2: '3' is not a slice"),
+    ([[2], [2, "1 "]], "line 2: '1 ' is not a slice"),
+    ([None], "HEAD has no .ci/slow-slices"),
+    ([[2]], "HEAD's commit makes .ci/slow-slices"),
+])
+def test_a_head_that_does_not_append_the_next_slice_is_refused(repo, history, why):
+    for ledger in history:
+        repo.commit(ledger)
+    with pytest.raises(ci_slices.Refused, match=why.replace("(", r"\(")):
+        ci_slices.check(repo.path)
+
+
+def test_the_first_line_starts_the_rotation_and_no_other_line_does(repo):
+    repo.commit([1], "the ledger")
+    repo.commit(None)
+    repo.commit([1, 2], "the first submission's")
+    assert ci_slices.check(repo.path) == 2
+    repo.commit([0], "the ledger made again, shorter")  # a restart is no append
+    repo.commit([0, 1])
+    with pytest.raises(ci_slices.Refused, match="other than by appending one line"):
+        ci_slices.check(repo.path)
+
+
+def test_advance_refuses_a_ledger_not_committed_or_appended_twice(repo):
+    repo.commit([2], "the ledger")
+    (repo.path / ci_slices.LEDGER).write_text("2\n0\n")
+    with pytest.raises(ci_slices.Refused, match="changes not committed"):
+        ci_slices.advance(repo.path)
+    repo.git("checkout", "--", ci_slices.LEDGER)
+    assert ci_slices.advance(repo.path) == 0
+    with pytest.raises(ci_slices.Refused, match="HEAD already appends slice 0.*add --again"):
+        ci_slices.advance(repo.path)
+    assert repo.ledger() == [2, 0] and ci_slices.check(repo.path) == 0
+    repo.commit([2, 1], "an edit")
+    with pytest.raises(ci_slices.Refused, match="changes .ci/slow-slices other than by appending"):
+        ci_slices.advance(repo.path)
+    assert repo.ledger() == [2, 1]
+
+
+def test_the_slice_or_one_error_line_from_the_command(repo):
+    """As .ci/run runs it: the slice as K/N on stdout, or one `error:` line and exit 1."""
+    repo.commit([2], "the ledger")
+    run = lambda *args: subprocess.run([sys.executable, ".ci/slices.py", *args], cwd=repo.path,  # noqa: E731
+                                       capture_output=True, text=True, timeout=60)
+    refused = run()
+    assert (refused.returncode, refused.stdout) == (1, "") and len(refused.stderr.splitlines()) == 1, refused
+    assert refused.stderr.startswith("error: HEAD's commit makes"), refused.stderr
+    assert run("--advance").returncode == 0
+    taken = run()
+    assert (taken.returncode, taken.stdout, taken.stderr) == (0, f"0/{ci_slices.SLICES}\n", "")
+
+
+def test_this_repository_s_ledger_rotates():
+    """Each line of .ci/slow-slices is the slice after the line before it (the first starts)."""
+    lines = ci_slices.parse((ROOT / ci_slices.LEDGER).read_text(), ci_slices.LEDGER)
+    assert lines and all(b == (a + 1) % ci_slices.SLICES for a, b in zip(lines, lines[1:])), lines
