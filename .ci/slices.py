@@ -69,7 +69,7 @@ def commit_name(root: Path, rev: str) -> str:
 def appends(root: Path, rev: str) -> bool:
     """Whether commit `rev` appends exactly one line to the ledger (to its first parent's)."""
     now, before = ledger(root, rev), ledger(root, f"{rev}^") if has(root, f"{rev}^") else None
-    return now is not None and before is not None and now[:-1] == before and len(now) == len(before) + 1
+    return bool(now) and before is not None and now[:-1] == before
 
 
 def check_previous(root: Path, base: str) -> list[int]:
@@ -100,11 +100,11 @@ def check(root: Path = ROOT) -> int:
     if not before:
         raise Refused(f"HEAD's commit makes {LEDGER}: a submission's last commit appends to it ({ADVANCE})")
     if now == before:
-        raise Refused(f"HEAD's commit does not append the slow tier's next slice to {LEDGER} (the last line, "
-                      f"slice {before[-1]}, is from commit {commit_name(root, last_change(root))}): a submission's "
-                      f"last commit appends it: {ADVANCE} (first drop the submission's earlier ledger commit, if "
-                      f"it has one: git rebase -i)")
-    if now[:-1] != before or len(now) != len(before) + 1:
+        last = git(root, "log", "-1", "--format=%h", "HEAD", "--", LEDGER).strip()
+        raise Refused(f"HEAD's commit does not append the slow tier's next slice to {LEDGER} (its last line, "
+                      f"slice {before[-1]}, came with {commit_name(root, last)}): a submission's last commit "
+                      f"appends it: {ADVANCE} (if {last} is this submission's, drop it first: docs/contributing.md)")
+    if now[:-1] != before:
         raise Refused(f"HEAD's commit changes {LEDGER} other than by appending one line: restore it "
                       f"(git checkout HEAD^ -- {LEDGER}), then append the next slice ({ADVANCE})")
     check_previous(root, "HEAD^")
@@ -114,10 +114,6 @@ def check(root: Path = ROOT) -> int:
         raise Refused(f"HEAD's commit {what} slice {now[-1]} in {LEDGER}: after slice {before[-1]} comes {want} "
                       f"(of {SLICES}); drop that commit and {ADVANCE}")
     return now[-1]
-
-
-def last_change(root: Path) -> str:
-    return git(root, "log", "-1", "--format=%H", "HEAD", "--", LEDGER).strip()
 
 
 def advance(root: Path = ROOT, again: bool = False) -> int:

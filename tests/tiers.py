@@ -5,7 +5,7 @@
 - The *slow* tier is everything else: more layouts of what the gate already holds once,
   plans of many devices, end-to-end runs of many processes. `--tier slow` runs it,
   `--tier all` runs both, `--slow-slice K/N` keeps the K-th of N slices of the slow tier
-  (CI runs one slice a commit, in turn: .ci/run).
+  (CI runs one slice of 3 a run, in turn: .ci/slices.py).
 - Every test also carries the marker of its *area* (`-m pipelines`, `-m "hf or lora"`), and
   the tests that CI repeats on the oldest supported JAX carry `floor`.
 
