@@ -142,8 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.advance:
             k = advance(ROOT, args.again)
-            print(f"appended and committed slice {k} of {SLICES}: this submission's CI run takes it; a commit made "
-                  f"after this one must go before it (drop this one and {ADVANCE} again)")
+            print(f"appended and committed slice {k} of {SLICES}: this submission's CI run takes it, while this "
+                  f"commit is the last (after another commit, drop this one and advance again: docs/contributing.md)")
         else:
             print(f"{check(ROOT)}/{SLICES}")
     except Refused as e:
