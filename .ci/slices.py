@@ -63,7 +63,8 @@ def parse(text: str, where: str) -> list[int]:
 
 
 def commit_name(root: Path, rev: str) -> str:
-    return git(root, "log", "-1", "--format=%h (%s)", rev).strip()
+    name, _, subject = git(root, "log", "-1", "--format=%h %s", rev).strip().partition(" ")
+    return f"{name} ({subject if len(subject) <= 50 else subject[:50] + '...'})"
 
 
 def appends(root: Path, rev: str) -> bool:
