@@ -96,7 +96,8 @@ def _build_and_step(cfg, layout, source, steps: int) -> tuple[float, float]:
     step = program.compile_step()
     with jax.set_mesh(layout.mesh):
         state = program.init(jax.random.key(0))
-    make = lambda k: global_batch(source, k, cfg.training.batch, cfg.training.seq + 1, layout.batch_sharding)  # noqa: E731
+    make = lambda k: global_batch(source, k, cfg.training.batch, cfg.training.seq + 1,  # noqa: E731
+                                  layout.batch_sharding)
     state, _ = step(state, make(0))  # warm up
     build_s, step_s = [], []
     for k in range(1, steps + 1):

@@ -80,7 +80,8 @@ def main() -> None:
             os.close(fd)
 
         started = time.perf_counter()
-        source = record_source(str(path), str(ROOT / "tests" / "sft" / "chatml"), Rows(cfg.training.seq + 1, cfg.training.batch, cfg.training.seed))
+        source = record_source(str(path), str(ROOT / "tests" / "sft" / "chatml"),
+                               Rows(cfg.training.seq + 1, cfg.training.batch, cfg.training.seed))
         startup = time.perf_counter() - started
         first = source.first.rows
 
@@ -103,7 +104,8 @@ def main() -> None:
     with jax.set_mesh(layout.mesh):
         state = program.init(jax.random.key(0))
     chain = MarkovSource(layout.skeleton.model_cfg.vocab, 0)
-    batches = [global_batch(chain, k, cfg.training.batch, cfg.training.seq + 1, layout.batch_sharding) for k in range(args.steps + 1)]
+    batches = [global_batch(chain, k, cfg.training.batch, cfg.training.seq + 1, layout.batch_sharding)
+               for k in range(args.steps + 1)]
     state, metrics = step_fn(state, batches[0])
     jax.block_until_ready(metrics)
     times = []
@@ -118,8 +120,8 @@ def main() -> None:
           f"packed into {first:,} rows of {cfg.training.seq + 1}; {default_workers()} worker process(es) on "
           f"{os.cpu_count()} CPUs")
     print(f"prepared: {prepared:,.0f} tokens/s ({args.windows} windows: reading, chat template, tokenizer, packing)")
-    print(f"consumed: {consumed:,.0f} tokens/s (the default step: model small, mesh {cfg.parallelism.mesh}, batch {cfg.training.batch} x "
-          f"{cfg.training.seq}, {statistics.median(times) * 1e3:.1f} ms)")
+    print(f"consumed: {consumed:,.0f} tokens/s (the default step: model small, mesh {cfg.parallelism.mesh}, "
+          f"batch {cfg.training.batch} x {cfg.training.seq}, {statistics.median(times) * 1e3:.1f} ms)")
     print(f"prepared / consumed: {prepared / consumed:.1f} (goal: at least 10)")
     print(f"start-up: {startup:.1f} s for {size / 2**30:.2f} GiB (indexing its lines, then packing the first window)")
 

@@ -138,7 +138,8 @@ def main(argv: list[str] | None = None) -> None:
     if extras.no_xla_flags:
         print("XLA flags of spmd.run.xla_flags: not set (--no-xla-flags)")
     print(f"model {cfg.model.name} ({model_cfg.num_params() / 1e6:,.1f}M parameters), batch {cfg.training.batch} x seq "
-          f"{cfg.training.seq}, {cfg.model.dtype}, remat {cfg.model.remat}, attention kernel {kernels.describe(cfg.model.attention_kernel, device)}; mesh "
+          f"{cfg.training.seq}, {cfg.model.dtype}, remat {cfg.model.remat}, attention kernel "
+          f"{kernels.describe(cfg.model.attention_kernel, device)}; mesh "
           f"{layout.describe()} on {devices} {device.platform} device(s) ({device.device_kind}); jax {jax.__version__}")
     per_token = train_flops_per_token(model_cfg, cfg.training.seq)
     per_step_device = per_token * cfg.training.batch * cfg.training.seq / devices
@@ -152,7 +153,8 @@ def main(argv: list[str] | None = None) -> None:
     with jax.set_mesh(layout.mesh):
         state = program.init(jax.random.key(cfg.training.seed))
     source = make_source(cfg.data, cfg.training, model_cfg.vocab)
-    batches = [global_batch(source, k, cfg.training.batch, cfg.training.seq + 1, layout.batch_sharding) for k in range(2)]
+    batches = [global_batch(source, k, cfg.training.batch, cfg.training.seq + 1, layout.batch_sharding)
+               for k in range(2)]
     _, state, metrics = step_seconds(step, state, batches, extras.warmup_steps)
     print(f"compiled and warmed up in {time.perf_counter() - started:.1f} s (loss {float(metrics['loss']):.4f})")
 
@@ -162,8 +164,9 @@ def main(argv: list[str] | None = None) -> None:
     for round_ in range(extras.rounds):
         seconds, state, metrics = step_seconds(step, state, batches, cfg.training.steps)
         achieved = per_step_device / seconds
-        line = (f"round {round_}: step {seconds * 1e3:.1f} ms, {cfg.training.batch * cfg.training.seq / seconds / devices:,.0f} "
-                f"tokens/s and {achieved / 1e12:.4g} TFLOP/s per device")
+        line = (f"round {round_}: step {seconds * 1e3:.1f} ms, "
+                f"{cfg.training.batch * cfg.training.seq / seconds / devices:,.0f} tokens/s and "
+                f"{achieved / 1e12:.4g} TFLOP/s per device")
         if on_cpu:
             what, m, k, n = matmul
             per_call, calls = matmul_seconds(layout, m, k, n, DTYPES[cfg.model.dtype], seconds * cfg.training.steps)

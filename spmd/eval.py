@@ -65,7 +65,8 @@ def main(argv=None) -> int:
     if layout_line:
         print(layout_line)
     print(f"{cfg.data.path}: loss {loss:.4f} nats/token, perplexity {math.exp(loss):.4f} "
-          f"({batches} batches of {cfg.training.batch} x {cfg.training.seq}: {tokens:,} target tokens; model {cfg.model.name})")
+          f"({batches} batches of {cfg.training.batch} x {cfg.training.seq}: {tokens:,} target tokens; "
+          f"model {cfg.model.name})")
     return 0
 
 

@@ -60,7 +60,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return plan_target(cfg, extras.target, extras.json)
         spec = cfg.parallelism.mesh_spec
-        count = extras.devices if extras.devices is not None else spec.devices if cfg.parallelism.mesh else DEFAULT_CPU_DEVICES
+        count = (extras.devices if extras.devices is not None else
+                 spec.devices if cfg.parallelism.mesh else DEFAULT_CPU_DEVICES)
         if count < 1:
             raise UserError(f"--devices must be positive, got {count}")
         if count > MAX_EMULATED_DEVICES and not accelerator_present():
@@ -73,7 +74,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         layout_line = None
         if not extras.auto:  # (no --mesh: spmd.train's default layout of the devices planned for)
             cfg, layout_line = with_mesh(cfg, devices=count)
-        if cfg.parallelism.dcn:  # the emulated devices are one process: plan the mesh; which devices span DCN changes no bytes
+        if cfg.parallelism.dcn:
+            # The emulated devices are one process: plan the mesh; which devices span DCN changes no bytes.
             if cfg.parallelism.mesh is not None:  # (--auto searches the meshes)
                 check_dcn(cfg.parallelism.mesh_spec.resolve(count), cfg.parallelism.mesh_spec.dcn)
             cfg = cfg.replace(dcn=None)

@@ -96,7 +96,8 @@ def check_outputs(cfg, config_file: str | None = None) -> None:
     writes_on = bool(out and resumed_run) and out == Path(resumed_run).resolve()
     metrics_in_out = bool(out and cfg.logging.metrics_file) and Path(cfg.logging.metrics_file).resolve().parent == out
     if metrics_in_out and Path(cfg.logging.metrics_file).name == LOCK_NAME:
-        raise UserError(f"--metrics-file {cfg.logging.metrics_file} is the lock file of --out {cfg.checkpoint.out}; choose another name")
+        raise UserError(f"--metrics-file {cfg.logging.metrics_file} is the lock file of --out {cfg.checkpoint.out}; "
+                        "choose another name")
     claim(
         [Output("--out", cfg.checkpoint.out, directory=True, holds="checkpoints"),
          # Written beside the checkpoints when it sits in --out, made with it.
@@ -120,8 +121,8 @@ def run_inputs(cfg, config_file: str | None, resumed_run: str | None) -> dict:
     (A tokenizer taken from --init-from is named after it: that name comes first.)"""
     from spmd.data.tokenizer import tokenizer_inputs  # (imported by main, after signals)
 
-    return {"--config": config_file, "--data": cfg.data.path, "--init-from": cfg.model.init_from, "--adapter": cfg.lora.adapter,
-            "--resume": resumed_run, "the resumed run's --init-from": _resumed_base(cfg),
+    return {"--config": config_file, "--data": cfg.data.path, "--init-from": cfg.model.init_from,
+            "--adapter": cfg.lora.adapter, "--resume": resumed_run, "the resumed run's --init-from": _resumed_base(cfg),
             **tokenizer_inputs(cfg.data.tokenizer, "--tokenizer")}
 
 
@@ -130,7 +131,8 @@ def _resumed_base(cfg) -> str | None:
     --init-from names none: the one its checkpoint started from (spmd.run.trainer)."""
     from spmd.formats.checkpoint import finalized_steps, saved_config  # (imported by main, after signals)
 
-    resumed = cfg.checkpoint.resume or (cfg.checkpoint.out if cfg.checkpoint.out and finalized_steps(Path(cfg.checkpoint.out)) else None)
+    resumed = cfg.checkpoint.resume or (
+        cfg.checkpoint.out if cfg.checkpoint.out and finalized_steps(Path(cfg.checkpoint.out)) else None)
     if not cfg.lora.lora_rank or cfg.model.init_from or not resumed:
         return None
     return saved_config(resumed).get("init_from")

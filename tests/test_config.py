@@ -17,7 +17,8 @@ def test_flags_override_the_yaml_file(tmp_path):
     file = tmp_path / "run.yaml"
     file.write_text("mesh: {dp: 2, tp: 4}\ndcn: {dp: 2}\nsteps: 7\nlr: 0.01\nscale_lr: true\n")
     cfg = parse_args(["--config", str(file), "--steps", "9"])
-    assert (cfg.parallelism.mesh, cfg.parallelism.dcn, cfg.training.steps, cfg.optimizer.lr, cfg.optimizer.scale_lr) == ("dp=2,tp=4", "dp=2", 9, 0.01, True)
+    assert ((cfg.parallelism.mesh, cfg.parallelism.dcn, cfg.training.steps, cfg.optimizer.lr, cfg.optimizer.scale_lr)
+            == ("dp=2,tp=4", "dp=2", 9, 0.01, True))
 
 
 def test_a_yaml_file_by_sections_is_the_flat_one(tmp_path):

@@ -124,7 +124,8 @@ def _checkpoint(run: Path, cfg: TrainConfig) -> None:
     the shapes of what it trains), without its arrays."""
     skeleton = skeleton_for(cfg.step)
     (run / "1" / "meta").mkdir(parents=True)
-    (run / "1" / "meta" / "metadata").write_text(json.dumps(make_meta(cfg.record(), cfg.model.name, 1, skeleton.trained(skeleton.shapes))))
+    (run / "1" / "meta" / "metadata").write_text(
+        json.dumps(make_meta(cfg.record(), cfg.model.name, 1, skeleton.trained(skeleton.shapes))))
 
 
 def _mistral(directory: Path, window) -> str:

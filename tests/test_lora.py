@@ -106,8 +106,8 @@ def _cached_grads(mesh: str, devices: int, overrides: tuple) -> dict:
     state["params"] = jax.tree_util.tree_map_with_path(
         lambda path, x: rng.normal(0, 0.1, x.shape).astype(np.float32) if path[-1].key == "b" else x, state["params"])
     state = jax.device_put(layout.stored(state), jax.tree.map(lambda s: s.sharding, program.abstract_state))
-    batch = global_batch(MarkovSource(layout.skeleton.model_cfg.vocab, cfg.training.seed), 0, cfg.training.batch, cfg.training.seq + 1,
-                         layout.batch_sharding)
+    batch = global_batch(MarkovSource(layout.skeleton.model_cfg.vocab, cfg.training.seed), 0, cfg.training.batch,
+                         cfg.training.seq + 1, layout.batch_sharding)
     grads = jax.jit(lambda s, b: program.metrics_and_grads(s, b)[1])
     with jax.set_mesh(layout.mesh):
         got = grads(state, batch)
@@ -169,7 +169,8 @@ def test_plan_shows_the_saving_for_llama_8b_rank_16_on_fsdp_8():
     cfg = validate(TrainConfig.of(model="llama3.1-8b", mesh="fsdp=8", batch=8, seq=512, lora_rank=16))
     layout = make_layout(cfg, jax.devices()[:8])
     full_cfg = validate(TrainConfig.of(model="llama3.1-8b", mesh="fsdp=8", batch=8, seq=512))
-    lora, full = footprint.memory(cfg.step, layout), footprint.memory(full_cfg.step, make_layout(full_cfg, jax.devices()[:8]))
+    lora, full = (footprint.memory(cfg.step, layout),
+                  footprint.memory(full_cfg.step, make_layout(full_cfg, jax.devices()[:8])))
     n, e, r = 8_030_261_248, 4096, 16  # the published parameter count; embed; rank
     per_layer = 3 * e * r / 8 + r * 4096 + 2 * r * 1024 + 4096 * r + r * e / 8
     adapters = 32 * per_layer * 4

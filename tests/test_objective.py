@@ -42,7 +42,8 @@ def test_an_imported_moe_model_trains_with_its_own_balance_loss():
     layout = make_layout(cfg, jax.devices()[:1], for_training=False)
     params = load_params(Directory(str(MIXTRAL)), layout)
     rows = jnp.asarray(np.load(MIXTRAL / "tokens.npy"))
-    objective, metrics = jax.jit(lambda p, r: model_loss(layout.skeleton.graphdef, p, r, None, aux_losses(cfg.step)))(params, rows)
+    objective, metrics = jax.jit(
+        lambda p, r: model_loss(layout.skeleton.graphdef, p, r, None, aux_losses(cfg.step)))(params, rows)
     np.testing.assert_allclose(float(metrics["loss"]), golden["cross_entropy"], rtol=1e-5)
     np.testing.assert_allclose(float(metrics["aux_loss"]), golden["aux_loss"], rtol=1e-5)
     np.testing.assert_allclose(float(objective), golden["cross_entropy"] + golden["router_aux_loss_coef"]

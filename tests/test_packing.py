@@ -65,7 +65,8 @@ ONE_PER_ROW = _rows([[e] for e in EXAMPLES], SEQ + 1)
 
 
 def _program(mesh: str, devices: int, batch: int, **overrides):
-    cfg = validate(TrainConfig.of(mesh=mesh, model="tiny", batch=batch, seq=SEQ, steps=1, lr=3e-3, warmup=1, **overrides))
+    cfg = validate(TrainConfig.of(mesh=mesh, model="tiny", batch=batch, seq=SEQ, steps=1, lr=3e-3, warmup=1,
+                                  **overrides))
     return build_program(cfg.step, make_layout(cfg, jax.devices()[:devices]), packed=True)
 
 

@@ -155,7 +155,8 @@ def test_expert_copies_cost_their_copies_rows_over_ep():
     def tie_bytes(**overrides):
         cfg = validate(TrainConfig.of(mesh="ep=4,dp=2", model="moe-tiny", layers=8, batch=32, seq=32, **overrides))
         layout = make_layout(cfg, jax.devices()[:8])
-        return sum(e.bytes_per_device for e in theory.collectives(cfg.step, layout) if e.why.startswith("expert copies"))
+        return sum(e.bytes_per_device for e in theory.collectives(cfg.step, layout)
+                   if e.why.startswith("expert copies"))
 
     row = 3 * 64 * 64 * F32  # an expert's gate, up and down projections
     moe_layers = 4

@@ -47,12 +47,12 @@ def _batches(source, cfg, batches: int | None) -> Iterable[int]:
     windows, in the run's order."""
     if source.finite:
         if not source.has_rows(0, "in order"):
-            raise UserError(f"--data {cfg.data.path}: no target tokens: no example has a token to learn after its first "
-                            f"within --seq {cfg.training.seq}")
+            raise UserError(f"--data {cfg.data.path}: no target tokens: no example has a token to learn after its "
+                            f"first within --seq {cfg.training.seq}")
         return itertools.takewhile(lambda j: (batches is None or j < batches) and
                                    source.has_rows(j * cfg.training.batch, "in order"), itertools.count())
     available = source.train_samples // cfg.training.batch
     if available < 1:
-        raise UserError(f"--data {cfg.data.path}: {source.train_samples} samples of {cfg.training.seq + 1} tokens do not fill one "
-                        f"batch of {cfg.training.batch}; give a smaller --batch or --seq")
+        raise UserError(f"--data {cfg.data.path}: {source.train_samples} samples of {cfg.training.seq + 1} tokens "
+                        f"do not fill one batch of {cfg.training.batch}; give a smaller --batch or --seq")
     return range(min(batches or available, available))

@@ -61,7 +61,8 @@ def check_layout(cfg, shape: Mapping[str, int], for_training: bool = True):
     """Every check of a mesh shape against the run, without devices. -> (rules, skeleton, schedule)"""
     skeleton = skeleton_for(cfg)
     check_combination(cfg, shape, skeleton.model_cfg)
-    rules = make_rules(cfg.parallelism.zero, cfg.parallelism.megatron_sp, shared_kv_heads(cfg, shape, skeleton.model_cfg), cfg.training.grad_accum > 1)
+    rules = make_rules(cfg.parallelism.zero, cfg.parallelism.megatron_sp,
+                       shared_kv_heads(cfg, shape, skeleton.model_cfg), cfg.training.grad_accum > 1)
     check_expert_slots(cfg, shape, skeleton.model_cfg)
     schedule = check_pipeline(cfg, shape, skeleton.model_cfg, for_training)
     if schedule and schedule.repeats > 1:
@@ -146,7 +147,8 @@ def check_pipeline(cfg, shape: Mapping[str, int], model_cfg: LlamaConfig, for_tr
         why = (f"--pp-schedule zb-v: model {cfg.model.name}'s {what} do not divide into 2 x pp = {chunks} chunks "
                "(each stage runs one going down and one coming back)")
     else:
-        why = f"model {cfg.model.name}: {what} do not divide into pp x repeats = {p} x {schedule.repeats} pipeline chunks"
+        why = (f"model {cfg.model.name}: {what} do not divide into pp x repeats = {p} x {schedule.repeats} "
+               "pipeline chunks")
     if layers % chunks:
         least = fewest_empty_layers(model_cfg, chunks)
         raise UserError(f"{why}: give --empty-layers {least} (identity layers that even out the stages)" if least
@@ -162,7 +164,8 @@ def check_pipeline(cfg, shape: Mapping[str, int], model_cfg: LlamaConfig, for_tr
         shards = math.prod(shape[a] for a in BATCH_AXES)
         if cfg.training.microbatch % (m * shards):
             raise UserError(f"--batch {cfg.training.microbatch} does not divide into {m} microbatches x "
-                            f"{shards} batch shards" + (" per --grad-accum step" if cfg.training.grad_accum > 1 else ""))
+                            f"{shards} batch shards"
+                            + (" per --grad-accum step" if cfg.training.grad_accum > 1 else ""))
     return schedule
 
 
@@ -189,7 +192,9 @@ def check_batch(cfg, shape: Mapping[str, int]) -> None:
     shards = math.prod(shape[a] for a in BATCH_AXES)
     batch_axes = "x".join(f"{a}={shape[a]}" for a in BATCH_AXES if shape[a] > 1) or "1"
     if cfg.training.microbatch % shards:
-        what = f"--batch {cfg.training.batch}" + (f" / --grad-accum {cfg.training.grad_accum} = {cfg.training.microbatch}" if cfg.training.grad_accum > 1 else "")
+        what = f"--batch {cfg.training.batch}"
+        if cfg.training.grad_accum > 1:
+            what += f" / --grad-accum {cfg.training.grad_accum} = {cfg.training.microbatch}"
         raise UserError(f"{what} does not divide by the batch axes ({batch_axes} = {shards} shards)")
     sp = shape["sp"]
     if sp > 1 and cfg.training.seq % (2 * sp):

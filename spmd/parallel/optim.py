@@ -52,5 +52,6 @@ def make_optimizer(cfg, model_cfg, clip: bool = True) -> optax.GradientTransform
 
     return optax.chain(
         optax.clip_by_global_norm(cfg.optimizer.clip if clip else math.inf),
-        optax.adamw(schedule(cfg), b1=cfg.optimizer.b1, b2=cfg.optimizer.b2, eps=cfg.optimizer.eps, weight_decay=cfg.optimizer.weight_decay, mask=decay_mask),
+        optax.adamw(schedule(cfg), b1=cfg.optimizer.b1, b2=cfg.optimizer.b2, eps=cfg.optimizer.eps,
+                    weight_decay=cfg.optimizer.weight_decay, mask=decay_mask),
     )

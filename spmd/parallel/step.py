@@ -118,8 +118,8 @@ def model_context(layout: Layout, attention: str = "ring", local_axes: tuple[str
 def _fresh_params(cfg, layout: Layout, key) -> dict:
     """A fresh model's parameters, as the layout stores them. Adapters draw from a stream of
     their own, so the base is the same with or without them."""
-    model = build_model(layout.skeleton.model_cfg, cfg.model.dtype, cfg.model.remat, layout.skeleton.routing, layout.skeleton.lora,
-                        nnx.Rngs(params=key, lora=jax.random.fold_in(key, 1)))
+    model = build_model(layout.skeleton.model_cfg, cfg.model.dtype, cfg.model.remat, layout.skeleton.routing,
+                        layout.skeleton.lora, nnx.Rngs(params=key, lora=jax.random.fold_in(key, 1)))
     return layout.stored(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
 
 
@@ -232,7 +232,8 @@ class Program:
         trained = skeleton.trained(params)
         state = {"step": jnp.zeros((), jnp.int32), "params": trained, "opt_state": self.tx.init(trained)}
         if skeleton.lora:  # stored in --base-dtype
-            state["frozen"] = jax.tree.map(lambda w: w.astype(DTYPES[self.cfg.lora.base_dtype]), skeleton.frozen(params))
+            state["frozen"] = jax.tree.map(lambda w: w.astype(DTYPES[self.cfg.lora.base_dtype]),
+                                           skeleton.frozen(params))
         if self.layout.skeleton.router_shapes:  # as the model starts it: no bias, even load, copies in order
             state["routing"] = balance.initial(self.layout.skeleton.router_shapes)
         return state
@@ -247,7 +248,8 @@ class Program:
         aux = aux_losses(self.cfg, state["step"])  # (multi-token prediction's weight changes with the step)
         inputs = Auxiliary(aux, state.get("routing"), denominator, state.get("frozen"))
         # Adapters' dropout: masks drawn anew each step (and each microbatch of it).
-        with lora_dropout(self.cfg.lora.lora_dropout, jax.random.fold_in(jax.random.key(self.cfg.training.seed), state["step"])):
+        with lora_dropout(self.cfg.lora.lora_dropout,
+                          jax.random.fold_in(jax.random.key(self.cfg.training.seed), state["step"])):
             if self.cfg.training.grad_accum == 1:
                 return self._loss_and_grads(params, rows, inputs)
             if self.layout.schedule:

@@ -132,7 +132,8 @@ def tensor_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
         # Where a norm follows each sublayer (the config's NORMS.after: Gemma 3, OLMo 2) its
         # backward pass reads its input, the MLP's output: every MLP's is made again.
         again = mlp_runs if model.NORMS.after else moe_runs if shared else 0
-        if cfg.parallelism.megatron_sp:  # the sublayers' inputs gathered again, attention's output (and the MLP's) scattered
+        if cfg.parallelism.megatron_sp:
+            # The sublayers' inputs gathered again, attention's output (and the MLP's) scattered.
             gathered = (1 if kept_input else 2) * layer_runs
             out.append(Expected("all-gather", "tp", gathered * (t - 1) / t * activation, "remat"))
             out.append(Expected("reduce-scatter", "tp", (layer_runs + again) * (t - 1) / t * activation, "remat"))
@@ -209,7 +210,8 @@ def sequence_parallel(cfg, layout: Layout, compute_bytes: int) -> list[Expected]
     model, shape = layout.skeleton.model_cfg, layout.shape
     kv_heads = model.kv_heads * layout.kv_copies / ways(("tp",), shape) if layout.kv_copies > 1 else \
         model.kv_heads / ways(axes_of(layout.rules.activations["kv_heads"]), shape)
-    block = cfg.training.batch / ways(BATCH_AXES, shape) * cfg.training.seq / n * kv_heads * model.head_dim * compute_bytes
+    block = (cfg.training.batch / ways(BATCH_AXES, shape) * cfg.training.seq / n * kv_heads * model.head_dim
+             * compute_bytes)
     recomputed = cfg.model.remat != "none"  # "none" keeps the received blocks; the others fetch them again
     # In pipeline stages a device runs 1/pp of the layers, in every tick (bubbles included).
     # A prefix of layers outside the stages runs on a device's rows, which pp splits too.
@@ -379,14 +381,16 @@ def pipeline_stages(cfg, layout: Layout, compute_bytes: int) -> list[Expected]:
             return p_.numel * p_.itemsize / ways(spec_axes(p_.names, layout.rules.params), layout.shape)
         dual, share = schedule.name == "dualpipe", schedule.mirrored_share
         weights = share * sum(stored(p_) for p_ in params(layout, cfg) if p_.stacked)
-        gradients = cfg.training.grad_accum * share * sum(stored(p_) for p_ in params(layout, cfg) if p_.stacked and p_.trained)
+        gradients = cfg.training.grad_accum * share * sum(stored(p_) for p_ in params(layout, cfg)
+                                                          if p_.stacked and p_.trained)
         targets = entering_targets(cfg, layout)
         # zb-v's MoE statistics leave the stages split over pp, and every device reads them
         # all: per layer three scalars and, float32, a load per slot and one per expert.
         # DualPipe's second stage's are sent to the mirror stage and added to its own there.
         model = layout.skeleton.model_cfg
-        statistics = model.moe_layers_run * (3 + model.moe.experts + (layout.skeleton.routing.slots or model.moe.experts)) * 4 \
-            if model.moe else 0
+        statistics = (model.moe_layers_run
+                      * (3 + model.moe.experts + (layout.skeleton.routing.slots or model.moe.experts)) * 4
+                      if model.moe else 0)
         if dual:
             weights += statistics / (2 * p)
         else:

@@ -142,7 +142,8 @@ def activation_bytes(cfg, layout: Layout, compute_bytes: int) -> dict[str, float
     # "mla" (DeepSeek-V3's): as "none", but the up-projections and the per-head queries,
     # keys and values they make are kept as their latents, and made again a layer at a time.
     up = 2 * qkv / t - ((getattr(m, "q_rank", 0) or 0) + getattr(m, "latent_dim", 0))
-    per_layer = {"none": everything, "dots": 3 * e + (qkv + 2 * m.mlp) / t, "full": e, "mla": everything - up}[cfg.model.remat]
+    per_layer = {"none": everything, "dots": 3 * e + (qkv + 2 * m.mlp) / t, "full": e,
+                 "mla": everything - up}[cfg.model.remat]
     working = {"none": 0, "mla": 2 * qkv / t}.get(cfg.model.remat, everything)
     dense_layers = m.stacked_layers + m.prefix_layers - m.moe_layers_run  # (empty ones too: stages run them)
     kept = dense_layers * per_layer

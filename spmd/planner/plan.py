@@ -116,7 +116,8 @@ class Plan:
         cfg = self.cfg
         return {
             "model": cfg.model.name, "mesh": self.layout.describe(), "devices": self.devices,
-            "batch": cfg.training.batch, "seq": cfg.training.seq, "dtype": cfg.model.dtype, "zero": cfg.parallelism.zero, "remat": cfg.model.remat,
+            "batch": cfg.training.batch, "seq": cfg.training.seq, "dtype": cfg.model.dtype,
+            "zero": cfg.parallelism.zero, "remat": cfg.model.remat,
             "grad_accum": cfg.training.grad_accum, "planned_on": self.planned_on,
             "hardware": self.hardware.name if self.hardware else None,
             "per_device": {
@@ -251,7 +252,8 @@ def candidates(cfg, count: int, devices_per_node: int):
             mesh = ",".join(f"{a}={n}" for a, n in (("dp", dp), ("fsdp", fsdp), ("tp", tp)) if n > 1)
             for zero in ((0, 1) if dp > 1 else (0,)):
                 for remat in model_class(cfg.model_cfg).REMAT:
-                    yield dataclasses.replace(cfg, parallelism=dataclasses.replace(cfg.parallelism, mesh=mesh, zero=zero),
+                    yield dataclasses.replace(cfg,
+                                              parallelism=dataclasses.replace(cfg.parallelism, mesh=mesh, zero=zero),
                                               model=dataclasses.replace(cfg.model, remat=remat))
 
 

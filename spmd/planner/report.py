@@ -19,7 +19,8 @@ def describe_run(cfg, layout, plan, data: str, compile_s: float) -> list[str]:
         f"model: {cfg.model.name}, {skel.num_params:,} parameters{_trained(skel)}, compute {cfg.model.dtype}, "
         f"remat {cfg.model.remat}, "
         f"attention kernel {kernels.describe(cfg.model.attention_kernel, devices.flat[0])}",
-        f"batch: {cfg.training.batch} x {cfg.training.seq} tokens, grad-accum {cfg.training.grad_accum}, zero {cfg.parallelism.zero}",
+        f"batch: {cfg.training.batch} x {cfg.training.seq} tokens, grad-accum {cfg.training.grad_accum}, "
+        f"zero {cfg.parallelism.zero}",
         f"data: {data}",
         *plan_summary(plan),
         f"ready in {compile_s:.1f} s (initialize or restore, then compile)",
@@ -56,8 +57,8 @@ def _ratio(r) -> str:
 def plan_table(plan) -> list[str]:
     cfg = plan.cfg
     lines = [f"plan: {cfg.model.name} on {plan.layout.describe()} ({plan.devices} devices; compiled for "
-             f"{plan.planned_on}), batch {cfg.training.batch} x {cfg.training.seq}, {cfg.model.dtype}, zero {cfg.parallelism.zero}, "
-             f"remat {cfg.model.remat}, grad-accum {cfg.training.grad_accum}", "",
+             f"{plan.planned_on}), batch {cfg.training.batch} x {cfg.training.seq}, {cfg.model.dtype}, "
+             f"zero {cfg.parallelism.zero}, remat {cfg.model.remat}, grad-accum {cfg.training.grad_accum}", "",
              f"{'memory per device':28}{'theory':>12}{'XLA':>12}"]
     for key, label in _MEMORY_ROWS:
         if key in ("predictions", "exchange_pool") and not plan.theory_memory[key]:
@@ -126,8 +127,9 @@ def roofline_lines(plan) -> list[str]:
         hidden = ("overlapped" if not exposed else "exposed" if exposed >= seconds
                   else f"{_seconds(exposed)} of it exposed")
         parts.append(f"{axes} {_seconds(seconds)} ({link}, {hidden})")
-    return [f"roofline on {hw.description} ({hw.peak_flops(plan.cfg.model.dtype) / 1e12:g} TFLOP/s {plan.cfg.model.dtype}): "
-            f"compute {_seconds(p.compute_s)}" + (f"; communication {', '.join(parts)}" if parts else ""),
+    return [f"roofline on {hw.description} ({hw.peak_flops(plan.cfg.model.dtype) / 1e12:g} TFLOP/s "
+            f"{plan.cfg.model.dtype}): compute {_seconds(p.compute_s)}"
+            + (f"; communication {', '.join(parts)}" if parts else ""),
             f"predicted step {_seconds(p.step_s)}, MFU {100 * p.mfu:.1f}% (at peak FLOP/s: an upper bound)"]
 
 
@@ -142,8 +144,8 @@ def auto_table(plans) -> list[str]:
     for i, plan in enumerate(plans, 1):
         p = plan.prediction
         exposed = f", exposed communication {_seconds(p.exposed_s)}" if p.exposed_s else ""
-        lines.append(f"{i}. --mesh {plan.layout.describe()} --zero {plan.cfg.parallelism.zero} --remat {plan.cfg.model.remat}: "
-                     f"step {_seconds(p.step_s)}, MFU {100 * p.mfu:.1f}%")
+        lines.append(f"{i}. --mesh {plan.layout.describe()} --zero {plan.cfg.parallelism.zero} "
+                     f"--remat {plan.cfg.model.remat}: step {_seconds(p.step_s)}, MFU {100 * p.mfu:.1f}%")
         lines.append(f"   why: peak {human_bytes(plan.peak)} of {human_bytes(plan.usable)}; compute "
                      f"{_seconds(p.compute_s)}, overlapped communication {_seconds(p.overlapped_s)}{exposed}")
     return lines

@@ -58,7 +58,8 @@ def executed_flops_per_step(cfg, model_cfg) -> tuple[float, float]:
     if cfg.model.remat == "mla":  # DeepSeek-V3's: the up-projections again
         recomputed = up_projection_flops(model_cfg) * cfg.training.batch * cfg.training.seq
     else:
-        recomputed = {"none": 0.0, "dots": attention / 3, "full": model / 3}[cfg.model.remat]  # forward = 1/3 of training
+        recomputed = {"none": 0.0, "dots": attention / 3,
+                      "full": model / 3}[cfg.model.remat]  # forward = 1/3 of training
     return model, model + recomputed
 
 

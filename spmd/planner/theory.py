@@ -114,7 +114,8 @@ def collectives(cfg, layout: Layout) -> list[Expected]:
     residual_tokens = live((*layout.data_axes, "sp", "tp"), shape) if cfg.parallelism.megatron_sp else plain_tokens
     # How often a device runs its share of the stacked layers forward: once per
     # microbatch; in pipeline stages a 1/v chunk of them each tick.
-    stage_runs = cfg.training.grad_accum * (layout.schedule.microbatches if layout.schedule else 1) * stage_overhead(layout)
+    stage_runs = (cfg.training.grad_accum * (layout.schedule.microbatches if layout.schedule else 1)
+                  * stage_overhead(layout))
     out: list[Expected] = []
     for p in params(layout, cfg):
         compute = spec_axes(p.names, used_table)
@@ -260,7 +261,8 @@ def _gradients(cfg, layout: Layout, p: Param, token_axes: tuple[str, ...], slice
         # split experts) in every microbatch, as computed; over the accumulation axes once,
         # the float32 sums.
         once = tuple(a for a in token_axes if a in layout.accumulation_axes)
-        phases = [(tuple(a for a in token_axes if a not in once), cfg.training.grad_accum, max(widths)), (once, 1, p.itemsize)]
+        phases = [(tuple(a for a in token_axes if a not in once), cfg.training.grad_accum, max(widths)),
+                  (once, 1, p.itemsize)]
     else:
         # 1f1b sums the head's gradients (a tied table's head use too) over microbatches
         # before reducing them (and pipeline rounds theirs over rounds). A prefix of layers

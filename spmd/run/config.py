@@ -161,7 +161,8 @@ def check(cfg: TrainConfig) -> TrainConfig:
         if isinstance(value, (int, float)) and not isinstance(value, bool) and not bounds.holds(value):
             raise UserError(f"{flag_of(option)} must be {bounds}, got {value}")
     if cfg.training.batch * cfg.training.seq > TOKENS_PER_STEP:
-        raise UserError(f"--batch {cfg.training.batch} x --seq {cfg.training.seq} is {cfg.training.batch * cfg.training.seq:,} tokens a step; at most "
+        raise UserError(f"--batch {cfg.training.batch} x --seq {cfg.training.seq} is "
+                        f"{cfg.training.batch * cfg.training.seq:,} tokens a step; at most "
                         f"{TOKENS_PER_STEP:,} (2**30) can be held: give a smaller --batch or --seq")
     if cfg.data.tokenizer and not cfg.data.path:
         raise UserError("--tokenizer applies to --data; the built-in data has its own tokens")
@@ -169,7 +170,8 @@ def check(cfg: TrainConfig) -> TrainConfig:
     _validate_moe(cfg, cfg.model_cfg)
     _validate_pipeline(cfg)
     _validate_lora(cfg, cfg.model_cfg)
-    if cfg.logging.profile_range and cfg.logging.profile_range[1] > cfg.training.steps:  # (parsed here: refused before anything runs)
+    # (parsed here: refused before anything runs)
+    if cfg.logging.profile_range and cfg.logging.profile_range[1] > cfg.training.steps:
         raise UserError(f"--profile-steps {cfg.logging.profile_steps} goes beyond --steps {cfg.training.steps}")
     _validate_mtp(cfg)
     if cfg.checkpoint.save_every and not cfg.checkpoint.out:
@@ -177,10 +179,11 @@ def check(cfg: TrainConfig) -> TrainConfig:
     if cfg.parallelism.hardware is not None:
         hardware.get(cfg.parallelism.hardware)
     if cfg.training.batch % cfg.training.grad_accum:
-        raise UserError(f"--batch {cfg.training.batch} does not divide into --grad-accum {cfg.training.grad_accum} microbatches")
+        raise UserError(f"--batch {cfg.training.batch} does not divide into --grad-accum {cfg.training.grad_accum} "
+                        "microbatches")
     if cfg.data.data_workers is not None and cfg.data.data_workers > (cpus := hardware.usable_cpus()):
-        raise UserError(f"--data-workers {cfg.data.data_workers} is more than the {cpus} CPUs this process may use: each "
-                        f"worker keeps a CPU busy, so more would only compete for them; give at most {cpus}")
+        raise UserError(f"--data-workers {cfg.data.data_workers} is more than the {cpus} CPUs this process may use: "
+                        f"each worker keeps a CPU busy, so more would only compete for them; give at most {cpus}")
     return cfg
 
 
@@ -203,15 +206,15 @@ def _validate_moe(cfg: TrainConfig, model_cfg) -> None:
     if (cfg.moe.balance_loss or model_cfg.moe.balance_loss) == "pooled" and cfg.parallelism.pp_schedule in WRITTEN_OUT:
         # Its gradient in one layer depends on the loads of every layer, which a stage's
         # backward pass under these schedules does not have.
-        raise UserError(f"--pp-schedule {cfg.parallelism.pp_schedule} takes the per-sequence balance loss only; the pooled one "
-                        "(transformers', the default of imported MoE models) couples every layer: give --balance-loss "
-                        "sequence, or --pp-schedule gpipe or circular")
+        raise UserError(f"--pp-schedule {cfg.parallelism.pp_schedule} takes the per-sequence balance loss only; "
+                        "the pooled one (transformers', the default of imported MoE models) couples every layer: "
+                        "give --balance-loss sequence, or --pp-schedule gpipe or circular")
     if cfg.model.empty_layers % model_cfg.moe.every:
         raise UserError(f"--empty-layers {cfg.model.empty_layers}: {cfg.model.name} stacks its layers in groups of "
                         f"{model_cfg.moe.every} (MoE in every {model_cfg.moe.every}th); give a multiple of it")
     if cfg.model.layers is not None and cfg.model.layers % model_cfg.moe.every:
-        raise UserError(f"--layers {cfg.model.layers}: {cfg.model.name} has MoE in every {model_cfg.moe.every}th layer; "
-                        f"give a multiple of {model_cfg.moe.every}")
+        raise UserError(f"--layers {cfg.model.layers}: {cfg.model.name} has MoE in every {model_cfg.moe.every}th "
+                        f"layer; give a multiple of {model_cfg.moe.every}")
 
 
 def _validate_mtp(cfg: TrainConfig) -> None:
@@ -221,7 +224,8 @@ def _validate_mtp(cfg: TrainConfig) -> None:
             raise UserError(f"{flag_of(others[0])} applies to multi-token prediction; give --mtp-depth D")
         return
     if cfg.model.mtp_depth >= cfg.training.seq:
-        raise UserError(f"--mtp-depth {cfg.model.mtp_depth} predicts beyond --seq {cfg.training.seq}: give a longer --seq")
+        raise UserError(f"--mtp-depth {cfg.model.mtp_depth} predicts beyond --seq {cfg.training.seq}: "
+                        "give a longer --seq")
 
 
 def _validate_lora(cfg: TrainConfig, model_cfg) -> None:
@@ -237,8 +241,8 @@ def _validate_lora(cfg: TrainConfig, model_cfg) -> None:
     targets = [t.strip() for t in cfg.lora.lora_targets.split(",")]
     unknown = [t for t in targets if t not in TARGETS]
     if unknown or not all(targets):
-        raise UserError(f"--lora-targets {cfg.lora.lora_targets}: {unknown[0] if unknown else 'an empty name'} is not a "
-                        f"projection of {cfg.model.name}; its projections are {', '.join(TARGETS)}")
+        raise UserError(f"--lora-targets {cfg.lora.lora_targets}: {unknown[0] if unknown else 'an empty name'} "
+                        f"is not a projection of {cfg.model.name}; its projections are {', '.join(TARGETS)}")
     if len(set(targets)) != len(targets):
         raise UserError(f"--lora-targets {cfg.lora.lora_targets} names a projection twice")
     mlp = [t for t in targets if t in MLP_TARGETS]
@@ -248,8 +252,8 @@ def _validate_lora(cfg: TrainConfig, model_cfg) -> None:
     for target in targets:
         inputs, outputs = (math.prod(dims) for dims in model_cfg.projection_shapes()[target])
         if cfg.lora.lora_rank > min(inputs, outputs):
-            raise UserError(f"--lora-rank {cfg.lora.lora_rank} is more than {target}'s smaller side ({inputs} -> {outputs} "
-                            f"in {cfg.model.name}); give at most {min(inputs, outputs)}")
+            raise UserError(f"--lora-rank {cfg.lora.lora_rank} is more than {target}'s smaller side "
+                            f"({inputs} -> {outputs} in {cfg.model.name}); give at most {min(inputs, outputs)}")
     if cfg.moe.redundant_experts:
         raise UserError("--redundant-experts and --lora-rank: expert copies move trained experts between devices; "
                         "a LoRA run's experts are frozen")
@@ -260,18 +264,20 @@ def check_empty_layers(cfg: TrainConfig, pp: int, needed: int = 0) -> None:
     stages need (`needed`: spmd.parallel.layout.Layout.empty_layers_needed) for nothing.
     (A resumed run keeps those its checkpoint holds, on any mesh; a model served from one
     skips them.)"""
-    if cfg.model.empty_layers and pp == 1:
-        raise UserError(f"--empty-layers {cfg.model.empty_layers} evens out pipeline stages, and the mesh has none (pp=1): "
+    model = cfg.model
+    if model.empty_layers and pp == 1:
+        raise UserError(f"--empty-layers {model.empty_layers} evens out pipeline stages, and the mesh has none (pp=1): "
                         "give a mesh with pp (e.g. --mesh pp=2), or no --empty-layers")
-    if cfg.model.empty_layers > needed:
-        raise UserError(f"--empty-layers {cfg.model.empty_layers} is more than the pp={pp} stages need to even out; give "
+    if model.empty_layers > needed:
+        raise UserError(f"--empty-layers {model.empty_layers} is more than the pp={pp} stages need to even out; give "
                         + (f"--empty-layers {needed}" if needed else "no --empty-layers: the layers divide without"))
 
 
 def _validate_pipeline(cfg: TrainConfig) -> None:
-    if cfg.parallelism.pp_schedule in REPEATED_SCHEDULES and cfg.parallelism.pp_repeats < 2:
+    schedule = cfg.parallelism.pp_schedule
+    if schedule in REPEATED_SCHEDULES and cfg.parallelism.pp_repeats < 2:
         # (interleaved-1f1b with one chunk per stage is 1f1b: asked for by its name)
-        raise UserError(f"--pp-schedule {cfg.parallelism.pp_schedule} needs --pp-repeats 2 or more (chunks of layers per stage)"
-                        + ("; with one chunk it is --pp-schedule 1f1b" if cfg.parallelism.pp_schedule != "circular" else ""))
-    if cfg.parallelism.pp_schedule not in REPEATED_SCHEDULES and cfg.parallelism.pp_repeats != 1:
-        raise UserError(f"--pp-repeats applies to --pp-schedule {' and '.join(REPEATED_SCHEDULES)}, not {cfg.parallelism.pp_schedule}")
+        raise UserError(f"--pp-schedule {schedule} needs --pp-repeats 2 or more (chunks of layers per stage)"
+                        + ("; with one chunk it is --pp-schedule 1f1b" if schedule != "circular" else ""))
+    if schedule not in REPEATED_SCHEDULES and cfg.parallelism.pp_repeats != 1:
+        raise UserError(f"--pp-repeats applies to --pp-schedule {' and '.join(REPEATED_SCHEDULES)}, not {schedule}")

@@ -55,7 +55,8 @@ def merged(params: dict, cfg) -> dict:
 def write_adapter(out: Path, params: dict, cfg, base: str | None, dtype: str) -> list[str]:
     """A LoRA run's adapters as a PEFT adapter directory for the base model `base`."""
     skeleton = skeleton_for(cfg.step)
-    return write_peft(out, skeleton.trained(params), skeleton.model_cfg, skeleton.lora, base, dtype, cfg.lora.lora_dropout)
+    return write_peft(out, skeleton.trained(params), skeleton.model_cfg, skeleton.lora, base, dtype,
+                      cfg.lora.lora_dropout)
 
 
 def hf_parts(cfg, meta: dict):

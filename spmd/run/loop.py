@@ -154,12 +154,14 @@ class Run:
         evaluation step, or a stop) its metrics fetched, written to the sinks and checked
         for non-finite losses, then the save, the log line or the stop."""
         cfg = self.cfg
-        for line in describe_run(cfg.step, self.layout, self.plan, self.source.describe(cfg.training.seq), self.setup_s):
+        for line in describe_run(cfg.step, self.layout, self.plan, self.source.describe(cfg.training.seq),
+                                 self.setup_s):
             self.log(line)
         sinks = self._sinks()
         profile = Profile(cfg.logging.profile_range, cfg.logging.profile_dir, self.start_step, self.log)
         batches = Prefetcher(
-            lambda k: global_batch(self.source, k, cfg.training.batch, cfg.training.seq + 1, self.layout.batch_sharding),
+            lambda k: global_batch(self.source, k, cfg.training.batch, cfg.training.seq + 1,
+                                   self.layout.batch_sharding),
             self.start_step, cfg.training.steps)
         run = _Progress(time.perf_counter(), self.start_step, *self._throughput())
         ok = True
@@ -185,7 +187,8 @@ class Run:
                     if save_due or stopping:
                         self.save(done)
                     if log_due or eval_due or stopping:
-                        self.log(log_line(window[-1], cfg.training.steps, recent_loss(run.records, cfg.logging.log_every), self.skipped))
+                        self.log(log_line(window[-1], cfg.training.steps,
+                                          recent_loss(run.records, cfg.logging.log_every), self.skipped))
                     if stopping:
                         profile.stop(done)
                         self._finish_saves()
@@ -288,7 +291,8 @@ class Run:
         steps = cfg.training.steps - self.start_step
         packed = f"; {held}" if (held := self.source.packed_so_far()) else ""
         self.say(f"data: read {self.source.rows_read:,} training rows in {steps} steps "
-                 f"({self.source.rows_read / max(steps, 1):g} per step of the global batch's {cfg.training.batch}){packed}")
+                 f"({self.source.rows_read / max(steps, 1):g} per step of the global batch's "
+                 f"{cfg.training.batch}){packed}")
 
     def say(self, line: str) -> None:
         """A line of this process's own (every process prints it, named when there are several)."""
@@ -300,12 +304,15 @@ class Run:
         time), no more than the held-out data holds."""
         cfg, layout, source = self.cfg, self.layout, self.source
         if source.finite:  # its held-out examples each at most once
-            batches = itertools.takewhile(lambda j: source.has_rows(j * cfg.training.batch, "eval"), range(cfg.data.eval_batches))
+            batches = itertools.takewhile(lambda j: source.has_rows(j * cfg.training.batch, "eval"),
+                                          range(cfg.data.eval_batches))
         else:  # a held-out set of windows read once each (the first batch, at least, if it is smaller)
             held = source.held_out_rows
-            batches = range(cfg.data.eval_batches if held is None else min(cfg.data.eval_batches, max(1, held // cfg.training.batch)))
+            batches = range(cfg.data.eval_batches if held is None
+                            else min(cfg.data.eval_batches, max(1, held // cfg.training.batch)))
         results = [self.eval_fn(model_params(self.state),
-                                global_batch(self.source, j, cfg.training.batch, cfg.training.seq + 1, layout.batch_sharding, "eval"))
+                                global_batch(self.source, j, cfg.training.batch, cfg.training.seq + 1,
+                                             layout.batch_sharding, "eval"))
                    for j in batches]
         with self.watchdog.waiting(f"evaluation at step {step}"):
             return weighted_mean(jax.device_get(results))[0]

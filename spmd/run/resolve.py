@@ -45,10 +45,11 @@ def with_adapter(cfg: TrainConfig) -> TrainConfig:
     theirs = {"lora_rank": lora.rank, "lora_alpha": lora.alpha, "lora_targets": ",".join(lora.targets)}
     differ = [name for name, value in theirs.items() if getattr(cfg.lora, name) not in (DEFAULTS[name], value)]
     if differ:
-        raise UserError(f"{flag_of(differ[0])} {getattr(cfg.lora, differ[0])} and --adapter: the adapter's rank, alpha and "
-                        f"targets are those of its {ADAPTER_CONFIG} ({flag_of(differ[0])} {theirs[differ[0]]})")
+        raise UserError(f"{flag_of(differ[0])} {getattr(cfg.lora, differ[0])} and --adapter: the adapter's rank, alpha "
+                        f"and targets are those of its {ADAPTER_CONFIG} ({flag_of(differ[0])} {theirs[differ[0]]})")
     cfg = cfg.replace(**theirs)
-    AdapterFiles(cfg.lora.adapter, cfg.model.architecture, lora, base="--init-from's config.json")  # its tensors checked now
+    AdapterFiles(cfg.lora.adapter, cfg.model.architecture, lora,
+                 base="--init-from's config.json")  # its tensors checked now
     return cfg
 
 
@@ -68,7 +69,8 @@ def resolve_model(cfg: TrainConfig) -> TrainConfig:
             if cfg.record()[name] is not None:
                 raise UserError(f"{flag_of(name)} and --init-from: the model's shape is --init-from's config.json")
         read = Directory(cfg.model.init_from).cfg  # every file checked, before anything is allocated
-        tokenizer = cfg.data.tokenizer or (tokenizer_of(cfg.model.init_from) if cfg.data.path else None)  # the checkpoint's
+        tokenizer = cfg.data.tokenizer or (
+            tokenizer_of(cfg.model.init_from) if cfg.data.path else None)  # the checkpoint's
         return with_adapter(cfg.replace(architecture=read, tokenizer=tokenizer))
     if isinstance(cfg.model.architecture, dict):  # a saved run's
         return cfg.replace(architecture=config_from_dict(cfg.model.architecture))

@@ -78,10 +78,12 @@ def compiled_for(cfg, target: targets.Target):
     if target.slices > 1:  # TPU multislice: the mesh is built over the slices (a hybrid mesh)
         if not cfg.parallelism.dcn:
             cfg = cfg.replace(dcn=spanning_axis(cfg.parallelism.mesh_spec.resolve(len(devices)), target.slices))
-            lines.append(f"multislice: --dcn {cfg.parallelism.dcn} spans the {target.slices} slices (give --dcn to choose)")
+            lines.append(f"multislice: --dcn {cfg.parallelism.dcn} spans the {target.slices} slices "
+                         "(give --dcn to choose)")
         lines.append("multislice: libtpu compiles one slice's program; the collectives between slices (over "
                      f"{cfg.parallelism.dcn}) are not in it, so their rows read 0")
-    elif cfg.parallelism.dcn:  # GPU nodes: which mesh axes span them changes no bytes, and the devices are one process here
+    elif cfg.parallelism.dcn:
+        # GPU nodes: which mesh axes span them changes no bytes, and the devices are one process here.
         cfg = cfg.replace(dcn=None)
     layout = make_layout(cfg.step, devices)
     check_empty_layers(cfg, layout.shape["pp"], layout.empty_layers_needed)
@@ -90,7 +92,8 @@ def compiled_for(cfg, target: targets.Target):
     try:
         plan = make_plan(cfg.step, layout, hardware=hardware.get(target.hardware),
                          planned_on=f"{target.name}: {len(devices)} x {kind}, compiled ahead of time",
-                         program_shape=one_slice(layout.shape, cfg.parallelism.mesh_spec.dcn) if target.slices > 1 else None)
+                         program_shape=(one_slice(layout.shape, cfg.parallelism.mesh_spec.dcn) if target.slices > 1
+                                        else None))
     except jax.errors.JaxRuntimeError as exc:
         raise UserError(f"--target {target.name}: the compiler refused the step: {str(exc).splitlines()[0]}") from None
     seconds = time.perf_counter() - start

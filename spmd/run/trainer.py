@@ -91,7 +91,8 @@ def prepare(cfg: TrainConfig, layout, log=print):
     else:
         state = fresh_state(cfg, program, log)
         if cfg.model.init_from:
-            log(f"started from {cfg.model.init_from}" + (f" with the adapter {cfg.lora.adapter}" if cfg.lora.adapter else ""))
+            log(f"started from {cfg.model.init_from}"
+                + (f" with the adapter {cfg.lora.adapter}" if cfg.lora.adapter else ""))
     eval_fn = program.compile_eval() if cfg.data.eval_every else None
     out = None
     if lock:
@@ -121,10 +122,11 @@ def fresh_state(cfg, program, log=print) -> dict:
             params = with_fresh_predictions(cfg.step, layout, params, jax.random.key(cfg.training.seed))
             read = min(cfg.model.mtp_depth, len(directory.predictions))
             rest = ", the rest fresh" if read < cfg.model.mtp_depth else ""
-            log(f"multi-token prediction: {read} of the {cfg.model.mtp_depth} modules read from {cfg.model.init_from}'s "
-                f"prediction layers (layer {directory.cfg.layers} on){rest}")
+            log(f"multi-token prediction: {read} of the {cfg.model.mtp_depth} modules read from "
+                f"{cfg.model.init_from}'s prediction layers (layer {directory.cfg.layers} on){rest}")
         if layout.skeleton.lora:
-            adapters = (load_params(AdapterFiles(cfg.lora.adapter, layout.skeleton.model_cfg, layout.skeleton.lora), layout)
+            adapters = (load_params(AdapterFiles(cfg.lora.adapter, layout.skeleton.model_cfg, layout.skeleton.lora),
+                                    layout)
                         if cfg.lora.adapter else program.new_adapters(jax.random.key(cfg.training.seed)))
             params = joined(params, adapters)
         state = program.start(params)

@@ -103,8 +103,8 @@ def run_config(meta: dict):
     if isinstance(config.get("architecture"), dict):  # a model that is no preset, saved as data
 
         config["architecture"] = config_from_dict(config["architecture"])
-    return TrainConfig.of(**config | {"init_from": None, "resume": None, "data": None, "tokenizer": None, "adapter": None,
-                                   "data_workers": None})
+    return TrainConfig.of(**config | {"init_from": None, "resume": None, "data": None, "tokenizer": None,
+                                      "adapter": None, "data_workers": None})
 
 
 def abstract_params(layout) -> dict:

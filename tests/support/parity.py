@@ -118,7 +118,8 @@ def _run(mesh: str, devices: int, items: tuple) -> Run:
         batch = global_batch(source, step, cfg.training.batch, cfg.training.seq + 1, layout.batch_sharding)
         state, metrics = compiled(state, batch)
         steps.append(jax.device_get(metrics))
-        if program.copies and (step + 1) % (cfg.moe.rebalance_every or REBALANCE_EVERY) == 0 and step + 1 < cfg.training.steps:
+        if (program.copies and (step + 1) % (cfg.moe.rebalance_every or REBALANCE_EVERY) == 0
+                and step + 1 < cfg.training.steps):
             state = program.rebalance(state)  # as the training loop does
     metrics = {name: np.array([m[name] for m in steps]) for name in steps[0]}
     return Run(metrics["loss"], metrics, jax.device_get(state["params"]), compiled.as_text(), layout, program, cfg,

@@ -32,8 +32,9 @@ class Schedule:
     def of(cls, cfg, stages: int) -> "Schedule":
         """The schedule a run's options ask for on `stages` pipeline stages."""
         # zb-v: two chunks per stage, stored as circular's (spmd.parallel.pipeline.zero_bubble)
-        repeats = 2 if cfg.parallelism.pp_schedule == "zb-v" else cfg.parallelism.pp_repeats
-        return cls(cfg.parallelism.pp_schedule, stages, cfg.parallelism.microbatches or stages, repeats, cfg.model.remat)
+        parallelism = cfg.parallelism
+        repeats = 2 if parallelism.pp_schedule == "zb-v" else parallelism.pp_repeats
+        return cls(parallelism.pp_schedule, stages, parallelism.microbatches or stages, repeats, cfg.model.remat)
 
     @property
     def defers_weights(self) -> bool:
