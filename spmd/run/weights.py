@@ -101,7 +101,6 @@ def run_config(meta: dict):
     share of data workers (bounded by the CPUs of the host it ran on, not this one's)."""
     config = {k: v for k, v in meta.get("config", {}).items() if k in OPTIONS}
     if isinstance(config.get("architecture"), dict):  # a model that is no preset, saved as data
-
         config["architecture"] = config_from_dict(config["architecture"])
     return TrainConfig.of(**config | {"init_from": None, "resume": None, "data": None, "tokenizer": None,
                                       "adapter": None, "data_workers": None})
