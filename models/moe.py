@@ -47,6 +47,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from models.annotate import ACTIVATION, constrain, weight
+from models.fp8 import linear
 from models.ragged import MATMUL, inverse_permutation, permute_rows, ragged_dot
 from models.swap import Swappable
 
@@ -223,9 +224,9 @@ def _shares(index: jax.Array, n: int, k: int) -> jax.Array:
 
 
 def _swiglu(x, gate_up, down):
-    both = jnp.einsum("bse,eim->bsim", x, gate_up)
+    both = linear("bse,eim->bsim", x, gate_up, parts=("i", (1, 1)))
     hidden = constrain(jax.nn.silu(both[:, :, 0]) * both[:, :, 1], "batch", "seq", "mlp")
-    return jnp.einsum("bsm,me->bse", hidden, down)
+    return linear("bsm,me->bse", hidden, down)
 
 
 def _slots(expert: jax.Array, positions: jax.Array, experts: int) -> jax.Array:
@@ -259,8 +260,8 @@ def _statistics(logits, scores, expert, kept, moe: MoEConfig) -> dict:
 
 def swiglu_experts(tokens: jax.Array, gate_up: jax.Array, down: jax.Array) -> jax.Array:
     """Each expert on its own tokens: tokens (n, t, embed) -> (n, t, embed)."""
-    both = jnp.einsum("nte,neim->ntim", tokens, gate_up)
-    return jnp.einsum("ntm,nme->nte", jax.nn.silu(both[:, :, 0]) * both[:, :, 1], down)
+    both = linear("nte,neim->ntim", tokens, gate_up, parts=("i", (1, 1)))
+    return linear("ntm,nme->nte", jax.nn.silu(both[:, :, 0]) * both[:, :, 1], down)
 
 
 def grouped_experts(tokens: jax.Array, expert: jax.Array, gate_up: jax.Array, down: jax.Array,

@@ -46,7 +46,7 @@ REFUSED_HERE = {
 # huggingface.md trains runs/ft, then exports it.)
 PAGES = ("README.md", "docs/training.md", "docs/planner.md", "docs/parallelism.md", "docs/moe.md",
          "docs/pipelines.md", "docs/checkpoints.md", "docs/huggingface.md", "docs/lora.md", "docs/generation.md",
-         "docs/data.md", "docs/clusters.md", "docs/performance.md", "docs/how-it-works.md",
+         "docs/data.md", "docs/clusters.md", "docs/fp8.md", "docs/performance.md", "docs/how-it-works.md",
          "docs/architecture.md", "docs/deepseek.md", "docs/contributing.md", "docs/README.md")
 # How many commands ran when they were all in README.md: the split into docs/ keeps every one.
 COMMANDS_BEFORE_THE_SPLIT = 39

@@ -46,6 +46,7 @@ AREAS = {
     "test_faults": ("checkpoint", "cli"),
     "test_finetune": ("data", "hf"),
     "test_fit": ("plan",),
+    "test_fp8": ("model", "parity"),
     "test_generate": ("generate", "hf"),
     "test_hardening_data": ("data", "cli"),
     "test_hardening_defaults": ("cli", "generate"),

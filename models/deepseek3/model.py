@@ -31,6 +31,7 @@ from flax import nnx
 from models.annotate import ACTIVATION, PREFIX_LAYERS, UP_PROJECTED, constrain, weight
 from models.attention import Packing, attend, cached_attention
 from models.deepseek3.config import DeepSeekV3Config
+from models.fp8 import linear
 from models.llama.layers import Decoding, RMSNorm, normal_param, rotary
 from models.llama.model import REMAT_POLICIES, Block, Llama
 from models.llama.stack import stack_of, with_empty_steps
@@ -73,11 +74,11 @@ class LatentAttention(nnx.Module):
         ** -0.5; the normed latent (batch, seq, kv_rank) and the rotated key (batch, seq, rope_dim)."""
         cfg, dt = self.cfg, self.dtype
         if cfg.q_rank is None:
-            q = jnp.einsum("bse,ehd->bshd", x, weight(self.wq, dt))
+            q = linear("bse,ehd->bshd", x, weight(self.wq, dt))
         else:
-            q = self.q_norm(jnp.einsum("bse,er->bsr", x, weight(self.wq_a, dt)))
-            q = jnp.einsum("bsr,rhd->bshd", q, weight(self.wq_b, dt))
-        compressed = jnp.einsum("bse,ec->bsc", x, weight(self.wkv_a, dt))
+            q = self.q_norm(linear("bse,er->bsr", x, weight(self.wq_a, dt)))
+            q = linear("bsr,rhd->bshd", q, weight(self.wq_b, dt))
+        compressed = linear("bse,ec->bsc", x, weight(self.wkv_a, dt))
         latent = self.kv_norm(compressed[..., :cfg.kv_rank])
         freqs, yarn = cfg.rope_frequencies, cfg.yarn
         q_rotary = rotary(q[..., cfg.nope_dim:], positions, freqs)
@@ -94,7 +95,7 @@ class LatentAttention(nnx.Module):
         (`heads_first`: (batch, heads, seq, head_dim), as the cache is read)."""
         cfg = self.cfg
         layout = "bshd" if not heads_first else "bhsd"
-        kv = jnp.einsum(f"bsr,rhd->{layout}", latent, weight(self.wkv_b, self.dtype))
+        kv = linear(f"bsr,rhd->{layout}", latent, weight(self.wkv_b, self.dtype))
         rotary_key = rotary_key[:, None] if heads_first else rotary_key[:, :, None]
         k = jnp.concatenate([kv[..., :cfg.nope_dim], jnp.broadcast_to(rotary_key, (*kv.shape[:3], cfg.rope_dim))], -1)
         v = jnp.pad(kv[..., cfg.nope_dim:], [(0, 0)] * 3 + [(0, cfg.head_dim - cfg.v_dim)])
@@ -105,7 +106,7 @@ class LatentAttention(nnx.Module):
 
     def _output(self, out: jax.Array) -> jax.Array:
         out = constrain(out, "batch", "seq", "heads", "head_dim")
-        return jnp.einsum("bshd,hde->bse", out, weight(self.wo, self.dtype))
+        return linear("bshd,hde->bse", out, weight(self.wo, self.dtype))
 
     def decode(self, x: jax.Array, positions: jax.Array, cache: dict, block: tuple[jax.Array, int], at: Decoding,
                local: jax.Array | None = None) -> tuple[jax.Array, dict]:

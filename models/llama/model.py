@@ -22,6 +22,7 @@ from flax import nnx
 
 from models.annotate import ACTIVATION, PREFIX_LAYERS, UP_PROJECTED, assembled, constrain, copies, weight
 from models.attention import Packing, attend, cached_attention
+from models.fp8 import linear
 from models.llama.config import LlamaConfig
 from models.llama.layers import Decoding, RMSNorm, normal_param, rotary, zeros_param
 from models.llama.stack import each_stacked, joined, stack_of, steps_of, with_empty_steps
@@ -135,7 +136,7 @@ class Attention(nnx.Module):
         wkv = jnp.repeat(wkv, c, axis=1) if c > 1 else wkv
         # Slots are split like the query heads.
         wqkv = assembled(jnp.concatenate([wq, wkv], axis=2), "embed", "heads", None, "head_dim")
-        qkv = jnp.einsum("bse,ekgd->bskgd", x, wqkv)
+        qkv = linear("bse,ekgd->bskgd", x, wqkv, parts=("g", (per_slot, 1, 1)))
         if cfg.qkv_bias:  # side by side as the weights are: (slots, per_slot + 2, head_dim)
             # Added in float32, as norm scales are used: their gradients are sums over every token.
             bq = weight(self.bq, jnp.float32, lay_out=False).reshape(slots, per_slot, cfg.head_dim)
@@ -167,7 +168,7 @@ class Attention(nnx.Module):
     def _output(self, out: jax.Array) -> jax.Array:
         b, s = out.shape[:2]
         out = constrain(out.reshape(b, s, self.cfg.heads, self.cfg.head_dim), "batch", "seq", "heads", "head_dim")
-        return _adapted(self, jnp.einsum("bshd,hde->bse", out, weight(self.wo, self.dtype)), out, "o_proj")
+        return _adapted(self, linear("bshd,hde->bse", out, weight(self.wo, self.dtype)), out, "o_proj")
 
 
 def _adapted(module: nnx.Module, y: jax.Array, x: jax.Array, target: str, copies: int = 1) -> jax.Array:
@@ -200,12 +201,12 @@ class SwiGLU(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dt = self.dtype
-        gate_up = jnp.einsum("bse,eim->bsim", x, weight(self.gate_up, dt))
+        gate_up = linear("bse,eim->bsim", x, weight(self.gate_up, dt), parts=("i", (1, 1)))
         # Split, not indexed: the backward pass joins the two gradients instead of adding zero-padded copies.
         gate, up = (part.squeeze(2) for part in jnp.split(gate_up, 2, axis=2))
         gate, up = _adapted(self, gate, x, "gate_proj"), _adapted(self, up, x, "up_proj")
         hidden = constrain(self.ACTIVATION(gate) * up, "batch", "seq", "mlp")
-        return _adapted(self, jnp.einsum("bsm,me->bse", hidden, weight(self.down, dt)), hidden, "down_proj")
+        return _adapted(self, linear("bsm,me->bse", hidden, weight(self.down, dt)), hidden, "down_proj")
 
 
 

@@ -27,6 +27,7 @@ from flax import nnx, traverse_util
 
 from models.annotate import PREDICTIONS, computed_copies, storage
 from models.attention import KERNELS, attention_implementation
+from models.fp8 import active as fp8_recipe
 from models.lora import dropout as lora_dropout
 from models.lora import folded, joined
 from models.moe import expert_implementation, slots_implementation
@@ -39,10 +40,10 @@ from spmd.parallel.layout import Layout
 from spmd.parallel.mesh import BATCH_AXES
 from spmd.parallel.objective import aux_losses, model_loss, prediction_depth, target_count, target_counts
 from spmd.parallel.optim import applied_updates, make_optimizer, schedule
+from spmd.parallel.options import StepOptions, step_options
 from spmd.parallel.pipeline import manual_axes
 from spmd.parallel.rules import EXPERT_AXIS, spec_for
 from spmd.parallel.skeleton import DTYPES, build_model, is_names
-from spmd.parallel.options import StepOptions, step_options
 from spmd.parallel.staged import Auxiliary, one_f_one_b_grads, pipelined_loss
 
 
@@ -81,11 +82,12 @@ def _step_metrics(metrics: dict, ep: int, layers: int) -> dict:
 
 
 def model_context(layout: Layout, attention: str = "ring", local_axes: tuple[str, ...] = (),
-                  data_axes: tuple[str, ...] | None = None, kernel: str = "xla") -> contextlib.ExitStack:
+                  data_axes: tuple[str, ...] | None = None, kernel: str = "xla", fp8: str | None = None
+                  ) -> contextlib.ExitStack:
     """What the model runs under on `layout`: the rules its annotations read
     (models.annotate), the attention `kernel` (spmd.parallel.kernels), and the parallel
     implementations swapped in for attention across sp (`attention`: ring or all-gather)
-    and experts across the batch shards. `local_axes`:
+    and experts across the batch shards; `fp8`: the linear layers' FP8 recipe (models.fp8). `local_axes`:
     axes the values are local to (a vmap over batch shards, a map manual over them);
     `data_axes`: what splits the batch (default: the layout's)."""
     rules, data_axes = layout.rules, data_axes or layout.data_axes
@@ -95,6 +97,7 @@ def model_context(layout: Layout, attention: str = "ring", local_axes: tuple[str
     # the stages too, and the two gradients are summed before they are reduced.)
     stack.enter_context(storage(rules.storage(local_axes, moves_rows=layout.schedule is None)))
     stack.enter_context(computed_copies({"kv_heads": layout.kv_copies}))
+    stack.enter_context(fp8_recipe(fp8))
     # The maps' rows: split as the batch is (outside pipeline stages over pp too, where a
     # dense prefix runs: a map over the batch axes alone gathered its rows over pp, and
     # each pp rank attended to all of them).
@@ -316,7 +319,8 @@ class Program:
     # ------------------------------------------------------------ their parts
 
     def _annotated(self, local_axes: tuple[str, ...] = (), data_axes: tuple[str, ...] | None = None):
-        return model_context(self.layout, self.cfg.parallelism.attention, local_axes, data_axes, self.kernel)
+        return model_context(self.layout, self.cfg.parallelism.attention, local_axes, data_axes, self.kernel,
+                             self.cfg.model.fp8)
 
     def _in_stage(self):
         # Inside a stage the map is manual over pp, dp and ep (spmd.parallel.pipeline): none splits `batch` there.

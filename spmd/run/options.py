@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import re
 
+from models.fp8 import RECIPES as FP8_RECIPES
 from models.lora import MAX_ALPHA
 from spmd.base.cli import DATA_FLAGS, DTYPES, SEED, SEQ, TOKENS_PER_STEP, parse_integer, shown
 from spmd.base.errors import UserError
@@ -73,6 +74,7 @@ class ModelOptions:
     layers: int | None = _field(None, "number of layers (default: the preset's)", at_least=1, at_most=MODEL_SIZE)
     empty_layers: int = _field(0, "identity layers after the stacked ones, so that pipeline stages of equal depth hold a depth that does not divide (DeepSeek-V3's 58 MoE layers as 16 x 2 chunks of 2: 6); stages run them (their compute and memory), a step without stages skips them; never trained or exported", at_least=0, at_most=MODEL_SIZE)
     dtype: str = _field("float32", "compute dtype (master weights stay float32)", choices=DTYPES)
+    fp8: str | None = _field(None, "FP8 matmuls (forward and backward) for the linear layers inside the blocks, never the embedding, head, router, norms or attention core: tensorwise (a scale per tensor, gradients in E5M2), rowwise (a scale per row, E4M3), blockwise (DeepSeek-V3's 1x128 tiles and 128x128 weight blocks, E4M3); docs/fp8.md", choices=tuple(FP8_RECIPES))
     remat: str = _field("none", "activation checkpointing of each block: none keeps every matmul output, dots those without batch dimensions, full only the block's input; DeepSeek-V3's mla is none but for latent attention's up-projections, made again from their latents", choices=REMAT)
     attention_kernel: str = _field("auto", "attention's kernel: auto (cudnn on NVIDIA GPUs, splash on TPU, chunked elsewhere), xla (scores materialized), cudnn (fused flash attention), splash (Pallas, TPU), chunked (flash-style in plain JAX: memory linear in the sequence)", choices=ATTENTION_KERNELS)
     mtp_depth: int = _field(0, "DeepSeek-V3: multi-token prediction modules after the model (the report's D; DeepSeek trained 1), the k-th predicting the token k + 1 beyond the next; trained with the main loss, left out of exported models", at_least=0, at_most=MODEL_SIZE)
