@@ -108,9 +108,9 @@ class _Einsum:
         size = dict(zip(self.lhs, x.shape)) | dict(zip(self.rhs, w.shape))
         count = lambda letters: int(np.prod([size[c] for c in letters], dtype=np.int64))  # noqa: E731
         b, m, k, n = (count(s) for s in (self.batch, self.lhs_free, self.contracted, self.rhs_free))
-        a = jnp.einsum(f"{self.lhs}->{self.batch}{self.lhs_free}{self.contracted}", x).reshape(b, m, k)
-        bb = jnp.einsum(f"{self.rhs}->{self.batch}{self.contracted}{self.rhs_free}", w).reshape(b, k, n)
-        product = _matmul(recipe, a, bb)
+        lhs = jnp.einsum(f"{self.lhs}->{self.batch}{self.lhs_free}{self.contracted}", x).reshape(b, m, k)
+        rhs = jnp.einsum(f"{self.rhs}->{self.batch}{self.contracted}{self.rhs_free}", w).reshape(b, k, n)
+        product = _matmul(recipe, lhs, rhs)
         laid = self.batch + self.lhs_free + self.rhs_free
         return jnp.einsum(f"{laid}->{self.out}", product.reshape([size[c] for c in laid]))
 
@@ -147,7 +147,7 @@ def scaled_dot(recipe: Recipe, lhs: tuple, rhs: tuple, out_dtype) -> jax.Array:
     qa, sa = quantize(a, a_format, recipe.power_of_two, axes or (2,))
     qb, sb = quantize(b, b_format, recipe.power_of_two, axes or (1,))
     product = _dot(qa, qb) * (1.0 / sa) * (1.0 / sb)
-    if recipe.bf16_products:  # (reduce_precision: XLA may drop a float32 -> bfloat16 -> float32 round trip)
+    if recipe.bf16_products:  # bfloat16's rounding, in the product's own dtype
         product = jax.lax.reduce_precision(product, exponent_bits=8, mantissa_bits=7)
     return product.astype(out_dtype)
 

@@ -156,7 +156,8 @@ def _step_from(directory: Path, recipe: str, rows: np.ndarray, lr: float, out: P
         metrics, grads = jax.jit(program.metrics_and_grads)({"step": jnp.zeros((), jnp.int32), "params": params},
                                                              jnp.asarray(rows))
     norm = np.sqrt(sum(np.sum(np.square(np.asarray(g, np.float64))) for g in jax.tree.leaves(grads)))
-    updated = jax.tree.map(lambda p, g: np.asarray(p) - lr * np.asarray(g), jax.device_get(params), jax.device_get(grads))
+    params, grads = jax.device_get((params, grads))
+    updated = jax.tree.map(lambda p, g: np.asarray(p) - lr * np.asarray(g), params, grads)
     out.mkdir()
     write_hf(out, updated, layout.skeleton.model_cfg, "float32", 10**9, {})
     weights = {name: f.read(name) for f in map(SafeTensors, out.glob("*.safetensors")) for name in f.names()}
