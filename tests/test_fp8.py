@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from support.parity import train_run
 
 from models import fp8
 from spmd.config import TrainConfig, validate
@@ -22,6 +23,7 @@ from spmd.layout import make_layout
 from spmd.parallel.step import build_program
 
 E4M3 = ml_dtypes.float8_e4m3fn
+RECIPES = tuple(fp8.RECIPES)
 
 
 def _quantized(x: np.ndarray, axes) -> np.ndarray:
@@ -92,7 +94,7 @@ def test_no_recipe_is_the_plain_einsum():
     assert np.array_equal(fp8.linear("bse,ef->bsf", x, w), jnp.einsum("bse,ef->bsf", x, w))
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise"])
+@pytest.mark.parametrize("recipe", RECIPES)
 def test_an_einsum_with_batch_and_several_contracted_letters_is_the_matmul_it_stands_for(recipe):
     """The einsums the models use have batch letters (experts) and several contracted ones
     (heads and head_dim): run as the matmul of their flattened operands."""
@@ -198,3 +200,37 @@ def test_training_equals_torchaos(recipe, tmp_path):
             previous = stored.read(f"step{step}/{name}") if step else base[name]
             error = np.abs(value - after).max() / np.abs(after - previous).max()
             assert error <= tolerance["update"], (step, name)
+
+
+# Layouts against one device, each recipe: the first step (the same initial weights, the same
+# rows). Pipeline stages and gradient accumulation cast each microbatch on its own (scales from
+# its own values, as torchtitan's and Megatron's microbatches do), so their reference is one
+# device accumulating the same microbatches. Experts in capacity mode (each expert a batched
+# matmul); the dropless experts' grouped matmul is not FP8 yet (docs/fp8.md). Blockwise under
+# pipeline stages is left out: its first gradient norm differs from one device's by 1.2e-4 with
+# every schedule (gpipe too), which is not yet explained (docs/fp8.md).
+MOE = {"model": "moe-tiny", "moe_dispatch": "capacity", "capacity_factor": 4.0}
+PIPELINES = [({"pp_schedule": "1f1b", "microbatches": 4}, {"grad_accum": 4}),
+             ({"pp_schedule": "zb-v", "microbatches": 4, "layers": 4}, {"grad_accum": 4, "layers": 4})]
+FP8_LAYOUTS = [pytest.param("fsdp=2,tp=2", 4, {}, {}, recipe, id=f"fsdp=2,tp=2-{recipe}") for recipe in RECIPES]
+FP8_LAYOUTS += [pytest.param(mesh, 2, overrides, overrides, recipe, marks=pytest.mark.slow, id=f"{mesh}-{recipe}")
+                for mesh, overrides in (("sp=2", {}), ("ep=2", MOE)) for recipe in RECIPES]
+FP8_LAYOUTS += [pytest.param("pp=2", 2, overrides, reference, recipe, marks=pytest.mark.slow,
+                             id=f"pp=2-{overrides['pp_schedule']}-{recipe}")
+                for overrides, reference in PIPELINES for recipe in RECIPES[:2]]
+# The first step's loss and gradient norm against one device's. The same FP8 products, summed
+# in other orders across devices (tp's partial sums, sp's ring): a float32 difference moves a
+# value to the next FP8 number now and then, which a float32 run would not see (measured at
+# most 2.2e-5 on the loss and 3.7e-5 on the norm, blockwise over sp; 0 to 1.6e-5 elsewhere).
+# A scale taken over a shard's values rather than the tensor's moves them by ~1e-4 (the pipeline's
+# microbatches against one device without accumulation: 3e-4 on the first loss).
+LAYOUT_RTOL = 1e-4
+
+
+@pytest.mark.parametrize("mesh,devices,overrides,reference,recipe", FP8_LAYOUTS)
+def test_each_layout_takes_one_devices_fp8_step(mesh, devices, overrides, reference, recipe):
+    want = train_run("", 1, fp8=recipe, **reference)
+    got = train_run(mesh, devices, fp8=recipe, **overrides)
+    for name in ("loss", "grad_norm"):
+        np.testing.assert_allclose(got.metrics[name][0], want.metrics[name][0], rtol=LAYOUT_RTOL, err_msg=name)
+    assert "f8e4m3fn" in got.hlo  # (XLA:CPU converts FP8 operands to float32 inside the dot's fusion)
