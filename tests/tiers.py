@@ -228,7 +228,7 @@ UNIT_SECONDS = {
     "group:hf": 115, "group:moe": 115, "group:presets": 115, "group:deepseek": 95, "test_packing": 80,
     "group:balance": 75, "test_checkpoint": 55, "test_notebooks": 45, "test_faults": 20, "test_model": 20,
     "test_hlo": 15, "test_preemption": 15, "test_targets": 15, "test_finetune": 10, "test_objective": 10,
-    "test_observe": 5,
+    "test_observe": 5, "test_fp8": 66,  # (measured alone, a cold cache, 2026-12-08)
 }
 # Groups whose tests share nothing costly (the README's commands share one driver's imports,
 # seconds): a slice takes their tests one by one, at these seconds a test (262 s for 33
