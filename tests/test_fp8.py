@@ -135,7 +135,7 @@ def _golden_weights(recipe: str, step: int, out: Path) -> Path:
     directory."""
     if step == 0:
         return BASE
-    shutil.copytree(BASE, out, ignore=shutil.ignore_patterns("*.safetensors", "*.json.index", "*.npy"))
+    shutil.copytree(BASE, out, ignore=shutil.ignore_patterns("*.safetensors", "*.npy"))
     (out / "model.safetensors.index.json").unlink(missing_ok=True)
     stored, prefix = SafeTensors(GOLDENS / f"{recipe}.safetensors"), f"step{step}/"
     tensors = {name[len(prefix):]: stored.read(name) for name in stored.names() if name.startswith(prefix)}
